@@ -1,0 +1,3 @@
+"""atom-engine."""
+
+__version__ = "0.1.0"

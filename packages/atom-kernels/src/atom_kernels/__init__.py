@@ -1,0 +1,3 @@
+"""atom-kernels."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+"""atom-models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+"""atom-sglang-plugin."""
+
+__version__ = "0.1.0"

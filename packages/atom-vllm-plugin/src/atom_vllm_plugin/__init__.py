@@ -1,0 +1,3 @@
+"""atom-vllm-plugin."""
+
+__version__ = "0.1.0"
