@@ -1,3 +1,43 @@
-"""atom-kernels."""
+"""atom-kernels: LLM inference ops with a PyTorch reference, Triton and AITER backends.
+
+Every op is one public function that checks its arguments and dispatches through
+``atom_kernels.registry`` to the backend chosen for the tensor's device (``ATOM_KERNEL_BACKEND``).
+"""
+
+from atom_kernels.ops import (
+    SamplerOutput,
+    apply_penalties,
+    apply_top_k_top_p_min_p,
+    fused_add_rms_norm,
+    gelu_and_mul,
+    paged_attention,
+    reshape_and_cache,
+    rms_norm,
+    rotary_embedding,
+    sample,
+    silu_and_mul,
+)
+from atom_kernels.registry import current_backend, get_op, register_op
+from atom_kernels.rope import rope_cos_sin_cache, rope_inv_freq_and_attention_factor
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "SamplerOutput",
+    "__version__",
+    "apply_penalties",
+    "apply_top_k_top_p_min_p",
+    "current_backend",
+    "fused_add_rms_norm",
+    "gelu_and_mul",
+    "get_op",
+    "paged_attention",
+    "register_op",
+    "reshape_and_cache",
+    "rms_norm",
+    "rope_cos_sin_cache",
+    "rope_inv_freq_and_attention_factor",
+    "rotary_embedding",
+    "sample",
+    "silu_and_mul",
+]

@@ -1,0 +1,54 @@
+"""Root pytest configuration: hardware markers and the slow-test switch.
+
+A test marked `gpu`, `multi_gpu(n)` or `aiter` is skipped when its hardware or package is missing;
+`ATOM_REQUIRE_GPU=1` (set on GPU runs) turns those skips into failures so a GPU run cannot pass by
+skipping. Tests marked `slow` run only with `--run-slow` (or `ATOM_RUN_SLOW=1`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _missing_requirement(item: pytest.Item) -> str | None:
+    """Why this test's hardware or package is missing, or None when it can run."""
+    if item.get_closest_marker("gpu") and _gpu_count() < 1:
+        return "needs a GPU"
+    multi = item.get_closest_marker("multi_gpu")
+    if multi:
+        needed = int(multi.args[0]) if multi.args else 2
+        if _gpu_count() < needed:
+            return f"needs {needed} GPUs, found {_gpu_count()}"
+    if item.get_closest_marker("aiter"):
+        import torch
+
+        if torch.version.hip is None or importlib.util.find_spec("aiter") is None:
+            return "needs ROCm with AITER installed"
+    return None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    reason = _missing_requirement(item)
+    if reason is not None:
+        if os.environ.get("ATOM_REQUIRE_GPU") == "1":
+            pytest.fail(f"ATOM_REQUIRE_GPU=1 but this test {reason}", pytrace=False)
+        pytest.skip(reason)
+    if item.get_closest_marker("slow") and not (
+        item.config.getoption("--run-slow") or os.environ.get("ATOM_RUN_SLOW") == "1"
+    ):
+        pytest.skip("slow: run with --run-slow or ATOM_RUN_SLOW=1")

@@ -1,0 +1,37 @@
+"""Torch reference: rotary position embedding."""
+
+from __future__ import annotations
+
+import torch
+
+from atom_kernels.registry import register_op
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    # x: [T, H, D]; cos, sin: [T, 1, R/2] fp32
+    rotary_dim = 2 * cos.shape[-1]
+    x_rot = x[..., :rotary_dim].float()
+    if is_neox:
+        x1, x2 = x_rot.chunk(2, dim=-1)
+    else:
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox:
+        rotated = torch.cat((o1, o2), dim=-1)
+    else:
+        rotated = torch.stack((o1, o2), dim=-1).flatten(-2)
+    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+
+
+@register_op("rotary_embedding", "torch")
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos_sin = cos_sin_cache[positions.long()].float()  # [T, R]
+    cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, R/2] each
+    return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)

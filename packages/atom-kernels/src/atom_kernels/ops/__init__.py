@@ -1,0 +1,27 @@
+"""Public ops: each checks its arguments, then calls the registry's implementation."""
+
+from atom_kernels.ops.activation import gelu_and_mul, silu_and_mul
+from atom_kernels.ops.attention import paged_attention
+from atom_kernels.ops.cache import reshape_and_cache
+from atom_kernels.ops.norm import fused_add_rms_norm, rms_norm
+from atom_kernels.ops.rotary import rotary_embedding
+from atom_kernels.ops.sampling import (
+    SamplerOutput,
+    apply_penalties,
+    apply_top_k_top_p_min_p,
+    sample,
+)
+
+__all__ = [
+    "SamplerOutput",
+    "apply_penalties",
+    "apply_top_k_top_p_min_p",
+    "fused_add_rms_norm",
+    "gelu_and_mul",
+    "paged_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "sample",
+    "silu_and_mul",
+]

@@ -1,0 +1,1 @@
+"""Host-agnostic layers models are built from."""

@@ -1,0 +1,83 @@
+"""Rotary position embedding over flattened q/k ([T, heads * head_size])."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import atom_kernels
+
+
+def rope_parameters(config) -> tuple[float, dict | None]:
+    """(base, scaling dict or None) from an HF config, transformers 4.x or 5.x style."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        kind = params.get("rope_type", params.get("type", "default"))
+        return float(base), (dict(params) if kind != "default" else None)
+    scaling = getattr(config, "rope_scaling", None)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    return float(getattr(config, "rope_theta", 10000.0)), (
+        dict(scaling) if scaling and kind != "default" else None
+    )
+
+
+def _cache_length(max_position: int, rope_scaling: dict | None) -> int:
+    """How many positions the cos/sin cache must cover for this scaling type."""
+    if not rope_scaling:
+        return max_position
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    factor = float(rope_scaling.get("factor", 1.0))
+    if kind in ("linear", "dynamic"):
+        return int(max_position * factor)
+    if kind == "yarn" and rope_scaling.get("original_max_position_embeddings"):
+        return max(max_position, int(rope_scaling["original_max_position_embeddings"] * factor))
+    return max_position
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position: int,
+        base: float,
+        rope_scaling: dict | None = None,
+        is_neox: bool = True,
+    ) -> None:
+        super().__init__()
+        self.head_size, self.rotary_dim, self.is_neox = head_size, rotary_dim, is_neox
+        # Built for real on the CPU even while the model is built on `meta`: it is computed, not
+        # loaded; the materializer moves it to the model's device and keeps it in fp32.
+        with torch.device("cpu"):
+            cache = atom_kernels.rope_cos_sin_cache(
+                rotary_dim, _cache_length(max_position, rope_scaling), base, rope_scaling,
+                dtype=torch.float32, device="cpu",
+            )
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # T = tokens
+        num_tokens = q.shape[0]
+        q, k = atom_kernels.rotary_embedding(
+            positions,
+            q.view(num_tokens, -1, self.head_size),  # [T, H, D]
+            k.view(num_tokens, -1, self.head_size),  # [T, Hk, D]
+            self.cos_sin_cache,
+            self.is_neox,
+        )
+        return q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
+
+
+def get_rope(
+    head_size: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict | None = None,
+    partial_rotary_factor: float = 1.0,
+    is_neox: bool = True,
+) -> RotaryEmbedding:
+    rotary_dim = int(head_size * partial_rotary_factor)
+    return RotaryEmbedding(head_size, rotary_dim, max_position, base, rope_scaling, is_neox)

@@ -1,0 +1,111 @@
+"""Build a model from a local checkpoint: HF directory (safetensors) or a `.gguf` file.
+
+The model is built on the `meta` device (no memory), materialized once in the requested dtype on
+the requested device, then filled from the checkpoint by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from atom_models.distributed import TensorParallelGroup, tp_group
+from atom_models.layers.attention import AttentionHost, attention_host
+from atom_models.registry import get_model_class
+from atom_models.weights import iter_safetensors
+
+
+def load_config(model: str | Path):
+    """The HF config of a checkpoint directory or GGUF file."""
+    path = Path(model)
+    if path.is_file():
+        from atom_models.gguf_file import gguf_hf_config, is_gguf
+
+        if not is_gguf(path):
+            raise ValueError(f"{path} is a file but not a GGUF file; pass a .gguf file or an HF directory")
+        return gguf_hf_config(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"{path} is neither a .gguf file nor a Hugging Face checkpoint directory with a "
+            "config.json (ATOM loads local checkpoints only)"
+        )
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def iter_weights(model: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    path = Path(model)
+    if path.is_file():
+        from atom_models.gguf_file import iter_gguf_weights
+
+        return iter_gguf_weights(path)
+    return iter_safetensors(path)
+
+
+def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+    """Give every `meta` parameter real (uninitialized) storage, once; tied parameters stay tied.
+
+    Computed buffers (rotary caches) were built for real and only move to `device`.
+    """
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            new = replaced.get(id(param))
+            if new is None:
+                data = torch.empty(param.shape, dtype=dtype, device=device)
+                new = nn.Parameter(data, requires_grad=False)
+                new.__dict__.update(param.__dict__)  # weight_loader, shard_ids
+                replaced[id(param)] = new
+            setattr(module, name, new)
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf is not None:
+                if buf.is_meta:
+                    raise RuntimeError(f"buffer {name} of {type(module).__name__} is on meta")
+                module._buffers[name] = buf.to(device)
+    return model
+
+
+def build_model(
+    hf_config,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    tp: TensorParallelGroup | None = None,
+    host: AttentionHost | None = None,
+) -> nn.Module:
+    """Construct the ATOM model for `hf_config` with uninitialized weights on `device`."""
+    cls = get_model_class(getattr(hf_config, "architectures", None))
+    with contextlib.ExitStack() as stack:
+        if tp is not None:
+            stack.enter_context(tp_group(tp))
+        if host is not None:
+            stack.enter_context(attention_host(host))
+        stack.enter_context(torch.device("meta"))
+        model = cls(hf_config)
+    return materialize(model, device, dtype).eval()
+
+
+def load_model(
+    model: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    tp: TensorParallelGroup | None = None,
+    host: AttentionHost | None = None,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+) -> nn.Module:
+    """Build and load the model of a local HF checkpoint directory or `.gguf` file.
+
+    Raises ValueError for an unsupported architecture (listing the supported ones) and
+    `CheckpointMismatchError` naming missing or unexpected tensors.
+    """
+    hf_config = load_config(model)
+    built = build_model(hf_config, dtype=dtype, device=device, tp=tp, host=host)
+    with torch.no_grad():
+        built.load_weights(iter_weights(model) if weights is None else weights)
+    return built

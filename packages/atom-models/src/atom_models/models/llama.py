@@ -1,0 +1,152 @@
+"""Llama (2, 3, 3.1, 3.2; also SmolLM2, Mistral-style dense models)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atom_models.layers.activation import SiluAndMul
+from atom_models.layers.attention import Attention
+from atom_models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from atom_models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from atom_models.layers.norm import RMSNorm
+from atom_models.layers.rotary import get_rope, rope_parameters
+from atom_models.models.base import CausalLMBase
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config, layer_idx: int) -> int | None:
+    """The layer's sliding window from `layer_types` (transformers 5) or legacy fields."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        is_sliding = layer_types[layer_idx] == "sliding_attention"
+    else:
+        is_sliding = getattr(config, "use_sliding_window", False) and layer_idx >= getattr(
+            config, "max_window_layers", 0
+        )
+    return getattr(config, "sliding_window", None) if is_sliding else None
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias=bias
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, prefix: str) -> None:
+        super().__init__()
+        head_dim = head_dim_of(config)
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=bias,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, bias=bias
+        )
+        base, scaling = rope_parameters(config)
+        self.rotary_emb = get_rope(
+            head_dim,
+            config.max_position_embeddings,
+            base,
+            scaling,
+            partial_rotary_factor=getattr(config, "partial_rotary_factor", 1.0),
+        )
+        self.attn = Attention(
+            self.qkv_proj.num_heads,
+            head_dim,
+            head_dim**-0.5,
+            self.qkv_proj.num_kv_heads,
+            prefix=f"{prefix}.attn",
+            sliding_window=sliding_window_of(config, layer_idx),
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[nn.Module] = LlamaAttention
+
+    def __init__(self, config, layer_idx: int, prefix: str) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(config, layer_idx, prefix=f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(
+            config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer
+
+    def __init__(self, config, prefix: str = "model") -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            self.decoder_layer_cls(config, i, prefix=f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(CausalLMBase):
+    model_cls: type[nn.Module] = LlamaModel
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = self.model_cls(config, prefix="model")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] (all sequences of the step, flattened) -> [T, hidden]."""
+        return self.model(input_ids, positions)

@@ -1,0 +1,147 @@
+"""ATOM's own attention host: a paged KV cache per layer, computed with atom_kernels.
+
+The runner allocates the cache (`bind_kv_cache`), then sets a `PagedAttentionMetadata` with
+`set_forward_context` around each forward. Each layer writes this step's K/V into its cache by slot
+mapping, then attends over the cache (cached prefix + new tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import atom_kernels
+from atom_models.forward_context import get_forward_context
+from atom_models.layers.attention import AttentionSpec
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Per-step metadata. T = tokens in this step, B = sequences, M = max blocks per sequence."""
+
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token (-1: padding)
+    block_tables: torch.Tensor  # [B, M] int32
+    seq_lens: torch.Tensor  # [B] int32, tokens in the cache after this step (prefix + new)
+    query_start_loc: torch.Tensor  # [B + 1] int32, cumulative new-token counts
+    max_query_len: int
+    max_seq_len: int
+
+    @classmethod
+    def build(
+        cls,
+        seq_lens: Sequence[int],
+        query_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> PagedAttentionMetadata:
+        """Metadata for sequences whose last `query_lens[b]` of `seq_lens[b]` tokens are new."""
+        if not (len(seq_lens) == len(query_lens) == len(block_tables)):
+            raise ValueError("seq_lens, query_lens and block_tables must have one entry per sequence")
+        slots: list[int] = []
+        for seq_len, query_len, table in zip(seq_lens, query_lens, block_tables, strict=True):
+            if not 0 < query_len <= seq_len:
+                raise ValueError(f"query length {query_len} must be in 1..seq_len={seq_len}")
+            if len(table) * block_size < seq_len:
+                raise ValueError(
+                    f"block table of {len(table)} blocks cannot hold {seq_len} tokens "
+                    f"with block_size={block_size}"
+                )
+            for pos in range(seq_len - query_len, seq_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max(len(t) for t in block_tables)
+        tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        starts = [0]
+        for query_len in query_lens:
+            starts.append(starts[-1] + query_len)
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+
+
+class NativeAttention(nn.Module):
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hk, D]
+        self.v_cache: torch.Tensor | None = None
+        self.k_scale: float | None = None  # fp8 caches only
+        self.v_scale: float | None = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
+    ) -> torch.Tensor:
+        # T = tokens, H = query heads, Hk = KV heads, D = head size
+        md = get_forward_context().attn_metadata
+        if not isinstance(md, PagedAttentionMetadata):
+            raise RuntimeError(
+                "NativeAttention needs a PagedAttentionMetadata set with set_forward_context()"
+            )
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError(
+                f"no KV cache bound to layer {self.spec.layer_idx}: call bind_kv_cache() first"
+            )
+        spec = self.spec
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, spec.num_heads, spec.head_size)  # [T, H, D]
+        k = k.view(num_tokens, spec.num_kv_heads, spec.head_size)  # [T, Hk, D]
+        v = v.view(num_tokens, spec.num_kv_heads, -1)  # [T, Hk, Dv]
+        atom_kernels.reshape_and_cache(
+            k, v, self.k_cache, self.v_cache, md.slot_mapping, self.k_scale, self.v_scale
+        )
+        out = atom_kernels.paged_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            md.block_tables,
+            md.seq_lens,
+            md.query_start_loc,
+            spec.scale,
+            sliding_window=spec.sliding_window,
+            sinks=sinks,
+            soft_cap=spec.soft_cap,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+        )
+        return out.reshape(num_tokens, -1)
+
+
+class NativeAttentionHost:
+    def make_attention(self, spec: AttentionSpec) -> nn.Module:
+        return NativeAttention(spec)
+
+
+def native_attention_layers(model: nn.Module) -> list[NativeAttention]:
+    """The model's native attention layers in layer order."""
+    layers = [m for m in model.modules() if isinstance(m, NativeAttention)]
+    return sorted(layers, key=lambda m: m.spec.layer_idx)
+
+
+def bind_kv_cache(
+    model: nn.Module,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    kv_scale: float | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Allocate a paged K and V cache for every attention layer and bind them to the layers."""
+    if dtype == torch.float8_e4m3fn and kv_scale is None:
+        raise ValueError("an fp8 KV cache needs kv_scale (per-tensor scale of K and V)")
+    caches = []
+    for layer in native_attention_layers(model):
+        shape = (num_blocks, block_size, layer.spec.num_kv_heads, layer.spec.head_size)
+        layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        if dtype == torch.float8_e4m3fn:
+            layer.k_scale = layer.v_scale = kv_scale
+        caches.append((layer.k_cache, layer.v_cache))
+    return caches

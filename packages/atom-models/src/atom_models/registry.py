@@ -1,0 +1,30 @@
+"""Hugging Face `architectures` names -> ATOM model classes (imported lazily)."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("atom_models.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("atom_models.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("atom_models.models.qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def get_model_class(architectures: list[str] | str | None) -> type[nn.Module]:
+    """The ATOM class for the first supported name in an HF config's `architectures`."""
+    names = [architectures] if isinstance(architectures, str) else list(architectures or [])
+    for name in names:
+        if name in _ARCHITECTURES:
+            module, cls = _ARCHITECTURES[name]
+            return getattr(importlib.import_module(module), cls)
+    raise ValueError(
+        f"architecture {names or '(none given)'} is not supported by ATOM; "
+        f"supported: {', '.join(supported_architectures())}"
+    )

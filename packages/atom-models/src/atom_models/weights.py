@@ -1,0 +1,112 @@
+"""Loading checkpoint tensors into a model by name.
+
+One generic loader walks the checkpoint: a tensor whose name contains a key of the model's
+`packed_modules_mapping` goes to the fused parameter with its shard id; any other goes to the
+parameter of the same name. Each parameter's own `weight_loader` cuts its tensor-parallel slice.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from atom_models.layers.linear import default_weight_loader
+
+# Checkpoint tensors that are derived state, never weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's tensors do not match the model's parameters."""
+
+
+def load_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    strict: bool = True,
+) -> set[str]:
+    """Load `(checkpoint name, tensor)` pairs into `model`; returns the loaded parameter names.
+
+    With `strict`, a checkpoint tensor that matches no parameter, or a parameter (or a shard of a
+    packed parameter) that no tensor filled, raises `CheckpointMismatchError` naming them.
+    """
+    params = dict(model.named_parameters())  # tied weights appear once, under their first name
+    mapping: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules_mapping", {})
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    loaded_shards: dict[str, set] = {}
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        param_name, shard_id = _target(name, mapping)
+        param = params.get(param_name)
+        if param is None:
+            unexpected.append(name)
+            continue
+        if shard_id is None:
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+        else:
+            param.weight_loader(param, tensor, shard_id)
+        loaded_shards.setdefault(param_name, set()).add(shard_id)
+    loaded = set(loaded_shards)
+    if strict:
+        missing = []
+        for param_name, param in params.items():
+            shards = loaded_shards.get(param_name)
+            expected = set(getattr(param, "shard_ids", [None]))
+            if shards is None:
+                missing.append(param_name)
+            elif not expected <= shards:
+                missing.append(f"{param_name} (shards {sorted(map(str, expected - shards))})")
+        if missing or unexpected:
+            raise CheckpointMismatchError(_mismatch_message(missing, unexpected))
+    return loaded
+
+
+def _target(name: str, mapping: dict[str, tuple[str, int | str]]) -> tuple[str, int | str | None]:
+    """The parameter a checkpoint tensor loads into, and its shard id (None: not packed)."""
+    for ckpt_part, (param_part, shard_id) in mapping.items():
+        if f".{ckpt_part}." in name:
+            return name.replace(f".{ckpt_part}.", f".{param_part}."), shard_id
+    return name, None
+
+
+def _mismatch_message(missing: list[str], unexpected: list[str]) -> str:
+    def listed(names: list[str]) -> str:
+        head = ", ".join(names[:20])
+        return head + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {listed(missing)}")
+    if unexpected:
+        parts.append(f"unexpected in the checkpoint: {listed(unexpected)}")
+    return "checkpoint does not match the model; " + "; ".join(parts)
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files, from the index when there is one."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream the checkpoint's tensors one at a time (memory-mapped)."""
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_tensor(name)

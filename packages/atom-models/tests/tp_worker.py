@@ -1,0 +1,64 @@
+"""One rank of the tensor-parallel test (run as a script by test_tensor_parallel.py).
+
+Builds the model sharded over a gloo group, checks this rank's shards against the full checkpoint,
+runs prompts through the paged cache and saves the logits for the test to compare.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from atom_models import load_model, set_forward_context
+from atom_models.distributed import TPGroup
+from atom_models.native_attention import PagedAttentionMetadata, bind_kv_cache
+from atom_models.weights import iter_safetensors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=args.rank,
+        world_size=args.world_size,
+    )
+    tp = TPGroup(dist.group.WORLD)
+    model = load_model(args.checkpoint, dtype=torch.float32, tp=tp)
+    full = dict(iter_safetensors(args.checkpoint))
+    attn = model.model.layers[0].self_attn
+    heads = attn.qkv_proj.num_heads * attn.qkv_proj.head_size
+    q_rows = full["model.layers.0.self_attn.q_proj.weight"][args.rank * heads : (args.rank + 1) * heads]
+    assert torch.equal(attn.qkv_proj.weight[:heads], q_rows), "q shard is not this rank's slice"
+    o_cols = attn.o_proj.weight.shape[1]
+    o_full = full["model.layers.0.self_attn.o_proj.weight"]
+    assert torch.equal(attn.o_proj.weight, o_full[:, args.rank * o_cols : (args.rank + 1) * o_cols])
+
+    batch = torch.load(args.prompts)
+    block_size, tables, next_block = 4, [], 0
+    for tokens in batch:
+        n = -(-len(tokens) // block_size)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    bind_kv_cache(model, next_block, block_size, torch.float32, "cpu")
+    lens = [len(t) for t in batch]
+    md = PagedAttentionMetadata.build(lens, lens, tables, block_size)
+    ids = torch.tensor([tok for t in batch for tok in t])
+    positions = torch.tensor([p for t in batch for p in range(len(t))])
+    with torch.no_grad(), set_forward_context(md):
+        logits = model.compute_logits(model(ids, positions))
+    torch.save(logits, Path(args.out))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
