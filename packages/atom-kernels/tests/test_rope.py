@@ -53,7 +53,7 @@ SCALINGS = {
 
 
 def _config(rope_scaling, partial_rotary_factor=None):
-    params = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": BASE}
+    params = {**(rope_scaling or {"rope_type": "default"}), "rope_theta": BASE}
     if partial_rotary_factor is not None:
         params["partial_rotary_factor"] = partial_rotary_factor
     return LlamaConfig(

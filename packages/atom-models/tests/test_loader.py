@@ -13,8 +13,15 @@ from atom_models import CheckpointMismatchError, load_model, supported_architect
 from atom_models.registry import get_model_class
 from atom_models.weights import safetensors_files
 
-CONFIG = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+CONFIG = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +71,17 @@ def test_unexpected_tensor_is_named(checkpoint, tmp_path):
         t["model.layers.0.mlp.extra.weight"] = torch.ones(3)
 
     copy_checkpoint(checkpoint, tmp_path, add)
-    with pytest.raises(CheckpointMismatchError, match="unexpected.*model.layers.0.mlp.extra.weight"):
+    with pytest.raises(
+        CheckpointMismatchError, match="unexpected.*model.layers.0.mlp.extra.weight"
+    ):
         load_model(tmp_path)
 
 
 def test_wrong_shape_is_rejected(checkpoint, tmp_path):
     def shrink(t):
-        t["model.layers.0.mlp.down_proj.weight"] = t["model.layers.0.mlp.down_proj.weight"][:, :8]
+        t["model.layers.0.mlp.down_proj.weight"] = t["model.layers.0.mlp.down_proj.weight"][
+            :, :8
+        ].contiguous()
 
     copy_checkpoint(checkpoint, tmp_path, shrink)
     with pytest.raises(ValueError, match="shape"):

@@ -26,13 +26,27 @@ def free_port() -> int:
     "config",
     [
         # 2 KV heads split one per rank; vocab 211 is not divisible by 2 (padded LM head shard).
-        LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
-                    tie_word_embeddings=False),
+        LlamaConfig(
+            vocab_size=211,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attention_bias=True,
+            tie_word_embeddings=False,
+        ),
         # 1 KV head replicated on both ranks; tied embeddings; Qwen3 q/k norms.
-        Qwen3Config(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-                    tie_word_embeddings=True),
+        Qwen3Config(
+            vocab_size=211,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            tie_word_embeddings=True,
+        ),
     ],
     ids=["llama-kv-split", "qwen3-kv-replicated"],
 )
@@ -47,10 +61,25 @@ def test_tp2_matches_tp1(config, make_checkpoint, paged_session, tmp_path):
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), "--rank", str(rank), "--world-size", "2",
-             "--port", str(port), "--checkpoint", str(path),
-             "--prompts", str(tmp_path / "prompts.pt"), "--out", str(tmp_path / f"rank{rank}.pt")],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                str(WORKER),
+                "--rank",
+                str(rank),
+                "--world-size",
+                "2",
+                "--port",
+                str(port),
+                "--checkpoint",
+                str(path),
+                "--prompts",
+                str(tmp_path / "prompts.pt"),
+                "--out",
+                str(tmp_path / f"rank{rank}.pt"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for rank in range(2)
     ]

@@ -37,7 +37,9 @@ def main() -> None:
     full = dict(iter_safetensors(args.checkpoint))
     attn = model.model.layers[0].self_attn
     heads = attn.qkv_proj.num_heads * attn.qkv_proj.head_size
-    q_rows = full["model.layers.0.self_attn.q_proj.weight"][args.rank * heads : (args.rank + 1) * heads]
+    q_rows = full["model.layers.0.self_attn.q_proj.weight"][
+        args.rank * heads : (args.rank + 1) * heads
+    ]
     assert torch.equal(attn.qkv_proj.weight[:heads], q_rows), "q shard is not this rank's slice"
     o_cols = attn.o_proj.weight.shape[1]
     o_full = full["model.layers.0.self_attn.o_proj.weight"]

@@ -26,7 +26,9 @@ def load_config(model: str | Path):
         from atom_models.gguf_file import gguf_hf_config, is_gguf
 
         if not is_gguf(path):
-            raise ValueError(f"{path} is a file but not a GGUF file; pass a .gguf file or an HF directory")
+            raise ValueError(
+                f"{path} is a file but not a GGUF file; pass a .gguf file or an HF directory"
+            )
         return gguf_hf_config(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(

@@ -40,7 +40,9 @@ class PagedAttentionMetadata:
     ) -> PagedAttentionMetadata:
         """Metadata for sequences whose last `query_lens[b]` of `seq_lens[b]` tokens are new."""
         if not (len(seq_lens) == len(query_lens) == len(block_tables)):
-            raise ValueError("seq_lens, query_lens and block_tables must have one entry per sequence")
+            raise ValueError(
+                "seq_lens, query_lens and block_tables must have one entry per sequence"
+            )
         slots: list[int] = []
         for seq_len, query_len, table in zip(seq_lens, query_lens, block_tables, strict=True):
             if not 0 < query_len <= seq_len:

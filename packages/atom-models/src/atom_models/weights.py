@@ -48,10 +48,13 @@ def load_weights(
         if param is None:
             unexpected.append(name)
             continue
-        if shard_id is None:
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-        else:
-            param.weight_loader(param, tensor, shard_id)
+        try:
+            if shard_id is None:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise CheckpointMismatchError(f"{name} -> {param_name}: {e}") from e
         loaded_shards.setdefault(param_name, set()).add(shard_id)
     loaded = set(loaded_shards)
     if strict:

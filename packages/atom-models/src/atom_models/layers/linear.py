@@ -15,17 +15,21 @@ from torch import nn
 from atom_models.distributed import divide, get_tp_group
 
 
-def _check_shape(param: nn.Parameter, loaded: torch.Tensor, what: str) -> None:
-    if tuple(param.shape) != tuple(loaded.shape):
+def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(loaded.shape) != tuple(expected):
         raise ValueError(
-            f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, "
-            f"expected {tuple(param.shape)}"
+            f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(expected)}"
         )
+
+
+def _full_shape(param: nn.Parameter, rows: int, cols: int | None = None) -> tuple[int, ...]:
+    """The unsharded checkpoint shape of a weight ([rows, cols]) or bias ([rows])."""
+    return (rows,) if param.dim() == 1 else (rows, cols if cols is not None else param.shape[1])
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     """Copy a replicated (unsharded) tensor into `param`."""
-    _check_shape(param, loaded, "weight")
+    _check_shape(loaded, tuple(param.shape), "weight")
     param.data.copy_(loaded)
 
 
@@ -64,8 +68,8 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, get_tp_group().size), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        _check_shape(loaded, _full_shape(param, self.total_output_size), "column-parallel")
         size = param.shape[0]
-        _check_shape(param, loaded.narrow(0, self.tp_rank * size, size), "column-parallel")
         param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
 
 
@@ -82,11 +86,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        if loaded.shape[0] != self.output_sizes[shard_id]:
-            raise ValueError(
-                f"packed shard {shard_id}: checkpoint tensor has {loaded.shape[0]} rows, "
-                f"expected {self.output_sizes[shard_id]}"
-            )
+        _check_shape(loaded, _full_shape(param, self.output_sizes[shard_id]), f"shard {shard_id}")
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
 
 
@@ -122,6 +122,10 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
+        total_heads = self.num_heads * self.tp_size
+        total_kv_heads = self.num_kv_heads * self.tp_size // self.num_kv_head_replicas
+        rows = (total_heads if shard_id == "q" else total_kv_heads) * self.head_size
+        _check_shape(loaded, _full_shape(param, rows), f"{shard_id} projection")
         if shard_id == "q":
             offset, size, index = 0, q_size, self.tp_rank
         elif shard_id in ("k", "v"):
@@ -152,9 +156,8 @@ class RowParallelLinear(LinearBase):
             default_weight_loader(param, loaded)
             return
         size = param.shape[1]
-        piece = loaded.narrow(1, self.tp_rank * size, size)
-        _check_shape(param, piece, "row-parallel")
-        param.data.copy_(piece)
+        _check_shape(loaded, (param.shape[0], size * self.tp_size), "row-parallel")
+        param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction (rank 0 only, then summed).

@@ -51,8 +51,12 @@ class RotaryEmbedding(nn.Module):
         # loaded; the materializer moves it to the model's device and keeps it in fp32.
         with torch.device("cpu"):
             cache = atom_kernels.rope_cos_sin_cache(
-                rotary_dim, _cache_length(max_position, rope_scaling), base, rope_scaling,
-                dtype=torch.float32, device="cpu",
+                rotary_dim,
+                _cache_length(max_position, rope_scaling),
+                base,
+                rope_scaling,
+                dtype=torch.float32,
+                device="cpu",
             )
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
