@@ -1,0 +1,100 @@
+"""The engine's configuration: user arguments, validated once, flowing down from here.
+
+Every field is also an `atom serve` / `atom generate` flag (see `atom_engine.cli.args`); a field's
+`help` metadata is its flag's documentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = field(
+        default=None,
+        metadata=_help("a local Hugging Face checkpoint directory or .gguf file "
+                       "(default: the bundled SmolLM2-135M-Instruct)"),
+    )
+    tokenizer: str | None = field(
+        default=None, metadata=_help("tokenizer directory (default: the model's own)")
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_help("weights and activations: auto (float32 on CPU, bfloat16 on GPU), "
+                       "float32, bfloat16, float16"),
+    )
+    device: str = field(default="auto", metadata=_help("auto, cpu, cuda, cuda:N"))
+    max_model_len: int | None = field(
+        default=None,
+        metadata=_help("longest prompt + completion in tokens (default: the model's context)"),
+    )
+    max_num_seqs: int = field(default=128, metadata=_help("most sequences in one step"))
+    max_num_batched_tokens: int = field(
+        default=2048,
+        metadata=_help("token budget of one step (decodes first, then chunked prefills)"),
+    )
+    block_size: int = field(default=16, metadata=_help("tokens per KV-cache block"))
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_help("reuse the KV cache of shared prompt prefixes")
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=_help("fraction of GPU memory ATOM may use (weights, activations, KV cache)"),
+    )
+    cpu_kv_cache_space: float = field(
+        default=1.0, metadata=_help("KV-cache size in GiB when running on the CPU")
+    )
+    num_kv_blocks: int | None = field(
+        default=None, metadata=_help("override the number of KV-cache blocks")
+    )
+    seed: int = field(default=0, metadata=_help("seed of the engine's random sampling"))
+    enforce_eager: bool = field(default=False, metadata=_help("never capture CUDA graphs"))
+
+    def __post_init__(self) -> None:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if self.dtype not in ("auto", *DTYPES):
+            fail("dtype", f"must be auto or one of {', '.join(DTYPES)}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                fail("device", "must be auto, cpu, cuda or cuda:N")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            fail("max_model_len", "must be >= 1")
+        if self.max_num_seqs < 1:
+            fail("max_num_seqs", "must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            fail("max_num_batched_tokens", "must be >= 1")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            fail("block_size", "must be a power of two")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            fail("gpu_memory_utilization", "must be in (0, 1]")
+        if not self.cpu_kv_cache_space > 0:
+            fail("cpu_kv_cache_space", "must be > 0 GiB")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            fail("num_kv_blocks", "must be >= 1")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        return torch.float32 if self.resolved_device().type == "cpu" else torch.bfloat16

@@ -1,0 +1,335 @@
+"""The engine loop: schedule -> run -> postprocess.
+
+`LLMEngine` is synchronous and single-threaded: callers add requests, call `step()` until
+`has_unfinished_requests()` is False, and read cumulative `RequestOutput`s from each step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from atom_engine.block_manager import BlockManager
+from atom_engine.config import EngineConfig
+from atom_engine.detokenizer import IncrementalDetokenizer
+from atom_engine.model_runner import ModelRunner, TopLogprobs
+from atom_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from atom_engine.sampling_params import SamplingParams
+from atom_engine.scheduler import Scheduler
+from atom_engine.sequence import Sequence
+from atom_engine.tokenizer import eos_token_ids, load_tokenizer
+from atom_models import load_config
+
+logger = logging.getLogger("atom_engine")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    prompt_logprobs: list | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks in use
+    prefix_cache_hit_rate: float  # prompt tokens served from the cache / prompt tokens looked up
+    num_preemptions: int
+    prompt_tokens: int  # totals since start
+    generation_tokens: int
+    prompt_throughput: float  # tokens/s over the last `window` seconds
+    generation_throughput: float
+    num_kv_blocks: int
+    block_size: int
+    finished_requests: int = 0
+    window: float = field(default=10.0, repr=False)
+
+
+def resolve_model(model: str | None) -> str:
+    if model is None:
+        from atom_models.bundled import smollm2_gguf_path
+
+        return str(smollm2_gguf_path())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"model {model!r} not found: ATOM loads a local Hugging Face checkpoint directory or a "
+            ".gguf file (no downloads)"
+        )
+    return str(path)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.hf_config = load_config(self.model_path)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
+        context = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = config.max_model_len or context
+        if self.max_model_len > context:
+            logger.warning(
+                "max_model_len %d exceeds the model's context %d", self.max_model_len, context
+            )
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, self.model_path, self.hf_config)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.requests: dict[str, Request] = {}
+        self._seq_to_request: dict[int, Request] = {}
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._finished_requests = 0
+        self._history: list[tuple[float, int, int]] = []  # (time, prompt tokens, output tokens)
+
+    @classmethod
+    def from_args(cls, **kwargs) -> LLMEngine:
+        return cls(EngineConfig(**kwargs))
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError when it can never run (too long, bad token ids)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        text, token_ids = self._prompt_of(prompt)
+        self._check_fits(token_ids, params)
+        params.all_stop_token_ids = (
+            set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        )
+        now = time.monotonic() if arrival_time is None else arrival_time
+        request = Request(request_id, text, token_ids, params, [], RequestMetrics(now))
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        for index in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.runner.device)
+                generator.manual_seed(params.seed + index)
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                token_ids,
+                params.skip_special_tokens,
+                params.stop,
+                params.include_stop_str_in_output,
+            )
+            seq = Sequence(request_id, index, token_ids, params, detok, now, generator)
+            request.seqs.append(seq)
+            self._seq_to_request[seq.seq_id] = request
+            self.scheduler.add(seq)
+        self.requests[request_id] = request
+
+    def _prompt_of(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenize(prompt)
+        token_ids = list(prompt)
+        vocab = self.runner.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        return None, token_ids
+
+    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but the model's context length (max_model_len) is "
+                f"{self.max_model_len}; it leaves no room to generate"
+            )
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - n
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: {n} + "
+                f"{params.max_tokens} exceeds the context length (max_model_len) "
+                f"{self.max_model_len}"
+            )
+        total = self.block_manager.num_blocks * self.block_manager.block_size
+        if n + params.max_tokens > total:
+            raise ValueError(
+                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs more than "
+                f"the whole KV cache ({total} tokens)"
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; True if it was still known."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+            self._seq_to_request.pop(seq.seq_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        now = time.monotonic()
+        for seq in batch.seqs:
+            request = self._seq_to_request[seq.seq_id]
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+        result = self.runner.run(batch)
+        return self._postprocess(batch, result)
+
+    def _postprocess(self, batch, result) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        prompt_tokens = generation_tokens = 0
+        for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
+            request = self._seq_to_request[seq.seq_id]
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                prompt_tokens += min(num, seq.num_prompt_tokens - seq.num_computed_tokens)
+            if seq.seq_id in result.prompt_logprobs and seq.index == 0:
+                request.prompt_logprobs += [
+                    self._logprob_dict(lp) for lp in result.prompt_logprobs[seq.seq_id]
+                ]
+            seq.num_computed_tokens += num
+            self.block_manager.cache_computed_blocks(seq)
+            if seq.seq_id in result.sampled:
+                token_id, info = result.sampled[seq.seq_id]
+                self._append_token(seq, token_id, info)
+                generation_tokens += 1
+                if request.metrics.first_token_time is None:
+                    request.metrics.first_token_time = now
+                request.metrics.last_token_time = now
+            touched[request.request_id] = request
+        self._prompt_tokens += prompt_tokens
+        self._generation_tokens += generation_tokens
+        self._history.append((now, prompt_tokens, generation_tokens))
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                request.metrics.finished_time = now
+                self.requests.pop(request.request_id, None)
+                for seq in request.seqs:
+                    self._seq_to_request.pop(seq.seq_id, None)
+                self._finished_requests += 1
+            outputs.append(self._output_of(request))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token_id: int, info: TopLogprobs | None) -> None:
+        params = seq.params
+        seq.token_ids.append(token_id)
+        if info is not None:
+            seq.cumulative_logprob += info.logprob
+            seq.logprobs.append(self._logprob_dict(info))
+        # Stop tokens cannot be sampled before min_tokens (the runner masks them).
+        is_stop_token = token_id in params.all_stop_token_ids
+        stop = seq.detokenizer.add(
+            token_id,
+            emit_text=not is_stop_token,
+            match_stop=seq.num_output_tokens >= params.min_tokens,
+        )
+        if is_stop_token:
+            seq.finish_reason = "stop"
+            seq.stop_reason = token_id if token_id in params.stop_token_ids else None
+        elif stop is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+
+    def _logprob_dict(self, info: TopLogprobs) -> dict[int, Logprob]:
+        entry = {
+            tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid]))
+            for rank, (tid, lp) in enumerate(zip(info.top_ids, info.top_logprobs, strict=True))
+        }
+        if info.token_id not in entry:
+            entry[info.token_id] = Logprob(
+                info.logprob, info.rank, self.tokenizer.decode([info.token_id])
+            )
+        return entry
+
+    def _output_of(self, request: Request) -> RequestOutput:
+        request.metrics.num_cached_prompt_tokens = request.seqs[0].num_cached_prompt_tokens
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.output_text,
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in request.seqs
+        ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=request.finished,
+            prompt_logprobs=request.prompt_logprobs,
+            metrics=request.metrics,
+        )
+
+    # -- statistics ---------------------------------------------------------------------------
+
+    def stats(self, window: float = 10.0) -> EngineStats:
+        now = time.monotonic()
+        self._history = [h for h in self._history if now - h[0] <= window]
+        span = max(now - self._history[0][0], 1e-3) if self._history else 1.0
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            prefix_cache_hit_rate=self.block_manager.hit_rate,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            prompt_throughput=sum(h[1] for h in self._history) / span,
+            generation_throughput=sum(h[2] for h in self._history) / span,
+            num_kv_blocks=self.block_manager.num_blocks,
+            block_size=self.block_manager.block_size,
+            finished_requests=self._finished_requests,
+            window=window,
+        )

@@ -1,0 +1,242 @@
+"""The model runner: loads the model, owns the KV cache, runs one scheduled batch.
+
+It sees tokens, positions and blocks, never request lifecycles: `run` returns the sampled token of
+every sequence whose scheduled tokens reached its end, and the prompt log-probs it was asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+import atom_kernels
+from atom_engine.config import EngineConfig
+from atom_engine.scheduler import ScheduledBatch
+from atom_engine.sequence import Sequence
+from atom_models import load_model, set_forward_context
+from atom_models.native_attention import (
+    PagedAttentionMetadata,
+    bind_kv_cache,
+    native_attention_layers,
+)
+
+logger = logging.getLogger("atom_engine")
+
+GiB = 1 << 30
+
+
+@dataclass
+class TopLogprobs:
+    """Log-probs of one position: the actual token's, and the top-N (ids and values)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+    rank: int
+
+
+@dataclass
+class RunOutput:
+    # seq_id -> (sampled token id, its TopLogprobs or None)
+    sampled: dict[int, tuple[int, TopLogprobs | None]]
+    # seq_id -> prompt log-probs of the prompt positions computed in this step, in order
+    prompt_logprobs: dict[int, list[TopLogprobs]]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: str, hf_config) -> None:
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        self.block_size = config.block_size
+        self.model = load_model(model_path, dtype=self.dtype, device=self.device)
+        self.vocab_size = hf_config.vocab_size
+        self.num_blocks = self._num_kv_blocks()
+        bind_kv_cache(self.model, self.num_blocks, self.block_size, self.dtype, self.device)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.block_size,
+            self.num_blocks * self._block_bytes() / GiB,
+            self.device,
+        )
+
+    # -- KV-cache sizing ----------------------------------------------------------------------
+
+    def _block_bytes(self) -> int:
+        per_token = sum(
+            2 * layer.spec.num_kv_heads * layer.spec.head_size
+            for layer in native_attention_layers(self.model)
+        )
+        return per_token * self.block_size * self.dtype.itemsize
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cpu":
+            return max(1, int(self.config.cpu_kv_cache_space * GiB) // self._block_bytes())
+        return self._profile_gpu_blocks()
+
+    @torch.no_grad()
+    def _profile_gpu_blocks(self) -> int:
+        """Blocks that fit in gpu_memory_utilization after the weights and a peak-size forward."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = self.config.max_num_batched_tokens
+        blocks = -(-num_tokens // self.block_size)
+        bind_kv_cache(self.model, blocks, self.block_size, self.dtype, self.device)
+        md = PagedAttentionMetadata.build(
+            [num_tokens], [num_tokens], [list(range(blocks))], self.block_size, self.device
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with set_forward_context(md):
+            hidden = self.model(ids, torch.arange(num_tokens, device=self.device))
+        self.model.compute_logits(hidden[-self.config.max_num_seqs :])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - blocks * self._block_bytes()
+        for layer in native_attention_layers(self.model):
+            layer.k_cache = layer.v_cache = None
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * self.config.gpu_memory_utilization - peak - used_by_others
+        num_blocks = int(budget // self._block_bytes())
+        if num_blocks < 1:
+            raise ValueError(
+                f"no room for a KV cache: weights and activations take {peak / GiB:.2f} GiB of "
+                f"{total / GiB:.2f} GiB; raise gpu_memory_utilization or lower "
+                "max_num_batched_tokens"
+            )
+        return num_blocks
+
+    # -- one step ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def run(self, batch: ScheduledBatch) -> RunOutput:
+        ids: list[int] = []
+        positions: list[int] = []
+        seq_lens, query_lens, tables = [], [], []
+        sample_rows: list[int] = []  # row of the last token of each sequence to sample
+        sample_seqs: list[Sequence] = []
+        prompt_rows: list[tuple[Sequence, int, int]] = []  # (seq, first row, count)
+        for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
+            start = seq.num_computed_tokens
+            end = start + num
+            row = len(ids)
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            seq_lens.append(end)
+            query_lens.append(num)
+            tables.append(seq.block_table)
+            if end == len(seq):
+                sample_rows.append(row + num - 1)
+                sample_seqs.append(seq)
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                count = min(end, seq.num_prompt_tokens - 1) - start
+                prompt_rows.append((seq, row, count))
+
+        md = PagedAttentionMetadata.build(
+            seq_lens, query_lens, tables, self.block_size, self.device
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        with set_forward_context(md):
+            hidden = self.model(input_ids, pos)  # [T, hidden]
+
+        out = RunOutput(sampled={}, prompt_logprobs={})
+        if sample_seqs:
+            logits = self.model.compute_logits(hidden[sample_rows]).float()  # [B, V]
+            out.sampled = self._sample(sample_seqs, logits)
+        for seq, row, count in prompt_rows:
+            logits = self.model.compute_logits(hidden[row : row + count]).float()
+            start = seq.num_computed_tokens
+            targets = seq.token_ids[start + 1 : start + 1 + count]
+            out.prompt_logprobs[seq.seq_id] = self._logprobs_of(
+                logits, targets, seq.params.prompt_logprobs
+            )
+        return out
+
+    def _sample(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> dict[int, tuple[int, TopLogprobs | None]]:
+        device = logits.device
+        raw_logits = logits
+        if any(s.params.has_penalties for s in seqs):
+            logits = self._apply_penalties(seqs, logits)
+        for i, s in enumerate(seqs):
+            if s.num_output_tokens < s.params.min_tokens and s.params.all_stop_token_ids:
+                if logits is raw_logits:
+                    logits = logits.clone()
+                logits[i, list(s.params.all_stop_token_ids)] = float("-inf")
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        params = [s.params for s in seqs]
+        num_logprobs = max((p.logprobs or 0) for p in params)
+        result = atom_kernels.sample(
+            logits,
+            column([p.temperature for p in params], torch.float32),
+            column([p.top_k for p in params], torch.int64),
+            column([p.top_p for p in params], torch.float32),
+            column([p.min_p for p in params], torch.float32),
+            generators=[s.generator for s in seqs],
+            num_logprobs=num_logprobs,
+        )
+        token_ids = result.token_ids.tolist()
+        sampled: dict[int, tuple[int, TopLogprobs | None]] = {}
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        info = dict.fromkeys(range(len(seqs)))
+        if want:
+            # Log-probs of the raw logits (vLLM's default), with the chosen token's rank.
+            logprobs = torch.log_softmax(raw_logits[want], dim=-1)
+            chosen = torch.tensor([token_ids[i] for i in want], device=device)
+            chosen_lp = logprobs.gather(1, chosen[:, None])
+            ranks = (logprobs > chosen_lp).sum(dim=1) + 1
+            top_lp, top_ids = result.top_logprobs[want], result.top_token_ids[want]
+            for j, i in enumerate(want):
+                n = params[i].logprobs
+                info[i] = TopLogprobs(
+                    token_id=token_ids[i],
+                    logprob=chosen_lp[j, 0].item(),
+                    top_ids=top_ids[j, :n].tolist(),
+                    top_logprobs=top_lp[j, :n].tolist(),
+                    rank=int(ranks[j]),
+                )
+        for i, s in enumerate(seqs):
+            sampled[s.seq_id] = (token_ids[i], info[i])
+        return sampled
+
+    def _apply_penalties(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        device = logits.device
+
+        def padded(rows: list[list[int]]) -> torch.Tensor:
+            width = max(1, max(len(r) for r in rows))
+            return torch.tensor(
+                [r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64, device=device
+            )
+
+        return atom_kernels.apply_penalties(
+            logits,
+            padded([s.token_ids[: s.num_prompt_tokens] for s in seqs]),
+            padded([s.output_token_ids for s in seqs]),
+            torch.tensor([s.params.presence_penalty for s in seqs], device=device),
+            torch.tensor([s.params.frequency_penalty for s in seqs], device=device),
+            torch.tensor([s.params.repetition_penalty for s in seqs], device=device),
+        )
+
+    @staticmethod
+    def _logprobs_of(logits: torch.Tensor, targets: list[int], n: int) -> list[TopLogprobs]:
+        logprobs = torch.log_softmax(logits, dim=-1)  # [R, V]
+        target = torch.tensor(targets, device=logits.device)[:, None]
+        chosen = logprobs.gather(1, target)
+        ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+        top_lp, top_ids = logprobs.topk(n, dim=-1) if n else (logprobs[:, :0], target[:, :0])
+        return [
+            TopLogprobs(t, chosen[i, 0].item(), top_ids[i].tolist(), top_lp[i].tolist(), ranks[i])
+            for i, t in enumerate(targets)
+        ]

@@ -1,0 +1,115 @@
+"""The scheduler: which sequences run this step, and how many of their tokens.
+
+Each step fills a token budget (`max_num_batched_tokens`): running sequences first (decodes, and
+prefills that were cut into chunks), then waiting ones in arrival order, their prompts chunked to
+fit. Prefill and decode share one step. When the KV cache runs out of blocks, the most recently
+arrived running sequence is preempted: its blocks are released and it goes back to the front of
+the queue to be recomputed (its prefix, likely still cached, makes that cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from atom_engine.block_manager import BlockManager
+from atom_engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """Sequences of one step and how many new tokens each feeds (in that order)."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    num_preempted: int = 0
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished (or aborted) sequence and free its blocks."""
+        seq.status = SequenceStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.release(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. Running sequences, oldest first; preempt the newest when blocks run out.
+        scheduled_running: list[Sequence] = []
+        queue = list(self.running)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            num = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_allocate(seq, num):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                batch.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                bm.allocate(seq, num)
+                scheduled_running.append(seq)
+                batch.seqs.append(seq)
+                batch.num_tokens.append(num)
+                budget -= num
+
+        # 2. Waiting sequences in arrival order, while budget, slots and blocks last.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if batch.num_preempted:
+                break  # blocks are short this step; do not admit new work
+            seq = self.waiting[0]
+            if seq.num_computed_tokens == 0 and not seq.block_table:
+                bm.match_prefix(seq)
+            num = min(seq.num_uncomputed_tokens, budget)
+            if not bm.can_allocate(seq, num):
+                if not self.running:  # nothing will ever free blocks for it
+                    raise RuntimeError(
+                        f"request {seq.request_id} needs more KV-cache blocks than the cache has"
+                    )
+                break
+            bm.allocate(seq, num)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(num)
+            budget -= num
+        return batch
