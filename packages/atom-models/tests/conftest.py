@@ -9,36 +9,16 @@ import torch
 
 from atom_models import set_forward_context
 from atom_models.native_attention import PagedAttentionMetadata, bind_kv_cache
-
-
-def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """Weights with O(1) activations (HF's 0.02-std init makes every logit nearly zero, which
-    would let real bugs hide under an absolute tolerance)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 1:  # biases
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-            elif "embed" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+from atom_models.testing import save_random_checkpoint
 
 
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory):
     """make_checkpoint(config) -> (directory, the transformers model in float32, eval mode)."""
-    from transformers import AutoModelForCausalLM
 
     def make(config, seed: int = 0):
-        torch.manual_seed(seed)
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        randomize_(hf, seed)
-        path = tmp_path_factory.mktemp(type(hf).__name__)
-        hf.save_pretrained(path)
-        return path, hf.eval()
+        path = tmp_path_factory.mktemp(config.model_type)
+        return path, save_random_checkpoint(config, path, seed)
 
     return make
 

@@ -42,7 +42,8 @@ def transformers_gguf_model(path):
             str(path.parent), gguf_file=path.name, dtype=torch.float32
         ).eval()
     # from_pretrained(gguf_file=...) refuses to run without `accelerate`, which nothing in ATOM
-    # needs; for llama it loads the weights with this same function (GgufHfQuantizer.get_state_dict).
+    # needs; for llama it loads the weights with this same function
+    # (GgufHfQuantizer.get_state_dict -> load_gguf_checkpoint).
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     parsed = load_gguf_checkpoint(

@@ -82,7 +82,10 @@ class BlockManager:
             self.ref_counts[block] += 1
         seq.block_table = hits
         seq.num_computed_tokens = len(hits) * self.block_size
-        if seq.num_output_tokens == 0:
+
+    def record_prefix_lookup(self, seq: Sequence) -> None:
+        """Count a newly admitted request's prompt in the hit-rate statistics (once)."""
+        if seq.num_output_tokens == 0 and seq.num_preemptions == 0:
             seq.num_cached_prompt_tokens = seq.num_computed_tokens
             self.num_queried_tokens += len(seq)
             self.num_hit_tokens += seq.num_computed_tokens

@@ -227,9 +227,11 @@ class LLMEngine:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 prompt_tokens += min(num, seq.num_prompt_tokens - seq.num_computed_tokens)
             if seq.seq_id in result.prompt_logprobs and seq.index == 0:
-                request.prompt_logprobs += [
-                    self._logprob_dict(lp) for lp in result.prompt_logprobs[seq.seq_id]
-                ]
+                # Positions start+1...; a recomputed (preempted) prefill repeats known ones.
+                first = seq.num_computed_tokens + 1
+                for i, info in enumerate(result.prompt_logprobs[seq.seq_id]):
+                    if first + i == len(request.prompt_logprobs):
+                        request.prompt_logprobs.append(self._logprob_dict(info))
             seq.num_computed_tokens += num
             self.block_manager.cache_computed_blocks(seq)
             if seq.seq_id in result.sampled:

@@ -96,16 +96,17 @@ class Scheduler:
             if batch.num_preempted:
                 break  # blocks are short this step; do not admit new work
             seq = self.waiting[0]
-            if seq.num_computed_tokens == 0 and not seq.block_table:
-                bm.match_prefix(seq)
+            bm.match_prefix(seq)
             num = min(seq.num_uncomputed_tokens, budget)
             if not bm.can_allocate(seq, num):
-                if not self.running:  # nothing will ever free blocks for it
-                    raise RuntimeError(
-                        f"request {seq.request_id} needs more KV-cache blocks than the cache has"
-                    )
+                # Give the matched prefix back: a waiting sequence holds no blocks.
+                bm.release(seq)
+                # The engine rejects requests larger than the whole cache, so with nothing
+                # running every block is free and this cannot happen.
+                assert self.running, f"request {seq.request_id} cannot fit in an empty cache"
                 break
             bm.allocate(seq, num)
+            bm.record_prefix_lookup(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

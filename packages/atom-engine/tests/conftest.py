@@ -1,0 +1,66 @@
+"""Shared fixtures: the bundled model (ATOM engine and transformers) and tiny random checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom_models.bundled import smollm2_gguf_path
+from atom_models.gguf_file import gguf_tokenizer
+from atom_models.testing import save_random_checkpoint
+
+
+@pytest.fixture(scope="session")
+def bundled_tokenizer():
+    return gguf_tokenizer(smollm2_gguf_path())
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """ATOM's engine on the bundled SmolLM2 (float32, CPU), shared by the session's tests."""
+    from atom_engine import LLM
+
+    return LLM(dtype="float32", device="cpu", max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' own load of the same GGUF file: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, bundled_tokenizer):
+    """tiny_checkpoint(config) -> (directory with weights + tokenizer, transformers model)."""
+
+    def make(config, seed: int = 0):
+        path = tmp_path_factory.mktemp(config.model_type)
+        return path, save_random_checkpoint(config, path, seed, tokenizer=bundled_tokenizer)
+
+    return make
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+    """transformers' greedy generation of one prompt (no padding), new tokens only."""
+    out = model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=eos if eos is not None else 0,
+        min_new_tokens=0 if eos is not None else max_new_tokens,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def greedy_reference():
+    return hf_greedy

@@ -1,0 +1,51 @@
+"""Tiny random checkpoints saved by `transformers` itself, for tests without downloads.
+
+Used by ATOM's own tests and by hosts' integration tests (vLLM, SGLang) to build checkpoints in
+the exact layout Hugging Face publishes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Weights with O(1) activations.
+
+    HF's 0.02-std init makes every logit nearly zero, which would let real bugs hide under an
+    absolute tolerance and turn greedy decoding into a coin toss between near-tied tokens.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif p.dim() == 1:  # biases
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+
+
+def save_random_checkpoint(config, path: str | Path, seed: int = 0, tokenizer=None):
+    """Save a randomly initialized `transformers` model of `config` (float32) to `path`.
+
+    Returns the transformers model (eval mode) for use as the reference. With `tokenizer`, its
+    files are saved beside the weights so engines can load the directory as a whole checkpoint.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_(model, seed)
+    path = Path(path)
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+        GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+        ).save_pretrained(path)
+    return model.eval()
