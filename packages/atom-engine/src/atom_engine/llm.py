@@ -85,11 +85,14 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, with the model's chat template."""
+        """Reply to one conversation or a list of them, through the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt,
-                                                          chat_template_kwargs)}
+            {
+                "prompt_token_ids": self.apply_chat_template(
+                    c, add_generation_prompt, chat_template_kwargs
+                )
+            }
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
