@@ -73,13 +73,17 @@ def test_reshape_and_cache_fp8(dtype, scale_as_tensor):
 
 
 def test_int32_slot_mapping():
-    key, value, key_cache, value_cache, slots = _setup(CASES[0], torch.float32, torch.float32, False)
+    key, value, key_cache, value_cache, slots = _setup(
+        CASES[0], torch.float32, torch.float32, False
+    )
     ak.reshape_and_cache(key, value, key_cache, value_cache, slots.int())
     _check_written(key_cache, key, slots)
 
 
 def test_bad_arguments():
-    key, value, key_cache, value_cache, slots = _setup(CASES[1], torch.float32, torch.float32, False)
+    key, value, key_cache, value_cache, slots = _setup(
+        CASES[1], torch.float32, torch.float32, False
+    )
     with pytest.raises(ValueError, match=r"reshape_and_cache: slot_mapping has shape \(10,\)"):
         ak.reshape_and_cache(key, value, key_cache, value_cache, slots[:10])
     with pytest.raises(ValueError, match="reshape_and_cache: key has shape"):

@@ -1,4 +1,4 @@
-"""rotary_embedding: neox against transformers' apply_rotary_pos_emb, gptj against the pair formula."""
+"""rotary_embedding: neox vs transformers' apply_rotary_pos_emb, gptj vs the pair formula."""
 
 import pytest
 import torch

@@ -1,0 +1,183 @@
+"""Sampling features end to end on the bundled model: seeds, n, stops, logprobs, penalties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom_engine import SamplingParams
+
+PROMPT = "1, 2, 3, 4,"
+
+
+def ids_of(llm, text: str) -> list[int]:
+    return llm.get_tokenizer().encode(text)
+
+
+def generate_one(llm, prompt, params):
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    return out
+
+
+def test_seed_reproducible_across_batch_compositions(smollm2_llm):
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = generate_one(smollm2_llm, "Tell me a story.", params)
+    mixed = smollm2_llm.generate(
+        ["Another prompt entirely", "Tell me a story.", "x"],
+        [SamplingParams(temperature=1.0, max_tokens=7), params, SamplingParams(max_tokens=3)],
+        use_tqdm=False,
+    )
+    assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    other = generate_one(
+        smollm2_llm, "Tell me a story.", SamplingParams(temperature=1.0, seed=99, max_tokens=12,
+                                                        ignore_eos=True)
+    )
+    assert other.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+def test_n_completions(smollm2_llm):
+    out = generate_one(
+        smollm2_llm,
+        "My favourite animal is",
+        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
+    )
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_stop_string_cuts_text(smollm2_llm):
+    full = generate_one(smollm2_llm, PROMPT, SamplingParams(temperature=0, max_tokens=20))
+    text = full.outputs[0].text
+    stop = "7,"
+    assert stop in text, text
+    cut = generate_one(
+        smollm2_llm, PROMPT, SamplingParams(temperature=0, max_tokens=20, stop=[stop, "zzz"])
+    )
+    assert cut.outputs[0].text == text[: text.index(stop)]
+    assert cut.outputs[0].finish_reason == "stop"
+    assert cut.outputs[0].stop_reason == stop
+    kept = generate_one(
+        smollm2_llm,
+        PROMPT,
+        SamplingParams(temperature=0, max_tokens=20, stop=stop, include_stop_str_in_output=True),
+    )
+    assert kept.outputs[0].text == text[: text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids(smollm2_llm):
+    full = generate_one(smollm2_llm, PROMPT, SamplingParams(temperature=0, max_tokens=10))
+    tokens = full.outputs[0].token_ids
+    stop_id = tokens[3]
+    out = generate_one(
+        smollm2_llm, PROMPT, SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_id])
+    )
+    end = tokens.index(stop_id) + 1
+    assert out.outputs[0].token_ids == tokens[:end]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
+
+
+def test_min_tokens_holds_back_eos(smollm2_llm):
+    tok = smollm2_llm.get_tokenizer()
+    prompt = {"prompt_token_ids": smollm2_llm.apply_chat_template(
+        [{"role": "user", "content": "Say hi."}])}
+    natural = generate_one(smollm2_llm, prompt, SamplingParams(temperature=0, max_tokens=64))
+    n = len(natural.outputs[0].token_ids)
+    assert natural.outputs[0].finish_reason == "stop" and n < 60
+    out = generate_one(
+        smollm2_llm, prompt, SamplingParams(temperature=0, min_tokens=n + 3, max_tokens=n + 6)
+    )
+    tokens = out.outputs[0].token_ids
+    assert len(tokens) >= n + 3
+    assert tok.eos_token_id not in tokens[: n + 2]
+
+
+@torch.no_grad()
+def test_logprobs_match_transformers(smollm2_llm, smollm2_hf):
+    prompt = ids_of(smollm2_llm, "The quick brown fox")
+    out = generate_one(
+        smollm2_llm,
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0, max_tokens=5, logprobs=3, prompt_logprobs=2),
+    )
+    completion = out.outputs[0]
+    seq = prompt + completion.token_ids
+    ref = torch.log_softmax(smollm2_hf(torch.tensor([seq])).logits[0].float(), dim=-1)
+    for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs,
+                                              strict=True)):
+        row = ref[len(prompt) - 1 + step]
+        assert entry[token].rank == 1  # greedy picks the most likely token
+        assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-3)
+        top = row.topk(3)
+        assert list(entry)[:3] == top.indices.tolist() or set(entry) >= set(top.indices.tolist())
+        for tid, value in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+            assert entry[tid].logprob == pytest.approx(value, abs=1e-3)
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs, strict=True))
+    )
+    # Prompt log-probs: None for the first token, then the log-prob of each prompt token.
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    for pos in range(1, len(prompt)):
+        entry = out.prompt_logprobs[pos]
+        assert entry[prompt[pos]].logprob == pytest.approx(ref[pos - 1, prompt[pos]].item(),
+                                                           abs=1e-3)
+        assert len(entry) in (2, 3)
+
+
+def test_repetition_penalty_matches_transformers(smollm2_llm, smollm2_hf):
+    prompt = ids_of(smollm2_llm, PROMPT)
+    out = generate_one(
+        smollm2_llm,
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.5, ignore_eos=True),
+    )
+    with torch.no_grad():
+        ref = smollm2_hf.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.5,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=2,
+            eos_token_id=None,
+        )[0, len(prompt):].tolist()
+    assert out.outputs[0].token_ids == ref
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("n", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3),
+     ("min_p", 2.0), ("max_tokens", 0), ("min_tokens", -1), ("presence_penalty", 3.0),
+     ("frequency_penalty", -2.5), ("repetition_penalty", 0.0), ("logprobs", 100),
+     ("prompt_logprobs", -1), ("stop", [""]), ("stop_token_ids", [-4])],
+)
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_rejected():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=2)
+
+
+def test_requests_that_cannot_fit_are_rejected(smollm2_llm):
+    engine = smollm2_llm.engine
+    limit = engine.max_model_len
+    with pytest.raises(ValueError, match=f"{limit - 10} tokens and max_tokens is 20.*{limit}"):
+        smollm2_llm.generate({"prompt_token_ids": [5] * (limit - 10)},
+                             SamplingParams(max_tokens=20), use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        smollm2_llm.generate({"prompt_token_ids": []}, use_tqdm=False)
+    with pytest.raises(ValueError, match="token ids must be integers in"):
+        smollm2_llm.generate({"prompt_token_ids": [1, 10**9]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="one per prompt"):
+        smollm2_llm.generate(["a", "b"], [SamplingParams()] * 3, use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+
+
+def test_abort_frees_blocks(smollm2_llm):
+    engine = smollm2_llm.engine
+    engine.add_request("to-abort", "A long story begins", SamplingParams(max_tokens=200))
+    engine.step()
+    engine.step()
+    assert engine.stats().kv_cache_usage > 0
+    assert engine.abort_request("to-abort")
+    assert engine.stats().kv_cache_usage == 0 and not engine.has_unfinished_requests()
+    assert not engine.abort_request("to-abort")

@@ -1,0 +1,139 @@
+"""Backend selection, explicit-backend errors, automatic fallback, per-op fallback to torch."""
+
+import importlib.util
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+import atom_kernels as ak
+from atom_kernels import registry
+from atom_kernels.backends.torch import norm as torch_norm
+
+
+@pytest.fixture(autouse=True)
+def clean_registry(monkeypatch):
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    # Each test gets its own registrations and import results; the originals come back after.
+    # (The torch backend is already imported above, so its ops are in the originals.)
+    monkeypatch.setattr(registry, "_IMPLS", {k: dict(v) for k, v in registry._IMPLS.items()})
+    monkeypatch.setattr(registry, "_IMPORTED", dict(registry._IMPORTED))
+    registry._reset_for_tests()
+    yield
+    registry._reset_for_tests()
+
+
+@pytest.mark.parametrize("env", [None, "auto", "AUTO", ""])
+def test_auto_on_cpu_is_torch(monkeypatch, env):
+    if env is not None:
+        monkeypatch.setenv(registry.ENV_VAR, env)
+    assert ak.current_backend(torch.device("cpu")) == "torch"
+    assert ak.get_op("rms_norm", "cpu") is torch_norm.rms_norm
+
+
+def test_explicit_torch(monkeypatch):
+    monkeypatch.setenv(registry.ENV_VAR, "torch")
+    assert ak.current_backend("cpu") == "torch"
+    x = torch.randn(3, 8)
+    assert ak.silu_and_mul(x).shape == (3, 4)
+
+
+def test_unknown_backend_raises_naming_it(monkeypatch):
+    monkeypatch.setenv(registry.ENV_VAR, "cutlass")
+    with pytest.raises(ValueError, match=r"ATOM_KERNEL_BACKEND='cutlass' is not a kernel backend"):
+        ak.rms_norm(torch.randn(2, 4), torch.rand(4), 1e-6)
+
+
+def test_explicit_triton_on_cpu_without_interpreter_raises(monkeypatch):
+    monkeypatch.setenv(registry.ENV_VAR, "triton")
+    why = "TRITON_INTERPRET=1" if importlib.util.find_spec("triton") else "not installed"
+    with pytest.raises(
+        RuntimeError, match=rf"backend 'triton' cannot run on device type 'cpu'.*{why}"
+    ):
+        ak.current_backend("cpu")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None
+    or importlib.util.find_spec("atom_kernels.backends.triton") is not None,
+    reason="needs triton installed and no atom_kernels.backends.triton package",
+)
+def test_explicit_backend_without_its_package_raises(monkeypatch):
+    monkeypatch.setenv(registry.ENV_VAR, "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(RuntimeError, match=r"importing atom_kernels\.backends\.triton failed"):
+        ak.get_op("rms_norm", "cpu")
+
+
+def test_explicit_aiter_off_rocm_raises(monkeypatch):
+    monkeypatch.setenv(registry.ENV_VAR, "aiter")
+    with pytest.raises(RuntimeError, match=r"backend 'aiter' cannot run.*AITER needs a ROCm GPU"):
+        ak.current_backend("cpu")
+
+
+def test_automatic_choice_that_cannot_load_falls_back_to_torch_and_logs_once(monkeypatch, caplog):
+    monkeypatch.setattr(registry, "_auto_backend", lambda device_type: "aiter")
+    with caplog.at_level(logging.DEBUG, logger="atom_kernels"):
+        assert ak.current_backend("cuda") == "torch"
+        assert ak.current_backend("cuda:0") == "torch"
+        assert ak.get_op("rms_norm", "cuda") is torch_norm.rms_norm
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "'aiter'" in warnings[0].getMessage() and "torch" in warnings[0].getMessage()
+
+
+def _fake_triton_backend(monkeypatch):
+    """A stand-in triton backend that implements only silu_and_mul, usable on CPU."""
+    module = types.ModuleType("atom_kernels.backends.triton")
+    monkeypatch.setitem(sys.modules, "atom_kernels.backends.triton", module)
+    monkeypatch.setattr(registry, "_hardware_problem", lambda backend, device_type: None)
+    calls = []
+
+    @registry.register_op("silu_and_mul", "triton")
+    def fake_silu_and_mul(x):
+        calls.append(x.shape)
+        return torch.full((*x.shape[:-1], x.shape[-1] // 2), 7.0, dtype=x.dtype)
+
+    return calls
+
+
+@pytest.mark.parametrize("explicit", [True, False])
+def test_op_missing_from_backend_falls_back_to_torch(monkeypatch, caplog, explicit):
+    calls = _fake_triton_backend(monkeypatch)
+    if explicit:
+        monkeypatch.setenv(registry.ENV_VAR, "triton")
+    else:
+        monkeypatch.setattr(registry, "_auto_backend", lambda device_type: "triton")
+    x = torch.randn(3, 8)
+    with caplog.at_level(logging.DEBUG, logger="atom_kernels"):
+        assert ak.current_backend("cpu") == "triton"
+        assert bool((ak.silu_and_mul(x) == 7.0).all()) and calls == [x.shape]
+        weight = torch.rand(8)
+        for _ in range(3):
+            out = ak.rms_norm(x, weight, 1e-6)
+        assert torch.equal(out, torch_norm.rms_norm(x, weight, 1e-6))
+    fallbacks = [r for r in caplog.records if "has no 'rms_norm'" in r.getMessage()]
+    assert len(fallbacks) == 1
+    assert fallbacks[0].levelno == (logging.INFO if explicit else logging.DEBUG)
+
+
+def test_choice_is_cached_until_reset(monkeypatch):
+    assert ak.current_backend("cpu") == "torch"
+    monkeypatch.setenv(registry.ENV_VAR, "cutlass")
+    assert ak.current_backend("cpu") == "torch"  # chosen once per process
+    registry._reset_for_tests()
+    with pytest.raises(ValueError, match="cutlass"):
+        ak.current_backend("cpu")
+
+
+def test_register_op_rejects_unknown_backend():
+    with pytest.raises(ValueError, match="register_op: unknown backend 'cuda'"):
+        registry.register_op("rms_norm", "cuda")
+
+
+def test_unknown_op():
+    with pytest.raises(KeyError, match="no op named 'no_such_op'"):
+        ak.get_op("no_such_op", "cpu")
