@@ -49,8 +49,13 @@ def test_bundled_smollm2_matches_transformers_with_prefix_cache_hits(
     assert llm.engine.stats().prefix_cache_hit_rate > 0
 
 
-TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            max_position_embeddings=512)
+TINY = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=512,
+)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

@@ -29,8 +29,9 @@ def test_seed_reproducible_across_batch_compositions(smollm2_llm):
     )
     assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
     other = generate_one(
-        smollm2_llm, "Tell me a story.", SamplingParams(temperature=1.0, seed=99, max_tokens=12,
-                                                        ignore_eos=True)
+        smollm2_llm,
+        "Tell me a story.",
+        SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True),
     )
     assert other.outputs[0].token_ids != alone.outputs[0].token_ids
 
@@ -79,8 +80,11 @@ def test_stop_token_ids(smollm2_llm):
 
 def test_min_tokens_holds_back_eos(smollm2_llm):
     tok = smollm2_llm.get_tokenizer()
-    prompt = {"prompt_token_ids": smollm2_llm.apply_chat_template(
-        [{"role": "user", "content": "Say hi."}])}
+    prompt = {
+        "prompt_token_ids": smollm2_llm.apply_chat_template(
+            [{"role": "user", "content": "Say hi."}]
+        )
+    }
     natural = generate_one(smollm2_llm, prompt, SamplingParams(temperature=0, max_tokens=64))
     n = len(natural.outputs[0].token_ids)
     assert natural.outputs[0].finish_reason == "stop" and n < 60
@@ -103,8 +107,9 @@ def test_logprobs_match_transformers(smollm2_llm, smollm2_hf):
     completion = out.outputs[0]
     seq = prompt + completion.token_ids
     ref = torch.log_softmax(smollm2_hf(torch.tensor([seq])).logits[0].float(), dim=-1)
-    for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs,
-                                              strict=True)):
+    for step, (token, entry) in enumerate(
+        zip(completion.token_ids, completion.logprobs, strict=True)
+    ):
         row = ref[len(prompt) - 1 + step]
         assert entry[token].rank == 1  # greedy picks the most likely token
         assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-3)
@@ -119,8 +124,9 @@ def test_logprobs_match_transformers(smollm2_llm, smollm2_hf):
     assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
     for pos in range(1, len(prompt)):
         entry = out.prompt_logprobs[pos]
-        assert entry[prompt[pos]].logprob == pytest.approx(ref[pos - 1, prompt[pos]].item(),
-                                                           abs=1e-3)
+        assert entry[prompt[pos]].logprob == pytest.approx(
+            ref[pos - 1, prompt[pos]].item(), abs=1e-3
+        )
         assert len(entry) in (2, 3)
 
 
@@ -133,19 +139,36 @@ def test_repetition_penalty_matches_transformers(smollm2_llm, smollm2_hf):
     )
     with torch.no_grad():
         ref = smollm2_hf.generate(
-            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.5,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=2,
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            do_sample=False,
+            repetition_penalty=1.5,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            pad_token_id=2,
             eos_token_id=None,
-        )[0, len(prompt):].tolist()
+        )[0, len(prompt) :].tolist()
     assert out.outputs[0].token_ids == ref
 
 
 @pytest.mark.parametrize(
     "field, value",
-    [("n", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3),
-     ("min_p", 2.0), ("max_tokens", 0), ("min_tokens", -1), ("presence_penalty", 3.0),
-     ("frequency_penalty", -2.5), ("repetition_penalty", 0.0), ("logprobs", 100),
-     ("prompt_logprobs", -1), ("stop", [""]), ("stop_token_ids", [-4])],
+    [
+        ("n", 0),
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -3),
+        ("min_p", 2.0),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -2.5),
+        ("repetition_penalty", 0.0),
+        ("logprobs", 100),
+        ("prompt_logprobs", -1),
+        ("stop", [""]),
+        ("stop_token_ids", [-4]),
+    ],
 )
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
@@ -161,8 +184,9 @@ def test_requests_that_cannot_fit_are_rejected(smollm2_llm):
     engine = smollm2_llm.engine
     limit = engine.max_model_len
     with pytest.raises(ValueError, match=f"{limit - 10} tokens and max_tokens is 20.*{limit}"):
-        smollm2_llm.generate({"prompt_token_ids": [5] * (limit - 10)},
-                             SamplingParams(max_tokens=20), use_tqdm=False)
+        smollm2_llm.generate(
+            {"prompt_token_ids": [5] * (limit - 10)}, SamplingParams(max_tokens=20), use_tqdm=False
+        )
     with pytest.raises(ValueError, match="empty"):
         smollm2_llm.generate({"prompt_token_ids": []}, use_tqdm=False)
     with pytest.raises(ValueError, match="token ids must be integers in"):

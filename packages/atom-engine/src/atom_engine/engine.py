@@ -87,7 +87,7 @@ class LLMEngine:
                 "max_model_len %d exceeds the model's context %d", self.max_model_len, context
             )
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, self.model_path, self.hf_config)
+        self.runner = ModelRunner(config, self.model_path, self.hf_config, self.max_model_len)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )

@@ -47,8 +47,11 @@ class RunOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str, hf_config) -> None:
+    def __init__(
+        self, config: EngineConfig, model_path: str, hf_config, max_model_len: int
+    ) -> None:
         self.config = config
+        self.max_model_len = max_model_len
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         self.block_size = config.block_size
@@ -56,6 +59,7 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.num_blocks = self._num_kv_blocks()
         bind_kv_cache(self.model, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.graphs = DecodeGraphs(self) if self._use_graphs() else None
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s",
             self.num_blocks,
@@ -64,6 +68,9 @@ class ModelRunner:
             self.num_blocks * self._block_bytes() / GiB,
             self.device,
         )
+
+    def _use_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager
 
     # -- KV-cache sizing ----------------------------------------------------------------------
 
@@ -139,13 +146,16 @@ class ModelRunner:
                 count = min(end, seq.num_prompt_tokens - 1) - start
                 prompt_rows.append((seq, row, count))
 
-        md = PagedAttentionMetadata.build(
-            seq_lens, query_lens, tables, self.block_size, self.device
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        with set_forward_context(md):
-            hidden = self.model(input_ids, pos)  # [T, hidden]
+        if self.graphs is not None and self.graphs.fits(query_lens):
+            hidden = self.graphs.run(ids, positions, seq_lens, tables)
+        else:
+            md = PagedAttentionMetadata.build(
+                seq_lens, query_lens, tables, self.block_size, self.device
+            )
+            input_ids = _to_device(ids, torch.long, self.device)
+            pos = _to_device(positions, torch.long, self.device)
+            with set_forward_context(md):
+                hidden = self.model(input_ids, pos)  # [T, hidden]
 
         out = RunOutput(sampled={}, prompt_logprobs={})
         if sample_seqs:
@@ -240,3 +250,90 @@ class ModelRunner:
             TopLogprobs(t, chosen[i, 0].item(), top_ids[i].tolist(), top_lp[i].tolist(), ranks[i])
             for i, t in enumerate(targets)
         ]
+
+
+def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor, through pinned memory so the copy does not block."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode forward at a ladder of batch sizes (padded to the next size).
+
+    Inputs live in static buffers the graphs read; a step copies its batch into them and replays
+    the smallest graph that holds it. Padding rows write nowhere (slot -1) and attend one key.
+    """
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        device = runner.device
+        max_bs = max(1, min(runner.config.max_num_seqs, 512))
+        self.sizes = sorted(
+            {b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs}
+        )
+        self.max_seq_len = runner.max_model_len
+        max_blocks = -(-self.max_seq_len // runner.block_size)
+        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._capture()
+
+    def _metadata(self, bs: int) -> PagedAttentionMetadata:
+        return PagedAttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            block_tables=self.block_tables[:bs],
+            seq_lens=self.seq_lens[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+        )
+
+    @torch.no_grad()
+    def _capture(self) -> None:
+        model, pool = self.runner.model, None
+        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
+            with set_forward_context(self._metadata(bs)):
+                model(self.input_ids[:bs], self.positions[:bs])  # warm-up (autotune, allocs)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = model(self.input_ids[:bs], self.positions[:bs])
+            pool = graph.pool()
+            self.graphs[bs] = (graph, out)
+        torch.cuda.synchronize()
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def fits(self, query_lens: list[int]) -> bool:
+        return len(query_lens) <= self.sizes[-1] and all(q == 1 for q in query_lens)
+
+    def run(
+        self, ids: list[int], positions: list[int], seq_lens: list[int], tables
+    ) -> torch.Tensor:
+        bs = len(ids)
+        size = next(b for b in self.sizes if b >= bs)
+        block_size = self.runner.block_size
+        width = max(len(t) for t in tables)
+        table = torch.zeros(size, width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        slots = [
+            t[p // block_size] * block_size + p % block_size
+            for t, p in zip(tables, positions, strict=True)
+        ]
+        pad = size - bs
+        device = self.runner.device
+        self.input_ids[:size].copy_(_to_device(ids + [0] * pad, torch.long, device))
+        self.positions[:size].copy_(_to_device(positions + [0] * pad, torch.long, device))
+        self.slot_mapping[:size].copy_(_to_device(slots + [-1] * pad, torch.long, device))
+        self.seq_lens[:size].copy_(_to_device(seq_lens + [1] * pad, torch.int32, device))
+        self.block_tables[:size, :width].copy_(table.pin_memory().to(device, non_blocking=True))
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[:bs]
