@@ -78,22 +78,16 @@ def test_stop_token_ids(smollm2_llm):
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
 
 
-def test_min_tokens_holds_back_eos(smollm2_llm):
-    tok = smollm2_llm.get_tokenizer()
-    prompt = {
-        "prompt_token_ids": smollm2_llm.apply_chat_template(
-            [{"role": "user", "content": "Say hi."}]
-        )
-    }
-    natural = generate_one(smollm2_llm, prompt, SamplingParams(temperature=0, max_tokens=64))
-    n = len(natural.outputs[0].token_ids)
-    assert natural.outputs[0].finish_reason == "stop" and n < 60
-    out = generate_one(
-        smollm2_llm, prompt, SamplingParams(temperature=0, min_tokens=n + 3, max_tokens=n + 6)
-    )
-    tokens = out.outputs[0].token_ids
-    assert len(tokens) >= n + 3
-    assert tok.eos_token_id not in tokens[: n + 2]
+def test_min_tokens_holds_back_stop_tokens(smollm2_llm):
+    """Before min_tokens, stop tokens (EOS and stop_token_ids alike) cannot be sampled."""
+    full = generate_one(smollm2_llm, PROMPT, SamplingParams(temperature=0, max_tokens=10))
+    tokens = full.outputs[0].token_ids
+    stop_id = tokens[1]
+    params = SamplingParams(temperature=0, max_tokens=10, min_tokens=6, stop_token_ids=[stop_id])
+    out = generate_one(smollm2_llm, PROMPT, params).outputs[0]
+    assert stop_id not in out.token_ids[:5]
+    assert len(out.token_ids) >= 6
+    assert out.finish_reason == ("stop" if out.token_ids[-1] == stop_id else "length")
 
 
 @torch.no_grad()

@@ -21,16 +21,20 @@ def _help(text: str) -> dict:
 class EngineConfig:
     model: str | None = field(
         default=None,
-        metadata=_help("a local Hugging Face checkpoint directory or .gguf file "
-                       "(default: the bundled SmolLM2-135M-Instruct)"),
+        metadata=_help(
+            "a local Hugging Face checkpoint directory or .gguf file "
+            "(default: the bundled SmolLM2-135M-Instruct)"
+        ),
     )
     tokenizer: str | None = field(
         default=None, metadata=_help("tokenizer directory (default: the model's own)")
     )
     dtype: str = field(
         default="auto",
-        metadata=_help("weights and activations: auto (float32 on CPU, bfloat16 on GPU), "
-                       "float32, bfloat16, float16"),
+        metadata=_help(
+            "weights and activations: auto (float32 on CPU, bfloat16 on GPU), "
+            "float32, bfloat16, float16"
+        ),
     )
     device: str = field(default="auto", metadata=_help("auto, cpu, cuda, cuda:N"))
     max_model_len: int | None = field(
@@ -55,6 +59,17 @@ class EngineConfig:
     )
     num_kv_blocks: int | None = field(
         default=None, metadata=_help("override the number of KV-cache blocks")
+    )
+    load_format: str = field(
+        default="auto",
+        metadata=_help(
+            "auto (read the checkpoint) or dummy (random weights of the config's "
+            "shapes, for benchmarks)"
+        ),
+    )
+    skip_tokenizer_init: bool = field(
+        default=False,
+        metadata=_help("run without a tokenizer: prompts must be token ids, outputs have no text"),
     )
     seed: int = field(default=0, metadata=_help("seed of the engine's random sampling"))
     enforce_eager: bool = field(default=False, metadata=_help("never capture CUDA graphs"))
@@ -82,6 +97,8 @@ class EngineConfig:
             fail("gpu_memory_utilization", "must be in (0, 1]")
         if not self.cpu_kv_cache_space > 0:
             fail("cpu_kv_cache_space", "must be > 0 GiB")
+        if self.load_format not in ("auto", "dummy"):
+            fail("load_format", "must be auto or dummy")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             fail("num_kv_blocks", "must be >= 1")
 

@@ -33,6 +33,8 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:  # skip_tokenizer_init: token ids only, no text
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int, emit_text: bool = True, match_stop: bool = True) -> str | None:

@@ -78,7 +78,11 @@ class LLMEngine:
         self.config = config
         self.model_path = resolve_model(config.model)
         self.hf_config = load_config(self.model_path)
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        self.tokenizer = (
+            None
+            if config.skip_tokenizer_init
+            else load_tokenizer(config.tokenizer or self.model_path)
+        )
         self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
         context = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = config.max_model_len or context
@@ -123,8 +127,8 @@ class LLMEngine:
         params = params or SamplingParams()
         text, token_ids = self._prompt_of(prompt)
         self._check_fits(token_ids, params)
-        params.all_stop_token_ids = (
-            set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        params.all_stop_token_ids = set(params.stop_token_ids) | (
+            set() if params.ignore_eos else self.eos_token_ids
         )
         now = time.monotonic() if arrival_time is None else arrival_time
         request = Request(request_id, text, token_ids, params, [], RequestMetrics(now))
@@ -157,6 +161,8 @@ class LLMEngine:
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
             return prompt, self.tokenize(prompt)
         token_ids = list(prompt)
         vocab = self.runner.vocab_size
@@ -279,15 +285,16 @@ class LLMEngine:
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
 
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
     def _logprob_dict(self, info: TopLogprobs) -> dict[int, Logprob]:
         entry = {
-            tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid]))
+            tid: Logprob(lp, rank + 1, self._decode_one(tid))
             for rank, (tid, lp) in enumerate(zip(info.top_ids, info.top_logprobs, strict=True))
         }
         if info.token_id not in entry:
-            entry[info.token_id] = Logprob(
-                info.logprob, info.rank, self.tokenizer.decode([info.token_id])
-            )
+            entry[info.token_id] = Logprob(info.logprob, info.rank, self._decode_one(info.token_id))
         return entry
 
     def _output_of(self, request: Request) -> RequestOutput:

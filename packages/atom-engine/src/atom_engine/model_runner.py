@@ -55,7 +55,9 @@ class ModelRunner:
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         self.block_size = config.block_size
-        self.model = load_model(model_path, dtype=self.dtype, device=self.device)
+        self.model = load_model(
+            model_path, dtype=self.dtype, device=self.device, load_format=config.load_format
+        )
         self.vocab_size = hf_config.vocab_size
         self.num_blocks = self._num_kv_blocks()
         bind_kv_cache(self.model, self.num_blocks, self.block_size, self.dtype, self.device)

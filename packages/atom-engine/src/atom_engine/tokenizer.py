@@ -30,4 +30,5 @@ def eos_token_ids(model: str, hf_config, tokenizer) -> set[int]:
         ids = _as_set(json.loads(generation_config.read_text()).get("eos_token_id"))
         if ids:
             return ids
-    return _as_set(getattr(hf_config, "eos_token_id", None)) | _as_set(tokenizer.eos_token_id)
+    ids = _as_set(getattr(hf_config, "eos_token_id", None))
+    return ids | (_as_set(tokenizer.eos_token_id) if tokenizer is not None else set())

@@ -92,6 +92,17 @@ def build_model(
     return materialize(model, device, dtype).eval()
 
 
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights (N(0, 0.02), norms 1) for benchmarks of real shapes without a checkpoint."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
 def load_model(
     model: str | Path,
     *,
@@ -100,14 +111,21 @@ def load_model(
     tp: TensorParallelGroup | None = None,
     host: AttentionHost | None = None,
     weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+    load_format: str = "auto",
 ) -> nn.Module:
     """Build and load the model of a local HF checkpoint directory or `.gguf` file.
 
+    `load_format="dummy"` needs only the config and fills the weights randomly (benchmarks).
     Raises ValueError for an unsupported architecture (listing the supported ones) and
     `CheckpointMismatchError` naming missing or unexpected tensors.
     """
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     hf_config = load_config(model)
     built = build_model(hf_config, dtype=dtype, device=device, tp=tp, host=host)
+    if load_format == "dummy":
+        init_dummy_weights(built)
+        return built
     with torch.no_grad():
         built.load_weights(iter_weights(model) if weights is None else weights)
     return built
