@@ -1,0 +1,285 @@
+"""Engine benchmarks on the GPU: decode latency against the bytes-moved floor, and offline
+throughput against `transformers.generate` on the same prompts.
+
+    python benchmarks/engine_bench.py decode --shape llama3-8b --batch-sizes 1 8 64 --out x.json
+    python benchmarks/engine_bench.py throughput --shape qwen3-0.6b --workload nanovllm --out y.json
+
+Random weights of the real shapes (weight values do not change a dense model's speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from shapes import SHAPES, config_dir  # noqa: E402
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """Measured device-to-device copy bandwidth, bytes/s (read + write counted)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times)
+
+
+def make_engine(shape: str, **overrides):
+    from atom_engine import EngineConfig, LLMEngine
+
+    args = dict(
+        model=config_dir(shape),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        device="cuda",
+    )
+    args.update(overrides)
+    return LLMEngine(EngineConfig(**args))
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads from weights: all but the input embedding (only B rows)."""
+    total = 0
+    seen = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if "embed_tokens" in name and not getattr(model.config, "tie_word_embeddings", False):
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(engine) -> int:
+    from atom_models.native_attention import native_attention_layers
+
+    layers = native_attention_layers(engine.runner.model)
+    return sum(2 * a.spec.num_kv_heads * a.spec.head_size for a in layers) * 2  # bf16
+
+
+def bench_decode(args) -> dict:
+    from atom_engine import SamplingParams
+
+    bandwidth = copy_bandwidth()
+    results = []
+    engine = make_engine(
+        args.shape,
+        max_num_seqs=max(args.batch_sizes),
+        max_num_batched_tokens=max(4096, args.prompt_len * 4),
+        enforce_eager=args.enforce_eager,
+        max_model_len=4096,
+    )
+    wbytes = weight_bytes(engine.runner.model)
+    per_token_kv = kv_bytes_per_token(engine)
+    rng = random.Random(0)
+    vocab = engine.hf_config.vocab_size
+    for bs in args.batch_sizes:
+        params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+        for i in range(bs):
+            ids = [rng.randrange(vocab) for _ in range(args.prompt_len)]
+            engine.add_request(f"{bs}-{i}", ids, params)
+        times = []
+        while engine.has_unfinished_requests():
+            decoding = all(not s.is_prefill for s in engine.scheduler.running) and (
+                len(engine.scheduler.running) == bs
+            )
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize()
+            if decoding:
+                times.append(time.perf_counter() - t0)
+        step = statistics.median(times[2:])
+        context = args.prompt_len + args.steps // 2
+        floor_bytes = wbytes + bs * context * per_token_kv
+        floor = floor_bytes / bandwidth
+        results.append(
+            {
+                "batch_size": bs,
+                "prompt_len": args.prompt_len,
+                "median_step_ms": step * 1e3,
+                "tokens_per_s": bs / step,
+                "floor_ms": floor * 1e3,
+                "fraction_of_bandwidth": floor / step,
+                "weight_bytes": wbytes,
+                "kv_bytes": bs * context * per_token_kv,
+                "decode_steps_timed": len(times) - 2,
+            }
+        )
+        print(
+            f"{args.shape} bs={bs}: {step * 1e3:.2f} ms/step (floor {floor * 1e3:.2f} ms, "
+            f"{100 * floor / step:.0f}% of bandwidth)",
+            flush=True,
+        )
+    return {
+        "bench": "decode",
+        "shape": args.shape,
+        "copy_bandwidth_GBps": bandwidth / 1e9,
+        "cuda_graphs": not args.enforce_eager,
+        "results": results,
+    }
+
+
+def workload(name: str, n: int, seed: int = 0) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    if name == "nanovllm":  # nano-vllm's bench.py: lengths uniform in [100, 1024]
+        return [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(n)]
+    if name == "512x256":
+        return [(512, 256)] * n
+    raise ValueError(name)
+
+
+def hf_generate_throughput(shape: str, prompts, outs, batch: int) -> dict:
+    """transformers' generate on the same prompts (left-padded batches), random weights."""
+    from transformers import AutoModelForCausalLM
+
+    config = SHAPES[shape]()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    total_out = 0
+    t0 = time.perf_counter()
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    for start in range(0, len(order), batch):
+        idx = order[start : start + batch]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros(len(idx), width, dtype=torch.long)
+        for row, i in enumerate(idx):
+            ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]) :] = 1
+        new = max(outs[i] for i in idx)
+        with torch.no_grad():
+            model.generate(
+                ids.cuda(),
+                attention_mask=mask.cuda(),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        total_out += sum(outs[i] for i in idx)  # useful tokens (padding steps not counted)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    del model
+    torch.cuda.empty_cache()
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": total_out,
+        "output_tok_per_s": total_out / elapsed,
+        "batch_size": batch,
+    }
+
+
+def bench_throughput(args) -> dict:
+    from atom_engine import SamplingParams
+
+    lengths = workload(args.workload, args.num_prompts)
+    rng = random.Random(1)
+    vocab = SHAPES[args.shape]().vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(i)] for i, _ in lengths]
+    outs = [o for _, o in lengths]
+    engine = make_engine(
+        args.shape,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=4096,
+    )
+    # Warm-up (Triton autotuning, allocator).
+    engine.add_request("warm", prompts[0][:64], SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+        engine.add_request(
+            str(i), p, SamplingParams(temperature=1.0, max_tokens=o, ignore_eos=True)
+        )
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    total_out, total_in = sum(outs), sum(len(p) for p in prompts)
+    result = {
+        "bench": "throughput",
+        "shape": args.shape,
+        "workload": args.workload,
+        "num_prompts": args.num_prompts,
+        "elapsed_s": elapsed,
+        "steps": steps,
+        "input_tokens": total_in,
+        "output_tokens": total_out,
+        "output_tok_per_s": total_out / elapsed,
+        "total_tok_per_s": (total_in + total_out) / elapsed,
+        "num_preemptions": engine.scheduler.num_preemptions,
+        "kv_cache_tokens": engine.runner.num_blocks * engine.runner.block_size,
+    }
+    print(
+        f"ATOM {args.shape} {args.workload}: {result['output_tok_per_s']:.0f} out tok/s "
+        f"({elapsed:.1f} s, {steps} steps)",
+        flush=True,
+    )
+    del engine
+    torch.cuda.empty_cache()
+    if args.hf_batch:
+        hf = hf_generate_throughput(
+            args.shape, prompts[: args.hf_prompts], outs[: args.hf_prompts], args.hf_batch
+        )
+        result["transformers"] = hf
+        result["speedup_vs_transformers"] = result["output_tok_per_s"] / hf["output_tok_per_s"]
+        print(
+            f"transformers generate: {hf['output_tok_per_s']:.0f} out tok/s "
+            f"(first {args.hf_prompts} prompts); ATOM x{result['speedup_vs_transformers']:.1f}",
+            flush=True,
+        )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("decode")
+    d.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    d.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    d.add_argument("--prompt-len", type=int, default=512)
+    d.add_argument("--steps", type=int, default=48)
+    d.add_argument("--enforce-eager", action="store_true")
+    t = sub.add_parser("throughput")
+    t.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    t.add_argument("--workload", choices=["nanovllm", "512x256"], required=True)
+    t.add_argument("--num-prompts", type=int, default=256)
+    t.add_argument("--max-num-seqs", type=int, default=256)
+    t.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    t.add_argument("--hf-batch", type=int, default=64, help="0 skips transformers")
+    t.add_argument("--hf-prompts", type=int, default=256)
+    for p in (d, t):
+        p.add_argument("--out", required=True)
+    args = parser.parse_args()
+    result = bench_decode(args) if args.cmd == "decode" else bench_throughput(args)
+    result.update(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d")
+    )
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
