@@ -1,0 +1,1 @@
+"""The `atom` command: serve, generate, chat, convert (and bench, when installed)."""

@@ -1,0 +1,242 @@
+"""`AsyncEngine`: the synchronous `LLMEngine` driven by one background thread, fed from asyncio.
+
+The engine is not thread-safe, so only the engine thread touches it. The event loop hands it work
+through a command list guarded by a condition variable; the thread drains the commands between
+steps (adds, aborts, calls), runs `step()` while requests are unfinished and sleeps on the condition
+otherwise. Each request's outputs go back to the loop that added it through its own asyncio.Queue,
+filled with `loop.call_soon_threadsafe`. A failing step fails the requests it held (they are aborted
+so their KV blocks return) and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from atom_engine.config import EngineConfig
+from atom_engine.engine import EngineStats, LLMEngine
+from atom_engine.outputs import RequestOutput
+from atom_engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("atom_engine.server")
+
+
+class RequestAborted(Exception):
+    """The request was aborted (by `abort`, a disconnecting client or shutdown)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running."""
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any) -> None:
+    """Complete `future` (on its loop) with a result, or an exception if `result` is one."""
+
+    def done() -> None:
+        if future.done():
+            return
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(done)
+    except RuntimeError:
+        pass
+
+
+class AsyncEngine:
+    """An `LLMEngine` behind a background thread; `add_request` yields outputs asynchronously."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        # The event loop's own copy (chat templates, echo): the engine thread keeps the original,
+        # so no tokenizer object is ever used from two threads at once.
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.max_model_len = engine.max_model_len
+        self.model_path = engine.model_path
+        self._cond = threading.Condition()
+        self._commands: list[tuple] = []  # guarded by _cond
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._stopped = False
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="atom-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        return cls(LLMEngine(config))
+
+    # -- the event loop's side ----------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    def _submit(self, command: tuple) -> None:
+        with self._cond:
+            if self._stopped:
+                raise EngineDeadError("the engine is shut down")
+            self._commands.append(command)
+            self._cond.notify()
+
+    async def add_request(
+        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request; once the engine has accepted it, an iterator of its outputs.
+
+        Raises what `LLMEngine.add_request` raises (ValueError for a request that can never run).
+        The iterator yields cumulative outputs, skipping stale ones when the reader falls behind,
+        ends after the finished one, and raises RequestAborted if the request is aborted. Leaving
+        it early (break, cancellation) aborts the request.
+        """
+        loop = asyncio.get_running_loop()
+        stream = _Stream(request_id, loop)
+        accepted = loop.create_future()
+        self._submit(("add", stream, prompt, params, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # queued after the add, so it runs after it
+            raise
+        return self._iterate(stream)
+
+    async def _iterate(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                # Outputs are cumulative: when several are queued only the newest matters.
+                while not isinstance(item, BaseException) and not stream.queue.empty():
+                    item = stream.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(stream.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (idempotent; unknown ids are ignored). Safe from any thread."""
+        try:
+            self._submit(("abort", request_id))
+        except EngineDeadError:
+            pass
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._submit(("call", fn, loop, future))
+        return await future
+
+    def stats(self) -> EngineStats:
+        """The engine's statistics as of its last step (a snapshot; never blocks)."""
+        return self._stats
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            idle = not self.engine.has_unfinished_requests()
+            with self._cond:
+                while idle and not self._commands and not self._stopped:
+                    self._cond.wait()
+                commands, self._commands = self._commands, []
+                stopped = self._stopped
+            for command in commands:
+                self._apply(command)
+            if stopped:
+                self._fail_all(RequestAborted("the engine is shutting down"))
+                return
+            if self.engine.has_unfinished_requests():
+                self._step()
+            try:
+                self._stats = self.engine.stats()
+            except Exception:  # statistics must never stop the loop
+                logger.exception("engine stats failed")
+
+    def _apply(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, stream, prompt, params, accepted = command
+            try:
+                self.engine.add_request(stream.request_id, prompt, params)
+            except Exception as e:
+                _resolve(stream.loop, accepted, e)
+                return
+            self._streams[stream.request_id] = stream
+            _resolve(stream.loop, accepted, None)
+        elif kind == "abort":
+            request_id = command[1]
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("aborting request %s failed", request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(RequestAborted(f"request {request_id} was aborted"))
+        elif kind == "call":
+            _, fn, loop, future = command
+            try:
+                result = fn(self.engine)
+            except Exception as e:
+                result = e
+            _resolve(loop, future, result)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # The step's requests cannot be told apart from here: fail every request in flight
+            # (aborting frees their blocks) and keep serving new ones.
+            logger.exception("engine step failed; failing %d requests", len(self._streams))
+            self._fail_all(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))
+            return
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            stream.put(output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self.engine.requests):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("aborting request %s failed", request_id)
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(error)

@@ -1,0 +1,62 @@
+"""Chat messages -> prompt token ids with the model's chat template (server and `atom chat`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# apply_chat_template arguments that decide what it returns: the server sets them itself.
+_RESERVED_KWARGS = frozenset({
+    "conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
+    "max_length", "add_generation_prompt", "continue_final_message", "tools", "documents",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
+
+
+def message_text(content: str | list | None) -> str:
+    """A message's text: a string, or the text parts of a content list joined by newlines."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        part = part if isinstance(part, dict) else part.model_dump()
+        if part.get("type") != "text":
+            raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
+        texts.append(part.get("text") or "")
+    return "\n".join(texts)
+
+
+def apply_chat_template(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template.
+
+    Raises ValueError when the model has no template or the template refuses the conversation.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+    if not messages:
+        raise ValueError("messages must not be empty")
+    if continue_final_message and messages[-1].get("role") != "assistant":
+        raise ValueError("continue_final_message needs a final assistant message")
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = sorted(_RESERVED_KWARGS & kwargs.keys())
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            tokenize=True,
+            **kwargs,
+        )
+    except Exception as e:  # jinja2 errors (raise_exception in templates), bad kwargs
+        raise ValueError(f"the chat template failed: {e}") from None
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]

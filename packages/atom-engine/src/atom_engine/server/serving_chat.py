@@ -1,0 +1,202 @@
+"""POST /v1/chat/completions: messages through the model's chat template, replies out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+
+from atom_engine.outputs import CompletionOutput, RequestOutput
+from atom_engine.server.chat_template import apply_chat_template, message_text
+from atom_engine.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProbs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+    random_id,
+)
+from atom_engine.server.serving_common import (
+    SSE_DONE,
+    APIError,
+    RequestGroup,
+    ServerState,
+    chat_logprobs,
+    error_json,
+    finish_reason,
+    sampling_params,
+    sse,
+)
+
+
+def _refuse_unsupported(request: ChatCompletionRequest) -> None:
+    if request.tools:
+        raise APIError("tools are not supported", param="tools")
+    if request.tool_choice not in (None, "none", "auto"):
+        raise APIError("tool_choice is not supported", param="tool_choice")
+    if request.response_format and request.response_format.get("type") not in (None, "text"):
+        raise APIError("only the text response_format is supported", param="response_format")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
+
+
+def _prompt_token_ids(state: ServerState, request: ChatCompletionRequest) -> list[int]:
+    try:
+        messages = []
+        for message in request.messages:
+            entry = message.model_dump(exclude_none=True)
+            entry["content"] = message_text(message.content)
+            messages.append(entry)
+        return apply_chat_template(
+            state.engine.tokenizer,
+            messages,
+            request.add_generation_prompt,
+            request.continue_final_message,
+            request.chat_template_kwargs,
+        )
+    except ValueError as e:
+        raise APIError(str(e), param="messages") from None
+
+
+async def create_chat_completion(
+    state: ServerState, request: ChatCompletionRequest, raw_request: Request
+):
+    state.check_model(request.model)
+    _refuse_unsupported(request)
+    max_tokens, names = request.max_tokens, {"logprobs": "top_logprobs"}
+    if request.max_completion_tokens is not None:
+        max_tokens, names["max_tokens"] = request.max_completion_tokens, "max_completion_tokens"
+    num_top = request.top_logprobs or 0
+    params = sampling_params(
+        request,
+        state.max_n,
+        max_tokens,
+        logprobs=num_top if request.logprobs else None,
+        param_names=names,
+    )
+    prompt_token_ids = _prompt_token_ids(state, request)
+    chat_id = random_id("chatcmpl")
+    group = await RequestGroup.start(state, raw_request, chat_id, [prompt_token_ids], params)
+    stream = _ChatStream(state, request, group, chat_id)
+    if request.stream:
+        return StreamingResponse(stream.events(), media_type="text/event-stream")
+    final = None
+    try:
+        async for _, output in group.outputs():
+            final = output
+    finally:
+        group.close()
+    return JSONResponse(stream.response(final).model_dump())
+
+
+class _ChatStream:
+    """Builds the response, or the SSE chunks, of one chat request."""
+
+    def __init__(
+        self, state: ServerState, request: ChatCompletionRequest, group: RequestGroup, rid: str
+    ) -> None:
+        self.state, self.request, self.group, self.id = state, request, group, rid
+        self.tokenizer = state.engine.tokenizer
+        self.created = int(time.time())
+        self.num_top = request.top_logprobs or 0
+
+    def _logprobs(self, completion: CompletionOutput, start: int) -> ChatLogProbs | None:
+        if not self.request.logprobs:
+            return None
+        content = chat_logprobs(
+            completion.token_ids[start:],
+            (completion.logprobs or [])[start:],
+            self.num_top,
+            self.tokenizer,
+        )
+        return ChatLogProbs(content=content)
+
+    @staticmethod
+    def _usage(output: RequestOutput) -> UsageInfo:
+        prompt = len(output.prompt_token_ids)
+        completion = sum(len(c.token_ids) for c in output.outputs)
+        return UsageInfo(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    def response(self, output: RequestOutput | None) -> ChatCompletionResponse:
+        assert output is not None and output.finished
+        choices = [
+            ChatChoice(
+                index=completion.index,
+                message=ChatResponseMessage(content=completion.text),
+                logprobs=self._logprobs(completion, 0),
+                finish_reason=finish_reason(completion.finish_reason),
+                stop_reason=completion.stop_reason,
+            )
+            for completion in output.outputs
+        ]
+        return ChatCompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.state.served_model_name,
+            choices=choices,
+            usage=self._usage(output),
+        )
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        chunk = ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.state.served_model_name,
+            choices=choices,
+            usage=usage,
+        )
+        return sse(chunk.model_dump_json(exclude_none=True))
+
+    async def events(self) -> AsyncIterator[str]:
+        sent_chars = [0] * self.request.n
+        sent_tokens = [0] * self.request.n
+        done = [False] * self.request.n
+        usage = None
+        try:
+            # Every choice opens with the assistant role, as OpenAI's streams do.
+            for index in range(self.request.n):
+                delta = DeltaMessage(role="assistant", content="")
+                yield self._chunk([ChatStreamChoice(index=index, delta=delta)])
+            async for _, output in self.group.outputs():
+                for completion in output.outputs:
+                    index = completion.index
+                    if done[index]:
+                        continue
+                    text = completion.text[sent_chars[index] :]
+                    num_new = len(completion.token_ids) - sent_tokens[index]
+                    finished = completion.finish_reason is not None
+                    if not (text or finished or (self.request.logprobs and num_new > 0)):
+                        continue
+                    logprobs = self._logprobs(completion, sent_tokens[index])
+                    sent_chars[index] = len(completion.text)
+                    sent_tokens[index] = len(completion.token_ids)
+                    done[index] = finished
+                    choice = ChatStreamChoice(
+                        index=index,
+                        delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                        logprobs=logprobs,
+                        finish_reason=finish_reason(completion.finish_reason),
+                        stop_reason=completion.stop_reason,
+                    )
+                    yield self._chunk([choice])
+                if output.finished:
+                    usage = self._usage(output)
+            if self.request.include_usage and usage is not None:
+                yield self._chunk([], usage)
+        except APIError as e:
+            if e.status == 499:
+                return  # the client is gone
+            yield sse(error_json(e.message, e.type, e.status))
+        except Exception as e:
+            yield sse(error_json(f"{type(e).__name__}: {e}", "InternalServerError", 500))
+        finally:
+            self.group.close()
+        yield SSE_DONE

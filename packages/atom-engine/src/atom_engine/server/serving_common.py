@@ -1,0 +1,342 @@
+"""What the completion and chat handlers share: errors, sampling parameters, starting requests,
+merging their output streams, aborting on disconnect, and the log-prob formats."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from starlette.requests import Request
+
+from atom_engine.outputs import Logprob, RequestOutput
+from atom_engine.sampling_params import SamplingParams
+from atom_engine.server.async_engine import AsyncEngine, EngineDeadError, RequestAborted
+from atom_engine.server.metrics import ServerMetrics
+from atom_engine.server.protocol import (
+    ChatLogProb,
+    ChatLogProbContent,
+    CompletionLogProbs,
+    ErrorInfo,
+    ErrorResponse,
+    SamplingRequest,
+)
+
+# Poll interval of the disconnect check while a request runs (seconds).
+DISCONNECT_POLL_S = 0.25
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {message, type, param, code}}."""
+
+    TYPES = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        499: "ClientDisconnected",
+        500: "InternalServerError",
+        503: "ServiceUnavailableError",
+    }
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+        self.type = self.TYPES.get(status, "APIError")
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    served_model_name: str
+    model_aliases: frozenset[str]  # other names accepted in `model` (the model path, ...)
+    metrics: ServerMetrics
+
+    @property
+    def max_n(self) -> int:
+        return self.engine.engine.config.max_num_seqs
+
+    def check_model(self, model: str | None) -> None:
+        if model is None or model == self.served_model_name or model in self.model_aliases:
+            return
+        raise APIError(f"The model `{model}` does not exist.", status=404, param="model")
+
+
+# -- sampling parameters ----------------------------------------------------------------------
+
+_FIELD = re.compile(r"SamplingParams\.(\w+)")
+
+
+def sampling_params(
+    request: SamplingRequest,
+    max_n: int,
+    max_tokens: int | None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    param_names: dict[str, str] | None = None,
+) -> SamplingParams:
+    """The request's SamplingParams; an invalid value is a 400 naming its field."""
+    if request.logit_bias:
+        raise APIError("logit_bias is not supported", param="logit_bias")
+    if request.n > max_n:
+        raise APIError(f"n must be at most {max_n} (max_num_seqs), got {request.n}", param="n")
+    if request.seed is not None and not -(2**63) <= request.seed < 2**63 - request.n:
+        raise APIError(f"seed must be a 64-bit integer, got {request.seed}", param="seed")
+
+    def default(value, fallback):
+        return fallback if value is None else value
+
+    try:
+        return SamplingParams(
+            n=request.n,
+            temperature=default(request.temperature, 1.0),
+            top_p=default(request.top_p, 1.0),
+            top_k=default(request.top_k, 0),
+            min_p=default(request.min_p, 0.0),
+            seed=request.seed,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos,
+            presence_penalty=default(request.presence_penalty, 0.0),
+            frequency_penalty=default(request.frequency_penalty, 0.0),
+            repetition_penalty=default(request.repetition_penalty, 1.0),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+        )
+    except ValueError as e:
+        # "SamplingParams.top_p must be ..." -> "top_p must be ...", param "top_p" (named as the
+        # request names it: a chat request's logprobs count is its top_logprobs).
+        match = _FIELD.search(str(e))
+        if match is None:
+            raise APIError(str(e)) from None
+        param = (param_names or {}).get(match.group(1), match.group(1))
+        raise APIError(_FIELD.sub(param, str(e), count=1), param=param) from None
+
+
+# -- running requests -------------------------------------------------------------------------
+
+
+class RequestGroup:
+    """The engine requests behind one HTTP request (one per prompt), watched for disconnects.
+
+    `outputs()` yields (prompt index, cumulative output) and records finished requests in the
+    metrics; `close()` (always call it) aborts the requests that have not finished.
+    """
+
+    def __init__(
+        self,
+        state: ServerState,
+        raw_request: Request,
+        request_ids: list[str],
+        streams: list[AsyncIterator[RequestOutput]],
+        n: int,
+    ) -> None:
+        self.state, self.request_ids, self.streams, self.n = state, request_ids, streams, n
+        self.unfinished = set(request_ids)
+        self.watcher = DisconnectWatcher(raw_request, state.engine, request_ids)
+
+    @classmethod
+    async def start(
+        cls,
+        state: ServerState,
+        raw_request: Request,
+        base_id: str,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+    ) -> RequestGroup:
+        """Add one engine request per prompt: all of them, or none (a refused one is a 400)."""
+        ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        # Added together so that they are admitted in the same engine step; each gets its own
+        # params (the engine fills in per-request fields).
+        results = await asyncio.gather(
+            *(
+                state.engine.add_request(request_id, prompt, replace(params))
+                for request_id, prompt in zip(ids, prompts, strict=True)
+            ),
+            return_exceptions=True,
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for request_id, result in zip(ids, results, strict=True):
+                if not isinstance(result, BaseException):
+                    state.engine.abort(request_id)
+            error = errors[0]
+            if isinstance(error, ValueError):
+                raise APIError(str(error)) from None
+            if isinstance(error, EngineDeadError):
+                raise APIError(str(error), status=503) from None
+            raise error
+        streams: list[AsyncIterator[RequestOutput]] = list(results)
+        return cls(state, raw_request, ids, streams, params.n)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        try:
+            async for index, output in merge(self.streams):
+                if output.finished:
+                    self.unfinished.discard(output.request_id)
+                    self.state.metrics.observe(output)
+                yield index, output
+        except RequestAborted:
+            if self.watcher.disconnected:
+                raise APIError("the client disconnected", status=499) from None
+            raise
+
+    def close(self) -> None:
+        self.watcher.stop()
+        for request_id in self.unfinished:
+            self.state.engine.abort(request_id)
+        self.state.metrics.observe_aborted(len(self.unfinished) * self.n)
+        self.unfinished.clear()
+
+
+async def merge(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as (stream index, output), in arrival order."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+            await queue.put((index, None))
+        except Exception as e:
+            await queue.put((index, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class DisconnectWatcher:
+    """Aborts the given requests when the HTTP client goes away (polls `is_disconnected`)."""
+
+    def __init__(self, raw_request: Request, engine: AsyncEngine, request_ids: list[str]) -> None:
+        self.raw_request, self.engine, self.request_ids = raw_request, engine, request_ids
+        self.disconnected = False
+        self._task = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        try:
+            while not await self.raw_request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+        except Exception:
+            return
+        self.disconnected = True
+        for request_id in self.request_ids:
+            self.engine.abort(request_id)
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def error_json(message: str, type_: str, code: int, param: str | None = None) -> str:
+    info = ErrorInfo(message=message, type=type_, param=param, code=code)
+    return ErrorResponse(error=info).model_dump_json()
+
+
+# -- log-probs --------------------------------------------------------------------------------
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)
+
+
+def _token_text(entry: dict[int, Logprob] | None, token_id: int, tokenizer) -> str:
+    chosen = entry.get(token_id) if entry else None
+    if chosen is not None and chosen.decoded_token is not None:
+        return chosen.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def _top(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
+    ranked = [(tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= num_top]
+    return sorted(ranked, key=lambda item: item[1].rank)
+
+
+def completion_logprobs(
+    token_ids: list[int],
+    logprobs: list[dict[int, Logprob] | None],
+    num_top: int,
+    tokenizer,
+    text_offset: int,
+) -> tuple[CompletionLogProbs, int]:
+    """The completions-API log-probs of `token_ids`, and the text offset after them.
+
+    `logprobs` entries are None for tokens without log-probs (the first prompt token).
+    """
+    result = CompletionLogProbs()
+    for token_id, entry in zip(token_ids, logprobs, strict=False):
+        token = _token_text(entry, token_id, tokenizer)
+        result.tokens.append(token)
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+        chosen = entry.get(token_id) if entry else None
+        if chosen is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
+        result.token_logprobs.append(_clamp(chosen.logprob))
+        top = {lp.decoded_token or "": _clamp(lp.logprob) for _, lp in _top(entry, num_top)}
+        top.setdefault(token, _clamp(chosen.logprob))
+        result.top_logprobs.append(top)
+    return result, text_offset
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int, tokenizer
+) -> list[ChatLogProbContent]:
+    """The chat-API log-probs (`choices[i].logprobs.content`) of `token_ids`."""
+    content = []
+    for token_id, entry in zip(token_ids, logprobs, strict=False):
+        token = _token_text(entry, token_id, tokenizer)
+        chosen = entry.get(token_id)
+        top = [
+            ChatLogProb(
+                token=lp.decoded_token or "",
+                logprob=_clamp(lp.logprob),
+                bytes=list((lp.decoded_token or "").encode()),
+            )
+            for _, lp in _top(entry, num_top)
+        ]
+        content.append(
+            ChatLogProbContent(
+                token=token,
+                logprob=_clamp(chosen.logprob) if chosen else _MIN_LOGPROB,
+                bytes=list(token.encode()),
+                top_logprobs=top,
+            )
+        )
+    return content
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """What clients see: "stop" or "length" ("abort" is never answered)."""
+    return reason if reason in (None, "stop", "length") else "stop"
