@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from atom_engine.chat_template import apply_chat_template
 from atom_engine.config import EngineConfig
 from atom_engine.engine import LLMEngine
 from atom_engine.outputs import RequestOutput
@@ -100,10 +101,8 @@ class LLM:
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, kwargs: dict | None = None
     ) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, **(kwargs or {})
+        if self.engine.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
+        return apply_chat_template(
+            self.engine.tokenizer, messages, add_generation_prompt, chat_template_kwargs=kwargs
         )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -59,8 +59,10 @@ class SamplingParams:
             fail("top_p", "must be in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
             fail("min_p", "must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", "must be an integer or None")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not 0 <= self.seed < 2**63 - self.n
+        ):
+            fail("seed", "must be an integer in [0, 2**63 - n) or None")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):

@@ -7,10 +7,10 @@ import itertools
 import sys
 from typing import TextIO
 
+from atom_engine.chat_template import apply_chat_template
 from atom_engine.cli.args import engine_config_from_args
 from atom_engine.engine import LLMEngine
 from atom_engine.sampling_params import SamplingParams
-from atom_engine.server.chat_template import apply_chat_template
 
 _ids = itertools.count()
 

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
+from atom_engine.chat_template import apply_chat_template, message_text
 from atom_engine.outputs import CompletionOutput, RequestOutput
-from atom_engine.server.chat_template import apply_chat_template, message_text
 from atom_engine.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,

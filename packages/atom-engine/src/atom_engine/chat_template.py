@@ -1,4 +1,4 @@
-"""Chat messages -> prompt token ids with the model's chat template (server and `atom chat`)."""
+"""Chat messages -> prompt token ids with the model's chat template (LLM.chat, server, CLI)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def apply_chat_template(
     Raises ValueError when the model has no template or the template refuses the conversation.
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+        raise ValueError("this model's tokenizer has no chat template (use plain completions)")
     if not messages:
         raise ValueError("messages must not be empty")
     if continue_final_message and messages[-1].get("role") != "assistant":
