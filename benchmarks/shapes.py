@@ -50,8 +50,30 @@ def qwen3_0_6b():
 SHAPES = {"llama3-8b": llama3_8b, "qwen3-0.6b": qwen3_0_6b}
 
 
-def config_dir(name: str) -> str:
-    """A directory holding only config.json for `name` (for load_format='dummy')."""
-    path = Path(tempfile.mkdtemp(prefix=f"atom-{name}-"))
-    SHAPES[name]().save_pretrained(path)
+def config_dir(name: str, tokenizer_dir: str | None = None, out: str | None = None) -> str:
+    """A directory with config.json for `name` (for load_format='dummy').
+
+    With `tokenizer_dir`, its tokenizer files are copied in and the vocabulary is cut to the
+    tokenizer's size, so a server can take text prompts (the serving benchmark).
+    """
+    import shutil
+
+    path = Path(out) if out else Path(tempfile.mkdtemp(prefix=f"atom-{name}-"))
+    path.mkdir(parents=True, exist_ok=True)
+    config = SHAPES[name]()
+    if tokenizer_dir:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        config.vocab_size = len(tokenizer)
+        config.eos_token_id = tokenizer.eos_token_id
+        for f in Path(tokenizer_dir).iterdir():
+            shutil.copy(f, path / f.name)
+    config.save_pretrained(path)
     return str(path)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(config_dir(sys.argv[1], *sys.argv[2:]))

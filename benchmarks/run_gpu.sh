@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then benchmarks, results as JSON under $OUT (or ./gpu-out).
+#   bash benchmarks/run_gpu.sh tests kernels decode     # phase 1
+#   bash benchmarks/run_gpu.sh throughput serve         # phase 2
+# Needs the wheels the GPU image lacks in .whl (../shared/device/fetch-wheels.sh) and the bundled
+# tokenizer in .bench_assets/tokenizer (for the serving benchmark's text prompts).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$(ls -d packages/*/src | paste -sd:):$PYTHONPATH
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+
+for phase in "$@"; do
+    echo "=== $phase ($(date +%T))"
+    case $phase in
+    tests)
+        ATOM_REQUIRE_GPU=1 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -x \
+            --junitxml="$OUT/gpu-tests.xml" packages 2>&1 | tail -40 | tee "$OUT/gpu-tests.log" ;;
+    kernels)
+        timeout 240 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -40 ;;
+    decode)
+        for shape in qwen3-0.6b llama3-8b; do
+            timeout 200 python3 benchmarks/engine_bench.py decode --shape $shape \
+                --out "$OUT/decode-$shape.json" 2>&1 | grep -v Warning | tail -8
+        done ;;
+    throughput)
+        timeout 280 python3 benchmarks/engine_bench.py throughput --shape qwen3-0.6b \
+            --workload nanovllm --hf-prompts 64 --out "$OUT/throughput-qwen3-0.6b.json" 2>&1 | tail -5
+        timeout 280 python3 benchmarks/engine_bench.py throughput --shape llama3-8b \
+            --workload 512x256 --hf-prompts 64 --out "$OUT/throughput-llama3-8b.json" 2>&1 | tail -5 ;;
+    serve)
+        model=$(python3 benchmarks/shapes.py qwen3-0.6b .bench_assets/tokenizer /tmp/qwen3-serve)
+        python3 -m atom_engine.cli.main serve --model "$model" --load-format dummy --port 8011 \
+            --max-num-seqs 128 --uvicorn-log-level warning > "$OUT/serve.log" 2>&1 &
+        server=$!
+        for _ in $(seq 1 120); do curl -sf localhost:8011/health >/dev/null && break; sleep 1; done
+        for c in 1 16 64; do
+            n=$(( c == 1 ? 16 : 4 * c ))
+            timeout 200 python3 -m atom_engine.cli.main bench serve --base-url http://127.0.0.1:8011 \
+                --tokenizer .bench_assets/tokenizer --num-prompts $n --max-concurrency $c \
+                --random-input-len 512 --random-output-len 128 --ignore-eos --save-result \
+                --result-dir "$OUT" --result-filename "serve-c$c.json" 2>&1 | tail -24
+        done
+        kill $server ;;
+    esac
+done
+echo "=== done ($(date +%T))"; ls -la "$OUT"
