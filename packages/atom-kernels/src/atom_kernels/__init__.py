@@ -9,13 +9,17 @@ from atom_kernels.ops import (
     apply_penalties,
     apply_top_k_top_p_min_p,
     fused_add_rms_norm,
+    fused_moe,
     gelu_and_mul,
+    grouped_topk,
     paged_attention,
     reshape_and_cache,
     rms_norm,
     rotary_embedding,
     sample,
     silu_and_mul,
+    topk_softmax,
+    topk_then_softmax,
 )
 from atom_kernels.registry import current_backend, get_op, register_op
 from atom_kernels.rope import rope_cos_sin_cache, rope_inv_freq_and_attention_factor
@@ -29,8 +33,10 @@ __all__ = [
     "apply_top_k_top_p_min_p",
     "current_backend",
     "fused_add_rms_norm",
+    "fused_moe",
     "gelu_and_mul",
     "get_op",
+    "grouped_topk",
     "paged_attention",
     "register_op",
     "reshape_and_cache",
@@ -40,4 +46,6 @@ __all__ = [
     "rotary_embedding",
     "sample",
     "silu_and_mul",
+    "topk_softmax",
+    "topk_then_softmax",
 ]

@@ -52,14 +52,16 @@ def iter_weights(model: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
     """Give every `meta` parameter real (uninitialized) storage, once; tied parameters stay tied.
 
-    Computed buffers (rotary caches) were built for real and only move to `device`.
+    Computed buffers (rotary caches) were built for real and only move to `device`. A parameter
+    with a `fixed_dtype` attribute keeps that dtype (e.g. an fp32 router bias in a bf16 model).
     """
     replaced: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             new = replaced.get(id(param))
             if new is None:
-                data = torch.empty(param.shape, dtype=dtype, device=device)
+                param_dtype = getattr(param, "fixed_dtype", None) or dtype
+                data = torch.empty(param.shape, dtype=param_dtype, device=device)
                 new = nn.Parameter(data, requires_grad=False)
                 new.__dict__.update(param.__dict__)  # weight_loader, shard_ids
                 replaced[id(param)] = new

@@ -10,6 +10,10 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("atom_models.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("atom_models.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("atom_models.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("atom_models.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("atom_models.models.mixtral", "MixtralForCausalLM"),
+    "Glm4MoeForCausalLM": ("atom_models.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "GptOssForCausalLM": ("atom_models.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 

@@ -28,6 +28,11 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        # Float buffers saved with the weights (GLM-4-MoE's e_score_correction_bias).
+        saved = model.state_dict().keys()
+        for name, b in model.named_buffers():
+            if name in saved and b.is_floating_point():
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
 def save_random_checkpoint(config, path: str | Path, seed: int = 0, tokenizer=None):

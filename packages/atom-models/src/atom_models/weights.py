@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,7 +37,7 @@ def load_weights(
     packed parameter) that no tensor filled, raises `CheckpointMismatchError` naming them.
     """
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
-    mapping: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules_mapping", {})
+    mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     loaded_shards: dict[str, set] = {}
     unexpected: list[str] = []
@@ -50,12 +51,16 @@ def load_weights(
             continue
         try:
             if shard_id is None:
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                filled = getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             else:
-                param.weight_loader(param, tensor, shard_id)
+                filled = param.weight_loader(param, tensor, shard_id)
         except ValueError as e:
             raise CheckpointMismatchError(f"{name} -> {param_name}: {e}") from e
-        loaded_shards.setdefault(param_name, set()).add(shard_id)
+        # A loader may say which shards it filled: one fused tensor can fill every shard of a
+        # packed parameter (3-D expert weights), or none (an expert another rank owns).
+        loaded_shards.setdefault(param_name, set()).update(
+            {shard_id} if filled is None else filled
+        )
     loaded = set(loaded_shards)
     if strict:
         missing = []
@@ -71,11 +76,16 @@ def load_weights(
     return loaded
 
 
-def _target(name: str, mapping: dict[str, tuple[str, int | str]]) -> tuple[str, int | str | None]:
-    """The parameter a checkpoint tensor loads into, and its shard id (None: not packed)."""
+def _target(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
+    """The parameter a checkpoint tensor loads into, and its shard id (None: not packed).
+
+    A mapping key matches whole dotted components of the name, in its middle or at its end
+    (`experts.0.w1.weight`, `experts.gate_up_proj`); the first matching key wins.
+    """
+    dotted = f"{name}."
     for ckpt_part, (param_part, shard_id) in mapping.items():
-        if f".{ckpt_part}." in name:
-            return name.replace(f".{ckpt_part}.", f".{param_part}."), shard_id
+        if f".{ckpt_part}." in dotted:
+            return dotted.replace(f".{ckpt_part}.", f".{param_part}.")[:-1], shard_id
     return name, None
 
 

@@ -3,6 +3,7 @@
 from atom_kernels.ops.activation import gelu_and_mul, silu_and_mul
 from atom_kernels.ops.attention import paged_attention
 from atom_kernels.ops.cache import reshape_and_cache
+from atom_kernels.ops.moe import fused_moe, grouped_topk, topk_softmax, topk_then_softmax
 from atom_kernels.ops.norm import fused_add_rms_norm, rms_norm
 from atom_kernels.ops.rotary import rotary_embedding
 from atom_kernels.ops.sampling import (
@@ -17,11 +18,15 @@ __all__ = [
     "apply_penalties",
     "apply_top_k_top_p_min_p",
     "fused_add_rms_norm",
+    "fused_moe",
     "gelu_and_mul",
+    "grouped_topk",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
     "sample",
     "silu_and_mul",
+    "topk_softmax",
+    "topk_then_softmax",
 ]

@@ -22,6 +22,15 @@ def rope_parameters(config) -> tuple[float, dict | None]:
     )
 
 
+def partial_rotary_factor(config) -> float:
+    """The fraction of each head rotated: a config field (transformers 4.x) or a key of
+    `rope_parameters` (transformers 5.x, e.g. GLM-4-MoE)."""
+    factor = getattr(config, "partial_rotary_factor", None)
+    if factor is None:
+        factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    return 1.0 if factor is None else float(factor)
+
+
 def _cache_length(max_position: int, rope_scaling: dict | None) -> int:
     """How many positions the cos/sin cache must cover for this scaling type."""
     if not rope_scaling:

@@ -14,7 +14,7 @@ from atom_models.layers.linear import (
     RowParallelLinear,
 )
 from atom_models.layers.norm import RMSNorm
-from atom_models.layers.rotary import get_rope, rope_parameters
+from atom_models.layers.rotary import get_rope, partial_rotary_factor, rope_parameters
 from atom_models.models.base import CausalLMBase
 
 
@@ -25,6 +25,8 @@ def head_dim_of(config) -> int:
 def sliding_window_of(config, layer_idx: int) -> int | None:
     """The layer's sliding window from `layer_types` (transformers 5) or legacy fields."""
     layer_types = getattr(config, "layer_types", None)
+    if layer_types is None and not hasattr(config, "use_sliding_window"):
+        return getattr(config, "sliding_window", None)  # Mistral, Mixtral: every layer
     if layer_types is not None:
         is_sliding = layer_types[layer_idx] == "sliding_attention"
     else:
@@ -68,7 +70,7 @@ class LlamaAttention(nn.Module):
             config.max_position_embeddings,
             base,
             scaling,
-            partial_rotary_factor=getattr(config, "partial_rotary_factor", 1.0),
+            partial_rotary_factor=partial_rotary_factor(config),
         )
         self.attn = Attention(
             self.qkv_proj.num_heads,
@@ -91,11 +93,15 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, prefix: str) -> None:
         super().__init__()
         self.self_attn = self.attention_cls(config, layer_idx, prefix=f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
-        )
+        self.mlp = self.build_mlp(config, layer_idx, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def build_mlp(self, config, layer_idx: int, prefix: str) -> nn.Module:
+        """The layer's feed-forward block (MoE models choose dense or sparse per layer)."""
+        return LlamaMLP(
+            config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
+        )
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None

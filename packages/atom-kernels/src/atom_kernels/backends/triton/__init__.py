@@ -1,0 +1,10 @@
+"""The Triton backend: fused kernels for CUDA and ROCm GPUs (and the CPU through Triton's
+interpreter, ``TRITON_INTERPRET=1``, for tests).
+
+Each op is a private ``@triton.jit`` kernel with a launcher that checks shapes and picks block sizes
+(``norm``, ``rotary``, ``activation``, ``cache``, ``attention``); ``custom_ops`` wraps the launchers
+as torch custom ops and registers them as the ``triton`` implementations. Ops without a Triton
+kernel here (sampling) run the torch reference through the registry's fallback.
+"""
+
+from atom_kernels.backends.triton import custom_ops  # noqa: F401  (imported to register the ops)

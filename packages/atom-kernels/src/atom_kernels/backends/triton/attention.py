@@ -1,0 +1,266 @@
+"""Triton paged attention launcher: picks tile sizes and the decode split, launches the kernels.
+
+Routing is per sequence, on the device: the varlen kernel (attention_prefill) takes the sequences
+with more than one query row and zeroes the padding rows; the flash-decoding kernel
+(attention_decode) takes the sequences with exactly one. Both are launched for every batch, sized
+from shapes alone, so the launcher never reads a device value (no host sync, CUDA-graph safe) and a
+mixed batch gets split-KV decode for its decode rows. A kernel whose rows are all elsewhere costs
+one launch of programs that exit after reading query_start_loc.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+
+from atom_kernels.backends.triton.attention_decode import decode_kernel, decode_reduce_kernel
+from atom_kernels.backends.triton.attention_prefill import prefill_kernel
+from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_sms, scale_args
+
+# Decode splits: a split holds at least this many KV tokens (shorter ones cost more in partial
+# writes and the reduce than they win in parallelism), and there are at most MAX_SPLITS of them.
+MIN_SPLIT_TOKENS = 128
+MAX_SPLITS = 64
+# Programs the decode grid aims for, per SM: enough resident programs to cover memory latency.
+PROGRAMS_PER_SM = 2
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile sizes and launch options of the two attention kernels. The decode kernel runs with
+    ``decode_num_warps`` when it splits the context and ``decode_num_warps_unsplit`` when the
+    batch alone fills the GPU (more, smaller resident programs keep more loads in flight)."""
+
+    prefill_block_m: int
+    prefill_block_n: int
+    prefill_num_warps: int
+    prefill_num_stages: int
+    decode_block_n: int
+    decode_num_warps: int
+    decode_num_stages: int
+    decode_num_warps_unsplit: int
+
+
+def default_config(
+    head_dim: int, dtype: torch.dtype, interpreted: bool, group: int = 1
+) -> AttentionConfig:
+    """Tiles for a head dim (padded to a power of two), the query dtype and the GQA group size.
+
+    NOTE: registers / spills from sm_90 cubins (triton 3.9 AOT builds, read with cuobjdump):
+    bf16, D=128: prefill 128x64 / 8 warps takes 222 registers, decode with a 64-token tile 134
+    (179 at 2 warps), none spills; 64x64 / 4 warps prefill spills at D=128. Timings on one H200
+    (triton 3.6, torch 2.11, CUDA-graph medians, Llama-3-8B heads, bf16): prefill 2K causal
+    128x64/8w/3 stages 185 us vs 196 us at 2 stages and 219 us at 64x64/4w; 2K over a 6K prefix
+    925 vs 1007 us. Decode B=64 x 4K (no split) 274 us at 2 warps vs 358 us at 4; B=8 x 4K
+    (5 splits) 52 us at 4 warps vs 59 us at 2; B=1 x 1K 9.8 us with 128-token splits vs 13.7 us
+    with 256. fp32 queries keep IEEE fp32 dots, which run on the FMA units and spill at larger
+    tiles, so they get small ones (fp32 is for tests, not speed). Decode groups of >= 64 heads
+    shrink the KV tile.
+    """
+    if interpreted:  # small tiles: several KV tiles and query tiles even at test sizes
+        return AttentionConfig(16, 16, 4, 1, 16, 4, 1, 4)
+    block_d = next_pow2(head_dim, 16)
+    if dtype == torch.float32:
+        return AttentionConfig(32, 16, 4, 2, 32, 4, 2, 4)
+    if block_d <= 64:
+        config = AttentionConfig(64, 64, 4, 3, 64, 4, 3, 2)
+    elif block_d <= 128:
+        config = AttentionConfig(128, 64, 8, 3, 64, 4, 3, 2)
+    else:
+        config = AttentionConfig(64, 32, 8, 2, 32, 4, 2, 4)
+    block_g = next_pow2(group, 16)
+    if block_g >= 64:
+        decode_block_n = 16 if block_g >= 128 else 32
+        config = replace(
+            config,
+            decode_block_n=min(config.decode_block_n, decode_block_n),
+            decode_num_warps_unsplit=4,
+        )
+    return config
+
+
+def choose_splits(
+    num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int, block_n: int
+) -> tuple[int, int]:
+    """(num_splits, split_len) of the decode grid (num_seqs, num_kv_heads, num_splits).
+
+    Split only when the batch alone does not give every SM PROGRAMS_PER_SM programs, into splits
+    of >= MIN_SPLIT_TOKENS tokens (a multiple of block_n), at most MAX_SPLITS. ``max_context`` is
+    what the block table can hold (shapes only: no host sync), so a table much wider than the
+    batch's longest sequence gives its work to fewer splits than it could.
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    target = PROGRAMS_PER_SM * num_sms
+    num_splits = 1
+    if programs < target and max_context > MIN_SPLIT_TOKENS:
+        num_splits = min(
+            triton.cdiv(target, programs),
+            triton.cdiv(max_context, MIN_SPLIT_TOKENS),
+            MAX_SPLITS,
+        )
+    split_len = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), block_n) * block_n
+    return triton.cdiv(max(max_context, 1), split_len), split_len
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+    soft_cap: float | None,
+    k_scale: float | torch.Tensor | None,
+    v_scale: float | torch.Tensor | None,
+    out: torch.Tensor | None,
+    *,
+    num_splits: int | None = None,
+    config: AttentionConfig | None = None,
+) -> torch.Tensor:
+    """See atom_kernels.paged_attention. ``num_splits`` / ``config`` override the heuristics
+    (tests use them to force several decode splits and small tiles)."""
+    # T = query tokens, H / Hk = query / kv heads, D / Dv = key / value head dims, B = sequences
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    head_dim_v = value_cache.shape[3]
+    num_seqs = block_tables.shape[0]
+    if out is None:
+        out = torch.empty(
+            (num_tokens, num_heads, head_dim_v), dtype=query.dtype, device=query.device
+        )  # [T, H, Dv]
+    if num_tokens == 0:
+        return out
+    if num_seqs == 0:
+        return out.zero_()
+    interpreted = is_interpreted(query.device)
+    config = config or default_config(head_dim, query.dtype, interpreted, num_heads // num_kv_heads)
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
+    sinks = sinks.contiguous() if sinks is not None else None
+    k_scale_ptr, k_scale_f, k_is_ptr = scale_args(k_scale, query)
+    v_scale_ptr, v_scale_f, v_is_ptr = scale_args(v_scale, query)
+    block_d, block_dv = next_pow2(head_dim, 16), next_pow2(head_dim_v, 16)
+    flags = dict(
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None,
+        HAS_SOFTCAP=soft_cap is not None,
+        K_SCALE_IS_PTR=k_is_ptr,
+        V_SCALE_IS_PTR=v_is_ptr,
+        # fp32 inputs keep fp32 dots (no TF32); 16-bit inputs ignore the setting.
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+    )
+    common = (
+        num_heads // num_kv_heads,
+        head_dim,
+        head_dim_v,
+        block_size,
+    )
+    values = (
+        float(scale),
+        k_scale_f,
+        v_scale_f,
+        float(soft_cap) if soft_cap is not None else 1.0,
+        int(sliding_window) if sliding_window is not None else 0,
+        *query.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        *out.stride(),
+        block_tables.stride(0),
+    )
+    dummy = query
+    block_m = config.prefill_block_m
+    prefill_kernel[(num_tokens // block_m + num_seqs + 1, num_heads)](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        sinks if sinks is not None else dummy,
+        k_scale_ptr,
+        v_scale_ptr,
+        num_seqs,
+        num_tokens,
+        *common,
+        *values,
+        BLOCK_M=block_m,
+        BLOCK_N=config.prefill_block_n,
+        num_warps=config.prefill_num_warps,
+        num_stages=config.prefill_num_stages,
+        **flags,
+    )
+
+    block_n = config.decode_block_n
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits, split_len = choose_splits(
+            num_seqs, num_kv_heads, max_context, num_sms(query.device), block_n
+        )
+    else:
+        split_len = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), block_n) * block_n
+        num_splits = triton.cdiv(max(max_context, 1), split_len)
+    group = num_heads // num_kv_heads
+    if num_splits > 1:
+        m_part = torch.empty(
+            (num_seqs, num_heads, num_splits), dtype=torch.float32, device=out.device
+        )
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty(
+            (num_seqs, num_heads, num_splits, block_dv), dtype=torch.float32, device=out.device
+        )
+    else:
+        m_part = l_part = acc_part = out
+    decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        m_part,
+        l_part,
+        acc_part,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        sinks if sinks is not None else dummy,
+        k_scale_ptr,
+        v_scale_ptr,
+        num_heads,
+        *common,
+        split_len,
+        num_splits,
+        *values,
+        SINGLE_SPLIT=num_splits == 1,
+        BLOCK_G=next_pow2(group, 16),
+        BLOCK_N=block_n,
+        num_warps=config.decode_num_warps if num_splits > 1 else config.decode_num_warps_unsplit,
+        num_stages=config.decode_num_stages,
+        **flags,
+    )
+    if num_splits > 1:
+        decode_reduce_kernel[(num_seqs, num_heads)](
+            out,
+            m_part,
+            l_part,
+            acc_part,
+            seq_lens,
+            query_start_loc,
+            sinks if sinks is not None else dummy,
+            num_heads,
+            head_dim_v,
+            split_len,
+            num_splits,
+            *out.stride(),
+            HAS_SINKS=sinks is not None,
+            BLOCK_S=next_pow2(num_splits),
+            BLOCK_DV=block_dv,
+            num_warps=4,
+        )
+    return out

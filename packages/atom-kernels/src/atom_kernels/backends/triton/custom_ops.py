@@ -1,0 +1,236 @@
+"""The Triton ops as torch custom ops ("atom::triton_<op>") with fake (meta) implementations, so
+they sit inside torch.compile graphs and CUDA-graph capture as single opaque nodes; each is
+registered in the registry as the ``triton`` implementation of its op.
+
+Schemas are written out (not inferred from annotations) so they read the same on every torch
+version. A per-tensor scale (float or one-element tensor in the public API) travels as two
+arguments, ``Tensor? <name>`` and ``float? <name>_value``; ops that write into tensors declare them
+in ``mutates_args``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from atom_kernels.backends.triton import activation, attention, cache, norm, rotary
+from atom_kernels.registry import register_op
+
+
+def _new_like(x: torch.Tensor, shape=None) -> torch.Tensor:
+    return torch.empty(x.shape if shape is None else shape, dtype=x.dtype, device=x.device)
+
+
+def _split_scale(scale: float | torch.Tensor | None) -> tuple[torch.Tensor | None, float | None]:
+    if isinstance(scale, torch.Tensor):
+        return scale, None
+    return None, None if scale is None else float(scale)
+
+
+def _join_scale(tensor: torch.Tensor | None, value: float | None) -> float | torch.Tensor | None:
+    return tensor if tensor is not None else value
+
+
+# --- norms ------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "atom::triton_rms_norm",
+    mutates_args=(),
+    schema="(Tensor x, Tensor weight, float eps) -> Tensor",
+)
+def rms_norm(x, weight, eps):
+    return norm.rms_norm(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return _new_like(x)
+
+
+@torch.library.custom_op(
+    "atom::triton_fused_add_rms_norm",
+    mutates_args=(),
+    schema="(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+)
+def fused_add_rms_norm(x, residual, weight, eps):
+    return norm.fused_add_rms_norm(x, residual, weight, eps)
+
+
+@fused_add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    return _new_like(x), _new_like(x)
+
+
+# --- rotary -----------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "atom::triton_rotary_embedding",
+    mutates_args=(),
+    schema="(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache, bool is_neox) "
+    "-> (Tensor, Tensor)",
+)
+def rotary_embedding(positions, q, k, cos_sin_cache, is_neox):
+    return rotary.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+
+
+@rotary_embedding.register_fake
+def _(positions, q, k, cos_sin_cache, is_neox):
+    return _new_like(q), _new_like(k)
+
+
+# --- activations ------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "atom::triton_silu_and_mul", mutates_args=(), schema="(Tensor x) -> Tensor"
+)
+def silu_and_mul(x):
+    return activation.silu_and_mul(x)
+
+
+@torch.library.custom_op(
+    "atom::triton_gelu_and_mul", mutates_args=(), schema="(Tensor x, str approximate) -> Tensor"
+)
+def gelu_and_mul(x, approximate):
+    return activation.gelu_and_mul(x, approximate)
+
+
+@silu_and_mul.register_fake
+def _(x):
+    return _new_like(x, (*x.shape[:-1], x.shape[-1] // 2))
+
+
+@gelu_and_mul.register_fake
+def _(x, approximate):
+    return _new_like(x, (*x.shape[:-1], x.shape[-1] // 2))
+
+
+# --- KV cache ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "atom::triton_reshape_and_cache",
+    mutates_args=("key_cache", "value_cache"),
+    schema="(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "Tensor slot_mapping, Tensor? k_scale, float? k_scale_value, Tensor? v_scale, "
+    "float? v_scale_value) -> ()",
+)
+def _reshape_and_cache_op(
+    key, value, key_cache, value_cache, slot_mapping, k_scale, k_scale_value, v_scale, v_scale_value
+):
+    cache.reshape_and_cache(
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        _join_scale(k_scale, k_scale_value),
+        _join_scale(v_scale, v_scale_value),
+    )
+
+
+@_reshape_and_cache_op.register_fake
+def _(key, value, key_cache, value_cache, slot_mapping, *scales):
+    return None
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float | torch.Tensor | None,
+    v_scale: float | torch.Tensor | None,
+) -> None:
+    _reshape_and_cache_op(
+        key, value, key_cache, value_cache, slot_mapping, *_split_scale(k_scale),
+        *_split_scale(v_scale),
+    )  # fmt: skip
+
+
+# --- attention --------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "atom::triton_paged_attention",
+    mutates_args=("out",),
+    schema="(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+    "Tensor seq_lens, Tensor query_start_loc, float scale, int? sliding_window, Tensor? sinks, "
+    "float? soft_cap, Tensor? k_scale, float? k_scale_value, Tensor? v_scale, "
+    "float? v_scale_value, Tensor(a!) out) -> ()",
+)
+def _paged_attention_op(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    scale,
+    sliding_window,
+    sinks,
+    soft_cap,
+    k_scale,
+    k_scale_value,
+    v_scale,
+    v_scale_value,
+    out,
+):
+    attention.paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale,
+        sliding_window,
+        sinks,
+        soft_cap,
+        _join_scale(k_scale, k_scale_value),
+        _join_scale(v_scale, v_scale_value),
+        out,
+    )
+
+
+@_paged_attention_op.register_fake
+def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *rest):
+    return None
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+    soft_cap: float | None,
+    k_scale: float | torch.Tensor | None,
+    v_scale: float | torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    if out is None:
+        out = _new_like(query, (*query.shape[:2], value_cache.shape[3]))
+    _paged_attention_op(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+        sliding_window, sinks, soft_cap, *_split_scale(k_scale), *_split_scale(v_scale), out,
+    )  # fmt: skip
+    return out
+
+
+for _name, _fn in {
+    "rms_norm": rms_norm,
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "rotary_embedding": rotary_embedding,
+    "silu_and_mul": silu_and_mul,
+    "gelu_and_mul": gelu_and_mul,
+    "reshape_and_cache": reshape_and_cache,
+    "paged_attention": paged_attention,
+}.items():
+    register_op(_name, "triton")(_fn)

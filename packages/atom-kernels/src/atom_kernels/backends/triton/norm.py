@@ -1,0 +1,103 @@
+"""Triton RMSNorm and fused residual-add + RMSNorm: one row per program, fp32 statistics."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_kernels.backends.torch import norm as reference
+from atom_kernels.backends.triton.common import (
+    MAX_FUSED_SIZE,
+    as_rows,
+    next_pow2,
+    row_num_warps,
+)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    num_cols,
+    eps,
+    stride_xm,
+    stride_xn,
+    stride_rm,
+    stride_rn,
+    stride_w,
+    stride_om,
+    stride_rom,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < num_cols
+    x = tl.load(x_ptr + row * stride_xm + cols * stride_xn, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_rm + cols * stride_rn, mask=mask, other=0.0)
+        # The sum rounds to the input dtype (as `x + residual` does in torch) before the norm.
+        x = (x + r.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_rom + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    variance = tl.sum(x * x, axis=0) / num_cols
+    # HF rounding: the normalized row goes to the input dtype, then the weight multiplies it.
+    normed = (x * tl.math.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight_ptr + cols * stride_w, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + cols, w * normed, mask=mask)
+
+
+def _launch(x, residual, weight, eps):
+    num_cols = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(out) if residual is not None else None
+    x2 = as_rows(x)
+    r2 = as_rows(residual) if residual is not None else x2
+    out2 = out.view(-1, num_cols)
+    rout2 = residual_out.view(-1, num_cols) if residual_out is not None else out2
+    num_rows = x2.shape[0]
+    if num_rows == 0 or num_cols == 0:
+        if residual_out is not None:
+            residual_out.copy_(x + residual)
+        return out, residual_out
+    block = next_pow2(num_cols)
+    _rms_norm_kernel[(num_rows,)](
+        x2,
+        r2,
+        weight,
+        out2,
+        rout2,
+        num_cols,
+        eps,
+        x2.stride(0),
+        x2.stride(1),
+        r2.stride(0),
+        r2.stride(1),
+        weight.stride(0),
+        out2.stride(0),
+        rout2.stride(0),
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_N=block,
+        num_warps=row_num_warps(block),
+    )
+    return out, residual_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N], weight [N] -> [..., N] in x's dtype (see atom_kernels.rms_norm)."""
+    if x.shape[-1] > MAX_FUSED_SIZE:
+        return reference.rms_norm(x, weight, eps)
+    return _launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), both new tensors of x's shape and dtype."""
+    if x.shape[-1] > MAX_FUSED_SIZE:
+        return reference.fused_add_rms_norm(x, residual, weight, eps)
+    return _launch(x, residual, weight, eps)

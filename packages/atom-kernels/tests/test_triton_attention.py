@@ -1,0 +1,321 @@
+"""Triton paged_attention against the torch reference: mixed prefill-with-prefix + decode batches
+over NaN-poisoned caches with shuffled block tables; GQA / MQA / Dv != D; window, sinks, soft-cap;
+fp8 caches; several decode splits. Small shapes run everywhere (interpreted on CPU), real sizes on
+a GPU (``gpu`` marker)."""
+
+import math
+
+import pytest
+import torch
+
+from atom_kernels.backends.torch import attention as reference
+from atom_kernels.testing import assert_close, assert_equal
+
+FP8 = torch.float8_e4m3fn
+TOLERANCES = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+# (H, Hk, D, Dv, block_size): GQA, MQA, MHA with a value head dim != key head dim
+GQA, MQA, DV = (8, 2, 64, 64, 16), (4, 1, 40, 40, 5), (3, 3, 24, 17, 7)
+# (seq_len, q_len): prefill, prefill over a cached prefix, decodes, an empty query, a short prefill
+MIXED = [(37, 37), (50, 13), (20, 1), (1, 1), (64, 1), (9, 0), (33, 4)]
+FEATURES = {
+    "causal": {},
+    "window": {"sliding_window": 8},
+    "sinks_softcap": {"sinks": True, "soft_cap": 5.0},
+    "window_sinks": {"sliding_window": 3, "sinks": True},
+}
+
+
+class PagedBatch:
+    """Random K/V per sequence written through shuffled blocks into a NaN-poisoned paged cache;
+    block-table entries past a sequence's blocks point far outside the cache."""
+
+    def __init__(
+        self,
+        seqs,
+        heads,
+        dtype,
+        device,
+        *,
+        cache_dtype=None,
+        strided=False,
+        pad_rows=2,
+        spare_blocks=1,
+        index_dtype=torch.int32,
+        seed=0,
+    ):
+        num_heads, num_kv_heads, head_dim, head_dim_v, block_size = heads
+        g = torch.Generator().manual_seed(seed)
+        self.seq_lens = [s for s, _ in seqs]
+        self.q_lens = [q for _, q in seqs]
+        num_tokens = sum(self.q_lens) + pad_rows
+        width = num_heads * head_dim
+        qkv = torch.randn(num_tokens, 2 * width, generator=g).to(dtype).to(device)
+        query = qkv[:, :width] if strided else qkv[:, :width].contiguous()
+        self.query = query.view(num_tokens, num_heads, head_dim)  # [T, H, D]
+
+        blocks_per_seq = [-(-s // block_size) for s in self.seq_lens]
+        max_blocks = max(blocks_per_seq) + spare_blocks
+        num_blocks = sum(blocks_per_seq) + 3  # spare blocks stay NaN
+        self.block_tables = torch.full((len(seqs), max_blocks), num_blocks + 1000)
+        shape_k = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape_v = (num_blocks, block_size, num_kv_heads, head_dim_v)
+        fp8 = cache_dtype == FP8
+        self.k_scale, self.v_scale = (0.02, 0.015) if fp8 else (None, None)
+        cache_dtype = cache_dtype or dtype
+        if strided and head_dim == head_dim_v:  # one [num_blocks, 2, ...] buffer, K and V views
+            kv = torch.full((num_blocks, 2, *shape_k[1:]), float("nan")).to(cache_dtype)
+            key_cache, value_cache = kv[:, 0], kv[:, 1]
+        else:
+            key_cache = torch.full(shape_k, float("nan")).to(cache_dtype)
+            value_cache = torch.full(shape_v, float("nan")).to(cache_dtype)
+        free = torch.randperm(num_blocks, generator=g).tolist()
+        for b, seq_len in enumerate(self.seq_lens):
+            ids = torch.tensor([free.pop() for _ in range(blocks_per_seq[b])], dtype=torch.long)
+            self.block_tables[b, : len(ids)] = ids
+            pos = torch.arange(seq_len)
+            blocks, offsets = ids[pos // block_size], pos % block_size
+            k = torch.randn(seq_len, num_kv_heads, head_dim, generator=g)
+            v = torch.randn(seq_len, num_kv_heads, head_dim_v, generator=g)
+            if fp8:
+                k, v = k / self.k_scale, v / self.v_scale
+            key_cache[blocks, offsets] = k.to(dtype).to(cache_dtype)
+            value_cache[blocks, offsets] = v.to(dtype).to(cache_dtype)
+        self.key_cache, self.value_cache = key_cache.to(device), value_cache.to(device)
+        self.block_tables = self.block_tables.to(index_dtype).to(device)
+        self.seq_lens_t = torch.tensor(self.seq_lens, dtype=index_dtype, device=device)
+        starts = [0, *torch.tensor(self.q_lens).cumsum(0).tolist()]
+        self.query_start_loc = torch.tensor(starts, dtype=index_dtype, device=device)
+        self.sinks = (torch.randn(num_heads, generator=g) * 2).to(device)
+        self.scale = 1 / math.sqrt(head_dim)
+
+    def args(self, features, k_scale=None, v_scale=None):
+        """The op's positional arguments, without ``out``."""
+        return (
+            self.query,
+            self.key_cache,
+            self.value_cache,
+            self.block_tables,
+            self.seq_lens_t,
+            self.query_start_loc,
+            self.scale,
+            features.get("sliding_window"),
+            self.sinks if features.get("sinks") else None,
+            features.get("soft_cap"),
+            self.k_scale if k_scale is None else k_scale,
+            self.v_scale if v_scale is None else v_scale,
+        )
+
+
+def _check(triton_backend, batch, features, tolerances, num_splits=None, **scales):
+    args = batch.args(features, **scales)
+    out = torch.full(
+        (*batch.query.shape[:2], batch.value_cache.shape[3]),
+        float("nan"),
+        dtype=batch.query.dtype,
+        device=batch.query.device,
+    )
+    result = triton_backend.attention.paged_attention(*args, out, num_splits=num_splits)
+    assert result is out
+    expected = reference.paged_attention(*args, None)
+    atol, rtol = tolerances
+    assert_close(out, expected, atol=atol, rtol=rtol, name="paged_attention")
+    return out
+
+
+# (heads, dtype, feature, strided, num_splits): every feature, head layout and dtype at least once;
+# one and several decode splits. (The full product is the torch backend's grid; the interpreter
+# needs ~1 s a case, so this is a covering subset.)
+CASES = [
+    (GQA, torch.float32, "causal", False, 1),
+    (GQA, torch.bfloat16, "causal", True, 3),
+    (GQA, torch.float16, "window", False, 2),
+    (GQA, torch.bfloat16, "sinks_softcap", False, 3),
+    (GQA, torch.bfloat16, "window_sinks", True, 1),
+    (MQA, torch.float32, "window_sinks", False, 4),
+    (MQA, torch.bfloat16, "sinks_softcap", True, 1),
+    (MQA, torch.float16, "causal", False, 2),
+    (DV, torch.float32, "causal", True, 2),
+    (DV, torch.float16, "window", False, 1),
+    (DV, torch.bfloat16, "sinks_softcap", False, 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("heads", "dtype", "feature", "strided", "num_splits"),
+    CASES,
+    ids=[f"{h[0]}x{h[1]}x{h[2]}-{str(d)[6:]}-{f}-s{int(s)}-{n}split" for h, d, f, s, n in CASES],
+)
+def test_mixed_batch(triton_backend, heads, dtype, feature, strided, num_splits):
+    batch = PagedBatch(MIXED, heads, dtype, triton_backend.device, strided=strided, seed=1)
+    _check(triton_backend, batch, FEATURES[feature], TOLERANCES[dtype], num_splits)
+
+
+@pytest.mark.parametrize("feature", ["causal", "window_sinks"])
+def test_fp8_cache(triton_backend, feature):
+    batch = PagedBatch(MIXED, GQA, torch.bfloat16, triton_backend.device, cache_dtype=FP8, seed=3)
+    scales = {}
+    if feature == "causal":  # scales as one-element device tensors
+        device = triton_backend.device
+        scales = dict(k_scale=torch.tensor([0.02], device=device), v_scale=torch.tensor(0.015))
+        scales["v_scale"] = scales["v_scale"].to(device)
+    _check(triton_backend, batch, FEATURES[feature], TOLERANCES[torch.bfloat16], 3, **scales)
+
+
+def test_decode_only_batch_with_padding(triton_backend):
+    seqs = [(40, 1), (65, 1), (3, 1), (0, 0), (17, 1)]
+    batch = PagedBatch(seqs, GQA, torch.float32, triton_backend.device, pad_rows=3, seed=4)
+    out = _check(triton_backend, batch, FEATURES["sinks_softcap"], TOLERANCES[torch.float32], 4)
+    assert bool((out[-3:] == 0).all()), "padding rows must be zeroed"
+
+
+def test_prefill_only_batch_int64_metadata(triton_backend):
+    seqs = [(30, 30), (45, 20), (18, 2)]
+    batch = PagedBatch(
+        seqs, MQA, torch.float16, triton_backend.device, pad_rows=5, index_dtype=torch.int64
+    )
+    _check(triton_backend, batch, FEATURES["window"], TOLERANCES[torch.float16])
+
+
+def test_public_op_through_the_registry(triton_backend, monkeypatch):
+    """ak.paged_attention with ATOM_KERNEL_BACKEND=triton runs the custom op; out= semantics."""
+    import atom_kernels as ak
+    from atom_kernels import registry
+
+    monkeypatch.setenv(registry.ENV_VAR, "triton")
+    if triton_backend.interpreted:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    registry._reset_for_tests()
+    try:
+        device = triton_backend.device
+        assert ak.get_op("paged_attention", device) is triton_backend.custom_ops.paged_attention
+        batch = PagedBatch(MIXED[:4], MQA, torch.bfloat16, device, seed=6)
+        args = batch.args({"sliding_window": 5})
+        keywords = ("sliding_window", "sinks", "soft_cap", "k_scale", "v_scale")
+        kwargs = dict(zip(keywords, args[7:], strict=True))
+        out = torch.full((*batch.query.shape[:2], 40), float("nan"), dtype=torch.bfloat16)
+        out = out.to(device)
+        assert ak.paged_attention(*args[:7], **kwargs, out=out) is out
+        fresh = ak.paged_attention(*args[:7], **kwargs)
+        assert fresh.dtype == torch.bfloat16
+        assert_equal(fresh, out, name="out= vs returned")
+        expected = reference.paged_attention(*args, None)
+        assert_close(out, expected, atol=1.6e-2, rtol=1.6e-2, name="via registry")
+    finally:
+        registry._reset_for_tests()
+
+
+def test_empty_batches(triton_backend):
+    device = triton_backend.device
+    batch = PagedBatch([(5, 2)], GQA, torch.float32, device, pad_rows=0)
+    query, kc, vc, bt, sl, qsl, *rest = batch.args({})
+    run = triton_backend.attention.paged_attention
+    empty = run(query[:0], kc, vc, bt, sl, qsl[:1] * 0, *rest, None)
+    assert empty.shape == (0, 8, 64)
+    no_seqs = run(query, kc, vc, bt[:0], sl[:0], qsl[:1] * 0, *rest, None)
+    assert bool((no_seqs == 0).all()), "with no sequences every row is padding"
+
+
+def test_choose_splits(triton_backend):
+    choose = triton_backend.attention.choose_splits
+    # Big batch: no split. Batch 1 x 8 kv heads x 8K context on 132 SMs: 32 splits of 256.
+    assert choose(64, 8, 8192, 132, 64) == (1, 8192)
+    assert choose(1, 8, 8192, 132, 64) == (32, 256)
+    # 8 sequences: 5 splits of a multiple of the KV tile covering the context.
+    num_splits, split_len = choose(8, 8, 8192, 132, 64)
+    assert num_splits == 5 and split_len % 64 == 0 and num_splits * split_len >= 8192
+    # Short contexts and MQA: at most MAX_SPLITS, a split of at least MIN_SPLIT_TOKENS (128).
+    assert choose(1, 1, 300, 132, 64) == (3, 128)
+    assert choose(1, 1, 1 << 20, 132, 64)[0] == triton_backend.attention.MAX_SPLITS
+    assert choose(4, 2, 100, 132, 16) == (1, 112)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_default_config(triton_backend, head_dim):
+    config = triton_backend.attention.default_config(head_dim, torch.bfloat16, False)
+    assert config.prefill_block_m >= 16 and config.prefill_block_n >= 16
+    assert config.decode_block_n >= 16
+    fp32 = triton_backend.attention.default_config(head_dim, torch.float32, False)
+    assert fp32.prefill_block_m <= config.prefill_block_m
+    mqa = triton_backend.attention.default_config(head_dim, torch.bfloat16, False, group=128)
+    assert mqa.decode_block_n == 16 and mqa.decode_num_warps_unsplit == 4
+
+
+# --- real sizes on a GPU ----------------------------------------------------------------------
+
+LLAMA3_8B = (32, 8, 128, 128, 16)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_4096_with_prefix_and_decodes(triton_backend):
+    seqs = [(4096, 4096), (6144, 1024), (8192, 1), (300, 1), (2048, 17)]
+    batch = PagedBatch(seqs, LLAMA3_8B, torch.bfloat16, "cuda", seed=10)
+    _check(triton_backend, batch, {}, TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_seqs", [1, 8, 64])
+def test_gpu_decode_8k(triton_backend, num_seqs):
+    # Context lengths from 1K to 8K; the split count comes from the heuristic.
+    lens = torch.linspace(1024, 8192, num_seqs).long().tolist() if num_seqs > 1 else [8192]
+    batch = PagedBatch([(n, 1) for n in lens], LLAMA3_8B, torch.bfloat16, "cuda", seed=11)
+    _check(triton_backend, batch, {}, TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 256])
+@pytest.mark.parametrize("feature", ["window_sinks", "sinks_softcap"])
+def test_gpu_head_dims_and_features(triton_backend, head_dim, feature):
+    seqs = [(1500, 1500), (3000, 700), (5000, 1), (64, 1)]
+    features = dict(FEATURES[feature])
+    if "sliding_window" in features:
+        features["sliding_window"] = 1024
+    batch = PagedBatch(seqs, (16, 4, head_dim, head_dim, 32), torch.bfloat16, "cuda", seed=12)
+    _check(triton_backend, batch, features, TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_cache_and_fp32_query(triton_backend):
+    seqs = [(2000, 2000), (4000, 300), (6000, 1), (100, 1)]
+    batch = PagedBatch(seqs, LLAMA3_8B, torch.bfloat16, "cuda", cache_dtype=FP8, seed=13)
+    _check(triton_backend, batch, FEATURES["window_sinks"], TOLERANCES[torch.bfloat16])
+    batch = PagedBatch(seqs, (8, 2, 128, 128, 16), torch.float32, "cuda", seed=14)
+    _check(triton_backend, batch, {}, (1e-4, 1e-4))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_and_torch_compile(triton_backend):
+    """The custom ops capture into a CUDA graph (no host sync in the launchers) and compile with
+    fullgraph=True; replays give the eager result."""
+    ops = triton_backend.custom_ops
+    seqs = [(3000, 1), (700, 1), (5000, 1), (20, 1)]
+    batch = PagedBatch(seqs, LLAMA3_8B, torch.bfloat16, "cuda", pad_rows=0, seed=15)
+    weight = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    hidden = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+    args = batch.args({})
+
+    def step(hidden):
+        normed = ops.rms_norm(hidden, weight, 1e-5)
+        return ops.paged_attention(*args, None), normed
+
+    eager_attn, eager_norm = step(hidden)
+    compiled = torch.compile(step, fullgraph=True)
+    attn, normed = compiled(hidden)
+    assert_equal(attn, eager_attn, name="compiled attention")
+    assert_equal(normed, eager_norm, name="compiled rms_norm")
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(hidden)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_attn, graph_norm = step(hidden)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_equal(graph_attn, eager_attn, name="graph attention")
+    assert_equal(graph_norm, eager_norm, name="graph rms_norm")

@@ -1,0 +1,95 @@
+"""The Triton ops as torch custom ops: registered in the registry and under torch.ops.atom, with
+schemas that match what they mutate and fake implementations that match their outputs
+(``torch.library.opcheck``), so torch.compile and CUDA-graph capture can hold them."""
+
+import pytest
+import torch
+
+import atom_kernels as ak
+from atom_kernels import registry
+
+OPS = [
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "gelu_and_mul",
+    "reshape_and_cache",
+    "paged_attention",
+]
+
+
+def test_every_triton_op_is_registered(triton_backend):
+    assert set(OPS) <= set(registry.registered_ops("triton"))
+    for name in OPS:
+        assert registry._IMPLS["triton"][name] is getattr(triton_backend.custom_ops, name)
+        assert hasattr(torch.ops.atom, f"triton_{name}")
+
+
+def _cases(device):
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    x, weight = randn(3, 32), randn(32) + 1
+    cache = ak.rope_cos_sin_cache(16, 64, 10000.0).to(device)
+    positions = torch.tensor([3, 0, 63], device=device)
+    key_cache, value_cache = randn(4, 8, 2, 16), randn(4, 8, 2, 16)
+    slots = torch.tensor([5, -1, 30], device=device)
+    block_tables = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([10, 7], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
+    scale_t = torch.tensor([0.5], device=device)
+    query, out = randn(4, 4, 16), randn(4, 4, 16)
+    ops = torch.ops.atom
+    return {
+        "rms_norm": (ops.triton_rms_norm, (x, weight, 1e-6)),
+        "fused_add_rms_norm": (ops.triton_fused_add_rms_norm, (x, randn(3, 32), weight, 1e-6)),
+        "rotary_embedding": (
+            ops.triton_rotary_embedding,
+            (positions, randn(3, 2, 16), randn(3, 1, 16), cache, True),
+        ),
+        "silu_and_mul": (ops.triton_silu_and_mul, (x,)),
+        "gelu_and_mul": (ops.triton_gelu_and_mul, (x, "tanh")),
+        "reshape_and_cache": (
+            ops.triton_reshape_and_cache,
+            (
+                randn(3, 2, 16),
+                randn(3, 2, 16),
+                key_cache.clone(),
+                value_cache.clone(),
+                slots,
+                scale_t,
+                None,
+                None,
+                0.25,
+            ),
+        ),  # fmt: skip
+        "paged_attention": (
+            ops.triton_paged_attention,
+            (
+                query,
+                key_cache,
+                value_cache,
+                block_tables,
+                seq_lens,
+                qsl,
+                0.25,
+                4,
+                randn(4),
+                None,
+                None,
+                None,
+                None,
+                None,
+                out,
+            ),
+        ),  # fmt: skip
+    }
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_opcheck(triton_backend, name):
+    op, args = _cases(triton_backend.device)[name]
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

@@ -1,0 +1,43 @@
+"""Runs the Triton backend's tests through Triton's CPU interpreter on machines without a GPU.
+
+TRITON_INTERPRET=1 must be set before triton is imported (see conftest.py), so the ``test_triton_*``
+files run in a child pytest process started with it; this test passes when they all pass and shows
+the child's report when they do not. On a GPU the same files run directly, compiled.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]  # the workspace root, where the pytest configuration lives
+
+
+def triton_test_files() -> list[str]:
+    return sorted(str(p) for p in HERE.glob("test_triton_*.py") if p.name != Path(__file__).name)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available(),
+    reason="the Triton tests run directly here (GPU, or already under the interpreter)",
+)
+def test_triton_backend_under_the_interpreter():
+    for package in ("triton", "numpy"):  # the interpreter runs kernels with numpy
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{package} is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    command = [
+        sys.executable, "-m", "pytest", *triton_test_files(), "-q", "-m", "not gpu",
+        "-p", "no:cacheprovider", "--no-header", "-W", "ignore::RuntimeWarning",
+    ]  # fmt: skip
+    child = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+    report = (child.stdout + child.stderr)[-20000:]
+    assert child.returncode == 0, f"Triton tests under the interpreter failed:\n{report}"
+    print(report.strip().splitlines()[-1])

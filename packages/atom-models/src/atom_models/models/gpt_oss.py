@@ -1,0 +1,121 @@
+"""GPT-OSS: attention with biases, per-head sinks, a sliding window on alternating layers and YaRN
+rotary; experts stored stacked ([E, in, out], gate/up interleaved, with biases) behind a router
+with a bias, clamped SwiGLU (`swiglu_oai`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import atom_kernels
+from atom_models.layers.attention import Attention
+from atom_models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from atom_models.layers.moe import FusedMoE, fused_moe_mapping
+from atom_models.layers.rotary import get_rope, rope_parameters
+from atom_models.models.llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    head_dim_of,
+    sliding_window_of,
+)
+
+
+class GptOssAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, prefix: str) -> None:
+        super().__init__()
+        head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.attention_bias,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, bias=config.attention_bias
+        )
+        # One sink logit per query head, split across ranks with the heads.
+        self.sinks = nn.Parameter(torch.empty(self.qkv_proj.num_heads), requires_grad=False)
+        self.sinks.weight_loader = self.sinks_loader
+        base, scaling = rope_parameters(config)
+        self.rotary_emb = get_rope(head_dim, config.max_position_embeddings, base, scaling)
+        self.attn = Attention(
+            self.qkv_proj.num_heads,
+            head_dim,
+            head_dim**-0.5,
+            self.qkv_proj.num_kv_heads,
+            prefix=f"{prefix}.attn",
+            sliding_window=sliding_window_of(config, layer_idx),
+            has_sinks=True,
+        )
+
+    def sinks_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        num_heads, tp_rank = param.shape[0], self.qkv_proj.tp_rank
+        expected = (num_heads * self.qkv_proj.tp_size,)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(
+                f"sinks: checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected}"
+            )
+        param.data.copy_(loaded.narrow(0, tp_rank * num_heads, num_heads))
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, self.sinks))
+
+
+class GptOssMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.router = ReplicatedLinear(config.hidden_size, config.num_local_experts, bias=True)
+        self.experts = FusedMoE(
+            config.num_local_experts,
+            config.hidden_size,
+            config.intermediate_size,
+            activation="swiglu_oai",
+            bias=True,
+            swiglu_alpha=config.swiglu_alpha,
+            swiglu_limit=config.swiglu_limit,
+            checkpoint_transposed=True,
+            checkpoint_interleaved=True,
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        router_logits = self.router(hidden_states)  # [T, E]
+        topk_weights, topk_ids = atom_kernels.topk_then_softmax(router_logits, self.top_k)
+        return self.experts(hidden_states, topk_weights, topk_ids)
+
+
+class GptOssDecoderLayer(LlamaDecoderLayer):
+    attention_cls = GptOssAttention
+
+    def build_mlp(self, config, layer_idx: int, prefix: str) -> nn.Module:
+        return GptOssMLP(config)
+
+
+class GptOssModel(LlamaModel):
+    decoder_layer_cls = GptOssDecoderLayer
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    model_cls = GptOssModel
+
+    def __init__(self, config) -> None:
+        quant = getattr(config, "quantization_config", None) or {}
+        method = (
+            quant.get("quant_method")
+            if isinstance(quant, dict)
+            else getattr(quant, "quant_method", None)
+        )
+        if method is not None:
+            raise ValueError(
+                f"GptOssForCausalLM: {method!r}-quantized checkpoints are not supported yet; "
+                "use a bf16 checkpoint (experts stored as gate_up_proj / down_proj tensors)"
+            )
+        super().__init__(config)
+        self.packed_modules_mapping = {
+            **fused_moe_mapping(config.num_local_experts),
+            **LlamaForCausalLM.packed_modules_mapping,
+        }
