@@ -5,6 +5,8 @@ Tiny random checkpoints without a tokenizer (the bundled GGUF is not installed o
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config
@@ -13,6 +15,17 @@ from atom_engine import LLM, SamplingParams
 from atom_models.testing import save_random_checkpoint
 
 pytestmark = pytest.mark.gpu
+
+# A small explicit cache: engines in one test process must not each claim 90% of the GPU.
+SMALL = dict(num_kv_blocks=256)
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory():
+    yield
+    gc.collect()  # engines hold reference cycles (runner <-> CUDA graphs)
+    torch.cuda.empty_cache()
+
 
 TINY = dict(
     vocab_size=512,
@@ -107,9 +120,11 @@ def test_bf16_logits_close_to_float32(tiny):
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5, ignore_eos=True)
     results = {}
     for dtype in ("float32", "bfloat16"):
-        llm = LLM(str(path), dtype=dtype, device="cuda", skip_tokenizer_init=True)
+        llm = LLM(str(path), dtype=dtype, device="cuda", skip_tokenizer_init=True, **SMALL)
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         results[dtype] = [o.outputs[0].logprobs[0] for o in outs]
+        del llm
+        gc.collect()
     for ref, got in zip(results["float32"], results["bfloat16"], strict=True):
         top = max(ref, key=lambda t: ref[t].logprob)
         assert top in got  # the float32 argmax is among bf16's top-5

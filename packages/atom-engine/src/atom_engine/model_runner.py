@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import atom_kernels
@@ -92,8 +93,16 @@ class ModelRunner:
 
     @torch.no_grad()
     def _profile_gpu_blocks(self) -> int:
-        """Blocks that fit in gpu_memory_utilization after the weights and a peak-size forward."""
+        """Blocks that fit in gpu_memory_utilization once the weights and a peak-size forward
+        are accounted for.
+
+        Everything already on the GPU (this model's weights, other engines in this process, other
+        processes) is read from the free memory; the forward's own peak on top of it is measured.
+        """
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = self.config.max_num_batched_tokens
         blocks = -(-num_tokens // self.block_size)
@@ -104,21 +113,22 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         with set_forward_context(md):
             hidden = self.model(ids, torch.arange(num_tokens, device=self.device))
-        self.model.compute_logits(hidden[-self.config.max_num_seqs :])
+        self.model.compute_logits(hidden[-self.config.max_num_seqs :]).float().softmax(-1)
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - blocks * self._block_bytes()
+        peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        peak -= blocks * self._block_bytes()  # the profile's own temporary cache
         for layer in native_attention_layers(self.model):
             layer.k_cache = layer.v_cache = None
+        del hidden
         torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = total * self.config.gpu_memory_utilization - peak - used_by_others
+        in_use = total - free
+        budget = total * self.config.gpu_memory_utilization - in_use - peak
         num_blocks = int(budget // self._block_bytes())
         if num_blocks < 1:
             raise ValueError(
-                f"no room for a KV cache: weights and activations take {peak / GiB:.2f} GiB of "
-                f"{total / GiB:.2f} GiB; raise gpu_memory_utilization or lower "
-                "max_num_batched_tokens"
+                f"no room for a KV cache: {in_use / GiB:.2f} GiB of {total / GiB:.2f} GiB is in "
+                f"use (weights included) and a forward needs {peak / GiB:.2f} GiB more; raise "
+                "gpu_memory_utilization or lower max_num_batched_tokens"
             )
         return num_blocks
 
@@ -175,6 +185,15 @@ class ModelRunner:
     def _sample(
         self, seqs: list[Sequence], logits: torch.Tensor
     ) -> dict[int, tuple[int, TopLogprobs | None]]:
+        params = [s.params for s in seqs]
+        if all(
+            p.is_greedy and p.logprobs is None and not p.has_penalties and p.min_tokens == 0
+            for p in params
+        ):
+            # NOTE: the common greedy batch needs one argmax kernel and one sync; the sampler's
+            # general path adds a log-softmax over the vocabulary and host syncs on its flags.
+            token_ids = logits.argmax(dim=-1).tolist()
+            return {s.seq_id: (t, None) for s, t in zip(seqs, token_ids, strict=True)}
         device = logits.device
         raw_logits = logits
         if any(s.params.has_penalties for s in seqs):
@@ -188,7 +207,6 @@ class ModelRunner:
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
 
-        params = [s.params for s in seqs]
         num_logprobs = max((p.logprobs or 0) for p in params)
         result = atom_kernels.sample(
             logits,
@@ -265,8 +283,9 @@ def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> t
 class DecodeGraphs:
     """CUDA graphs of the decode forward at a ladder of batch sizes (padded to the next size).
 
-    Inputs live in static buffers the graphs read; a step copies its batch into them and replays
-    the smallest graph that holds it. Padding rows write nowhere (slot -1) and attend one key.
+    Inputs live in one static buffer the graphs read; a step writes its batch into a pinned host
+    mirror, copies it over in one transfer and replays the smallest graph that holds the batch.
+    Padding rows write nowhere (slot -1) and attend one key.
     """
 
     def __init__(self, runner: ModelRunner) -> None:
@@ -277,13 +296,21 @@ class DecodeGraphs:
             {b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs}
         )
         self.max_seq_len = runner.max_model_len
-        max_blocks = -(-self.max_seq_len // runner.block_size)
-        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.max_bs = max_bs
+        self.max_blocks = -(-self.max_seq_len // runner.block_size)
+        # [ids | positions | slots | seq_lens | query_start_loc | block tables, row-major]
+        numel = 5 * max_bs + 1 + max_bs * self.max_blocks
+        self.buffer = torch.zeros(numel, dtype=torch.long, device=device)
+        self.host = torch.zeros(numel, dtype=torch.long).pin_memory()
+        self.host_np = self.host.numpy()
+        views = self.buffer.split([max_bs] * 4 + [max_bs + 1, max_bs * self.max_blocks])
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = views[:4]
+        self.query_start_loc = views[4]
+        self.block_tables = views[5].view(max_bs, self.max_blocks)
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.query_start_loc.copy_(torch.arange(max_bs + 1, device=device))
+        self.host_np[4 * max_bs : 5 * max_bs + 1] = np.arange(max_bs + 1)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture()
 
@@ -320,22 +347,26 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         bs = len(ids)
         size = next(b for b in self.sizes if b >= bs)
-        block_size = self.runner.block_size
+        block_size, max_bs, host = self.runner.block_size, self.max_bs, self.host_np
+        pos = np.asarray(positions, dtype=np.int64)
         width = max(len(t) for t in tables)
-        table = torch.zeros(size, width, dtype=torch.int32)
+        table = np.zeros((size, width), dtype=np.int64)  # padding rows: block 0
         for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        slots = [
-            t[p // block_size] * block_size + p % block_size
-            for t, p in zip(tables, positions, strict=True)
-        ]
-        pad = size - bs
-        device = self.runner.device
-        self.input_ids[:size].copy_(_to_device(ids + [0] * pad, torch.long, device))
-        self.positions[:size].copy_(_to_device(positions + [0] * pad, torch.long, device))
-        self.slot_mapping[:size].copy_(_to_device(slots + [-1] * pad, torch.long, device))
-        self.seq_lens[:size].copy_(_to_device(seq_lens + [1] * pad, torch.int32, device))
-        self.block_tables[:size, :width].copy_(table.pin_memory().to(device, non_blocking=True))
+            table[i, : len(t)] = t
+        blocks = table[np.arange(bs), pos // block_size]
+        host[:size] = 0
+        host[:bs] = ids
+        host[max_bs : max_bs + size] = 0
+        host[max_bs : max_bs + bs] = pos
+        host[2 * max_bs : 2 * max_bs + size] = -1  # padding rows write nowhere
+        host[2 * max_bs : 2 * max_bs + bs] = blocks * block_size + pos % block_size
+        host[3 * max_bs : 3 * max_bs + size] = 1  # and attend one key
+        host[3 * max_bs : 3 * max_bs + bs] = seq_lens
+        tables_np = host[5 * max_bs + 1 :].reshape(max_bs, self.max_blocks)
+        tables_np[:size, :width] = table
+        # One transfer: the five vectors and the table rows this step reads.
+        end = 5 * max_bs + 1 + size * self.max_blocks
+        self.buffer[:end].copy_(self.host[:end], non_blocking=True)
         graph, out = self.graphs[size]
         graph.replay()
         return out[:bs]
