@@ -67,6 +67,7 @@ def config_dir(name: str, tokenizer_dir: str | None = None, out: str | None = No
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         config.vocab_size = len(tokenizer)
         config.eos_token_id = tokenizer.eos_token_id
+        config.bos_token_id = tokenizer.bos_token_id
         for f in Path(tokenizer_dir).iterdir():
             shutil.copy(f, path / f.name)
     config.save_pretrained(path)

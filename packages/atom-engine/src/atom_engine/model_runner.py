@@ -298,19 +298,23 @@ class DecodeGraphs:
         self.max_seq_len = runner.max_model_len
         self.max_bs = max_bs
         self.max_blocks = -(-self.max_seq_len // runner.block_size)
-        # [ids | positions | slots | seq_lens | query_start_loc | block tables, row-major]
-        numel = 5 * max_bs + 1 + max_bs * self.max_blocks
-        self.buffer = torch.zeros(numel, dtype=torch.long, device=device)
-        self.host = torch.zeros(numel, dtype=torch.long).pin_memory()
-        self.host_np = self.host.numpy()
-        views = self.buffer.split([max_bs] * 4 + [max_bs + 1, max_bs * self.max_blocks])
-        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = views[:4]
-        self.query_start_loc = views[4]
-        self.block_tables = views[5].view(max_bs, self.max_blocks)
+        # Two static buffers (int64 token data; int32 lengths and block tables, the dtypes of the
+        # eager path), each with a pinned host mirror: a step is two host-to-device copies.
+        # tokens: [ids | positions | slots]; meta: [seq_lens | query_start_loc | block tables]
+        self.tokens = torch.zeros(3 * max_bs, dtype=torch.long, device=device)
+        meta_numel = 2 * max_bs + 1 + max_bs * self.max_blocks
+        self.meta = torch.zeros(meta_numel, dtype=torch.int32, device=device)
+        self.tokens_host = torch.zeros(3 * max_bs, dtype=torch.long).pin_memory()
+        self.meta_host = torch.zeros(meta_numel, dtype=torch.int32).pin_memory()
+        self.input_ids, self.positions, self.slot_mapping = self.tokens.split(max_bs)
+        self.seq_lens, self.query_start_loc, tables = self.meta.split(
+            [max_bs, max_bs + 1, max_bs * self.max_blocks]
+        )
+        self.block_tables = tables.view(max_bs, self.max_blocks)
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         self.query_start_loc.copy_(torch.arange(max_bs + 1, device=device))
-        self.host_np[4 * max_bs : 5 * max_bs + 1] = np.arange(max_bs + 1)
+        self.meta_host.numpy()[max_bs : 2 * max_bs + 1] = np.arange(max_bs + 1)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture()
 
@@ -347,26 +351,28 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         bs = len(ids)
         size = next(b for b in self.sizes if b >= bs)
-        block_size, max_bs, host = self.runner.block_size, self.max_bs, self.host_np
+        block_size, max_bs = self.runner.block_size, self.max_bs
+        tokens, meta = self.tokens_host.numpy(), self.meta_host.numpy()
         pos = np.asarray(positions, dtype=np.int64)
         width = max(len(t) for t in tables)
         table = np.zeros((size, width), dtype=np.int64)  # padding rows: block 0
         for i, t in enumerate(tables):
             table[i, : len(t)] = t
         blocks = table[np.arange(bs), pos // block_size]
-        host[:size] = 0
-        host[:bs] = ids
-        host[max_bs : max_bs + size] = 0
-        host[max_bs : max_bs + bs] = pos
-        host[2 * max_bs : 2 * max_bs + size] = -1  # padding rows write nowhere
-        host[2 * max_bs : 2 * max_bs + bs] = blocks * block_size + pos % block_size
-        host[3 * max_bs : 3 * max_bs + size] = 1  # and attend one key
-        host[3 * max_bs : 3 * max_bs + bs] = seq_lens
-        tables_np = host[5 * max_bs + 1 :].reshape(max_bs, self.max_blocks)
+        tokens[:size] = 0
+        tokens[:bs] = ids
+        tokens[max_bs : max_bs + size] = 0
+        tokens[max_bs : max_bs + bs] = pos
+        tokens[2 * max_bs : 2 * max_bs + size] = -1  # padding rows write nowhere
+        tokens[2 * max_bs : 2 * max_bs + bs] = blocks * block_size + pos % block_size
+        meta[:size] = 1  # and attend one key
+        meta[:bs] = seq_lens
+        tables_np = meta[2 * max_bs + 1 :].reshape(max_bs, self.max_blocks)
         tables_np[:size, :width] = table
-        # One transfer: the five vectors and the table rows this step reads.
-        end = 5 * max_bs + 1 + size * self.max_blocks
-        self.buffer[:end].copy_(self.host[:end], non_blocking=True)
+        # The vectors, and only the table rows this step reads.
+        self.tokens.copy_(self.tokens_host, non_blocking=True)
+        end = 2 * max_bs + 1 + size * self.max_blocks
+        self.meta[:end].copy_(self.meta_host[:end], non_blocking=True)
         graph, out = self.graphs[size]
         graph.replay()
         return out[:bs]

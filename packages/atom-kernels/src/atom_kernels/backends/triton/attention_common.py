@@ -25,7 +25,7 @@ def find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid
+        first_tile = tl.load(query_start_loc_ptr + mid).to(tl.int32) // BLOCK_M + mid
         if first_tile <= tile:
             lo = mid + 1
         else:

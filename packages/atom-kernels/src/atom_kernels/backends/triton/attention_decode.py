@@ -78,10 +78,10 @@ def decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    q_row = tl.load(query_start_loc_ptr + seq)
+    q_row = tl.load(query_start_loc_ptr + seq).to(tl.int32)
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     kv_lo = split * split_len
     if kv_lo >= seq_len:  # past the end of this sequence: the reduce skips this split
         return
@@ -158,10 +158,10 @@ def decode_reduce_kernel(
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    q_row = tl.load(query_start_loc_ptr + seq)
+    q_row = tl.load(query_start_loc_ptr + seq).to(tl.int32)
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     splits = tl.arange(0, BLOCK_S)
     split_mask = splits < tl.minimum(tl.cdiv(seq_len, split_len), num_splits)
     part = (seq.to(tl.int64) * num_heads + head) * num_splits + splits

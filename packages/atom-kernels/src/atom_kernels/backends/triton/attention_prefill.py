@@ -136,7 +136,7 @@ def prefill_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    num_rows = tl.load(query_start_loc_ptr + num_seqs)
+    num_rows = tl.load(query_start_loc_ptr + num_seqs).to(tl.int32)
     tail_tile = num_rows // BLOCK_M + num_seqs
     if tile >= tail_tile:  # zero the padding rows qsl[B]:T of this head
         rows = (num_rows + (tile - tail_tile) * BLOCK_M + offs_m).to(tl.int64)
@@ -145,12 +145,12 @@ def prefill_kernel(
         tl.store(ptrs, tl.zeros([BLOCK_M, BLOCK_DV], tl.float32), mask=mask)
         return
     seq = find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_M)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int32) - q_start
     first_row = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M
     if q_len <= 1 or first_row >= q_len:  # decode rows (other kernel) or a spare tile
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     context_len = seq_len - q_len  # position of the sequence's first query row
     rows = first_row + offs_m
     row_mask = rows < q_len
