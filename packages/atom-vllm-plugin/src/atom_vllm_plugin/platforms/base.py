@@ -1,0 +1,84 @@
+"""The one thing ATOM's platforms change: which attention backend vLLM's attention layers get.
+
+Mixed in before a vLLM platform class (`class AtomCpuPlatform(AtomPlatformMixin, CpuPlatform)`),
+so everything else (device, identity, memory, communicators) is the parent's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from atom_vllm_plugin.attention import ATOM_BACKEND_NAME, ATOM_BACKEND_PATH
+from atom_vllm_plugin.log import flush_pending, info_once
+from atom_vllm_plugin.switches import DISABLE_ATTENTION, attention_disabled
+
+
+def describe_layer(cfg: Any) -> str:
+    """A short description of an attention layer configuration for log lines."""
+    dtype = str(cfg.dtype).removeprefix("torch.")
+    window = ", sliding window" if getattr(cfg, "has_sliding_window", False) else ""
+    return (
+        f"head_size={cfg.head_size} dtype={dtype} kv_cache_dtype={cfg.kv_cache_dtype or 'auto'}"
+        f"{window}"
+    )
+
+
+class AtomPlatformMixin:
+    """ATOM's attention backend for the layer configurations it supports, the parent's otherwise."""
+
+    @classmethod
+    def get_attn_backend_cls(
+        cls, selected_backend: Any, attn_selector_config: Any, num_heads: int | None = None
+    ) -> str:
+        reason = cls.atom_attention_unsupported(selected_backend, attn_selector_config)
+        layer = describe_layer(attn_selector_config)
+        if reason is None:
+            from atom_vllm_plugin.attention import ensure_backend_registered
+
+            ensure_backend_registered()
+            info_once(
+                "attention backend ATOM (atom_kernels %s kernels) for %s",
+                cls.atom_kernel_backend(),
+                layer,
+            )
+            return ATOM_BACKEND_PATH
+        path = super().get_attn_backend_cls(  # type: ignore[misc]
+            selected_backend, attn_selector_config, num_heads
+        )
+        info_once("attention backend %s (vLLM's) for %s: %s", path.rsplit(".", 1)[1], layer, reason)
+        return path
+
+    @classmethod
+    def atom_attention_unsupported(
+        cls, selected_backend: Any, attn_selector_config: Any
+    ) -> str | None:
+        """Why ATOM's backend does not take this layer, or None when it does."""
+        if attention_disabled():
+            return f"{DISABLE_ATTENTION}=1"
+        name = getattr(selected_backend, "name", None)
+        if name is not None and name != ATOM_BACKEND_NAME:
+            return f"the {name} attention backend was requested"
+        from atom_vllm_plugin.attention.backend import AtomAttentionBackend
+
+        # vLLM's own validation, on ATOM's declared capabilities. Fields a newer vLLM adds to the
+        # selector config and that this vLLM's validate_configuration does not know are dropped.
+        accepted = inspect.signature(AtomAttentionBackend.validate_configuration).parameters
+        fields = {k: v for k, v in attn_selector_config._asdict().items() if k in accepted}
+        reasons = AtomAttentionBackend.validate_configuration(
+            **fields,
+            device_capability=cls.get_device_capability(),  # type: ignore[attr-defined]
+        )
+        return "; ".join(reasons) if reasons else None
+
+    @classmethod
+    def log_warnings(cls) -> None:
+        # vLLM calls this once its logging is configured: print the lines the hooks logged before.
+        flush_pending()
+        super().log_warnings()  # type: ignore[misc]
+
+    @classmethod
+    def atom_kernel_backend(cls) -> str:
+        import atom_kernels
+
+        return atom_kernels.current_backend(cls.device_type)  # type: ignore[attr-defined]

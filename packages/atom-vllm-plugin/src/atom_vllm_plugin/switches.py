@@ -1,0 +1,30 @@
+"""The environment switches users turn the plugin with (read when a hook runs, never cached)."""
+
+from __future__ import annotations
+
+import os
+
+DISABLE_PLUGIN = "ATOM_DISABLE_VLLM_PLUGIN"
+DISABLE_ATTENTION = "ATOM_DISABLE_VLLM_PLUGIN_ATTENTION"
+ALLOW_UNTESTED = "ATOM_VLLM_PLUGIN_ALLOW_UNTESTED"
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def is_set(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in _TRUE
+
+
+def plugin_disabled() -> bool:
+    """`ATOM_DISABLE_VLLM_PLUGIN=1`: vLLM runs exactly as if the plugin were not installed."""
+    return is_set(DISABLE_PLUGIN)
+
+
+def attention_disabled() -> bool:
+    """`ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1`: ATOM's models, vLLM's own attention backends."""
+    return is_set(DISABLE_ATTENTION)
+
+
+def untested_allowed() -> bool:
+    """`ATOM_VLLM_PLUGIN_ALLOW_UNTESTED=1`: run on a vLLM version outside the tested range."""
+    return is_set(ALLOW_UNTESTED)
