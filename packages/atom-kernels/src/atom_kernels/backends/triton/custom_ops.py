@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from atom_kernels.backends.triton import activation, attention, cache, norm, rotary
+from atom_kernels.backends.triton import activation, attention, cache, moe, norm, rotary
 from atom_kernels.registry import register_op
 
 
@@ -224,6 +224,31 @@ def paged_attention(
     return out
 
 
+# --- mixture of experts -------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "atom::triton_fused_moe",
+    mutates_args=(),
+    schema="(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+    "str activation, Tensor? w13_bias, Tensor? w2_bias, bool gate_up_interleaved, "
+    "float swiglu_alpha, float swiglu_limit) -> Tensor",
+)
+def fused_moe(
+    hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
+    gate_up_interleaved, swiglu_alpha, swiglu_limit,
+):  # fmt: skip
+    return moe.fused_moe(
+        hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
+        gate_up_interleaved, swiglu_alpha, swiglu_limit,
+    )  # fmt: skip
+
+
+@fused_moe.register_fake
+def _(hidden_states, *rest):
+    return _new_like(hidden_states)
+
+
 for _name, _fn in {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
@@ -232,5 +257,6 @@ for _name, _fn in {
     "gelu_and_mul": gelu_and_mul,
     "reshape_and_cache": reshape_and_cache,
     "paged_attention": paged_attention,
+    "fused_moe": fused_moe,
 }.items():
     register_op(_name, "triton")(_fn)

@@ -1,0 +1,172 @@
+"""Triton fused_moe vs the torch reference at Qwen3-30B-A3B and Mixtral-8x7B layer shapes, against
+the roofline measured in the same run.
+
+Run on a GPU from the repo root:
+
+    export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
+    python benchmarks/moe.py --out $OUT/moe.json
+
+bf16, random weights and routing (softmax top-k of random logits), T = 1, 16, 256, 4096 tokens.
+Triton is timed as CUDA graphs (``ms_cold``: L2 flushed before each call, GPU time alone, what the
+rates come from; ``ms_graph``: warm L2); the torch reference syncs the host (per-expert counts),
+so it is timed eagerly (``triton.testing.do_bench``, median). Rates: for few tokens, the bytes of
+the selected experts' weights (distinct experts hit x bytes of one expert) over the time, as a
+fraction of the measured copy bandwidth (target >= 60% at 1-16 tokens); for many, FLOP/s
+(2 * T * K * 3 * H * I) as a fraction of the bf16 matmul rate (target >= 50% at 4096 tokens).
+
+T = tokens, E = experts, K = top-k, H = hidden size, I = expert intermediate size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+
+from kernels import cold_graph_ms, measure_roofline
+
+SHAPES = {  # name: (E, K, H, I)
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+}
+TOKENS = (1, 16, 256, 4096)
+BANDWIDTH_TOKENS = 256  # up to this many tokens the rate is bytes/s, above it FLOP/s
+
+
+def expert_bytes(hidden: int, inter: int, itemsize: int = 2) -> int:
+    """Weights of one expert: w13 [2I, H] and w2 [H, I]."""
+    return 3 * hidden * inter * itemsize
+
+
+def moe_flops(num_tokens: int, top_k: int, hidden: int, inter: int) -> float:
+    return 2.0 * num_tokens * top_k * 3 * hidden * inter
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ("shape", "T", "experts hit", "triton ms", "torch ms", "rate", "% roofline", "speedup")
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in rows:
+        torch_ms = r.get("torch_ms")
+        speedup = f"{torch_ms / r['ms_cold']:.1f}x" if torch_ms and r["ms_cold"] > 0 else "-"
+        lines.append(
+            " | ".join(
+                (
+                    r["shape"],
+                    str(r["tokens"]),
+                    str(r["experts_hit"]),
+                    f"{r['ms_cold']:.4f}",
+                    "-" if torch_ms is None else f"{torch_ms:.4f}",
+                    f"{r['rate']:.1f} {r['rate_unit']}",
+                    f"{100 * r['roofline_fraction']:.0f}%",
+                    speedup,
+                )
+            )
+        )
+    return "\n".join(lines)
+
+
+def bench_shape(torch, name: str, shape: tuple, roofline: dict, with_reference: bool) -> list[dict]:
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from atom_kernels.backends.torch import moe as reference
+    from atom_kernels.backends.triton import custom_ops
+
+    num_experts, top_k, hidden, inter = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g, device="cuda") * 0.02).to(
+        torch.bfloat16
+    )
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g, device="cuda") * 0.02).to(
+        torch.bfloat16
+    )
+    rows = []
+    for num_tokens in TOKENS:
+        x = torch.randn(num_tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
+        logits = torch.randn(num_tokens, num_experts, generator=g, device="cuda")
+        weights, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+        ids = ids.int()
+        args = (x, w13, w2, weights, ids, "silu", None, None, False, 1.702, 7.0)
+
+        def triton_fn(args=args):
+            return custom_ops.fused_moe(*args)
+
+        torch.cuda.synchronize()
+        ms_cold = cold_graph_ms(triton_fn)
+        ms_graph = float(do_bench_cudagraph(triton_fn, rep=100, return_mode="median"))
+        torch_ms = None
+        if with_reference:
+            torch_ms = float(
+                do_bench(lambda args=args: reference.fused_moe(*args), warmup=5, rep=50,
+                         return_mode="median")
+            )  # fmt: skip
+        hit = int(ids.unique().numel())
+        weight_bytes = hit * expert_bytes(hidden, inter)
+        flops = moe_flops(num_tokens, top_k, hidden, inter)
+        gbps = weight_bytes / (ms_cold / 1e3) / 1e9
+        tflops = flops / (ms_cold / 1e3) / 1e12
+        if num_tokens <= BANDWIDTH_TOKENS:
+            rate, unit, fraction = gbps, "GB/s", gbps / roofline["copy_GBps"]
+        else:
+            rate, unit, fraction = tflops, "TFLOP/s", tflops / roofline["matmul_TFLOPs"]
+        row = {
+            "shape": name,
+            "experts": num_experts,
+            "top_k": top_k,
+            "hidden": hidden,
+            "intermediate": inter,
+            "tokens": num_tokens,
+            "experts_hit": hit,
+            "weight_bytes": weight_bytes,
+            "flops": flops,
+            "ms_cold": ms_cold,
+            "ms_graph": ms_graph,
+            "torch_ms": torch_ms,
+            "weights_GBps": gbps,
+            "TFLOPs": tflops,
+            "bandwidth_fraction": gbps / roofline["copy_GBps"],
+            "matmul_fraction": tflops / roofline["matmul_TFLOPs"],
+            "rate": rate,
+            "rate_unit": unit,
+            "roofline_fraction": fraction,
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON results file")
+    parser.add_argument("--no-reference", action="store_true", help="skip the torch reference")
+    args = parser.parse_args(argv)
+
+    import torch
+    import triton
+
+    roofline = measure_roofline(torch)
+    print(json.dumps(roofline), flush=True)
+    result = {
+        "benchmark": "fused_moe",
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "dtype": "bfloat16",
+        "activation": "silu",
+        "roofline": roofline,
+        "results": [],
+    }
+    rows = result["results"]
+    for name, shape in SHAPES.items():
+        rows += bench_shape(torch, name, shape, roofline, with_reference=not args.no_reference)
+        torch.cuda.empty_cache()
+        with open(args.out, "w") as f:  # after each shape: a cut-off run keeps what it measured
+            json.dump(result, f, indent=2)
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
