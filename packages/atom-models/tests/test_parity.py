@@ -1,10 +1,18 @@
-"""Llama and Qwen3 against transformers' own implementation on the same random weights (float32)."""
+"""Every architecture against transformers' own implementation on the same random weights
+(float32), through the paged KV cache: dense Llama / Qwen3 shapes and the four MoE families."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen3Config
+from transformers import (
+    Glm4MoeConfig,
+    GptOssConfig,
+    LlamaConfig,
+    MixtralConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from atom_models import load_model
 
@@ -59,6 +67,76 @@ CONFIGS = {
     ),
 }
 
+MOE_BASE = dict(
+    vocab_size=211,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+MOE_CONFIGS = {
+    # Layer 0 dense (mlp_only_layers), layer 1 sparse; renormalized top-2 of 8.
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **MOE_BASE,
+        head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+    ),
+    # A sliding window shorter than the longer prompts, on every layer.
+    "mixtral": lambda: MixtralConfig(
+        **MOE_BASE,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=16,
+    ),
+    # Layer 0 dense, layer 1: 8 experts in 4 groups (best 2 kept), top-3, scaled weights, shared
+    # expert; q/k norm; attention bias; rotary on half of each head.
+    "glm4_moe": lambda: Glm4MoeConfig(
+        **MOE_BASE,
+        head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        use_qk_norm=True,
+        attention_bias=True,
+    ),
+    # Layer 0 sliding (window 8), layer 1 full; sinks; YaRN; biased router; clamped SwiGLU.
+    "gpt_oss": lambda: GptOssConfig(
+        **MOE_BASE,
+        head_dim=16,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+}
+
+CONFIGS.update(MOE_CONFIGS)
+
 PROMPT_LENGTHS = [7, 23, 1, 12, 40]
 
 
@@ -87,6 +165,11 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
 def pair(request, make_checkpoint):
     path, hf = make_checkpoint(CONFIGS[request.param]())
     return request.param, load_model(path, dtype=torch.float32), hf
+
+
+def test_architecture_is_registered(pair):
+    name, model, hf = pair
+    assert type(model).__name__ == hf.config.architectures[0]
 
 
 def test_last_position_logits_match_transformers(pair, paged_session):
