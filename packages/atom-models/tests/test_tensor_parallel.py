@@ -1,4 +1,5 @@
-"""Tensor-parallel shard math on CPU: two real ranks over a gloo process group."""
+"""Tensor-parallel shard math on CPU: two real ranks over a gloo process group (dense models, and
+MoE models with experts split along their intermediate dim and sinks split by head)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen3Config
+from transformers import Glm4MoeConfig, GptOssConfig, LlamaConfig, Qwen3Config
 
 from atom_models import load_model
 
 WORKER = Path(__file__).with_name("tp_worker.py")
+
+
+MOE_BASE = dict(
+    vocab_size=211,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+)
 
 
 def free_port() -> int:
@@ -47,8 +59,41 @@ def free_port() -> int:
             head_dim=32,
             tie_word_embeddings=True,
         ),
+        # Dense layer 0, then routed experts + a shared expert; q/k norm; qkv bias. Slow (two
+        # more processes, ~25 s on a busy 2-core CPU): FusedMoE's own shard math is covered in
+        # process by test_moe_layer.py.
+        pytest.param(
+            Glm4MoeConfig(
+                **MOE_BASE,
+                intermediate_size=96,
+                moe_intermediate_size=32,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_group=2,
+                topk_group=1,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                use_qk_norm=True,
+                attention_bias=True,
+            ),
+            marks=pytest.mark.slow,
+        ),
+        # Expert biases (the down bias added by rank 0 only), sinks split by head.
+        GptOssConfig(
+            **MOE_BASE,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 2.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
     ],
-    ids=["llama-kv-split", "qwen3-kv-replicated"],
+    ids=["llama-kv-split", "qwen3-kv-replicated", "glm4_moe", "gpt_oss"],
 )
 def test_tp2_matches_tp1(config, make_checkpoint, paged_session, tmp_path):
     path, _ = make_checkpoint(config)
