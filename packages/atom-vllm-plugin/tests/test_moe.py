@@ -1,4 +1,4 @@
-"""MoE architectures inside vLLM: ATOM's Qwen3-MoE and Mixtral (tiny checkpoints saved by
+"""MoE architectures inside vLLM: ATOM's Qwen3-MoE, Mixtral and GLM-4-MoE (tiny checkpoints saved by
 transformers) give the same greedy tokens as vLLM's own implementations (plugin disabled) and as
 transformers, and the plugin run really built ATOM's model class.
 
@@ -20,7 +20,7 @@ MAX_TOKENS = 8
 
 
 def make_config(arch: str):
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers import Glm4MoeConfig, MixtralConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
@@ -29,6 +29,12 @@ def make_config(arch: str):
         return Qwen3MoeConfig(
             **common, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
             num_experts_per_tok=2, norm_topk_prob=True,
+        )  # fmt: skip
+    if arch == "glm4_moe":
+        return Glm4MoeConfig(
+            **common, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+            first_k_dense_replace=1, routed_scaling_factor=2.0,
         )  # fmt: skip
     return MixtralConfig(**common, intermediate_size=32, num_local_experts=8,
                          num_experts_per_tok=2)  # fmt: skip
@@ -73,7 +79,7 @@ def transformers_tokens(model_dir: str) -> list[list[int]]:
     return rows
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "glm4_moe"])
 def checkpoint(request, tmp_path_factory, smollm2_dir):
     from transformers import AutoTokenizer
 
