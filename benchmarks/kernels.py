@@ -34,7 +34,8 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 BLOCK_SIZE = 16
 DECODE_BATCHES = (1, 8, 64)
 DECODE_CONTEXTS = (1024, 4096, 8192)
-PREFILL_TOKENS = 2048
+PREFILL_TOKENS = 4096  # the prefill target: 4096 tokens, causal
+ELEMENTWISE_TOKENS = (64, 2048, 8192)  # the norm / rotary / activation target: 8192
 
 
 @dataclass
@@ -211,7 +212,7 @@ def measure_roofline(torch) -> dict:
 def bench_elementwise(torch, impls) -> list[Result]:
     results = []
     dt = torch.bfloat16
-    for tokens in (64, PREFILL_TOKENS):
+    for tokens in ELEMENTWISE_TOKENS:
         x = torch.randn(tokens, HIDDEN, dtype=dt, device="cuda")
         residual, weight = torch.randn_like(x), torch.rand(HIDDEN, dtype=dt, device="cuda")
         gate_up = torch.randn(tokens, 2 * INTERMEDIATE, dtype=dt, device="cuda")
@@ -239,7 +240,7 @@ def bench_elementwise(torch, impls) -> list[Result]:
 
 def bench_rotary_and_cache(torch, impls, rope_cache) -> list[Result]:
     results = []
-    dt, tokens = torch.bfloat16, PREFILL_TOKENS
+    dt, tokens = torch.bfloat16, ELEMENTWISE_TOKENS[-1]
     qkv = torch.randn(tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, dtype=dt, device="cuda")
     q = qkv[:, : NUM_HEADS * HEAD_DIM].view(tokens, NUM_HEADS, HEAD_DIM)
     k = qkv[:, NUM_HEADS * HEAD_DIM : (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM]
@@ -303,7 +304,8 @@ def bench_attention(torch, impls) -> list[Result]:
 
     results = []
     scale = 1 / math.sqrt(HEAD_DIM)
-    cases = [("prefill", [PREFILL_TOKENS], [PREFILL_TOKENS], torch.bfloat16)]
+    cases = [("prefill", [2048], [2048], torch.bfloat16)]
+    cases.append(("prefill", [PREFILL_TOKENS], [PREFILL_TOKENS], torch.bfloat16))
     cases.append(("prefill+prefix", [PREFILL_TOKENS + 6144], [PREFILL_TOKENS], torch.bfloat16))
     for batch in DECODE_BATCHES:
         for context in DECODE_CONTEXTS:

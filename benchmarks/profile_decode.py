@@ -1,0 +1,125 @@
+"""Where a decode step's time goes: the engine's step on the host against the CUDA graph on the GPU,
+and the kernels of one decode forward.
+
+    python benchmarks/profile_decode.py --shape qwen3-0.6b --batch-size 1 --out x.json
+
+Reports, for one batch size of the real shape (random weights):
+- ``step_ms``: `LLMEngine.step()` wall time per decode step, steps back to back (what a user sees);
+- ``graph_ms``: one replay of the captured decode graph alone (GPU time, CUDA events);
+- ``tail_ms``: the logits and the greedy argmax after the graph (GPU time);
+- the kernels of one eager decode forward, by total GPU time (torch.profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_bench import make_engine  # noqa: E402
+from shapes import SHAPES  # noqa: E402
+
+
+def gpu_ms(fn, iters: int = 50) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    from atom_engine import SamplingParams
+    from atom_models import set_forward_context
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    engine = make_engine(
+        args.shape, max_num_seqs=max(8, args.batch_size), max_model_len=4096,
+    )  # fmt: skip
+    bs = args.batch_size
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+    for i in range(bs):
+        engine.add_request(str(i), [(7 * i + j) % 1000 for j in range(args.prompt_len)], params)
+    while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(4):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    steps = args.steps // 2
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) / steps * 1e3
+
+    runner = engine.runner
+    graphs = runner.graphs
+    size = next(b for b in graphs.sizes if b >= bs)
+    graph, hidden = graphs.graphs[size]
+    graph_ms = gpu_ms(graph.replay)
+    tail_ms = gpu_ms(lambda: runner.model.compute_logits(hidden[:bs]).float().argmax(-1))
+
+    def forward():
+        with set_forward_context(graphs._metadata(size)):
+            runner.model(graphs.input_ids[:size], graphs.positions[:size])
+
+    eager_ms = gpu_ms(forward, iters=20)
+    from torch.profiler import ProfilerActivity, profile
+
+    forward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        forward()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.device_time_total / 1e3)
+    table = sorted(
+        ({"kernel": k[:120], "count": len(v), "total_ms": sum(v)} for k, v in kernels.items()),
+        key=lambda r: -r["total_ms"],
+    )
+    result = {
+        "shape": args.shape,
+        "batch_size": bs,
+        "step_ms": step_ms,
+        "graph_ms": graph_ms,
+        "tail_ms": tail_ms,
+        "eager_forward_gpu_ms": eager_ms,
+        "num_kernels": sum(r["count"] for r in table),
+        "kernel_sum_ms": sum(r["total_ms"] for r in table),
+        "kernels": table[:40],
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+    }
+    print(
+        f"{args.shape} bs={bs}: step {step_ms:.3f} ms | graph {graph_ms:.3f} ms | "
+        f"logits+argmax {tail_ms:.3f} ms | eager forward {eager_ms:.3f} ms | "
+        f"{result['num_kernels']} kernels, sum {result['kernel_sum_ms']:.3f} ms"
+    )
+    for r in table[:25]:
+        print(f"  {r['total_ms']:8.4f} ms  x{r['count']:<4d} {r['kernel'][:100]}")
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
