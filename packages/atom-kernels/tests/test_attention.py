@@ -203,6 +203,8 @@ def test_bad_arguments():
         ak.paged_attention(batch.query, *args, qsl, 0.1, sinks=torch.zeros(3))
     with pytest.raises(ValueError, match="paged_attention: sliding_window"):
         ak.paged_attention(batch.query, *args, qsl, 0.1, sliding_window=0)
+    with pytest.raises(ValueError, match="paged_attention: max_query_len must be"):
+        ak.paged_attention(batch.query, *args, qsl, 0.1, max_query_len=-1)
     with pytest.raises(ValueError, match=r"paged_attention: out has shape"):
         ak.paged_attention(batch.query, *args, qsl, 0.1, out=torch.empty(3, 8, 64))
     with pytest.raises(ValueError, match=r"paged_attention: seq_lens has dtype torch.float32"):

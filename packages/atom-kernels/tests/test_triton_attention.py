@@ -172,6 +172,20 @@ def test_decode_only_batch_with_padding(triton_backend):
     assert bool((out[-3:] == 0).all()), "padding rows must be zeroed"
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_only_hint(triton_backend, num_splits):
+    """max_query_len=1 on a decode-only batch (T == B, as in the engine's decode graphs) skips the
+    prefill kernel and still gives the reference's result; the hint alone never drops rows."""
+    seqs = [(40, 1), (65, 1), (3, 1), (17, 1)]
+    batch = PagedBatch(seqs, GQA, torch.bfloat16, triton_backend.device, pad_rows=0, seed=8)
+    args = batch.args(FEATURES["window_sinks"])
+    out = torch.full_like(batch.query, float("nan"))
+    triton_backend.attention.paged_attention(*args, out, max_query_len=1, num_splits=num_splits)
+    expected = reference.paged_attention(*args, None)
+    atol, rtol = TOLERANCES[torch.bfloat16]
+    assert_close(out, expected, atol=atol, rtol=rtol, name="paged_attention")
+
+
 def test_prefill_only_batch_int64_metadata(triton_backend):
     seqs = [(30, 30), (45, 20), (18, 2)]
     batch = PagedBatch(

@@ -112,6 +112,7 @@ class NativeAttention(nn.Module):
             soft_cap=spec.soft_cap,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            max_query_len=md.max_query_len,
         )
         return out.reshape(num_tokens, -1)
 

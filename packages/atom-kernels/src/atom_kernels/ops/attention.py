@@ -33,6 +33,7 @@ def paged_attention(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every query row over its sequence's KV in the paged cache.
 
@@ -46,6 +47,8 @@ def paged_attention(
     scores = scale * q.k, then ``soft_cap * tanh(scores / soft_cap)`` when given; ``sinks`` [H]:
     a per-head logit that joins the softmax denominator only. fp32 math. Returns [T, H, Dv] in
     query's dtype, written into ``out`` when given; rows past query_start_loc[B] are zeroed.
+    ``max_query_len``: the largest q_len_b when the caller knows it (a hint, never read from the
+    device): with 1 and T == B (a decode-only batch), backends skip their prefill path.
     """
     op = "paged_attention"
     check_tensor(op, "query", query, ndim=3, dtypes=FLOAT_DTYPES)
@@ -84,6 +87,12 @@ def paged_attention(
     if sinks is not None:
         check_tensor(op, "sinks", sinks, ndim=1, dtypes=FLOAT_DTYPES)
         check_shape(op, "sinks", sinks, (num_heads,), "(one per query head)")
+    if max_query_len is not None and (
+        not isinstance(max_query_len, int) or isinstance(max_query_len, bool) or max_query_len < 0
+    ):
+        raise ValueError(
+            f"{op}: max_query_len must be a non-negative int or None, got {max_query_len!r}"
+        )
     if out is not None:
         check_tensor(op, "out", out, ndim=3, dtypes=(query.dtype,))
         check_shape(op, "out", out, (num_tokens, num_heads, head_dim_v), "([T, H, Dv])")
@@ -112,4 +121,5 @@ def paged_attention(
         k_scale,
         v_scale,
         out,
+        max_query_len,
     )

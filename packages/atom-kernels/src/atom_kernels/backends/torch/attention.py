@@ -29,6 +29,7 @@ def paged_attention(
     k_scale: float | torch.Tensor | None,
     v_scale: float | torch.Tensor | None,
     out: torch.Tensor | None,
+    max_query_len: int | None = None,  # a launch hint; the reference needs none
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]

@@ -119,6 +119,7 @@ def paged_attention(
     v_scale: float | torch.Tensor | None,
     out: torch.Tensor | None,
     *,
+    max_query_len: int | None = None,
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
 ) -> torch.Tensor:
@@ -176,27 +177,30 @@ def paged_attention(
     )
     dummy = query
     block_m = config.prefill_block_m
-    prefill_kernel[(num_tokens // block_m + num_seqs + 1, num_heads)](
-        query,
-        key_cache,
-        value_cache,
-        out,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        sinks if sinks is not None else dummy,
-        k_scale_ptr,
-        v_scale_ptr,
-        num_seqs,
-        num_tokens,
-        *common,
-        *values,
-        BLOCK_M=block_m,
-        BLOCK_N=config.prefill_block_n,
-        num_warps=config.prefill_num_warps,
-        num_stages=config.prefill_num_stages,
-        **flags,
-    )
+    # A decode-only batch (one row per sequence, known from the caller's hint) has no prefill row
+    # and no padding row: the prefill grid would only exit (~2-8 us a layer in a decode graph).
+    if not (max_query_len == 1 and num_tokens == num_seqs):
+        prefill_kernel[(num_tokens // block_m + num_seqs + 1, num_heads)](
+            query,
+            key_cache,
+            value_cache,
+            out,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            sinks if sinks is not None else dummy,
+            k_scale_ptr,
+            v_scale_ptr,
+            num_seqs,
+            num_tokens,
+            *common,
+            *values,
+            BLOCK_M=block_m,
+            BLOCK_N=config.prefill_block_n,
+            num_warps=config.prefill_num_warps,
+            num_stages=config.prefill_num_stages,
+            **flags,
+        )
 
     block_n = config.decode_block_n
     max_context = block_tables.shape[1] * block_size

@@ -159,7 +159,7 @@ def reshape_and_cache(
     schema="(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
     "Tensor seq_lens, Tensor query_start_loc, float scale, int? sliding_window, Tensor? sinks, "
     "float? soft_cap, Tensor? k_scale, float? k_scale_value, Tensor? v_scale, "
-    "float? v_scale_value, Tensor(a!) out) -> ()",
+    "float? v_scale_value, Tensor(a!) out, int? max_query_len) -> ()",
 )
 def _paged_attention_op(
     query,
@@ -177,6 +177,7 @@ def _paged_attention_op(
     v_scale,
     v_scale_value,
     out,
+    max_query_len,
 ):
     attention.paged_attention(
         query,
@@ -192,6 +193,7 @@ def _paged_attention_op(
         _join_scale(k_scale, k_scale_value),
         _join_scale(v_scale, v_scale_value),
         out,
+        max_query_len=max_query_len,
     )
 
 
@@ -214,12 +216,14 @@ def paged_attention(
     k_scale: float | torch.Tensor | None,
     v_scale: float | torch.Tensor | None,
     out: torch.Tensor | None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     if out is None:
         out = _new_like(query, (*query.shape[:2], value_cache.shape[3]))
     _paged_attention_op(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
         sliding_window, sinks, soft_cap, *_split_scale(k_scale), *_split_scale(v_scale), out,
+        max_query_len,
     )  # fmt: skip
     return out
 
