@@ -73,17 +73,20 @@ def random_prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, 49152, (k,), generator=gen).tolist() for k in lengths]
 
 
-@pytest.mark.parametrize(
-    "engine_args",
-    [
-        dict(block_size=16),
-        # A budget smaller than most prompts: chunked prefill mixed with decodes every step.
-        dict(block_size=4, max_num_batched_tokens=24, max_num_seqs=5),
-        # A cache of 40 blocks x 4 tokens for 12 sequences of up to 90 tokens: preemption.
-        dict(block_size=4, num_kv_blocks=40),
-    ],
-    ids=["plain", "chunked-prefill", "preemption"],
-)
+ENGINE_ARGS = {
+    "plain": dict(block_size=16),
+    # A budget smaller than most prompts: chunked prefill mixed with decodes every step.
+    "chunked-prefill": dict(block_size=4, max_num_batched_tokens=24, max_num_seqs=5),
+    # A cache of 40 blocks x 4 tokens for 12 sequences of up to 90 tokens: preemption.
+    "preemption": dict(block_size=4, num_kv_blocks=40),
+}
+# Each again with async scheduling (the CUDA default): steps launched before the previous one's
+# ids are read, placeholders filled in on the device.
+for name, args in list(ENGINE_ARGS.items()):
+    ENGINE_ARGS[f"{name}-async"] = dict(args, async_scheduling=True)
+
+
+@pytest.mark.parametrize("engine_args", ENGINE_ARGS.values(), ids=ENGINE_ARGS.keys())
 def test_tiny_checkpoints_match_transformers(tiny, engine_args, greedy_reference):
     path, hf = tiny
     prompts = random_prompts(12, seed=5)

@@ -199,3 +199,35 @@ def test_abort_frees_blocks(smollm2_llm):
     assert engine.abort_request("to-abort")
     assert engine.stats().kv_cache_usage == 0 and not engine.has_unfinished_requests()
     assert not engine.abort_request("to-abort")
+
+
+def test_async_scheduling_gives_the_same_outputs(smollm2_llm):
+    """Async scheduling (steps launched before the previous one's ids are read) gives what the
+    synchronous loop gives: greedy and seeded rows, n > 1, stop strings and tokens, min_tokens,
+    max_tokens, and an abort while a step is in flight."""
+    from atom_engine import LLM
+
+    llm = LLM(dtype="float32", device="cpu", max_num_batched_tokens=256, async_scheduling=True)
+    prompts = ["1, 2, 3, 4,", "Tell me a story.", "def f(x):", "Hello", "The capital of France"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, stop=["7,"]),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=16, n=2, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=9, min_tokens=4),
+        SamplingParams(temperature=1.0, seed=9, top_k=20, top_p=0.9, max_tokens=12),
+        SamplingParams(temperature=0, max_tokens=1),
+    ]
+    expected = smollm2_llm.generate(prompts, params, use_tqdm=False)
+    actual = llm.generate(prompts, params, use_tqdm=False)
+    for want, got in zip(expected, actual, strict=True):
+        for a, b in zip(want.outputs, got.outputs, strict=True):
+            assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+    engine = llm.engine
+    assert engine.async_scheduling and not engine.has_unfinished_requests()
+    assert engine.stats().kv_cache_usage == 0.0
+
+    engine.add_request("a", "A long story begins", SamplingParams(max_tokens=200))
+    assert engine.step() == []  # the prefill is launched; its token is read by the next step
+    engine.step()
+    assert engine.abort_request("a")
+    assert not engine.has_unfinished_requests() and engine.stats().kv_cache_usage == 0.0
+    assert engine.step() == []  # the in-flight step of the aborted request is dropped

@@ -73,6 +73,13 @@ class EngineConfig:
     )
     seed: int = field(default=0, metadata=_help("seed of the engine's random sampling"))
     enforce_eager: bool = field(default=False, metadata=_help("never capture CUDA graphs"))
+    async_scheduling: bool | None = field(
+        default=None,
+        metadata=_help(
+            "schedule step N+1 while the device runs step N (default: on for CUDA, off on the "
+            "CPU); requests with log-probs or penalties run their steps without overlap"
+        ),
+    )
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:

@@ -1,7 +1,15 @@
 """The engine loop: schedule -> run -> postprocess.
 
-`LLMEngine` is synchronous and single-threaded: callers add requests, call `step()` until
+`LLMEngine` is single-threaded: callers add requests, call `step()` until
 `has_unfinished_requests()` is False, and read cumulative `RequestOutput`s from each step.
+
+With async scheduling (the default on CUDA) a step launches batch N+1 on the device before it
+reads batch N's sampled ids: the host schedules and prepares while the device computes. A sampled
+sequence holds a placeholder token until its id arrives (the device feeds the real id to the next
+step itself), so each step's outputs are those of the batch launched one step earlier, and a
+sequence that stops computes one token more that is thrown away. Requests with log-probs, prompt
+log-probs or penalties need the host to see every step: while one is in flight, steps run
+synchronously.
 """
 
 from __future__ import annotations
@@ -16,11 +24,11 @@ import torch
 from atom_engine.block_manager import BlockManager
 from atom_engine.config import EngineConfig
 from atom_engine.detokenizer import IncrementalDetokenizer
-from atom_engine.model_runner import ModelRunner, TopLogprobs
+from atom_engine.model_runner import Launch, ModelRunner, TopLogprobs
 from atom_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from atom_engine.sampling_params import SamplingParams
 from atom_engine.scheduler import Scheduler
-from atom_engine.sequence import Sequence
+from atom_engine.sequence import PLACEHOLDER, Sequence
 from atom_engine.tokenizer import eos_token_ids, load_tokenizer
 from atom_models import load_config
 
@@ -104,6 +112,13 @@ class LLMEngine:
         self._generation_tokens = 0
         self._finished_requests = 0
         self._history: list[tuple[float, int, int]] = []  # (time, prompt tokens, output tokens)
+        self.async_scheduling = (
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else self.runner.device.type == "cuda"
+        )
+        self._pending: Launch | None = None  # the launched step whose ids are not read yet
+        self._host_sampled: set[str] = set()  # requests whose sampling needs the host each step
 
     @classmethod
     def from_args(cls, **kwargs) -> LLMEngine:
@@ -132,6 +147,12 @@ class LLMEngine:
         )
         now = time.monotonic() if arrival_time is None else arrival_time
         request = Request(request_id, text, token_ids, params, [], RequestMetrics(now))
+        if (
+            params.logprobs is not None
+            or params.prompt_logprobs is not None
+            or params.has_penalties
+        ):
+            self._host_sampled.add(request_id)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         for index in range(params.n):
@@ -200,6 +221,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        self._host_sampled.discard(request_id)
         for seq in request.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -208,21 +230,93 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        pending = self._pending is not None and any(
+            s.seq_id in self._seq_to_request for s in self._pending.batch.seqs
+        )
+        return self.scheduler.has_unfinished() or pending
 
     # -- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if not self.async_scheduling or self._host_sampled:
+            outputs = self._complete_pending()  # the host must see every token from here on
+            return outputs + self._step_sync()
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return self._complete_pending()
+        self._mark_scheduled(batch)
+        launch = self.runner.launch(batch, self._pending)
+        prompt_tokens = self._advance(batch)
+        for seq in launch.seqs:  # ids to come: the next launch reads them on the device
+            seq.token_ids.append(PLACEHOLDER)
+        self._prompt_tokens += prompt_tokens
+        outputs = self._complete_pending()
+        self._pending = launch
+        self._record_prompt_tokens(prompt_tokens)
+        return outputs
+
+    def _step_sync(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        self._mark_scheduled(batch)
+        return self._postprocess(batch, self.runner.run(batch))
+
+    def _mark_scheduled(self, batch) -> None:
         now = time.monotonic()
         for seq in batch.seqs:
             request = self._seq_to_request[seq.seq_id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
-        result = self.runner.run(batch)
-        return self._postprocess(batch, result)
+
+    def _advance(self, batch) -> int:
+        """Count the batch's tokens as computed; returns how many of them were prompt tokens."""
+        prompt_tokens = 0
+        for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                prompt_tokens += min(num, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += num
+        return prompt_tokens
+
+    def _record_prompt_tokens(self, prompt_tokens: int) -> None:
+        if prompt_tokens:
+            self._history.append((time.monotonic(), prompt_tokens, 0))
+
+    def _complete_pending(self) -> list[RequestOutput]:
+        """Read the pending launch's sampled ids and post-process them like a synchronous step."""
+        launch, self._pending = self._pending, None
+        if launch is None:
+            return []
+        token_ids = launch.token_ids()
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        generation_tokens = 0
+        for seq in launch.batch.seqs:
+            request = self._seq_to_request.get(seq.seq_id)
+            if request is None or seq.is_finished:  # aborted, or stopped by an earlier token
+                continue
+            touched[request.request_id] = request
+            row = launch.rows.get(seq.seq_id)
+            if row is None:  # a prefill chunk: nothing sampled
+                self.block_manager.cache_computed_blocks(seq)
+                continue
+            # The placeholder this launch left, and after it the one of the launch in flight.
+            index = seq.token_ids.index(PLACEHOLDER, seq.num_prompt_tokens)
+            token_id = token_ids[row]
+            seq.token_ids[index] = token_id
+            self.block_manager.cache_computed_blocks(seq)
+            in_flight = seq.token_ids[index + 1 :]
+            del seq.token_ids[index:]
+            self._append_token(seq, token_id, None)
+            if not seq.is_finished:
+                seq.token_ids += in_flight
+            generation_tokens += 1
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+        self._generation_tokens += generation_tokens
+        self._history.append((now, 0, generation_tokens))
+        return self._finish_outputs(touched, now)
 
     def _postprocess(self, batch, result) -> list[RequestOutput]:
         now = time.monotonic()
@@ -251,11 +345,15 @@ class LLMEngine:
         self._prompt_tokens += prompt_tokens
         self._generation_tokens += generation_tokens
         self._history.append((now, prompt_tokens, generation_tokens))
+        return self._finish_outputs(touched, now)
+
+    def _finish_outputs(self, touched: dict[str, Request], now: float) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
             if request.finished:
                 request.metrics.finished_time = now
                 self.requests.pop(request.request_id, None)
+                self._host_sampled.discard(request.request_id)
                 for seq in request.seqs:
                     self._seq_to_request.pop(seq.seq_id, None)
                 self._finished_requests += 1

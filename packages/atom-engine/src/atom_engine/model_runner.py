@@ -2,6 +2,11 @@
 
 It sees tokens, positions and blocks, never request lifecycles: `run` returns the sampled token of
 every sequence whose scheduled tokens reached its end, and the prompt log-probs it was asked for.
+
+`launch` is the overlapped form (async scheduling): it queues the step on the device and returns at
+once, the sampled ids staying on the device (`sampled`) with a copy to pinned host memory on the
+way. A sequence sampled by the previous launch carries a placeholder as its last token; its input
+id is gathered on the device from that launch's `sampled` row, so the host never waits for it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 import atom_kernels
 from atom_engine.config import EngineConfig
 from atom_engine.scheduler import ScheduledBatch
-from atom_engine.sequence import Sequence
+from atom_engine.sequence import PLACEHOLDER, Sequence
 from atom_models import load_model, set_forward_context
 from atom_models.native_attention import (
     PagedAttentionMetadata,
@@ -37,6 +42,23 @@ class TopLogprobs:
     top_ids: list[int]
     top_logprobs: list[float]
     rank: int
+
+
+@dataclass
+class Launch:
+    """A step queued on the device (`ModelRunner.launch`): its sampled ids arrive in pinned host
+    memory when `ready` has passed."""
+
+    batch: ScheduledBatch
+    seqs: list[Sequence]  # the sampled sequences, in `sampled` row order
+    rows: dict[int, int]  # seq_id -> row of `sampled` (and of host)
+    host: torch.Tensor  # pinned int64 [len(seqs)]
+    ready: torch.cuda.Event | None  # None on the CPU (the copy was synchronous)
+
+    def token_ids(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
 
 
 @dataclass
@@ -62,7 +84,19 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.num_blocks = self._num_kv_blocks()
         bind_kv_cache(self.model, self.num_blocks, self.block_size, self.dtype, self.device)
-        self.graphs = DecodeGraphs(self) if self._use_graphs() else None
+        # Sampled ids of the last launch (device) and two pinned host mirrors (a launch writes one
+        # while the previous launch's is read). In the graphs' token buffer when there are graphs.
+        max_sampled = max(1, config.max_num_seqs)
+        self.graphs = DecodeGraphs(self, max_sampled) if self._use_graphs() else None
+        if self.graphs is not None:
+            self.sampled = self.graphs.sampled
+        else:
+            self.sampled = torch.zeros(max_sampled, dtype=torch.long, device=self.device)
+        pin = self.device.type == "cuda"
+        self._sampled_host = [
+            torch.zeros(max_sampled, dtype=torch.long, pin_memory=pin) for _ in range(2)
+        ]
+        self._launches = 0
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s",
             self.num_blocks,
@@ -134,11 +168,16 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def run(self, batch: ScheduledBatch) -> RunOutput:
+    def _forward(
+        self, batch: ScheduledBatch, prev: Launch | None = None
+    ) -> tuple[torch.Tensor, list[int], list[Sequence], list[tuple[Sequence, int, int]]]:
+        """Queue the batch's forward; (hidden [T, hidden], rows to sample, their sequences,
+        prompt-logprob ranges (seq, first row, count)). Placeholder inputs (the last token of a
+        sequence that `prev` sampled) are gathered on the device from `sampled`."""
         ids: list[int] = []
         positions: list[int] = []
         seq_lens, query_lens, tables = [], [], []
+        gathers: list[tuple[int, int]] = []  # (input row, row of `sampled`)
         sample_rows: list[int] = []  # row of the last token of each sequence to sample
         sample_seqs: list[Sequence] = []
         prompt_rows: list[tuple[Sequence, int, int]] = []  # (seq, first row, count)
@@ -147,6 +186,8 @@ class ModelRunner:
             end = start + num
             row = len(ids)
             ids += seq.token_ids[start:end]
+            if ids[-1] == PLACEHOLDER:  # only ever the last token, sampled by `prev`
+                gathers.append((row + num - 1, prev.rows[seq.seq_id]))
             positions += range(start, end)
             seq_lens.append(end)
             query_lens.append(num)
@@ -159,20 +200,36 @@ class ModelRunner:
                 prompt_rows.append((seq, row, count))
 
         if self.graphs is not None and self.graphs.fits(query_lens):
-            hidden = self.graphs.run(ids, positions, seq_lens, tables)
+            hidden = self.graphs.run(ids, positions, seq_lens, tables, gathers)
         else:
             md = PagedAttentionMetadata.build(
                 seq_lens, query_lens, tables, self.block_size, self.device
             )
             input_ids = _to_device(ids, torch.long, self.device)
+            if gathers:
+                rows, src = zip(*gathers, strict=True)
+                input_ids[_to_device(list(rows), torch.long, self.device)] = self.sampled[
+                    _to_device(list(src), torch.long, self.device)
+                ]
             pos = _to_device(positions, torch.long, self.device)
             with set_forward_context(md):
                 hidden = self.model(input_ids, pos)  # [T, hidden]
+        return hidden, sample_rows, sample_seqs, prompt_rows
 
+    def _sample_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        if rows == list(range(rows[0], rows[0] + len(rows))):  # decodes: one contiguous slice
+            picked = hidden[rows[0] : rows[0] + len(rows)]
+        else:
+            picked = hidden[_to_device(rows, torch.long, self.device)]
+        return self.model.compute_logits(picked).float()  # [B, V]
+
+    @torch.no_grad()
+    def run(self, batch: ScheduledBatch) -> RunOutput:
+        """Run one step and wait for it (every sampling feature; no placeholder inputs)."""
+        hidden, sample_rows, sample_seqs, prompt_rows = self._forward(batch)
         out = RunOutput(sampled={}, prompt_logprobs={})
         if sample_seqs:
-            logits = self.model.compute_logits(hidden[sample_rows]).float()  # [B, V]
-            out.sampled = self._sample(sample_seqs, logits)
+            out.sampled = self._sample(sample_seqs, self._sample_logits(hidden, sample_rows))
         for seq, row, count in prompt_rows:
             logits = self.model.compute_logits(hidden[row : row + count]).float()
             start = seq.num_computed_tokens
@@ -181,6 +238,61 @@ class ModelRunner:
                 logits, targets, seq.params.prompt_logprobs
             )
         return out
+
+    @torch.no_grad()
+    def launch(self, batch: ScheduledBatch, prev: Launch | None) -> Launch:
+        """Queue one step on the device and return without waiting for it.
+
+        For sequences whose sampling needs nothing from the host (no log-probs, prompt log-probs
+        or penalties: the engine runs those through `run`). The sampled ids land in `sampled`
+        (read by the next launch's placeholder gathers) and, once `ready`, in `host`.
+        """
+        hidden, sample_rows, sample_seqs, _ = self._forward(batch, prev)
+        host = self._sampled_host[self._launches % 2]
+        self._launches += 1
+        n = len(sample_seqs)
+        ready = None
+        if n:
+            logits = self._sample_logits(hidden, sample_rows)
+            self.sampled[:n] = self._sample_on_device(sample_seqs, logits)
+            host[:n].copy_(self.sampled[:n], non_blocking=True)
+        if self.device.type == "cuda":  # also with nothing sampled: the input copies are done
+            ready = torch.cuda.Event()
+            ready.record()
+        return Launch(
+            batch=batch,
+            seqs=sample_seqs,
+            rows={s.seq_id: i for i, s in enumerate(sample_seqs)},
+            host=host[:n],
+            ready=ready,
+        )
+
+    def _sample_on_device(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Sampled ids [B] on the device, without a host sync on the paths that need none
+        (greedy; temperature with or without seeds; min_tokens masks and top-k / top-p / min-p
+        filters read their flags on the host and may wait for the device)."""
+        params = [s.params for s in seqs]
+        for i, s in enumerate(seqs):
+            if s.num_output_tokens < s.params.min_tokens and s.params.all_stop_token_ids:
+                logits[i, list(s.params.all_stop_token_ids)] = float("-inf")
+        if all(p.is_greedy for p in params):
+            return logits.argmax(dim=-1)
+
+        def column(values, dtype):
+            return _to_device(values, dtype, self.device)
+
+        def optional(values, on, dtype):  # None when no row uses the filter
+            return column(values, dtype) if any(on(v) for v in values) else None
+
+        generators = [s.generator for s in seqs]
+        return atom_kernels.sample(
+            logits,
+            column([p.temperature for p in params], torch.float32),
+            optional([p.top_k for p in params], lambda k: k > 0, torch.int64),
+            optional([p.top_p for p in params], lambda p: p < 1.0, torch.float32),
+            optional([p.min_p for p in params], lambda p: p > 0.0, torch.float32),
+            generators=generators if any(g is not None for g in generators) else None,
+        ).token_ids
 
     def _sample(
         self, seqs: list[Sequence], logits: torch.Tensor
@@ -285,10 +397,12 @@ class DecodeGraphs:
 
     Inputs live in one static buffer the graphs read; a step writes its batch into a pinned host
     mirror, copies it over in one transfer and replays the smallest graph that holds the batch.
-    Padding rows write nowhere (slot -1) and attend one key.
+    Padding rows write nowhere (slot -1) and attend one key. The token buffer starts with the
+    runner's `sampled` ids, so a graph's first kernel gathers every row's input id from it or from
+    the ids the host sent (`src`): a placeholder's id never goes through the host.
     """
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, max_sampled: int) -> None:
         self.runner = runner
         device = runner.device
         max_bs = max(1, min(runner.config.max_num_seqs, 512))
@@ -299,22 +413,29 @@ class DecodeGraphs:
         self.max_bs = max_bs
         self.max_blocks = -(-self.max_seq_len // runner.block_size)
         # Two static buffers (int64 token data; int32 lengths and block tables, the dtypes of the
-        # eager path), each with a pinned host mirror: a step is two host-to-device copies.
-        # tokens: [ids | positions | slots]; meta: [seq_lens | query_start_loc | block tables]
-        self.tokens = torch.zeros(3 * max_bs, dtype=torch.long, device=device)
+        # eager path), each with two pinned host mirrors used in turn (with launches overlapped,
+        # a step's copy may still be queued while the host prepares the next): a step is two
+        # host-to-device copies. tokens: [sampled | ids | src | positions | slots] (the host sends
+        # all but `sampled`); meta: [seq_lens | query_start_loc | block tables]
+        self.num_sampled = max_sampled
+        self.tokens = torch.zeros(max_sampled + 4 * max_bs, dtype=torch.long, device=device)
         meta_numel = 2 * max_bs + 1 + max_bs * self.max_blocks
         self.meta = torch.zeros(meta_numel, dtype=torch.int32, device=device)
-        self.tokens_host = torch.zeros(3 * max_bs, dtype=torch.long).pin_memory()
-        self.meta_host = torch.zeros(meta_numel, dtype=torch.int32).pin_memory()
-        self.input_ids, self.positions, self.slot_mapping = self.tokens.split(max_bs)
+        self.tokens_host = [torch.zeros(4 * max_bs, dtype=torch.long).pin_memory() for _ in "ab"]
+        self.meta_host = [torch.zeros(meta_numel, dtype=torch.int32).pin_memory() for _ in "ab"]
+        self._turn = 0
+        self.sampled, sent = self.tokens.split([max_sampled, 4 * max_bs])
+        self.input_ids, self.src, self.positions, self.slot_mapping = sent.split(max_bs)
         self.seq_lens, self.query_start_loc, tables = self.meta.split(
             [max_bs, max_bs + 1, max_bs * self.max_blocks]
         )
         self.block_tables = tables.view(max_bs, self.max_blocks)
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
+        self.src.copy_(torch.arange(max_sampled, max_sampled + max_bs, device=device))
         self.query_start_loc.copy_(torch.arange(max_bs + 1, device=device))
-        self.meta_host.numpy()[max_bs : 2 * max_bs + 1] = np.arange(max_bs + 1)
+        for host in self.meta_host:
+            host.numpy()[max_bs : 2 * max_bs + 1] = np.arange(max_bs + 1)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture()
 
@@ -328,16 +449,20 @@ class DecodeGraphs:
             max_seq_len=self.max_seq_len,
         )
 
+    def _forward(self, bs: int) -> torch.Tensor:
+        ids = self.tokens[self.src[:bs]]  # the host's ids, or the last launch's sampled ones
+        return self.runner.model(ids, self.positions[:bs])
+
     @torch.no_grad()
     def _capture(self) -> None:
-        model, pool = self.runner.model, None
+        pool = None
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
             with set_forward_context(self._metadata(bs)):
-                model(self.input_ids[:bs], self.positions[:bs])  # warm-up (autotune, allocs)
+                self._forward(bs)  # warm-up (autotune, allocs)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = model(self.input_ids[:bs], self.positions[:bs])
+                    out = self._forward(bs)
             pool = graph.pool()
             self.graphs[bs] = (graph, out)
         torch.cuda.synchronize()
@@ -347,32 +472,43 @@ class DecodeGraphs:
         return len(query_lens) <= self.sizes[-1] and all(q == 1 for q in query_lens)
 
     def run(
-        self, ids: list[int], positions: list[int], seq_lens: list[int], tables
+        self,
+        ids: list[int],
+        positions: list[int],
+        seq_lens: list[int],
+        tables,
+        gathers: list[tuple[int, int]],
     ) -> torch.Tensor:
         bs = len(ids)
         size = next(b for b in self.sizes if b >= bs)
         block_size, max_bs = self.runner.block_size, self.max_bs
-        tokens, meta = self.tokens_host.numpy(), self.meta_host.numpy()
+        tokens_host, meta_host = self.tokens_host[self._turn], self.meta_host[self._turn]
+        self._turn ^= 1
+        tokens, meta = tokens_host.numpy(), meta_host.numpy()
         pos = np.asarray(positions, dtype=np.int64)
         width = max(len(t) for t in tables)
         table = np.zeros((size, width), dtype=np.int64)  # padding rows: block 0
         for i, t in enumerate(tables):
             table[i, : len(t)] = t
         blocks = table[np.arange(bs), pos // block_size]
-        tokens[:size] = 0
-        tokens[:bs] = ids
-        tokens[max_bs : max_bs + size] = 0
-        tokens[max_bs : max_bs + bs] = pos
-        tokens[2 * max_bs : 2 * max_bs + size] = -1  # padding rows write nowhere
-        tokens[2 * max_bs : 2 * max_bs + bs] = blocks * block_size + pos % block_size
+        ids_, src, pos_, slots = (tokens[i * max_bs : i * max_bs + size] for i in range(4))
+        ids_[:] = 0
+        ids_[:bs] = ids
+        src[:] = self.num_sampled + np.arange(size)  # row i reads ids[i] ...
+        for row, sampled_row in gathers:  # ... or a sampled id
+            src[row] = sampled_row
+        pos_[:] = 0
+        pos_[:bs] = pos
+        slots[:] = -1  # padding rows write nowhere
+        slots[:bs] = blocks * block_size + pos % block_size
         meta[:size] = 1  # and attend one key
         meta[:bs] = seq_lens
         tables_np = meta[2 * max_bs + 1 :].reshape(max_bs, self.max_blocks)
         tables_np[:size, :width] = table
         # The vectors, and only the table rows this step reads.
-        self.tokens.copy_(self.tokens_host, non_blocking=True)
+        self.tokens[self.num_sampled :].copy_(tokens_host, non_blocking=True)
         end = 2 * max_bs + 1 + size * self.max_blocks
-        self.meta[:end].copy_(self.meta_host[:end], non_blocking=True)
+        self.meta[:end].copy_(meta_host[:end], non_blocking=True)
         graph, out = self.graphs[size]
         graph.replay()
         return out[:bs]

@@ -72,9 +72,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
 
-        # 1. Running sequences, oldest first; preempt the newest when blocks run out.
+        # 1. Running sequences, oldest first; preempt the newest when blocks run out. A sequence
+        # whose last token is still on its way (async scheduling) and is its max_tokens-th waits:
+        # it finishes when that token arrives.
         scheduled_running: list[Sequence] = []
-        queue = list(self.running)
+        queue = [s for s in self.running if s.num_output_tokens < s.params.max_tokens]
         while queue and budget > 0:
             seq = queue.pop(0)
             num = min(seq.num_uncomputed_tokens, budget)

@@ -23,6 +23,10 @@ class SequenceStatus(enum.Enum):
 
 _seq_ids = itertools.count()
 
+# The id a sequence holds for a token its last launch sampled but the host has not read yet
+# (async scheduling); the device fills it in, the engine replaces it when the step completes.
+PLACEHOLDER = -1
+
 
 class Sequence:
     def __init__(

@@ -28,6 +28,10 @@ def _scalar_type(annotation) -> type:
     return annotation
 
 
+def on_off(value: bool) -> str:
+    return "on" if value else "off"
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every `EngineConfig` field as a flag to `parser` (in an "engine" group)."""
     group = parser.add_argument_group("engine", "EngineConfig fields")
@@ -43,7 +47,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                 _flag(field.name),
                 action=argparse.BooleanOptionalAction,
                 default=default,
-                help=f"{help_text} (default: {'on' if default else 'off'})",
+                help=help_text if default is None else f"{help_text} (default: {on_off(default)})",
             )
         else:
             shown = "" if default is None else " (default: %(default)s)"

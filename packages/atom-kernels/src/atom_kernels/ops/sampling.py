@@ -71,9 +71,9 @@ def apply_top_k_top_p_min_p(
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
     generators: list[torch.Generator | None] | None = None,
     num_logprobs: int = 0,
 ) -> SamplerOutput:
@@ -81,7 +81,8 @@ def sample(
 
     logits: [B, V] any float dtype (fp32 math); temperature, top_p, min_p: [B] float; top_k: [B]
     int. Rows with temperature 0 (< 1e-5, vLLM's epsilon) are greedy: argmax, ties -> lowest id.
-    Other rows: logits / temperature, ``apply_top_k_top_p_min_p``, then a draw. A row whose
+    Other rows: logits / temperature, ``apply_top_k_top_p_min_p`` (top_k / top_p / min_p may be
+    None: off for every row), then a draw; no host sync beyond the filters' own. A row whose
     ``generators[b]`` is a torch.Generator draws only from it (the same seed gives the same token
     whatever the rest of the batch is); other rows use the global RNG. Log-probs are of the raw
     logits (vLLM's default): the chosen token's, and the top ``num_logprobs`` ([B, 0] when 0).
@@ -89,9 +90,9 @@ def sample(
     op = "sample"
     _check_logits(op, logits)
     _check_row_param(op, "temperature", temperature, logits, _FLOATS, False)
-    _check_row_param(op, "top_k", top_k, logits, INDEX_DTYPES, False)
-    _check_row_param(op, "top_p", top_p, logits, _FLOATS, False)
-    _check_row_param(op, "min_p", min_p, logits, _FLOATS, False)
+    _check_row_param(op, "top_k", top_k, logits, INDEX_DTYPES, True)
+    _check_row_param(op, "top_p", top_p, logits, _FLOATS, True)
+    _check_row_param(op, "min_p", min_p, logits, _FLOATS, True)
     num_seqs, vocab_size = logits.shape
     if generators is not None:
         if len(generators) != num_seqs:

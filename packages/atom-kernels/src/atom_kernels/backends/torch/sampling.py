@@ -65,30 +65,30 @@ def apply_top_k_top_p_min_p(
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
     generators: list[torch.Generator | None] | None,
     num_logprobs: int,
 ) -> SamplerOutput:
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     token_ids = logits.argmax(dim=-1)  # greedy; ties -> the first (lowest) id
+    # Every row is drawn and greedy rows then keep the argmax: no host sync on flags, so a caller
+    # can queue its next step before this one's ids are known.
     is_greedy = temperature < _SAMPLING_EPS
-    if not bool(is_greedy.all()):
-        temp = torch.where(is_greedy, torch.ones_like(temperature), temperature).float()
-        masked = apply_top_k_top_p_min_p(logits / temp[:, None], top_k, top_p, min_p)
-        probs = torch.softmax(masked, dim=-1)
-        # Exponential race: argmax(p / E), E ~ Exp(1) i.i.d., draws from p. A seeded row fills its
-        # own E from its generator, so its draw does not depend on the other rows.
-        noise = torch.empty_like(probs).exponential_()
-        if generators is not None:
-            for b, (g, greedy) in enumerate(zip(generators, is_greedy.tolist(), strict=True)):
-                if g is not None and not greedy:
-                    noise[b].exponential_(generator=g)
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # E == 0 would make 0 / 0 = NaN
-        sampled = (probs / noise).argmax(dim=-1)
-        token_ids = torch.where(is_greedy, token_ids, sampled)
+    temp = torch.where(is_greedy, torch.ones_like(temperature), temperature).float()
+    masked = apply_top_k_top_p_min_p(logits / temp[:, None], top_k, top_p, min_p)
+    probs = torch.softmax(masked, dim=-1)
+    # Exponential race: argmax(p / E), E ~ Exp(1) i.i.d., draws from p. A seeded row fills its own
+    # E from its generator, so its draw does not depend on the other rows.
+    noise = torch.empty_like(probs).exponential_()
+    for b, g in enumerate(generators or ()):
+        if g is not None:
+            noise[b].exponential_(generator=g)
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # E == 0 would make 0 / 0 = NaN
+    sampled = (probs / noise).argmax(dim=-1)
+    token_ids = torch.where(is_greedy, token_ids, sampled)
     top_logprobs, top_token_ids = raw_logprobs.topk(num_logprobs, dim=-1)
     return SamplerOutput(
         token_ids=token_ids,
