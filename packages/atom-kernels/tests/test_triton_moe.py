@@ -94,6 +94,40 @@ def test_fused_moe_empty_experts_and_align_paths(triton_backend, align_kernel_ma
            align_kernel_max_pairs=align_kernel_max_pairs)  # fmt: skip
 
 
+def _config(per_pair, group_m=4, block_k=32):
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, num_warps=4, GROUP_M=group_m)
+    return {"per_pair": per_pair, "gemm1": cfg, "gemm2": cfg}
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 6])
+@pytest.mark.parametrize(("activation", "interleaved"), [("silu", False), ("swiglu_oai", True)])
+def test_fused_moe_per_pair_path(triton_backend, activation, interleaved, num_tokens):
+    """The decode path (no align; routing weight folded into GEMM 1, top-k sum inside GEMM 2),
+    forced past its default pair count: 4 experts for 2-12 pairs, so pairs share experts; biases;
+    BLOCK_K 16 over I = 24 (a K-block half masked, not aligned to an expert's end)."""
+    device = triton_backend.device
+    x, w13, w2, weights, ids, b13, b2 = _inputs(
+        num_tokens, 4, 2, 40, 24, torch.bfloat16, device, seed=11 + num_tokens, bias=True
+    )
+    config = _config(per_pair=True, block_k=16)
+    _check(triton_backend, x, w13, w2, weights, ids, activation, b13, b2, interleaved,
+           config=config)  # fmt: skip
+
+
+@pytest.mark.parametrize("group_m", [1, 3, 0])  # 0: one group of all row blocks
+@pytest.mark.parametrize("per_pair", [False, True])
+def test_fused_moe_paths_and_program_order(triton_backend, per_pair, group_m):
+    """Both paths and several GROUP_M orderings over the same routing: 8 experts, three with no
+    token, per-expert counts 2..7 (none a multiple of BLOCK_M), fp32."""
+    device = triton_backend.device
+    x, w13, w2, weights, _, _, _ = _inputs(7, 8, 3, 40, 24, torch.float32, device, seed=5)
+    ids = torch.tensor(
+        [[0, 2, 3], [2, 3, 5], [5, 2, 0], [7, 2, 5], [2, 3, 0], [5, 2, 7], [2, 3, 5]],
+        dtype=torch.int32, device=device,
+    )  # fmt: skip
+    _check(triton_backend, x, w13, w2, weights, ids, config=_config(per_pair, group_m))
+
+
 def test_fused_moe_is_registered(triton_backend):
     from atom_kernels import registry
 

@@ -1,6 +1,13 @@
-"""Triton fused MoE: (token, slot) pairs sorted by expert and padded per expert to BLOCK_M, two
-grouped GEMMs over the padded rows (the gated activation fused into the first, the bias and the
-routing weight into the second), then the per-token sum of its top-k rows.
+"""Triton fused MoE, two paths chosen by ``_configs`` from the shape:
+
+- sorted (most batches): (token, slot) pairs sorted by expert and padded per expert to BLOCK_M,
+  two grouped GEMMs over the padded rows (the gated activation fused into the first, the bias and
+  the routing weight into the second), then the per-token sum of its top-k rows.
+- per-pair (decode, a handful of pairs): no align step. GEMM 1 runs one program row per pair (its
+  expert read from ``topk_ids``) and folds the routing weight into the activation; GEMM 2 runs one
+  program row per token and walks its K experts in one flat reduction loop
+  (out[t] = sum_k (w_k a_k) @ W2[e_k]^T), so the top-k sum needs no extra kernel: two launches
+  in all, where the sorted path takes four.
 
 T = tokens, K = experts per token, N = T * K pairs, E = experts, H = hidden size, I = expert
 intermediate size, P = padded rows (an upper bound from shapes alone: N + min(E, N) * (BLOCK_M - 1),
@@ -9,7 +16,8 @@ so grids never depend on the routing and the op captures in CUDA graphs without 
 The align step writes, per expert, its pair count and the end of its padded segment; a GEMM
 program owns one BLOCK_M row block, finds its expert from those ends and returns at once when the
 block lies past the last used segment: experts that receive no token have no block and cost nothing
-(their weights are never read).
+(their weights are never read). GEMM programs form a 1-D grid ordered in groups of GROUP_M row
+blocks (row blocks fastest within a group) so a group's A rows and expert weights stay in L2.
 """
 
 from __future__ import annotations
@@ -18,12 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_kernels.backends.triton.common import is_interpreted, next_pow2
+from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_sms
 
 _ACTIVATIONS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
 # Up to this many pairs the align step is one single-program Triton kernel (one launch: decode);
 # above it, a few torch ops (sort + scans), whose launches are noise next to the GEMMs.
 ALIGN_KERNEL_MAX_PAIRS = 4096
+# Up to this many pairs the per-pair path runs (no align, no combine kernel). At T = 1 every pair
+# has its own expert; with more pairs, pairs that share an expert read its weights again.
+PER_PAIR_MAX_PAIRS = 8
 
 
 @triton.jit
@@ -84,10 +95,24 @@ def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int, sorted_ids, 
 
 
 @triton.jit
-def _block_expert(ends_ptr, counts_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+def _tile(pid, num_m, num_n, group_m):
+    """(row block, column tile) of program ``pid`` in a 1-D grid: ``group_m`` row blocks sweep the
+    column tiles together, row blocks fastest (``group_m`` >= ``num_m``: column tile by column
+    tile over all row blocks)."""
+    group_size = group_m * num_n
+    first_m = (pid // group_size) * group_m
+    rows_in_group = tl.minimum(num_m - first_m, group_m)
+    in_group = pid % group_size
+    return first_m + in_group % rows_in_group, in_group // rows_in_group
+
+
+@triton.jit
+def _block_expert(
+    pid_m, ends_ptr, counts_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr
+):
     """(expert, first row of this block within the expert's pairs, pairs of the expert) of the
-    row block ``program_id(0)``; expert == num_experts past the last used segment."""
-    row0 = tl.program_id(0) * BLOCK_M
+    row block ``pid_m``; expert == num_experts past the last used segment."""
+    row0 = pid_m * BLOCK_M
     experts = tl.arange(0, BLOCK_E)
     ends = tl.load(ends_ptr + experts, mask=experts < num_experts, other=2147483647)
     expert = tl.sum((ends <= row0).to(tl.int32), axis=0)
@@ -98,15 +123,22 @@ def _block_expert(ends_ptr, counts_ptr, num_experts, BLOCK_M: tl.constexpr, BLOC
     return expert, row0 - start, count
 
 
-@triton.jit
+# NOTE: the row-block count and GROUP_M vary with the batch and the config; left unspecialized
+# they compile once instead of once per divisibility class (a recompile mid-serving, and per
+# GROUP_M in a sweep).
+@triton.jit(do_not_specialize=["num_row_blocks", "group_m"])
 def _gemm1_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2I, H]
     bias_ptr,  # [E, 2I] or dummy
-    out_ptr,  # [P, I]
-    sorted_ptr,
+    out_ptr,  # [P, I] (per-pair: [N, I])
+    sorted_ptr,  # [P] pair at each padded row (sorted path)
     counts_ptr,
     ends_ptr,
+    ids_ptr,  # [N] expert of each pair (per-pair path)
+    topk_weights_ptr,  # [N] routing weights (per-pair path: folded into the output)
+    num_row_blocks,  # sorted: padded row blocks; per-pair: pairs
+    group_m,
     num_experts,
     hidden_size,
     inter_size,
@@ -119,26 +151,37 @@ def _gemm1_kernel(
     stride_be,
     stride_bn,
     stride_om,
+    stride_tw,
     alpha,
     limit,
     ACTIVATION: tl.constexpr,  # 0 silu, 1 gelu (erf), 2 swiglu_oai
     INTERLEAVED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
+    PER_PAIR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    expert, first, count = _block_expert(ends_ptr, counts_ptr, num_experts, BLOCK_M, BLOCK_E)
+    pid_m, pid_n = _tile(tl.program_id(0), num_row_blocks, tl.cdiv(inter_size, BLOCK_N), group_m)
+    offs_m = tl.arange(0, BLOCK_M)
+    if PER_PAIR:  # one pair per program row block: row 0 of the tile, the others masked off
+        expert = tl.load(ids_ptr + pid_m).to(tl.int32)
+        row_valid = offs_m == 0
+        rows = pid_m + offs_m * 0  # output row = pair
+        pairs = rows
+    else:
+        expert, first, count = _block_expert(
+            pid_m, ends_ptr, counts_ptr, num_experts, BLOCK_M, BLOCK_E
+        )
+        row_valid = first + offs_m < count
+        rows = pid_m * BLOCK_M + offs_m  # padded rows
+        pairs = tl.load(sorted_ptr + rows, mask=row_valid, other=0)
     if expert >= num_experts:
         return
-    offs_m = tl.arange(0, BLOCK_M)
-    row_valid = first + offs_m < count
-    rows = tl.program_id(0) * BLOCK_M + offs_m  # padded rows
-    pairs = tl.load(sorted_ptr + rows, mask=row_valid, other=0)
     tokens = (pairs // top_k).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the output [P, I]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the output [P, I]
     col_valid = cols < inter_size
     if INTERLEAVED:
         gate_rows, up_rows = 2 * cols, 2 * cols + 1
@@ -177,11 +220,14 @@ def _gemm1_kernel(
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         act = (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
+    if PER_PAIR:  # w * (a @ W2) == (w * a) @ W2: GEMM 2 then sums a token's pairs in one loop
+        weight = tl.load(topk_weights_ptr + pairs * stride_tw, mask=row_valid, other=0.0)
+        act *= weight.to(tl.float32)[:, None]
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out_ptrs, act.to(dtype), mask=row_valid[:, None] & col_valid[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_row_blocks", "group_m"])
 def _gemm2_kernel(
     a_ptr,  # [P, I] activations
     w_ptr,  # [E, H, I]
@@ -191,6 +237,8 @@ def _gemm2_kernel(
     sorted_ptr,
     counts_ptr,
     ends_ptr,
+    num_row_blocks,
+    group_m,
     num_experts,
     hidden_size,
     inter_size,
@@ -209,14 +257,15 @@ def _gemm2_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    expert, first, count = _block_expert(ends_ptr, counts_ptr, num_experts, BLOCK_M, BLOCK_E)
+    pid_m, pid_n = _tile(tl.program_id(0), num_row_blocks, tl.cdiv(hidden_size, BLOCK_N), group_m)
+    expert, first, count = _block_expert(pid_m, ends_ptr, counts_ptr, num_experts, BLOCK_M, BLOCK_E)
     if expert >= num_experts:
         return
     offs_m = tl.arange(0, BLOCK_M)
     row_valid = first + offs_m < count
-    rows = (tl.program_id(0) * BLOCK_M + offs_m).to(tl.int64)
+    rows = (pid_m * BLOCK_M + offs_m).to(tl.int64)
     pairs = tl.load(sorted_ptr + rows, mask=row_valid, other=0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the output [N, H]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the output [N, H]
     col_valid = cols < hidden_size
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]  # [M, K]
@@ -244,11 +293,95 @@ def _gemm2_kernel(
     tl.store(out_ptrs, y.to(dtype), mask=row_valid[:, None] & col_valid[None, :])
 
 
-def _configs(num_pairs: int, num_experts: int, device: torch.device) -> tuple[dict, dict]:
-    """(GEMM 1 config, GEMM 2 config) by how many rows an expert gets on average."""
+@triton.jit
+def _gemm2_token_kernel(
+    a_ptr,  # [N, I] weighted activations (per-pair GEMM 1)
+    w_ptr,  # [E, H, I]
+    bias_ptr,  # [E, H] or dummy
+    ids_ptr,  # [N] expert of each pair
+    topk_weights_ptr,  # [N]
+    out_ptr,  # [T, H]
+    hidden_size,
+    inter_size,
+    top_k,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    stride_tw,
+    stride_ot,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[t, cols] = sum over the token's K pairs of a[pair] @ W2[expert]^T: one flat loop over
+    K x ceil(I / BLOCK_K) blocks, so the software pipeline runs across expert boundaries. The dot
+    needs 16 rows; only row 0 (the token) is live."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = cols < hidden_size
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_blocks = tl.cdiv(inter_size, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for j in range(0, top_k * k_blocks):
+        slot = j // k_blocks
+        ks = (j - slot * k_blocks) * BLOCK_K + offs_k
+        k_valid = ks < inter_size
+        pair = (token * top_k + slot).to(tl.int64)
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        a_ptrs = a_ptr + pair * stride_am + ks[None, :] + offs_m[:, None] * 0
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] == 0) & k_valid[None, :], other=0.0)
+        w_ptrs = (
+            w_ptr
+            + expert * stride_we
+            + ks[:, None] * stride_wk
+            + cols[None, :].to(tl.int64) * stride_wn
+        )  # [K, N]
+        w = tl.load(w_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if HAS_BIAS:  # sum_k w_k * b2[e_k]
+        for slot in range(0, top_k):
+            pair = token * top_k + slot
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            weight = tl.load(topk_weights_ptr + pair * stride_tw).to(tl.float32)
+            bias = tl.load(bias_ptr + expert * stride_be + cols * stride_bn, mask=col_valid)
+            acc += weight * bias.to(tl.float32)[None, :]
+    out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + cols[None, :] + offs_m[:, None] * 0
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] == 0) & col_valid)
+
+
+def _configs(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    hidden_size: int,
+    inter_size: int,
+    device: torch.device,
+) -> dict:
+    """{"per_pair": path, "gemm1": kernel config, "gemm2": kernel config} for this shape.
+
+    A kernel config holds BLOCK_M/N/K, num_warps, num_stages and (sorted path) GROUP_M; the
+    sorted path's two GEMMs share BLOCK_M. ``benchmarks/tune_moe.py`` sweeps these; pass one to
+    ``fused_moe(config=...)`` to override.
+    """
+    num_pairs = num_tokens * top_k
+    per_pair = num_pairs <= PER_PAIR_MAX_PAIRS
     if is_interpreted(device):  # small tiles: the interpreter's cost grows with tile size
-        cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4)
-        return cfg, cfg
+        cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, GROUP_M=4)
+        return {"per_pair": per_pair, "gemm1": cfg, "gemm2": cfg}
+    if per_pair:
+        # Bandwidth-bound: enough programs for every SM (>= ~2 waves of small tiles) and deep
+        # pipelines (bytes in flight per SM).
+        sms = num_sms(device)
+        n1 = 32 if num_pairs * triton.cdiv(inter_size, 32) >= 2 * sms else 16
+        gemm1 = dict(BLOCK_M=16, BLOCK_N=n1, BLOCK_K=128, num_warps=4, num_stages=4)
+        gemm2 = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4)
+        return {"per_pair": True, "gemm1": gemm1, "gemm2": gemm2}
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
     if rows_per_expert <= 16:  # decode: bandwidth-bound, many narrow column tiles
         gemm1 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
@@ -256,10 +389,24 @@ def _configs(num_pairs: int, num_experts: int, device: torch.device) -> tuple[di
     elif rows_per_expert <= 64:
         gemm1 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
         gemm2 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
-    else:  # prefill: compute-bound
+    elif rows_per_expert <= 512:
+        # Many small GEMMs (Qwen3-30B-A3B prefill: ~256 rows per expert): BLOCK_M 64 halves the
+        # padding of BLOCK_M 128 (~half a block per expert), wide column tiles keep the tensor
+        # cores fed, GROUP_M row blocks share an expert's weight tiles in L2.
+        gemm1 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=8)
+        gemm2 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, GROUP_M=8)
+    else:  # prefill over few large experts (Mixtral: 61% of the matmul rate on an H100)
         gemm1 = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)
         gemm2 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
-    return gemm1, gemm2
+    return {"per_pair": False, "gemm1": gemm1, "gemm2": gemm2}
+
+
+def _split_group(cfg: dict, num_row_blocks: int) -> tuple[dict, int]:
+    """(launch config, group_m): GROUP_M travels as a runtime argument (no recompile per value);
+    without one, all row blocks form one group (column tile by column tile)."""
+    cfg = dict(cfg)
+    group_m = cfg.pop("GROUP_M", 0)
+    return cfg, group_m if group_m > 0 else max(1, num_row_blocks)
 
 
 def fused_moe(
@@ -275,65 +422,93 @@ def fused_moe(
     swiglu_alpha: float,
     swiglu_limit: float,
     align_kernel_max_pairs: int = ALIGN_KERNEL_MAX_PAIRS,
+    config: dict | None = None,
 ) -> torch.Tensor:
-    """See ``atom_kernels.fused_moe``. hidden_states [T, H] -> [T, H] in its dtype."""
+    """See ``atom_kernels.fused_moe``. hidden_states [T, H] -> [T, H] in its dtype. ``config``
+    overrides ``_configs`` (tuning, tests)."""
     num_tokens, hidden_size = hidden_states.shape
     top_k = topk_ids.shape[1]
     num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
     device, dtype = hidden_states.device, hidden_states.dtype
     num_pairs = num_tokens * top_k
-    out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
     if num_pairs == 0 or hidden_size == 0:
-        return out.zero_()  # no expert runs: the sum of nothing
-    gemm1, gemm2 = _configs(num_pairs, num_experts, device)
-    # Both GEMMs walk the same padded rows, so they share BLOCK_M.
-    block_m = gemm1["BLOCK_M"]
-    assert gemm2["BLOCK_M"] == block_m
-    max_rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    max_blocks = triton.cdiv(max_rows, block_m)
-    block_e = next_pow2(num_experts, 16)
-
-    # --- align: sort the pairs by expert, pad each expert's segment to BLOCK_M ---
+        return torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device)
+    if config is None:
+        config = _configs(num_tokens, top_k, num_experts, hidden_size, inter_size, device)
     ids = topk_ids.reshape(-1)
-    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
-    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    ends = torch.empty(num_experts, dtype=torch.int32, device=device)
-    if num_pairs <= align_kernel_max_pairs:
-        _align_kernel[(1,)](
-            ids, sorted_ids, counts, ends, num_pairs, num_experts,
-            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=32 if block_e > 128 else 64, num_warps=4,
-        )  # fmt: skip
-    else:
-        _align_torch(ids.long(), num_experts, block_m, sorted_ids, counts, ends)
-
+    weights = topk_weights.reshape(-1)
     precision = "ieee" if dtype == torch.float32 else "tf32"
-    activated = torch.empty((max_blocks * block_m, inter_size), dtype=dtype, device=device)
     b13 = w13_bias if w13_bias is not None else w13
     bias13_strides = (w13_bias.stride(0), w13_bias.stride(1)) if w13_bias is not None else (0, 0)
-    _gemm1_kernel[(max_blocks, triton.cdiv(inter_size, gemm1["BLOCK_N"]))](
-        hidden_states, w13, b13, activated, sorted_ids, counts, ends,
-        num_experts, hidden_size, inter_size, top_k,
+    b2 = w2_bias if w2_bias is not None else w2
+    bias2_strides = (w2_bias.stride(0), w2_bias.stride(1)) if w2_bias is not None else (0, 0)
+    block_e = next_pow2(num_experts, 16)
+    per_pair = config["per_pair"]
+
+    if per_pair:
+        gemm1, group1 = _split_group(config["gemm1"], num_pairs)
+        gemm2, _ = _split_group(config["gemm2"], num_pairs)
+        num_row_blocks = num_pairs
+        sorted_ids = counts = ends = ids  # unused by the per-pair kernels
+        activated = torch.empty((num_pairs, inter_size), dtype=dtype, device=device)  # [N, I]
+    else:
+        # Both GEMMs walk the same padded rows, so they share BLOCK_M.
+        block_m = config["gemm1"]["BLOCK_M"]
+        assert config["gemm2"]["BLOCK_M"] == block_m
+        max_rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+        num_row_blocks = triton.cdiv(max_rows, block_m)
+        gemm1, group1 = _split_group(config["gemm1"], num_row_blocks)
+        gemm2, group2 = _split_group(config["gemm2"], num_row_blocks)
+
+        # --- align: sort the pairs by expert, pad each expert's segment to BLOCK_M ---
+        sorted_ids = torch.empty(num_row_blocks * block_m, dtype=torch.int32, device=device)
+        counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+        ends = torch.empty(num_experts, dtype=torch.int32, device=device)
+        if num_pairs <= align_kernel_max_pairs:
+            _align_kernel[(1,)](
+                ids, sorted_ids, counts, ends, num_pairs, num_experts,
+                BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=32 if block_e > 128 else 64,
+                num_warps=4,
+            )  # fmt: skip
+        else:
+            _align_torch(ids.long(), num_experts, block_m, sorted_ids, counts, ends)
+        activated = torch.empty((num_row_blocks * block_m, inter_size), dtype=dtype, device=device)
+
+    grid1 = (num_row_blocks * triton.cdiv(inter_size, gemm1["BLOCK_N"]),)
+    _gemm1_kernel[grid1](
+        hidden_states, w13, b13, activated, sorted_ids, counts, ends, ids, weights,
+        num_row_blocks, group1, num_experts, hidden_size, inter_size, top_k,
         hidden_states.stride(0), hidden_states.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2), *bias13_strides, activated.stride(0),
-        float(swiglu_alpha), float(swiglu_limit),
+        weights.stride(0), float(swiglu_alpha), float(swiglu_limit),
         ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=bool(gate_up_interleaved),
-        HAS_BIAS=w13_bias is not None, PRECISION=precision, BLOCK_E=block_e, **gemm1,
+        HAS_BIAS=w13_bias is not None, PRECISION=precision, PER_PAIR=per_pair,
+        BLOCK_E=block_e, **gemm1,
     )  # fmt: skip
+
+    if per_pair:
+        out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
+        _gemm2_token_kernel[(num_tokens, triton.cdiv(hidden_size, gemm2["BLOCK_N"]))](
+            activated, w2, b2, ids, weights, out, hidden_size, inter_size, top_k,
+            activated.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *bias2_strides,
+            weights.stride(0), out.stride(0),
+            HAS_BIAS=w2_bias is not None, PRECISION=precision, **gemm2,
+        )  # fmt: skip
+        return out
 
     # NOTE: each pair's weighted output is stored in the input dtype (as vLLM does): half the
     # traffic of fp32 at prefill; the K-way sum below is still done in fp32.
     pair_out = torch.empty((num_pairs, hidden_size), dtype=dtype, device=device)  # [N, H]
-    weights = topk_weights.reshape(-1)
-    b2 = w2_bias if w2_bias is not None else w2
-    bias2_strides = (w2_bias.stride(0), w2_bias.stride(1)) if w2_bias is not None else (0, 0)
-    _gemm2_kernel[(max_blocks, triton.cdiv(hidden_size, gemm2["BLOCK_N"]))](
+    grid2 = (num_row_blocks * triton.cdiv(hidden_size, gemm2["BLOCK_N"]),)
+    _gemm2_kernel[grid2](
         activated, w2, b2, weights, pair_out, sorted_ids, counts, ends,
-        num_experts, hidden_size, inter_size, activated.stride(0),
+        num_row_blocks, group2, num_experts, hidden_size, inter_size, activated.stride(0),
         w2.stride(0), w2.stride(1), w2.stride(2), *bias2_strides, weights.stride(0),
         pair_out.stride(0),
         HAS_BIAS=w2_bias is not None, PRECISION=precision, BLOCK_E=block_e, **gemm2,
     )  # fmt: skip
     if top_k == 1:
         return pair_out
+    out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
     # One reduction kernel; torch accumulates a bf16/fp16 sum in fp32.
     return torch.sum(pair_out.view(num_tokens, top_k, hidden_size), dim=1, out=out)  # [T, H]
