@@ -165,6 +165,45 @@ def test_fp8_cache(triton_backend, feature):
     _check(triton_backend, batch, FEATURES[feature], TOLERANCES[torch.bfloat16], 3, **scales)
 
 
+# (block_m, block_n, block_size, heavy_first, feature): the prefill page reads (several pages per
+# KV tile, a tile inside one page, more than 8 pages per tile, pages straddling tiles) and the
+# tile order, with small tiles the interpreter runs in a second.
+PREFILL_TILES = [
+    (16, 32, 16, True, "causal"),
+    (32, 16, 32, True, "window_sinks"),
+    (16, 64, 4, True, "sinks_softcap"),
+    (32, 32, 4, False, "window"),
+    (16, 16, 5, False, "causal"),
+]
+
+
+@pytest.mark.parametrize(
+    ("block_m", "block_n", "block_size", "heavy_first", "feature"),
+    PREFILL_TILES,
+    ids=[f"{m}x{n}-page{b}-{'heavy' if h else 'fwd'}-{f}" for m, n, b, h, f in PREFILL_TILES],
+)
+def test_prefill_tiles_and_pages(
+    triton_backend, block_m, block_n, block_size, heavy_first, feature
+):
+    from dataclasses import replace
+
+    attention = triton_backend.attention
+    seqs = [(70, 70), (90, 45), (20, 1), (33, 4), (5, 5)]
+    heads = (4, 2, 32, 32, block_size)
+    batch = PagedBatch(seqs, heads, torch.bfloat16, triton_backend.device, seed=7)
+    config = replace(
+        attention.default_config(32, torch.bfloat16, interpreted=True),
+        prefill_block_m=block_m,
+        prefill_block_n=block_n,
+        prefill_heavy_first=heavy_first,
+    )
+    args = batch.args(FEATURES[feature])
+    out = torch.full((*batch.query.shape[:2], 32), float("nan"), dtype=torch.bfloat16)
+    out = attention.paged_attention(*args, out.to(batch.query.device), config=config)
+    expected = reference.paged_attention(*args, None)
+    assert_close(out, expected, atol=1.6e-2, rtol=1.6e-2, name="paged_attention")
+
+
 def test_decode_only_batch_with_padding(triton_backend):
     seqs = [(40, 1), (65, 1), (3, 1), (0, 0), (17, 1)]
     batch = PagedBatch(seqs, GQA, torch.float32, triton_backend.device, pad_rows=3, seed=4)

@@ -41,6 +41,8 @@ class AttentionConfig:
     decode_num_warps: int
     decode_num_stages: int
     decode_num_warps_unsplit: int
+    # Prefill query tiles in reverse order (heaviest causal tiles first; see attention_prefill).
+    prefill_heavy_first: bool = True
 
 
 def default_config(
@@ -58,6 +60,11 @@ def default_config(
     with 256. fp32 queries keep IEEE fp32 dots, which run on the FMA units and spill at larger
     tiles, so they get small ones (fp32 is for tests, not speed). Decode groups of >= 64 heads
     shrink the KV tile.
+
+    NOTE (after the prefill rewrite: page ids carried one tile ahead, FMA-scaled exp2; sm_90
+    cubins, bf16, D=128, no spills at triton 3.6 / 3.9): prefill 128x64/8w/3 stages 202 / 176
+    registers with three K/V buffers (128 KB shared); 128x128/8w 254-255 registers, 160 KB at 2
+    stages, 224 KB at 3. benchmarks/tune_prefill.py sweeps these on the GPU.
     """
     if interpreted:  # small tiles: several KV tiles and query tiles even at test sizes
         return AttentionConfig(16, 16, 4, 1, 16, 4, 1, 4)
@@ -180,7 +187,8 @@ def paged_attention(
     # A decode-only batch (one row per sequence, known from the caller's hint) has no prefill row
     # and no padding row: the prefill grid would only exit (~2-8 us a layer in a decode graph).
     if not (max_query_len == 1 and num_tokens == num_seqs):
-        prefill_kernel[(num_tokens // block_m + num_seqs + 1, num_heads)](
+        num_tiles = num_tokens // block_m + num_seqs + 1  # an upper bound (see attention_prefill)
+        prefill_kernel[(num_tiles * num_heads,)](
             query,
             key_cache,
             value_cache,
@@ -193,8 +201,12 @@ def paged_attention(
             v_scale_ptr,
             num_seqs,
             num_tokens,
-            *common,
+            num_heads,
+            *common[:3],  # the page size is a compile-time constant there
             *values,
+            EVEN_D=head_dim == block_d and head_dim_v == block_dv,
+            HEAVY_FIRST=config.prefill_heavy_first,
+            BLOCK_SIZE=block_size,
             BLOCK_M=block_m,
             BLOCK_N=config.prefill_block_n,
             num_warps=config.prefill_num_warps,
