@@ -1,6 +1,10 @@
-"""MoE architectures inside vLLM: ATOM's Qwen3-MoE, Mixtral and GLM-4-MoE (tiny checkpoints saved by
-transformers) give the same greedy tokens as vLLM's own implementations (plugin disabled) and as
-transformers, and the plugin run really built ATOM's model class.
+"""MoE architectures inside vLLM: ATOM's Qwen3-MoE, Mixtral, GLM-4-MoE and GPT-OSS (tiny checkpoints
+saved by transformers) give the same greedy tokens as vLLM's own implementations (plugin disabled)
+and as transformers, and the plugin run really built ATOM's model class on ATOM's attention.
+
+GPT-OSS also checks what reaches vLLM's attention layers: the checkpoint's per-head sinks (after
+weight loading) and the sliding window of every other layer, on ATOM's backend and, with
+ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1, on vLLM's own CPU backend.
 
 The plugin runs in this process; vLLM's own implementation needs a fresh process (vLLM resolves
 its plugins once per process): this file run as a script.
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import subprocess
 import sys
 
@@ -20,7 +25,7 @@ MAX_TOKENS = 8
 
 
 def make_config(arch: str):
-    from transformers import Glm4MoeConfig, MixtralConfig, Qwen3MoeConfig
+    from transformers import Glm4MoeConfig, GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
@@ -36,26 +41,60 @@ def make_config(arch: str):
             num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
             first_k_dense_replace=1, routed_scaling_factor=2.0,
         )  # fmt: skip
+    if arch == "gpt_oss":
+        # bf16-style experts (no quantization_config: not MXFP4); layer 0 slides over 8 tokens,
+        # less than one 32-token block, so the 40-token prompt also attends past freed blocks.
+        return GptOssConfig(
+            **common, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+            sliding_window=8,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": 64},
+        )  # fmt: skip
     return MixtralConfig(**common, intermediate_size=32, num_local_experts=8,
                          num_experts_per_tok=2)  # fmt: skip
 
 
 def generate(model_dir: str) -> dict:
+    """Greedy tokens, the classes vLLM ran, and what each attention layer holds, by layer index:
+    its sliding window and its sinks (None without)."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256,
               block_size=32, seed=0)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    (inner,) = llm.apply_model(
-        lambda m: (
-            type(getattr(m, "model", m)).__module__ + "." + type(getattr(m, "model", m)).__name__
-        )
-    )
-    model = llm.apply_model(lambda m: type(m).__module__ + "." + type(m).__name__)[0]
+
+    def name(obj) -> str:
+        return type(obj).__module__ + "." + type(obj).__qualname__
+
+    def classes(model) -> dict:
+        from vllm.model_executor.layers.attention import Attention
+
+        by_index = {int(re.search(r"layers\.(\d+)\.", m.layer_name).group(1)): m
+                    for m in model.modules() if isinstance(m, Attention)}  # fmt: skip
+        layers = [by_index[i] for i in sorted(by_index)]
+        sinks = [getattr(m.impl, "sinks", None) for m in layers]
+        return {
+            "model": name(model),
+            "inner": name(getattr(model, "model", model)),
+            "attention": sorted({name(m.impl) for m in layers}),
+            "windows": [m.sliding_window for m in layers],
+            "sinks": [None if t is None else t.tolist() for t in sinks],
+        }
+
+    (info,) = llm.apply_model(classes)
     del llm
     gc.collect()
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "model": model, "inner": inner}
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], **info}
+
+
+def run_in_child(model_dir, python_env, **switches) -> dict:
+    proc = subprocess.run([sys.executable, __file__, str(model_dir)],
+                          env=python_env(**switches), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
 
 
 def transformers_tokens(model_dir: str) -> list[list[int]]:
@@ -79,16 +118,24 @@ def transformers_tokens(model_dir: str) -> list[list[int]]:
     return rows
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "glm4_moe"])
-def checkpoint(request, tmp_path_factory, smollm2_dir):
+def save_checkpoint(arch: str, tmp_path_factory, smollm2_dir):
     from transformers import AutoTokenizer
 
     from atom_models.testing import save_random_checkpoint
 
-    path = tmp_path_factory.mktemp(request.param)
+    path = tmp_path_factory.mktemp(arch)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    save_random_checkpoint(make_config(request.param), path, seed=1, tokenizer=tokenizer)
-    return request.param, path
+    save_random_checkpoint(make_config(arch), path, seed=1, tokenizer=tokenizer)
+    return path
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss"])
+def checkpoint(request, tmp_path_factory, smollm2_dir):
+    return request.param, save_checkpoint(request.param, tmp_path_factory, smollm2_dir)
+
+
+ATOM_IMPL = "atom_vllm_plugin.attention.backend.AtomAttentionImpl"
+VLLM_CPU_IMPL = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl"
 
 
 def test_moe_greedy_matches_vllm_and_transformers(checkpoint, python_env) -> None:
@@ -96,14 +143,40 @@ def test_moe_greedy_matches_vllm_and_transformers(checkpoint, python_env) -> Non
     atom = generate(str(path))
     assert atom["model"] == "atom_vllm_plugin.model.AtomForCausalLM"
     assert atom["inner"].startswith(f"atom_models.models.{arch}.")
-    proc = subprocess.run([sys.executable, __file__, str(path)],
-                          env=python_env(ATOM_DISABLE_VLLM_PLUGIN="1"), capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-8000:]
-    own = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
-    assert own["model"].startswith("vllm.model_executor.models.")
+    assert atom["attention"] == [ATOM_IMPL]
+    # vLLM's CPU build runs its own implementation of all four, GptOssForCausalLM included
+    # (unquantized experts; CPU_ATTN computes sinks and sliding windows).
+    own = run_in_child(path, python_env, ATOM_DISABLE_VLLM_PLUGIN="1")
+    assert own["model"].startswith(f"vllm.model_executor.models.{arch}.")
+    assert own["attention"] == [VLLM_CPU_IMPL]
     assert atom["tokens"] == own["tokens"]
     assert atom["tokens"] == transformers_tokens(str(path))
+    if arch == "gpt_oss":
+        assert_gpt_oss_attention(atom, path)
+        assert_gpt_oss_attention(own, path)
+
+
+def test_gpt_oss_atom_model_on_vllms_attention(tmp_path_factory, smollm2_dir, python_env) -> None:
+    """ATOM's GPT-OSS on vLLM's own CPU attention: the sinks reach vLLM's backend too."""
+    path = save_checkpoint("gpt_oss", tmp_path_factory, smollm2_dir)
+    mixed = run_in_child(path, python_env, ATOM_DISABLE_VLLM_PLUGIN_ATTENTION="1")
+    assert mixed["model"] == "atom_vllm_plugin.model.AtomForCausalLM"
+    assert mixed["inner"] == "atom_models.models.gpt_oss.GptOssForCausalLM"
+    assert mixed["attention"] == [VLLM_CPU_IMPL]
+    assert_gpt_oss_attention(mixed, path)
+    assert mixed["tokens"] == transformers_tokens(str(path))
+
+
+def assert_gpt_oss_attention(run: dict, path) -> None:
+    """Layer 0 slides over 8 tokens, layer 1 attends to everything; every layer's backend holds
+    the checkpoint's sinks (exact values: they were loaded after the layer was built)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    expected = [tensors[f"model.layers.{i}.self_attn.sinks"].tolist() for i in range(2)]
+    assert run["windows"] == [8, None]
+    assert run["sinks"] == expected
+    assert all(any(v != 0.0 for v in row) for row in expected)
 
 
 if __name__ == "__main__":

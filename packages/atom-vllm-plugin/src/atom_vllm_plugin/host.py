@@ -20,13 +20,19 @@ class VllmAttention(nn.Module):
 
     def __init__(self, spec: AttentionSpec, vllm_config, layer_name: str, device) -> None:
         super().__init__()
-        if spec.has_sinks:
-            # vLLM's layer takes the sinks tensor at construction; atom-models passes it per call.
-            raise NotImplementedError(
-                f"{layer_name}: attention sinks are not wired to vLLM's attention layer yet"
-            )
         # atom-models builds on the `meta` device; vLLM's layer keeps real buffers (KV scales).
         with torch.device(device):
+            # vLLM's layer hands its backend the sinks tensor [H] at construction, and backends
+            # read it (or, like FlashInfer, a float32 copy made after loading) at every step,
+            # as vLLM's own models expect of a parameter that weight loading fills in place.
+            # ATOM's model owns the sinks parameter but is only materialized after this, so the
+            # tensor is allocated here and `share_sinks` gives the parameter its storage.
+            self.sinks: torch.Tensor | None = None
+            extra = {}
+            if spec.has_sinks:
+                dtype = vllm_config.model_config.dtype
+                self.sinks = extra["sinks"] = torch.empty(spec.num_heads, dtype=dtype)
+            self.sinks_shared = False
             self.attn = Attention(
                 num_heads=spec.num_heads,
                 head_size=spec.head_size,
@@ -36,13 +42,55 @@ class VllmAttention(nn.Module):
                 logits_soft_cap=spec.soft_cap,
                 per_layer_sliding_window=spec.sliding_window,
                 prefix=layer_name,
+                **extra,
             )
+
+    def share_sinks(self, param: nn.Parameter) -> None:
+        """Make the model's materialized sinks parameter [H] use the storage vLLM's layer holds:
+        the checkpoint's sinks, copied into the parameter by its weight loader, are then what
+        vLLM's attention backend reads."""
+        name = self.attn.layer_name
+        if self.sinks is None:
+            raise ValueError(f"{name}: this attention layer was built without sinks")
+        if param.shape != self.sinks.shape or param.dtype != self.sinks.dtype:
+            raise ValueError(
+                f"{name}: sinks parameter {tuple(param.shape)} {param.dtype} does not match the "
+                f"tensor vLLM's layer holds, {tuple(self.sinks.shape)} {self.sinks.dtype}"
+            )
+        param.data = self.sinks
+        self.sinks_shared = True
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
     ) -> torch.Tensor:
         # q [T, H*D], k / v [T, Hk*D] -> [T, H*D]
+        if sinks is not None:  # [H]: vLLM's backend already holds them (the same storage)
+            assert self.sinks is not None and sinks.data_ptr() == self.sinks.data_ptr(), (
+                f"{self.attn.layer_name}: the model's sinks are not the tensor vLLM's layer holds"
+            )
         return self.attn(q, k, v)
+
+
+def share_attention_sinks(model: nn.Module) -> None:
+    """After `build_model`: give each sinks-taking attention layer its model's sinks parameter.
+
+    The parameter is the `sinks` of the module that owns the layer as `attn` (GPT-OSS's
+    `self_attn.sinks`, named after the checkpoint key). Raises ValueError for a layer whose sinks
+    cannot be found, rather than letting vLLM attend with uninitialized sinks.
+    """
+    for module in model.modules():
+        impl = getattr(getattr(module, "attn", None), "impl", None)
+        if isinstance(impl, VllmAttention) and impl.sinks is not None:
+            param = module._parameters.get("sinks")
+            if param is not None:
+                impl.share_sinks(param)
+    for module in model.modules():
+        if isinstance(module, VllmAttention) and module.sinks is not None:
+            if not module.sinks_shared:
+                raise ValueError(
+                    f"{module.attn.layer_name}: the layer takes attention sinks but its parent "
+                    "module has no `sinks` parameter to give vLLM's attention layer"
+                )
 
 
 class VllmAttentionHost:

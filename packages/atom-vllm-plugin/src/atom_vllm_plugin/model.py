@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from atom_vllm_plugin.config import AtomVllmConfig
-from atom_vllm_plugin.host import VllmAttentionHost, VllmTPGroup
+from atom_vllm_plugin.host import VllmAttentionHost, VllmTPGroup, share_attention_sinks
 from atom_vllm_plugin.log import info_once
 from atom_vllm_plugin.stats import counters
 
@@ -39,6 +39,7 @@ class AtomForCausalLM(nn.Module):
             tp=tp,
             host=VllmAttentionHost(vllm_config, prefix),
         )
+        share_attention_sinks(self.model)
         counters.models_built += 1
         info_once(
             "model %s.%s for %s (tp rank %d of %d; %s)",

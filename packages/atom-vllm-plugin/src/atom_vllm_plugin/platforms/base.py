@@ -18,9 +18,10 @@ def describe_layer(cfg: Any) -> str:
     """A short description of an attention layer configuration for log lines."""
     dtype = str(cfg.dtype).removeprefix("torch.")
     window = ", sliding window" if getattr(cfg, "has_sliding_window", False) else ""
+    sinks = ", sinks" if getattr(cfg, "has_sink", False) else ""
     return (
         f"head_size={cfg.head_size} dtype={dtype} kv_cache_dtype={cfg.kv_cache_dtype or 'auto'}"
-        f"{window}"
+        f"{window}{sinks}"
     )
 
 
