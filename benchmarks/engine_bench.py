@@ -196,7 +196,56 @@ def hf_generate_throughput(shape: str, prompts, outs, batch: int) -> dict:
     }
 
 
+class StepRecorder:
+    """Records what each scheduled step computes (new tokens and context length per sequence), by
+    wrapping the engine's `Scheduler.schedule`, to price each step at the roofline afterwards."""
+
+    def __init__(self, engine) -> None:
+        self.steps: list[list[tuple[int, int]]] = []  # per step: (new tokens, context after)
+        schedule = engine.scheduler.schedule
+
+        def recorded():
+            batch = schedule()
+            if batch.seqs:
+                self.steps.append(
+                    [
+                        (num, seq.num_computed_tokens + num)
+                        for seq, num in zip(batch.seqs, batch.num_tokens, strict=True)
+                    ]
+                )
+            return batch
+
+        engine.scheduler.schedule = recorded
+
+
+def step_roofline(steps, model, config, kv_per_token: int, bandwidth: float, matmul: float):
+    """Seconds the recorded steps need at least: each step max(bytes / bandwidth, FLOPs / matmul
+    rate). Bytes: every weight once (the input embedding only for the step's rows) plus the KV
+    read (each sequence's context) and written (its new tokens). FLOPs: 2 x matmul parameters x
+    tokens, plus causal attention (2 x 2 x new x context x heads x head_dim per layer, the
+    diagonal halved for prefills)."""
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    lm_head = config.vocab_size * config.hidden_size
+    if getattr(config, "tie_word_embeddings", False):
+        params += lm_head  # the tied embedding is read as the LM head
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attn = 2 * 2 * config.num_attention_heads * head_dim * config.num_hidden_layers
+    total = 0.0
+    for step in steps:
+        tokens = sum(n for n, _ in step)
+        sampled = len(step)
+        kv = sum(ctx for _, ctx in step) * kv_per_token + tokens * kv_per_token
+        nbytes = params * 2 + kv
+        # matmuls: all layers for every token, the LM head only for sampled rows
+        flops = 2 * (params - lm_head) * tokens + 2 * lm_head * sampled
+        flops += sum(attn * n * (ctx - n / 2) for n, ctx in step)
+        total += max(nbytes / bandwidth, flops / matmul)
+    return total
+
+
 def bench_throughput(args) -> dict:
+    from kernels import measure_roofline
+
     from atom_engine import SamplingParams
 
     lengths = workload(args.workload, args.num_prompts)
@@ -214,6 +263,8 @@ def bench_throughput(args) -> dict:
     engine.add_request("warm", prompts[0][:64], SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
+    roofline = measure_roofline(torch)
+    recorder = StepRecorder(engine)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
@@ -227,6 +278,14 @@ def bench_throughput(args) -> dict:
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     total_out, total_in = sum(outs), sum(len(p) for p in prompts)
+    floor = step_roofline(
+        recorder.steps,
+        engine.runner.model,
+        engine.hf_config,
+        kv_bytes_per_token(engine),
+        roofline["copy_GBps"] * 1e9,
+        roofline["matmul_TFLOPs"] * 1e12,
+    )
     result = {
         "bench": "throughput",
         "shape": args.shape,
@@ -239,11 +298,16 @@ def bench_throughput(args) -> dict:
         "output_tok_per_s": total_out / elapsed,
         "total_tok_per_s": (total_in + total_out) / elapsed,
         "num_preemptions": engine.scheduler.num_preemptions,
+        "roofline": roofline,
+        "step_roofline_s": floor,
+        "fraction_of_step_roofline": floor / elapsed,
+        "async_scheduling": engine.async_scheduling,
         "kv_cache_tokens": engine.runner.num_blocks * engine.runner.block_size,
     }
     print(
         f"ATOM {args.shape} {args.workload}: {result['output_tok_per_s']:.0f} out tok/s "
-        f"({elapsed:.1f} s, {steps} steps)",
+        f"({elapsed:.1f} s, {steps} steps; per-step roofline {floor:.1f} s = "
+        f"{100 * floor / elapsed:.0f}%)",
         flush=True,
     )
     del engine

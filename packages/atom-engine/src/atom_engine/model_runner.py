@@ -221,7 +221,7 @@ class ModelRunner:
             picked = hidden[rows[0] : rows[0] + len(rows)]
         else:
             picked = hidden[_to_device(rows, torch.long, self.device)]
-        return self.model.compute_logits(picked).float()  # [B, V]
+        return self.model.compute_logits(picked)  # [B, V] in the model's dtype
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> RunOutput:
@@ -229,7 +229,8 @@ class ModelRunner:
         hidden, sample_rows, sample_seqs, prompt_rows = self._forward(batch)
         out = RunOutput(sampled={}, prompt_logprobs={})
         if sample_seqs:
-            out.sampled = self._sample(sample_seqs, self._sample_logits(hidden, sample_rows))
+            logits = self._sample_logits(hidden, sample_rows).float()
+            out.sampled = self._sample(sample_seqs, logits)
         for seq, row, count in prompt_rows:
             logits = self.model.compute_logits(hidden[row : row + count]).float()
             start = seq.num_computed_tokens
@@ -276,7 +277,9 @@ class ModelRunner:
             if s.num_output_tokens < s.params.min_tokens and s.params.all_stop_token_ids:
                 logits[i, list(s.params.all_stop_token_ids)] = float("-inf")
         if all(p.is_greedy for p in params):
+            # The argmax of 16-bit logits is that of their (exact) fp32 copies, ties included.
             return logits.argmax(dim=-1)
+        logits = logits.float()
 
         def column(values, dtype):
             return _to_device(values, dtype, self.device)

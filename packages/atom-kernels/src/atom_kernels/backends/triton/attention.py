@@ -64,7 +64,10 @@ def default_config(
     NOTE (after the prefill rewrite: page ids carried one tile ahead, FMA-scaled exp2; sm_90
     cubins, bf16, D=128, no spills at triton 3.6 / 3.9): prefill 128x64/8w/3 stages 202 / 176
     registers with three K/V buffers (128 KB shared); 128x128/8w 254-255 registers, 160 KB at 2
-    stages, 224 KB at 3. benchmarks/tune_prefill.py sweeps these on the GPU.
+    stages, 224 KB at 3. benchmarks/tune_prefill.py sweeps these on the GPU. On one H100 (triton
+    3.6, torch 2.11, CUDA graphs, 32 / 8 heads, bf16, 2026-11-22): 4K causal 128x128/8w/2 stages
+    364 TFLOP/s, 128x64/8w/3 350, 64x64/4w/3 329; 2K causal 299 / 293 / 306
+    (benchmarks/results/tune-prefill-h100.json).
     """
     if interpreted:  # small tiles: several KV tiles and query tiles even at test sizes
         return AttentionConfig(16, 16, 4, 1, 16, 4, 1, 4)
@@ -74,7 +77,7 @@ def default_config(
     if block_d <= 64:
         config = AttentionConfig(64, 64, 4, 3, 64, 4, 3, 2)
     elif block_d <= 128:
-        config = AttentionConfig(128, 64, 8, 3, 64, 4, 3, 2)
+        config = AttentionConfig(128, 128, 8, 2, 64, 4, 3, 2)
     else:
         config = AttentionConfig(64, 32, 8, 2, 32, 4, 2, 4)
     block_g = next_pow2(group, 16)
