@@ -88,3 +88,26 @@ def test_bad_arguments():
         ak.rotary_embedding(positions, q, k.half(), cache)
     with pytest.raises(ValueError, match="rotary_embedding: q has head dim 8, smaller than"):
         ak.rotary_embedding(positions, q[..., :8], k, cache)
+
+
+def test_qk_norm_is_rms_norm_then_rotary():
+    """rotary_embedding's q/k norm is exactly rms_norm per head, then the rotation."""
+    g = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 100, (5,), generator=g)
+    q, k = torch.randn(5, 4, 32, generator=g), torch.randn(5, 2, 32, generator=g)
+    q_w, k_w = torch.rand(32, generator=g) + 0.5, torch.rand(32, generator=g) + 0.5
+    cache = ak.rope_cos_sin_cache(16, 100, 10000.0)
+    fused = ak.rotary_embedding(
+        positions, q, k, cache, True, q_norm_weight=q_w, k_norm_weight=k_w, norm_eps=1e-5
+    )
+    composed = ak.rotary_embedding(
+        positions, ak.rms_norm(q, q_w, 1e-5), ak.rms_norm(k, k_w, 1e-5), cache, True
+    )
+    for a, b in zip(fused, composed, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="give both q_norm_weight and k_norm_weight"):
+        ak.rotary_embedding(positions, q, k, cache, True, q_norm_weight=q_w)
+    with pytest.raises(ValueError, match=r"k_norm_weight has .*32"):
+        ak.rotary_embedding(
+            positions, q, k, cache, True, q_norm_weight=q_w, k_norm_weight=torch.ones(8)
+        )

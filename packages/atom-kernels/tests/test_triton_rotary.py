@@ -68,3 +68,24 @@ def test_rotary_gpu_real_sizes(triton_backend, is_neox):
     q_ref, k_ref = reference.rotary_embedding(positions, q, k, cache, is_neox)
     assert_close(q_out, q_ref, atol=1.6e-2, rtol=1.6e-2, name="q")
     assert_close(k_out, k_ref, atol=1.6e-2, rtol=1.6e-2, name="k")
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rotary_with_qk_norm(triton_backend, is_neox, dtype, case):
+    """The fused q/k RMSNorm + rotary (Qwen3) equals the reference's norm then rotary, partial
+    rotary included (the pass-through dims are normalized too)."""
+    positions, q, k, cache = _inputs(case, dtype, triton_backend.device, strided=True, seed=3)
+    g = torch.Generator().manual_seed(4)
+    q_w = (torch.rand(q.shape[2], generator=g) + 0.5).to(dtype).to(q.device)
+    k_w = (torch.rand(k.shape[2], generator=g) + 0.5).to(dtype).to(q.device)
+    q_out, k_out = triton_backend.custom_ops.rotary_embedding(
+        positions, q, k, cache, is_neox, q_w, k_w, 1e-6
+    )
+    q_ref, k_ref = reference.rotary_embedding(positions, q, k, cache, is_neox, q_w, k_w, 1e-6)
+    atol, rtol = tolerances(dtype)
+    assert_close(q_out, q_ref, atol=atol, rtol=rtol, name="q")
+    assert_close(k_out, k_ref, atol=atol, rtol=rtol, name="k")
+    plain_q, _ = reference.rotary_embedding(positions, q, k, cache, is_neox)
+    assert (q_out.float() - plain_q.float()).abs().max() > 0.1, "the norm was not applied"

@@ -21,6 +21,10 @@ def rotary_embedding(
     k: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     is_neox: bool = True,
+    *,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate the first R dims of every q and k head by the angles of their token's position.
 
@@ -29,6 +33,10 @@ def rotary_embedding(
     q); cos_sin_cache: [P, R] from ``rope_cos_sin_cache`` (R even, R <= D and D'). Dims R..D pass
     through. ``is_neox``: rotate halves (x[:R/2], x[R/2:]) as HF Llama; otherwise rotate
     interleaved pairs (x[2i], x[2i+1]) as GPT-J. Returns new (q, k); math in fp32.
+
+    ``q_norm_weight`` [D] / ``k_norm_weight`` [D'] (both or neither): first RMSNorm every head of
+    q / k over its head dim with these weights and ``norm_eps`` (Qwen3's q/k norm), rounding as
+    ``rms_norm`` does, in the same pass.
     """
     op = "rotary_embedding"
     check_tensor(op, "positions", positions, ndim=1, dtypes=INDEX_DTYPES)
@@ -51,4 +59,16 @@ def rotary_embedding(
                 f"{op}: {name} has head dim {t.shape[2]}, smaller than the rotary dim {rotary_dim} "
                 "of cos_sin_cache"
             )
-    return get_op(op, q.device)(positions, q, k, cos_sin_cache, bool(is_neox))
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError(f"{op}: give both q_norm_weight and k_norm_weight, or neither")
+    if q_norm_weight is not None:
+        weights = (("q_norm_weight", q_norm_weight, q), ("k_norm_weight", k_norm_weight, k))
+        for name, w, t in weights:
+            check_tensor(op, name, w, ndim=1, dtypes=FLOAT_DTYPES)
+            check_dim(op, name, w, 0, t.shape[2], "(one weight per head dim)")
+            check_same_device(op, "q", q, **{name: w})
+        if not isinstance(norm_eps, (int, float)) or isinstance(norm_eps, bool) or norm_eps < 0:
+            raise ValueError(f"{op}: norm_eps must be a non-negative float, got {norm_eps!r}")
+    return get_op(op, q.device)(
+        positions, q, k, cos_sin_cache, bool(is_neox), q_norm_weight, k_norm_weight, norm_eps
+    )

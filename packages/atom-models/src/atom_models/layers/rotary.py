@@ -70,16 +70,29 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k; with q_norm / k_norm (per-head RMSNorms, as Qwen3's), normalize each
+        head first in the same kernel."""
         # T = tokens
         num_tokens = q.shape[0]
+        norms = {}
+        if q_norm is not None:
+            norms = dict(
+                q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, norm_eps=q_norm.eps
+            )
         q, k = atom_kernels.rotary_embedding(
             positions,
             q.view(num_tokens, -1, self.head_size),  # [T, H, D]
             k.view(num_tokens, -1, self.head_size),  # [T, Hk, D]
             self.cos_sin_cache,
             self.is_neox,
+            **norms,
         )
         return q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
 

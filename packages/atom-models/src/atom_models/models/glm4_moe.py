@@ -64,11 +64,8 @@ class Glm4MoeAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         # T = tokens, D = head dim
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        if self.q_norm is not None:
-            num_tokens = q.shape[0]
-            q = self.q_norm(q.reshape(num_tokens, -1, self.head_dim)).view(num_tokens, -1)
-            k = self.k_norm(k.reshape(num_tokens, -1, self.head_dim)).view(num_tokens, -1)
-        q, k = self.rotary_emb(positions, q, k)
+        # Optional per-head q/k RMSNorms, inside the rotary kernel (partial rotary included).
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v))
 
 

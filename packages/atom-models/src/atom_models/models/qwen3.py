@@ -24,10 +24,8 @@ class Qwen3Attention(LlamaAttention):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         # T = tokens, D = head dim
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        num_tokens = q.shape[0]
-        q = self.q_norm(q.reshape(num_tokens, -1, self.head_dim)).view(num_tokens, -1)
-        k = self.k_norm(k.reshape(num_tokens, -1, self.head_dim)).view(num_tokens, -1)
-        q, k = self.rotary_emb(positions, q, k)
+        # The per-head q/k RMSNorms run inside the rotary kernel (one launch for the three).
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from atom_kernels.backends.torch.norm import rms_norm
 from atom_kernels.registry import register_op
 
 
@@ -31,7 +32,12 @@ def rotary_embedding(
     k: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     is_neox: bool,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if q_norm_weight is not None:
+        q, k = rms_norm(q, q_norm_weight, norm_eps), rms_norm(k, k_norm_weight, norm_eps)
     cos_sin = cos_sin_cache[positions.long()].float()  # [T, R]
     cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, R/2] each
     return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)

@@ -67,15 +67,20 @@ def _(x, residual, weight, eps):
 @torch.library.custom_op(
     "atom::triton_rotary_embedding",
     mutates_args=(),
-    schema="(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache, bool is_neox) "
+    schema="(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache, bool is_neox, "
+    "Tensor? q_norm_weight=None, Tensor? k_norm_weight=None, float norm_eps=1e-6) "
     "-> (Tensor, Tensor)",
 )
-def rotary_embedding(positions, q, k, cos_sin_cache, is_neox):
-    return rotary.rotary_embedding(positions, q, k, cos_sin_cache, is_neox)
+def rotary_embedding(
+    positions, q, k, cos_sin_cache, is_neox, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6
+):
+    return rotary.rotary_embedding(
+        positions, q, k, cos_sin_cache, is_neox, q_norm_weight, k_norm_weight, norm_eps
+    )
 
 
 @rotary_embedding.register_fake
-def _(positions, q, k, cos_sin_cache, is_neox):
+def _(positions, q, k, cos_sin_cache, is_neox, *norm):
     return _new_like(q), _new_like(k)
 
 

@@ -1,5 +1,6 @@
 """Triton rotary embedding (neox / gptj, partial rotary): one token per program row, q and k
-head tiles in one launch; returns new tensors."""
+head tiles in one launch; returns new tensors. Optionally RMS-normalizes each head first (Qwen3's
+q/k norm): three launches (q norm, k norm, rotary) become one."""
 
 from __future__ import annotations
 
@@ -11,9 +12,18 @@ from atom_kernels.backends.triton.common import next_pow2
 
 
 @triton.jit
+def _normed(x, inv, w_ptrs, mask, dtype):
+    """As ``rms_norm`` rounds: normalized, rounded to the dtype, times the weight, rounded."""
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return (w * (x * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr,
     out_ptr,
+    w_ptr,
+    eps,
     token,
     head0,
     num_heads,
@@ -28,6 +38,7 @@ def _rotate_heads(
     sin,
     IS_NEOX: tl.constexpr,
     PARTIAL: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -37,10 +48,6 @@ def _rotate_heads(
     head_mask = heads < num_heads
     x_row = x_ptr + token * stride_xt + heads[:, None] * stride_xh
     out_row = out_ptr + token * stride_ot + heads[:, None] * stride_oh
-    if PARTIAL:  # dims rotary_dim .. head_dim pass through
-        d = tl.arange(0, BLOCK_D)[None, :]
-        keep = head_mask[:, None] & (d >= rotary_dim) & (d < head_dim)
-        tl.store(out_row + d, tl.load(x_row + d * stride_xd, mask=keep), mask=keep)
     half = rotary_dim // 2
     i = tl.arange(0, BLOCK_HALF)[None, :]
     if IS_NEOX:  # halves (x[i], x[i + R/2])
@@ -52,6 +59,22 @@ def _rotate_heads(
     mask = head_mask[:, None] & (i < half)
     x1 = tl.load(x_row + i1 * stride_xd, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + i2 * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    if PARTIAL:  # dims rotary_dim .. head_dim pass through (normalized when HAS_NORM)
+        d = tl.arange(0, BLOCK_D)[None, :]
+        keep = head_mask[:, None] & (d >= rotary_dim) & (d < head_dim)
+        rest = tl.load(x_row + d * stride_xd, mask=keep, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        if PARTIAL:
+            squares += tl.sum(rest * rest, axis=1)
+        inv = tl.rsqrt(squares / head_dim + eps)[:, None]
+        dtype = out_ptr.dtype.element_ty
+        x1 = _normed(x1, inv, w_ptr + i1, i < half, dtype)
+        x2 = _normed(x2, inv, w_ptr + i2, i < half, dtype)
+        if PARTIAL:
+            rest = _normed(rest, inv, w_ptr + d, (d >= rotary_dim) & (d < head_dim), dtype)
+    if PARTIAL:
+        tl.store(out_row + d, rest, mask=keep)
     tl.store(out_row + i1, x1 * cos - x2 * sin, mask=mask)
     tl.store(out_row + i2, x2 * cos + x1 * sin, mask=mask)
 
@@ -64,6 +87,9 @@ def _rotary_kernel(
     k_ptr,
     q_out_ptr,
     k_out_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    eps,
     num_q_heads,
     num_k_heads,
     q_head_dim,
@@ -85,6 +111,7 @@ def _rotary_kernel(
     IS_NEOX: tl.constexpr,
     Q_PARTIAL: tl.constexpr,
     K_PARTIAL: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_DQ: tl.constexpr,
@@ -101,15 +128,15 @@ def _rotary_kernel(
     sin = sin.to(tl.float32)[None, :]
     if tile < num_q_tiles:
         _rotate_heads(
-            q_ptr, q_out_ptr, token, tile * BLOCK_H, num_q_heads, q_head_dim, rotary_dim,
-            stride_qt, stride_qh, stride_qd, stride_qot, stride_qoh, cos, sin,
-            IS_NEOX, Q_PARTIAL, BLOCK_H, BLOCK_HALF, BLOCK_DQ,
+            q_ptr, q_out_ptr, q_w_ptr, eps, token, tile * BLOCK_H, num_q_heads, q_head_dim,
+            rotary_dim, stride_qt, stride_qh, stride_qd, stride_qot, stride_qoh, cos, sin,
+            IS_NEOX, Q_PARTIAL, HAS_NORM, BLOCK_H, BLOCK_HALF, BLOCK_DQ,
         )  # fmt: skip
     else:
         _rotate_heads(
-            k_ptr, k_out_ptr, token, (tile - num_q_tiles) * BLOCK_H, num_k_heads, k_head_dim,
-            rotary_dim, stride_kt, stride_kh, stride_kd, stride_kot, stride_koh, cos, sin,
-            IS_NEOX, K_PARTIAL, BLOCK_H, BLOCK_HALF, BLOCK_DK,
+            k_ptr, k_out_ptr, k_w_ptr, eps, token, (tile - num_q_tiles) * BLOCK_H, num_k_heads,
+            k_head_dim, rotary_dim, stride_kt, stride_kh, stride_kd, stride_kot, stride_koh, cos,
+            sin, IS_NEOX, K_PARTIAL, HAS_NORM, BLOCK_H, BLOCK_HALF, BLOCK_DK,
         )  # fmt: skip
 
 
@@ -119,8 +146,12 @@ def rotary_embedding(
     k: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     is_neox: bool,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T]; q [T, H, D]; k [T, Hk, D']; cos_sin_cache [P, R] -> new (q, k)."""
+    """positions [T]; q [T, H, D]; k [T, Hk, D']; cos_sin_cache [P, R] -> new (q, k); with norm
+    weights [D] / [D'], each head is RMS-normalized first."""
     num_tokens, num_q_heads, q_head_dim = q.shape
     num_k_heads, k_head_dim = k.shape[1], k.shape[2]
     rotary_dim = cos_sin_cache.shape[1]
@@ -141,6 +172,9 @@ def rotary_embedding(
         k,
         q_out,
         k_out,
+        q_norm_weight if q_norm_weight is not None else cos_sin_cache,
+        k_norm_weight if k_norm_weight is not None else cos_sin_cache,
+        float(norm_eps),
         num_q_heads,
         num_k_heads,
         q_head_dim,
@@ -158,6 +192,7 @@ def rotary_embedding(
         IS_NEOX=bool(is_neox),
         Q_PARTIAL=rotary_dim < q_head_dim,
         K_PARTIAL=rotary_dim < k_head_dim,
+        HAS_NORM=q_norm_weight is not None,
         BLOCK_H=block_h,
         BLOCK_HALF=block_half,
         BLOCK_DQ=next_pow2(q_head_dim),
