@@ -98,7 +98,8 @@ def test_fused_moe_empty_experts_and_align_paths(triton_backend, align_kernel_ma
 @pytest.mark.parametrize("align", ["kernel", "sort", "onehot"])
 def test_align_modes_agree(triton_backend, align):
     """Each align mode against a plain Python sort: 10 experts, 0, 4 and 9 with no pair, counts 1,
-    16 and 17 (below, at and past BLOCK_M 16), pairs in order within an expert; also N = 1."""
+    16 and 17 (below, at and past BLOCK_M 16), pairs in order within an expert; also N = 1 and
+    N = 700 over four experts (several programs of the sort align's second kernel)."""
     from atom_kernels.backends.triton import moe
 
     device = triton_backend.device
@@ -106,7 +107,8 @@ def test_align_modes_agree(triton_backend, align):
     counts_in = [0, 5, 16, 3, 0, 17, 1, 2, 7, 0]
     ids_list = [e for e, c in enumerate(counts_in) for _ in range(c)]
     ids_list = [ids_list[i] for i in torch.randperm(len(ids_list), generator=g).tolist()]
-    for ids_py in (ids_list, [3]):
+    many = torch.tensor([1, 2, 5, 7])[torch.randint(0, 4, (700,), generator=g)].tolist()
+    for ids_py in (ids_list, [3], many):
         ids = torch.tensor(ids_py, dtype=torch.int32, device=device)
         num_experts, block_m = len(counts_in), 16
         counts_ref = [ids_py.count(e) for e in range(num_experts)]

@@ -32,8 +32,8 @@ from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_s
 
 _ACTIVATIONS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
 # Up to this many pairs the align step is one single-program Triton kernel (one launch: decode);
-# above it, a stable radix sort and a few scans on [E] (``_align_sort``), whose launches are noise
-# next to the GEMMs. A config's "align" key overrides ("kernel", "sort", or "onehot": the older
+# above it, a stable radix sort and one kernel (``_align_sort``), a few launches, noise next to
+# the GEMMs. A config's "align" key overrides ("kernel", "sort", or "onehot": the older
 # one-hot/cumsum torch version, kept so the sweep can compare).
 ALIGN_KERNEL_MAX_PAIRS = 4096
 ALIGN_MODES = ("kernel", "sort", "onehot")
@@ -107,20 +107,66 @@ def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int, sorted_ids, 
     sorted_ids.scatter_(0, rows.long(), pairs.to(torch.int32))
 
 
+@triton.jit
+def _align_sorted_kernel(
+    keys_ptr,  # [N] expert ids, sorted ascending (stable)
+    order_ptr,  # [N] pair index at each sorted position
+    sorted_ptr,  # [P] out: pair index at each padded row (padding rows left unwritten)
+    counts_ptr,  # [E] out (program 0)
+    ends_ptr,  # [E] out (program 0)
+    num_pairs,
+    num_experts,
+    num_steps,  # binary-search steps: num_pairs.bit_length() + 1
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Each program finds every expert's segment in the sorted ids (a binary search per expert
+    lane, ~log2(N) gathers of E values, cheaper than a second launch), then moves its BLOCK sorted
+    positions to their padded rows: row = position + (padded start - unpadded start) of its
+    expert."""
+    experts = tl.arange(0, BLOCK_E)
+    lo = tl.zeros([BLOCK_E], dtype=tl.int32)  # lower bound of expert e
+    hi = tl.zeros([BLOCK_E], dtype=tl.int32) + num_pairs
+    lo1 = tl.zeros([BLOCK_E], dtype=tl.int32)  # lower bound of expert e + 1
+    hi1 = tl.zeros([BLOCK_E], dtype=tl.int32) + num_pairs
+    for _ in range(0, num_steps):
+        mid = (lo + hi) // 2
+        key = tl.load(keys_ptr + mid, mask=mid < num_pairs, other=0).to(tl.int32)
+        right = (lo < hi) & (key < experts)
+        lo, hi = tl.where(right, mid + 1, lo), tl.where(right | (lo >= hi), hi, mid)
+        mid1 = (lo1 + hi1) // 2
+        key1 = tl.load(keys_ptr + mid1, mask=mid1 < num_pairs, other=0).to(tl.int32)
+        right1 = (lo1 < hi1) & (key1 < experts + 1)
+        lo1, hi1 = tl.where(right1, mid1 + 1, lo1), tl.where(right1 | (lo1 >= hi1), hi1, mid1)
+    counts = tl.where(experts < num_experts, lo1 - lo, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    shift = ends - padded - lo  # [E]
+    if tl.program_id(0) == 0:
+        tl.store(counts_ptr + experts, counts, mask=experts < num_experts)
+        tl.store(ends_ptr + experts, ends, mask=experts < num_experts)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < num_pairs
+    keys = tl.load(keys_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    onehot = keys[:, None] == experts[None, :]  # [BLOCK, E]
+    rows = offs + tl.sum(tl.where(onehot, shift[None, :], 0), axis=1)
+    pairs = tl.load(order_ptr + offs, mask=valid, other=0).to(tl.int32)
+    tl.store(sorted_ptr + rows, pairs, mask=valid)
+
+
 def _align_sort(ids: torch.Tensor, num_experts: int, block_m: int, sorted_ids, counts, ends):
     """The align step for many pairs: a stable radix sort of the expert ids (pairs keep their order
-    within an expert), segment bounds by binary search, one scatter; O(N + E) memory, no host sync
-    (``torch.bincount`` would read the max id back to the host)."""
+    within an expert), then one kernel placing the sorted pairs at their padded rows; O(N + E)
+    memory, no host sync (``torch.bincount`` would read the max id back to the host)."""
     num_pairs = ids.numel()
     keys, order = torch.sort(ids, stable=True)  # [N] expert ids ascending, pair indices
-    bounds = torch.arange(num_experts + 1, device=ids.device, dtype=keys.dtype)
-    starts = torch.searchsorted(keys, bounds).to(torch.int32)  # [E + 1] unpadded segment starts
-    torch.sub(starts[1:], starts[:-1], out=counts)
-    padded = (counts + block_m - 1) // block_m * block_m
-    torch.cumsum(padded, 0, dtype=torch.int32, out=ends)
-    shift = ends - padded - starts[:-1]  # [E] padded start - unpadded start
-    rows = torch.arange(num_pairs, device=ids.device, dtype=torch.int32) + shift[keys.long()]
-    sorted_ids.scatter_(0, rows.long(), order.to(torch.int32))
+    block = 256
+    _align_sorted_kernel[(triton.cdiv(num_pairs, block),)](
+        keys, order, sorted_ids, counts, ends, num_pairs, num_experts,
+        num_pairs.bit_length() + 1, BLOCK_M=block_m, BLOCK_E=next_pow2(num_experts + 1, 16),
+        BLOCK=block, num_warps=4,
+    )  # fmt: skip
 
 
 @triton.jit
