@@ -1,19 +1,20 @@
 """Sweep the Triton fused_moe configs at the layer shapes of benchmarks/moe.py.
 
-Run on a GPU from the repo root (under 4 minutes on an H100):
+Run on a GPU from the repo root (under 3 minutes in all on an H100):
 
     export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
     python benchmarks/tune_moe.py --out $OUT/tune_moe.json
 
 For each shape and T = 1, 16, 256, 4096 tokens: the default config (``_configs``) first, then a
-greedy coordinate search (GEMM 1 tiles and the path, then GEMM 1's GROUP_M, then GEMM 2's tiles
-and GROUP_M, each stage starting from the best so far). Each config runs once against the torch
-reference (``BAD`` past atol = rtol = 5e-2, as the GPU test), is timed as moe.py times it (CUDA
-graphs, L2 flushed before each call) and rated as moe.py rates it (weight bytes / copy bandwidth
-up to 256 tokens, FLOP/s / matmul rate above). A config that fails to compile is recorded and
-skipped. Each (shape, T) gets a slice of the time budget; the two targets missed so far
-(Qwen3 at 1 and 4096 tokens) go first and get the largest slices. Prints a sorted table per
-(shape, T) and, last, default vs best with the best configs as ``_configs`` literals.
+greedy coordinate search (GEMM 1 tiles and the path, then the top-k combine and the align mode,
+then GEMM 1's GROUP_M, then GEMM 2's tiles and GROUP_M, each stage starting from the best so
+far). Each config runs once against the torch reference (``BAD`` past atol = rtol = 5e-2, as the
+GPU test), is timed as moe.py times it (CUDA graphs, L2 flushed before each call) and rated as
+moe.py rates it (weight bytes / copy bandwidth up to 256 tokens, FLOP/s / matmul rate above). A
+config that fails to compile is recorded and skipped. Each (shape, T) gets a slice of the time
+budget; the two targets missed so far (Qwen3 at 1 and 4096 tokens) go first and get the largest
+slices. Prints a sorted table per (shape, T) (where the best is the sorted path, with each align
+mode timed alone) and, last, default vs best with the best configs as ``_configs`` literals.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ PLAN = (
     ("qwen3-30b-a3b", 256, 0.08),
     ("mixtral-8x7b", 256, 0.10),
 )
-PER_PAIR_SWEEP_MAX_PAIRS = 32  # the per-pair path is tried up to this many pairs
+# The per-pair path is tried up to this many pairs (past it, pairs share experts and re-read their
+# weights: Mixtral T=16, 32 pairs, ran at half the sorted path's rate on an H100).
+PER_PAIR_SWEEP_MAX_PAIRS = 8
 TOLERANCE = 5e-2
 DEVICE = "cuda"  # a CPU smoke test of the sweep's logic sets "cpu" (under TRITON_INTERPRET=1)
 
@@ -51,10 +54,13 @@ def _cfg(m, n, k, warps, stages, group_m=None):
 
 
 def _with(config: dict, gemm: str | None = None, **changes) -> dict:
-    out = {"per_pair": config["per_pair"], "gemm1": dict(config["gemm1"]),
-           "gemm2": dict(config["gemm2"])}  # fmt: skip
+    """A copy of ``config`` with ``changes`` to one GEMM's config (or, without ``gemm``, to the
+    top-level keys: "combine", "align")."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
     if gemm:
         out[gemm].update(changes)
+    else:
+        out.update(changes)
     return out
 
 
@@ -62,31 +68,46 @@ def stage_gemm1(default: dict, num_pairs: int, rows_per_expert: float) -> list[d
     """Path and GEMM 1 tiles (BLOCK_M with them: the sorted path's GEMMs share it)."""
     cands = []
     if num_pairs <= PER_PAIR_SWEEP_MAX_PAIRS:
-        g2 = _cfg(16, 16, 256, 4, 4)
-        for n in (16, 32, 64):
-            for k in (128, 256):
-                for stages in (3, 4, 5):
-                    if n == 64 and k == 256:
-                        continue
-                    cands.append({"per_pair": True, "gemm1": _cfg(16, n, k, 4, stages),
-                                  "gemm2": g2})  # fmt: skip
+        g2 = _cfg(16, 32, 128, 4, 5)
+        for n, k, stages in ((16, 128, 4), (32, 128, 3), (32, 128, 4), (32, 128, 5),
+                             (32, 256, 4), (64, 128, 4), (16, 256, 4)):  # fmt: skip
+            cands.append({"per_pair": True, "combine": "sum", "gemm1": _cfg(16, n, k, 4, stages),
+                          "gemm2": g2})  # fmt: skip
     if rows_per_expert <= 64:  # bandwidth-bound sorted path
         m = 16 if rows_per_expert <= 16 else 32
         g2 = _cfg(m, 32, 128, 4, 4)
         tiles = ((32, 128, 4), (32, 128, 5), (32, 256, 3), (64, 128, 4), (16, 128, 4), (32, 64, 5))
-        if num_pairs <= 8:  # T = 1: the per-pair path's turf; the old default for comparison
-            tiles = tiles[:1] + tiles[4:5]
+        if num_pairs <= 8:  # T = 1: the per-pair path's turf; the old best for comparison
+            tiles = tiles[:1]
+            g2 = _cfg(m, 32, 128, 4, 5)
         for n, k, stages in tiles:
-            cands.append({"per_pair": False, "gemm1": _cfg(m, n, k, 4, stages), "gemm2": g2})
+            cands.append({"per_pair": False, "combine": "sum", "gemm1": _cfg(m, n, k, 4, stages),
+                          "gemm2": g2})  # fmt: skip
     else:  # compute-bound grouped GEMM
         for m, n, warps, stages in (
             (64, 128, 8, 4), (64, 128, 8, 3), (64, 128, 4, 4), (64, 128, 8, 5), (64, 64, 4, 4),
             (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 256, 8, 3),
         ):  # fmt: skip
             g2 = _cfg(m, 128, 64, 4 if m == 64 else 8, 4 if m == 64 else 3, 8)
-            cands.append({"per_pair": False, "gemm1": _cfg(m, n, 64, warps, stages, 8),
-                          "gemm2": g2})  # fmt: skip
+            cands.append({"per_pair": False, "combine": "sum",
+                          "gemm1": _cfg(m, n, 64, warps, stages, 8), "gemm2": g2})  # fmt: skip
     return [c for c in cands if c != default]
+
+
+def stage_options(best: dict, num_pairs: int, align_kernel_max_pairs: int) -> list[dict]:
+    """The top-k combine (and, sorted path, the align mode) for the best tiles so far."""
+    if best["per_pair"]:
+        token_g2 = _cfg(16, 16, 256, 4, 4)  # the per-token GEMM 2's old default
+        return [_with(best, combine="atomic"), _with(best, combine="sum"),
+                _with(_with(best, "gemm2", **token_g2), combine="token")]  # fmt: skip
+    implicit = "kernel" if num_pairs <= align_kernel_max_pairs else "sort"  # fused_moe's choice
+    aligns = ["sort"]
+    if num_pairs <= 4 * align_kernel_max_pairs:  # one program: slow past a few thousand pairs
+        aligns.append("kernel")
+    if num_pairs > align_kernel_max_pairs:
+        aligns.append("onehot")  # the previous many-pair align
+    return [_with(best, combine=c, **({"align": a} if a != implicit else {}))
+            for c in ("sum", "atomic") for a in aligns]  # fmt: skip
 
 
 def stage_group1(best: dict) -> list[dict]:
@@ -98,12 +119,16 @@ def stage_group1(best: dict) -> list[dict]:
 def stage_gemm2(best: dict, rows_per_expert: float) -> list[dict]:
     m = best["gemm1"]["BLOCK_M"]
     cands = []
-    if best["per_pair"]:
+    if best["per_pair"] and best.get("combine") == "token":
         for n in (16, 32):
             for k in (128, 256, 512):
                 for stages in (3, 5):
                     cands.append(_with(best, "gemm2", **_cfg(16, n, k, 4, stages)))
-        cands.append(_with(best, "gemm2", **_cfg(16, 16, 256, 2, 4)))
+    elif best["per_pair"]:  # one program per (pair, column tile)
+        for n, k, warps, stages in ((32, 128, 4, 4), (32, 256, 4, 3), (16, 128, 4, 5),
+                                    (16, 256, 4, 4), (64, 128, 4, 4), (32, 64, 4, 5),
+                                    (32, 128, 2, 5), (64, 64, 4, 5)):  # fmt: skip
+            cands.append(_with(best, "gemm2", **_cfg(16, n, k, warps, stages)))
     elif rows_per_expert <= 64:
         for n, k, stages in ((32, 128, 5), (32, 256, 3), (64, 128, 4), (16, 128, 4),
                              (64, 64, 5), (32, 64, 4)):  # fmt: skip
@@ -128,7 +153,10 @@ def short(config: dict) -> str:
         return s + (f" g{c['GROUP_M']}" if "GROUP_M" in c else "")
 
     path = "per-pair" if config["per_pair"] else "sorted"
-    return f"{path} | {one(config['gemm1'])} | {one(config['gemm2'])}"
+    opts = config.get("combine", "sum") + (
+        f", align {config['align']}" if "align" in config else ""
+    )
+    return f"{path} ({opts}) | {one(config['gemm1'])} | {one(config['gemm2'])}"
 
 
 def tune_one(torch, moe, shape, num_tokens, roofline, budget_s, seed) -> dict:
@@ -199,6 +227,7 @@ def tune_one(torch, moe, shape, num_tokens, roofline, budget_s, seed) -> dict:
 
     stages = (
         lambda: stage_gemm1(default, num_pairs, rows_per_expert),
+        lambda: stage_options(best(), num_pairs, moe.ALIGN_KERNEL_MAX_PAIRS),
         lambda: stage_group1(best()),
         lambda: stage_gemm2(best(), rows_per_expert),
         lambda: stage_group2(best()),
@@ -212,24 +241,49 @@ def tune_one(torch, moe, shape, num_tokens, roofline, budget_s, seed) -> dict:
             run(config)
         if out_of_time:
             break
-    align_ms = None
-    if num_pairs > moe.ALIGN_KERNEL_MAX_PAIRS and not best()["per_pair"]:  # for the breakdown
+    align_ms = {}
+    if not best()["per_pair"] and DEVICE == "cuda":  # the align step alone, for the breakdown
         block_m = best()["gemm1"]["BLOCK_M"]
         rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
         sorted_ids = torch.empty(rows + block_m, dtype=torch.int32, device=DEVICE)
         counts = torch.empty(num_experts, dtype=torch.int32, device=DEVICE)
         ends = torch.empty_like(counts)
-        flat = ids.reshape(-1).long()
-        align_ms = cold_graph_ms(
-            lambda: moe._align_torch(flat, num_experts, block_m, sorted_ids, counts, ends)
-        )
+        flat = ids.reshape(-1)
+        block_e = max(16, 1 << (num_experts - 1).bit_length())
+        aligns = {
+            "sort": lambda: moe._align_sort(flat, num_experts, block_m, sorted_ids, counts, ends),
+            "onehot": lambda: moe._align_torch(
+                flat.long(), num_experts, block_m, sorted_ids, counts, ends
+            ),
+            "kernel": lambda: moe._align_kernel[(1,)](
+                flat,
+                sorted_ids,
+                counts,
+                ends,
+                num_pairs,
+                num_experts,
+                BLOCK_M=block_m,
+                BLOCK_E=block_e,
+                CHUNK=32 if block_e > 128 else 64,
+                num_warps=4,
+            ),  # fmt: skip
+        }
+        if num_pairs <= moe.ALIGN_KERNEL_MAX_PAIRS:
+            del aligns["onehot"]
+        if num_pairs > 4 * moe.ALIGN_KERNEL_MAX_PAIRS:
+            del aligns["kernel"]
+        for mode, fn in aligns.items():
+            try:
+                align_ms[mode] = cold_graph_ms(fn, calls=10, replays=5)
+            except Exception as e:  # e.g. a capture failure: report it, keep the sweep
+                print(f"  align {mode}: {type(e).__name__}: {str(e)[:160]}", flush=True)
     torch.cuda.empty_cache()
     return {
         "tokens": num_tokens,
         "experts_hit": hit,
         "rate": "bandwidth" if work is not None else "matmul",
         "out_of_time": out_of_time,
-        "align_torch_ms": align_ms,
+        "align_ms": align_ms,
         "results": results,
     }
 
@@ -239,7 +293,7 @@ def format_table(name: str, entry: dict) -> str:
     lines = [
         f"\n{name} T={entry['tokens']} ({entry['rate']} roofline"
         + (", sweep cut short by its time slice" if entry["out_of_time"] else "")
-        + (f", align alone {entry['align_torch_ms']:.4f} ms" if entry["align_torch_ms"] else "")
+        + "".join(f", align {m} alone {v:.4f} ms" for m, v in entry["align_ms"].items())
         + ")",
         "ms | % roofline | check | path | gemm1 | gemm2",
     ]
@@ -277,7 +331,7 @@ def summary(entries: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON results file")
-    parser.add_argument("--budget-s", type=float, default=180.0,
+    parser.add_argument("--budget-s", type=float, default=140.0,
                         help="seconds for all sweeps (setup and roofline come on top)")  # fmt: skip
     args = parser.parse_args(argv)
 

@@ -1,5 +1,6 @@
 """Triton fused_moe against the torch reference: routing grids, activations, biases, dtypes, experts
-that receive no token, both align paths; real Qwen3-MoE / Mixtral layer shapes on a GPU."""
+that receive no token, every align mode and top-k combine; real Qwen3-MoE / Mixtral layer shapes
+on a GPU."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def test_fused_moe_activations_biases(triton_backend, activation, interleaved, d
     _check(triton_backend, x, w13, w2, weights, ids, activation, b13, b2, interleaved)
 
 
-@pytest.mark.parametrize("align_kernel_max_pairs", [0, 4096])  # torch align / Triton align
+@pytest.mark.parametrize("align_kernel_max_pairs", [0, 4096])  # sort align / Triton align
 def test_fused_moe_empty_experts_and_align_paths(triton_backend, align_kernel_max_pairs):
     """Only experts 1 and 6 of 8 get tokens (17 rows for one: past one BLOCK_M); int64 ids,
     strided hidden states."""
@@ -94,38 +95,107 @@ def test_fused_moe_empty_experts_and_align_paths(triton_backend, align_kernel_ma
            align_kernel_max_pairs=align_kernel_max_pairs)  # fmt: skip
 
 
-def _config(per_pair, group_m=4, block_k=32):
+@pytest.mark.parametrize("align", ["kernel", "sort", "onehot"])
+def test_align_modes_agree(triton_backend, align):
+    """Each align mode against a plain Python sort: 10 experts, 0, 4 and 9 with no pair, counts 1,
+    16 and 17 (below, at and past BLOCK_M 16), pairs in order within an expert; also N = 1 and
+    N = 700 over four experts (several programs of the sort align's second kernel)."""
+    from atom_kernels.backends.triton import moe
+
+    device = triton_backend.device
+    g = torch.Generator().manual_seed(2)
+    counts_in = [0, 5, 16, 3, 0, 17, 1, 2, 7, 0]
+    ids_list = [e for e, c in enumerate(counts_in) for _ in range(c)]
+    ids_list = [ids_list[i] for i in torch.randperm(len(ids_list), generator=g).tolist()]
+    many = torch.tensor([1, 2, 5, 7])[torch.randint(0, 4, (700,), generator=g)].tolist()
+    for ids_py in (ids_list, [3], many):
+        ids = torch.tensor(ids_py, dtype=torch.int32, device=device)
+        num_experts, block_m = len(counts_in), 16
+        counts_ref = [ids_py.count(e) for e in range(num_experts)]
+        padded = [(c + block_m - 1) // block_m * block_m for c in counts_ref]
+        ends_ref = torch.tensor(padded).cumsum(0).tolist()
+        rows = ends_ref[-1]
+        sorted_ids = torch.full((rows + block_m,), -1, dtype=torch.int32, device=device)
+        counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+        ends = torch.empty_like(counts)
+        if align == "kernel":
+            moe._align_kernel[(1,)](
+                ids, sorted_ids, counts, ends, ids.numel(), num_experts,
+                BLOCK_M=block_m, BLOCK_E=16, CHUNK=8,
+            )  # fmt: skip
+        else:
+            fn = moe._align_sort if align == "sort" else moe._align_torch
+            fn(ids if align == "sort" else ids.long(), num_experts, block_m, sorted_ids, counts,
+               ends)  # fmt: skip
+        assert counts.tolist() == counts_ref and ends.tolist() == ends_ref
+        got = sorted_ids.tolist()
+        for e in range(num_experts):
+            start = ends_ref[e] - padded[e]
+            want = [i for i, x in enumerate(ids_py) if x == e]
+            assert got[start : start + counts_ref[e]] == want, (align, e)
+            assert all(v == -1 for v in got[start + counts_ref[e] : ends_ref[e]])  # padding
+
+
+def _config(per_pair, group_m=4, block_k=32, combine="sum", align=None):
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, num_warps=4, GROUP_M=group_m)
-    return {"per_pair": per_pair, "gemm1": cfg, "gemm2": cfg}
+    out = {"per_pair": per_pair, "combine": combine, "gemm1": cfg, "gemm2": cfg}
+    if align:
+        out["align"] = align
+    return out
 
 
+@pytest.mark.parametrize("combine", ["sum", "atomic", "token"])
 @pytest.mark.parametrize("num_tokens", [1, 3, 6])
 @pytest.mark.parametrize(("activation", "interleaved"), [("silu", False), ("swiglu_oai", True)])
-def test_fused_moe_per_pair_path(triton_backend, activation, interleaved, num_tokens):
-    """The decode path (no align; routing weight folded into GEMM 1, top-k sum inside GEMM 2),
-    forced past its default pair count: 4 experts for 2-12 pairs, so pairs share experts; biases;
-    BLOCK_K 16 over I = 24 (a K-block half masked, not aligned to an expert's end)."""
+def test_fused_moe_per_pair_path(triton_backend, activation, interleaved, num_tokens, combine):
+    """The decode path (no align; routing weight folded into GEMM 1; GEMM 2 per (pair, column
+    tile) with a sum kernel or fp32 atomics, or per token over its K experts), forced past its
+    default pair count: 4 experts for 2-12 pairs, so pairs share experts; biases; BLOCK_K 16 over
+    I = 24 (a K-block half masked, not aligned to an expert's end)."""
     device = triton_backend.device
     x, w13, w2, weights, ids, b13, b2 = _inputs(
         num_tokens, 4, 2, 40, 24, torch.bfloat16, device, seed=11 + num_tokens, bias=True
     )
-    config = _config(per_pair=True, block_k=16)
+    config = _config(per_pair=True, block_k=16, combine=combine)
     _check(triton_backend, x, w13, w2, weights, ids, activation, b13, b2, interleaved,
            config=config)  # fmt: skip
 
 
-@pytest.mark.parametrize("group_m", [1, 3, 0])  # 0: one group of all row blocks
-@pytest.mark.parametrize("per_pair", [False, True])
-def test_fused_moe_paths_and_program_order(triton_backend, per_pair, group_m):
-    """Both paths and several GROUP_M orderings over the same routing: 8 experts, three with no
-    token, per-expert counts 2..7 (none a multiple of BLOCK_M), fp32."""
+@pytest.mark.parametrize(
+    ("per_pair", "group_m", "combine", "align"),
+    [
+        (False, 1, "sum", "kernel"),
+        (False, 3, "atomic", "sort"),
+        (False, 0, "sum", "onehot"),  # 0: one group of all row blocks
+        (False, 1, "atomic", "kernel"),
+        (True, 1, "sum", None),
+        (True, 1, "atomic", None),
+        (True, 1, "token", None),
+    ],
+)
+def test_fused_moe_paths_and_program_order(triton_backend, per_pair, group_m, combine, align):
+    """Both paths, GROUP_M orderings, align modes and top-k combines over the same routing: 8
+    experts, three with no token, per-expert counts 2..7 (none a multiple of BLOCK_M), fp32."""
     device = triton_backend.device
     x, w13, w2, weights, _, _, _ = _inputs(7, 8, 3, 40, 24, torch.float32, device, seed=5)
     ids = torch.tensor(
         [[0, 2, 3], [2, 3, 5], [5, 2, 0], [7, 2, 5], [2, 3, 0], [5, 2, 7], [2, 3, 5]],
         dtype=torch.int32, device=device,
     )  # fmt: skip
-    _check(triton_backend, x, w13, w2, weights, ids, config=_config(per_pair, group_m))
+    config = _config(per_pair, group_m, combine=combine, align=align)
+    _check(triton_backend, x, w13, w2, weights, ids, config=config)
+
+
+@pytest.mark.parametrize("combine", ["sum", "atomic"])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_fused_moe_sorted_single_token_sort_align(triton_backend, top_k, combine):
+    """One token through the sorted path with the sort align (N = 1 or 2 pairs), bf16, biases."""
+    device = triton_backend.device
+    x, w13, w2, weights, ids, b13, b2 = _inputs(
+        1, 8, top_k, 40, 24, torch.bfloat16, device, seed=21 + top_k, bias=True
+    )
+    config = _config(per_pair=False, group_m=1, combine=combine, align="sort")
+    _check(triton_backend, x, w13, w2, weights, ids, "silu", b13, b2, config=config)
 
 
 def test_fused_moe_is_registered(triton_backend):
@@ -149,3 +219,21 @@ def test_fused_moe_gpu_real_sizes(triton_backend, shape, num_tokens):
         pytest.skip("the prefill tile config is covered by the Qwen shape")
     inputs = _inputs(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, "cuda", seed=1)
     _check(triton_backend, *inputs[:5], tol=(5e-2, 5e-2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("num_tokens", "combine", "align"),
+    [(1, "atomic", None), (1, "token", None), (2048, "atomic", "sort"), (2048, "sum", "onehot")],
+)
+def test_fused_moe_gpu_combines_and_aligns(triton_backend, num_tokens, combine, align):
+    """The non-default combines and align modes at the Qwen3-30B-A3B shape (default tiles)."""
+    from atom_kernels.backends.triton import moe
+
+    num_experts, top_k, hidden, inter = QWEN3_30B_A3B
+    inputs = _inputs(num_tokens, num_experts, top_k, hidden, inter, torch.bfloat16, "cuda", seed=2)
+    config = moe._configs(num_tokens, top_k, num_experts, hidden, inter, torch.device("cuda"))
+    config["combine"] = combine
+    if align:
+        config["align"] = align
+    _check(triton_backend, *inputs[:5], tol=(5e-2, 5e-2), config=config)

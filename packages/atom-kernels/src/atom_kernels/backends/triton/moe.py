@@ -1,13 +1,15 @@
 """Triton fused MoE, two paths chosen by ``_configs`` from the shape:
 
-- sorted (most batches): (token, slot) pairs sorted by expert and padded per expert to BLOCK_M,
+- sorted (most batches): (token, slot) pairs sorted by expert and padded per expert to BLOCK_M
+  (the align step: a single-program Triton kernel for few pairs, a stable radix sort for many),
   two grouped GEMMs over the padded rows (the gated activation fused into the first, the bias and
-  the routing weight into the second), then the per-token sum of its top-k rows.
+  the routing weight into the second), then the per-token sum of its top-k rows: a torch sum over
+  [T, K, H] ("sum"), or fp32 atomics in GEMM 2's epilogue plus one cast ("atomic").
 - per-pair (decode, a handful of pairs): no align step. GEMM 1 runs one program row per pair (its
   expert read from ``topk_ids``) and folds the routing weight into the activation; GEMM 2 runs one
-  program row per token and walks its K experts in one flat reduction loop
-  (out[t] = sum_k (w_k a_k) @ W2[e_k]^T), so the top-k sum needs no extra kernel: two launches
-  in all, where the sorted path takes four.
+  program per (pair, column tile) and writes fp32 pair rows summed by one small kernel ("sum") or
+  adds them into an fp32 [T, H] buffer with atomics ("atomic"); or ("token") one program per
+  (token, column tile) walks its K experts in one reduction loop (fewer, longer programs).
 
 T = tokens, K = experts per token, N = T * K pairs, E = experts, H = hidden size, I = expert
 intermediate size, P = padded rows (an upper bound from shapes alone: N + min(E, N) * (BLOCK_M - 1),
@@ -30,8 +32,19 @@ from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_s
 
 _ACTIVATIONS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
 # Up to this many pairs the align step is one single-program Triton kernel (one launch: decode);
-# above it, a few torch ops (sort + scans), whose launches are noise next to the GEMMs.
+# above it, a stable radix sort and one kernel (``_align_sort``), a few launches, noise next to
+# the GEMMs. A config's "align" key overrides ("kernel", "sort", or "onehot": the older
+# one-hot/cumsum torch version, kept so the sweep can compare).
 ALIGN_KERNEL_MAX_PAIRS = 4096
+ALIGN_MODES = ("kernel", "sort", "onehot")
+# How a token's K expert outputs are summed (a config's "combine" key):
+# - "sum": GEMM 2 writes one row per pair, then one reduction over K (deterministic).
+# - "atomic": GEMM 2's epilogue adds each weighted row into an fp32 [T, H] buffer (zeroed first)
+#   with fp32 atomics, then one cast: no [N, H] round trip, but the fp32 summation order varies
+#   from run to run (not bitwise reproducible).
+# - "token" (per-pair path only): one GEMM 2 program per (token, column tile) walks the token's K
+#   experts in one loop; no extra kernel, but only T * H / BLOCK_N programs.
+COMBINE_MODES = ("sum", "atomic", "token")
 # Up to this many pairs the per-pair path runs (no align, no combine kernel). At T = 1 every pair
 # has its own expert; with more pairs, pairs that share an expert read its weights again.
 PER_PAIR_MAX_PAIRS = 8
@@ -92,6 +105,68 @@ def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int, sorted_ids, 
     rank = running[ids, pairs] - 1  # [N]
     rows = (ends - padded)[ids] + rank
     sorted_ids.scatter_(0, rows.long(), pairs.to(torch.int32))
+
+
+@triton.jit
+def _align_sorted_kernel(
+    keys_ptr,  # [N] expert ids, sorted ascending (stable)
+    order_ptr,  # [N] pair index at each sorted position
+    sorted_ptr,  # [P] out: pair index at each padded row (padding rows left unwritten)
+    counts_ptr,  # [E] out (program 0)
+    ends_ptr,  # [E] out (program 0)
+    num_pairs,
+    num_experts,
+    num_steps,  # binary-search steps: num_pairs.bit_length() + 1
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Each program finds every expert's segment in the sorted ids (a binary search per expert
+    lane, ~log2(N) gathers of E values, cheaper than a second launch), then moves its BLOCK sorted
+    positions to their padded rows: row = position + (padded start - unpadded start) of its
+    expert."""
+    experts = tl.arange(0, BLOCK_E)
+    lo = tl.zeros([BLOCK_E], dtype=tl.int32)  # lower bound of expert e
+    hi = tl.zeros([BLOCK_E], dtype=tl.int32) + num_pairs
+    lo1 = tl.zeros([BLOCK_E], dtype=tl.int32)  # lower bound of expert e + 1
+    hi1 = tl.zeros([BLOCK_E], dtype=tl.int32) + num_pairs
+    for _ in range(0, num_steps):
+        mid = (lo + hi) // 2
+        key = tl.load(keys_ptr + mid, mask=mid < num_pairs, other=0).to(tl.int32)
+        right = (lo < hi) & (key < experts)
+        lo, hi = tl.where(right, mid + 1, lo), tl.where(right | (lo >= hi), hi, mid)
+        mid1 = (lo1 + hi1) // 2
+        key1 = tl.load(keys_ptr + mid1, mask=mid1 < num_pairs, other=0).to(tl.int32)
+        right1 = (lo1 < hi1) & (key1 < experts + 1)
+        lo1, hi1 = tl.where(right1, mid1 + 1, lo1), tl.where(right1 | (lo1 >= hi1), hi1, mid1)
+    counts = tl.where(experts < num_experts, lo1 - lo, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    shift = ends - padded - lo  # [E]
+    if tl.program_id(0) == 0:
+        tl.store(counts_ptr + experts, counts, mask=experts < num_experts)
+        tl.store(ends_ptr + experts, ends, mask=experts < num_experts)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < num_pairs
+    keys = tl.load(keys_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    onehot = keys[:, None] == experts[None, :]  # [BLOCK, E]
+    rows = offs + tl.sum(tl.where(onehot, shift[None, :], 0), axis=1)
+    pairs = tl.load(order_ptr + offs, mask=valid, other=0).to(tl.int32)
+    tl.store(sorted_ptr + rows, pairs, mask=valid)
+
+
+def _align_sort(ids: torch.Tensor, num_experts: int, block_m: int, sorted_ids, counts, ends):
+    """The align step for many pairs: a stable radix sort of the expert ids (pairs keep their order
+    within an expert), then one kernel placing the sorted pairs at their padded rows; O(N + E)
+    memory, no host sync (``torch.bincount`` would read the max id back to the host)."""
+    num_pairs = ids.numel()
+    keys, order = torch.sort(ids, stable=True)  # [N] expert ids ascending, pair indices
+    block = 256
+    _align_sorted_kernel[(triton.cdiv(num_pairs, block),)](
+        keys, order, sorted_ids, counts, ends, num_pairs, num_experts,
+        num_pairs.bit_length() + 1, BLOCK_M=block_m, BLOCK_E=next_pow2(num_experts + 1, 16),
+        BLOCK=block, num_warps=4,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -233,7 +308,7 @@ def _gemm2_kernel(
     w_ptr,  # [E, H, I]
     bias_ptr,  # [E, H] or dummy
     topk_weights_ptr,  # [N] (flattened [T, K])
-    out_ptr,  # [N, H]: each pair's weighted expert output
+    out_ptr,  # [N, H]: each pair's weighted expert output (ATOMIC: fp32 [T, H], summed into)
     sorted_ptr,
     counts_ptr,
     ends_ptr,
@@ -242,6 +317,7 @@ def _gemm2_kernel(
     num_experts,
     hidden_size,
     inter_size,
+    top_k,
     stride_am,
     stride_we,
     stride_wn,
@@ -252,6 +328,7 @@ def _gemm2_kernel(
     stride_om,
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
+    ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -288,9 +365,14 @@ def _gemm2_kernel(
         b_base = bias_ptr + expert.to(tl.int64) * stride_be
         acc += tl.load(b_base + cols * stride_bn, mask=col_valid).to(tl.float32)[None, :]
     weight = tl.load(topk_weights_ptr + pairs * stride_tw, mask=row_valid, other=0.0)
-    y = acc.to(dtype).to(tl.float32) * weight.to(tl.float32)[:, None]
-    out_ptrs = out_ptr + pairs[:, None] * stride_om + cols[None, :]
-    tl.store(out_ptrs, y.to(dtype), mask=row_valid[:, None] & col_valid[None, :])
+    if ATOMIC:  # the input dtype of the projection (as the reference), then fp32 to the end
+        y = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * weight.to(tl.float32)[:, None]
+        out_ptrs = out_ptr + (pairs // top_k)[:, None] * stride_om + cols[None, :]
+        tl.atomic_add(out_ptrs, y, mask=row_valid[:, None] & col_valid[None, :], sem="relaxed")
+    else:
+        y = acc.to(dtype).to(tl.float32) * weight.to(tl.float32)[:, None]
+        out_ptrs = out_ptr + pairs[:, None] * stride_om + cols[None, :]
+        tl.store(out_ptrs, y.to(dtype), mask=row_valid[:, None] & col_valid[None, :])
 
 
 @triton.jit
@@ -355,6 +437,87 @@ def _gemm2_token_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] == 0) & col_valid)
 
 
+@triton.jit
+def _gemm2_pair_kernel(
+    a_ptr,  # [N, I] weighted activations (per-pair GEMM 1)
+    w_ptr,  # [E, H, I]
+    bias_ptr,  # [E, H] or dummy
+    ids_ptr,  # [N] expert of each pair
+    topk_weights_ptr,  # [N]
+    out_ptr,  # fp32: [N, H] per pair, or (ATOMIC) [T, H] summed into
+    hidden_size,
+    inter_size,
+    top_k,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    stride_tw,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[pair or its token, cols] (+)= a[pair] @ W2[expert]^T (+ w * b2[expert]): one program
+    per (pair, column tile), N * H / BLOCK_N programs, each streaming one expert's slice. The dot
+    needs 16 rows; only row 0 (the pair) is live."""
+    pair = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = cols < hidden_size
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    a_ptrs = a_ptr + pair * stride_am + offs_k[None, :] + offs_m[:, None] * 0  # [M, K]
+    w_ptrs = (
+        w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
+        + cols[None, :].to(tl.int64) * stride_wn
+    )  # fmt: skip
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        k_valid = k0 + offs_k < inter_size
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] == 0) & k_valid[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        weight = tl.load(topk_weights_ptr + pair * stride_tw).to(tl.float32)
+        bias = tl.load(bias_ptr + expert * stride_be + cols * stride_bn, mask=col_valid)
+        acc += weight * bias.to(tl.float32)[None, :]
+    mask = (offs_m[:, None] == 0) & col_valid[None, :]
+    if ATOMIC:
+        out_ptrs = out_ptr + (pair // top_k) * stride_om + cols[None, :] + offs_m[:, None] * 0
+        tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        out_ptrs = out_ptr + pair * stride_om + cols[None, :] + offs_m[:, None] * 0
+        tl.store(out_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _sum_topk_kernel(
+    x_ptr,  # [T * K, H] fp32
+    out_ptr,  # [T, H]
+    hidden_size,
+    top_k,
+    stride_xm,
+    stride_ot,
+    BLOCK_N: tl.constexpr,
+):
+    """out[t] = sum_k x[t * K + k], cast to the output dtype (one launch for sum + cast)."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = cols < hidden_size
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in range(0, top_k):
+        acc += tl.load(x_ptr + (token * top_k + k) * stride_xm + cols, mask=valid, other=0.0)
+    tl.store(out_ptr + token * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=valid)
+
+
 def _configs(
     num_tokens: int,
     top_k: int,
@@ -363,7 +526,8 @@ def _configs(
     inter_size: int,
     device: torch.device,
 ) -> dict:
-    """{"per_pair": path, "gemm1": kernel config, "gemm2": kernel config} for this shape.
+    """{"per_pair": path, "combine": COMBINE_MODES entry, "gemm1": kernel config, "gemm2": kernel
+    config} for this shape, plus (sorted path, optional) "align": an ALIGN_MODES entry.
 
     A kernel config holds BLOCK_M/N/K, num_warps, num_stages and (sorted path) GROUP_M; the
     sorted path's two GEMMs share BLOCK_M. ``benchmarks/tune_moe.py`` sweeps these; pass one to
@@ -373,32 +537,37 @@ def _configs(
     per_pair = num_pairs <= PER_PAIR_MAX_PAIRS
     if is_interpreted(device):  # small tiles: the interpreter's cost grows with tile size
         cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, GROUP_M=4)
-        return {"per_pair": per_pair, "gemm1": cfg, "gemm2": cfg}
+        return {"per_pair": per_pair, "combine": "sum", "gemm1": cfg, "gemm2": cfg}
     if per_pair:
         # Bandwidth-bound: enough programs for every SM (>= ~2 waves of small tiles) and deep
-        # pipelines (bytes in flight per SM).
+        # pipelines (bytes in flight per SM). GEMM 2 runs one program per (pair, column tile), as
+        # many as the sorted path's GEMM 2 at T = 1 with the same tiles (its best on an H100:
+        # 16x32x128 w4 s5), without the align launch; fp32 pair rows + one sum/cast kernel.
         sms = num_sms(device)
         n1 = 32 if num_pairs * triton.cdiv(inter_size, 32) >= 2 * sms else 16
         gemm1 = dict(BLOCK_M=16, BLOCK_N=n1, BLOCK_K=128, num_warps=4, num_stages=4)
-        gemm2 = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4)
-        return {"per_pair": True, "gemm1": gemm1, "gemm2": gemm2}
+        gemm2 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=5)
+        return {"per_pair": True, "combine": "sum", "gemm1": gemm1, "gemm2": gemm2}
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
+    # NOTE: tiles from benchmarks/tune_moe.py on an H100 (bf16, CUDA graphs, L2 flushed).
     if rows_per_expert <= 16:  # decode: bandwidth-bound, many narrow column tiles
-        gemm1 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
-        gemm2 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
-    elif rows_per_expert <= 64:
+        # Qwen3-30B-A3B T=16 91%, Mixtral T=16 99% of copy bandwidth (Qwen3 T=256: 72%, its best
+        # 75% with gemm1 16x32x128 s5).
+        gemm1 = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+        gemm2 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
+    elif rows_per_expert <= 64:  # Mixtral T=256: 75%
         gemm1 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
         gemm2 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
     elif rows_per_expert <= 512:
-        # Many small GEMMs (Qwen3-30B-A3B prefill: ~256 rows per expert): BLOCK_M 64 halves the
-        # padding of BLOCK_M 128 (~half a block per expert), wide column tiles keep the tensor
-        # cores fed, GROUP_M row blocks share an expert's weight tiles in L2.
-        gemm1 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=8)
-        gemm2 = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, GROUP_M=8)
-    else:  # prefill over few large experts (Mixtral: 61% of the matmul rate on an H100)
-        gemm1 = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)
-        gemm2 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
-    return {"per_pair": False, "gemm1": gemm1, "gemm2": gemm2}
+        # Many small GEMMs (Qwen3-30B-A3B prefill: ~256 rows per expert): BLOCK_M 128 beat 64
+        # despite twice the padding (0.99 vs 1.14 ms at T=4096); GEMM 2 wide (256) column tiles
+        # in groups of 8 row blocks sharing an expert's weight tiles in L2.
+        gemm1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=1)
+        gemm2 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=8)
+    else:  # prefill over few large experts (Mixtral T=4096: 72% of the matmul rate, 61% w/o g8)
+        gemm1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=8)
+        gemm2 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=8)
+    return {"per_pair": False, "combine": "sum", "gemm1": gemm1, "gemm2": gemm2}
 
 
 def _split_group(cfg: dict, num_row_blocks: int) -> tuple[dict, int]:
@@ -444,6 +613,10 @@ def fused_moe(
     bias2_strides = (w2_bias.stride(0), w2_bias.stride(1)) if w2_bias is not None else (0, 0)
     block_e = next_pow2(num_experts, 16)
     per_pair = config["per_pair"]
+    combine = config.get("combine", "sum")
+    if combine not in COMBINE_MODES or (combine == "token" and not per_pair):
+        raise ValueError(f"combine={combine!r}: expected one of {COMBINE_MODES} ('token' needs "
+                         "the per-pair path)")  # fmt: skip
 
     if per_pair:
         gemm1, group1 = _split_group(config["gemm1"], num_pairs)
@@ -464,14 +637,19 @@ def fused_moe(
         sorted_ids = torch.empty(num_row_blocks * block_m, dtype=torch.int32, device=device)
         counts = torch.empty(num_experts, dtype=torch.int32, device=device)
         ends = torch.empty(num_experts, dtype=torch.int32, device=device)
-        if num_pairs <= align_kernel_max_pairs:
+        align = config.get("align") or ("kernel" if num_pairs <= align_kernel_max_pairs else "sort")
+        if align == "kernel":
             _align_kernel[(1,)](
                 ids, sorted_ids, counts, ends, num_pairs, num_experts,
                 BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=32 if block_e > 128 else 64,
                 num_warps=4,
             )  # fmt: skip
-        else:
+        elif align == "sort":
+            _align_sort(ids, num_experts, block_m, sorted_ids, counts, ends)
+        elif align == "onehot":
             _align_torch(ids.long(), num_experts, block_m, sorted_ids, counts, ends)
+        else:
+            raise ValueError(f"align={align!r}: expected one of {ALIGN_MODES}")
         activated = torch.empty((num_row_blocks * block_m, inter_size), dtype=dtype, device=device)
 
     grid1 = (num_row_blocks * triton.cdiv(inter_size, gemm1["BLOCK_N"]),)
@@ -486,8 +664,10 @@ def fused_moe(
         BLOCK_E=block_e, **gemm1,
     )  # fmt: skip
 
-    if per_pair:
-        out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
+    out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)  # [T, H]
+    if combine == "atomic" and (per_pair or top_k > 1):  # fp32 [T, H] the atomics add into
+        summed = torch.zeros((num_tokens, hidden_size), dtype=torch.float32, device=device)
+    if per_pair and combine == "token":
         _gemm2_token_kernel[(num_tokens, triton.cdiv(hidden_size, gemm2["BLOCK_N"]))](
             activated, w2, b2, ids, weights, out, hidden_size, inter_size, top_k,
             activated.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *bias2_strides,
@@ -495,20 +675,48 @@ def fused_moe(
             HAS_BIAS=w2_bias is not None, PRECISION=precision, **gemm2,
         )  # fmt: skip
         return out
+    if per_pair:
+        # "sum": fp32 rows per pair ([N, H], N <= a few): the K-way sum and the cast in one kernel.
+        if combine == "atomic":
+            dest = summed
+        else:
+            dest = torch.empty((num_pairs, hidden_size), dtype=torch.float32, device=device)
+        _gemm2_pair_kernel[(num_pairs, triton.cdiv(hidden_size, gemm2["BLOCK_N"]))](
+            activated, w2, b2, ids, weights, dest, hidden_size, inter_size, top_k,
+            activated.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *bias2_strides,
+            weights.stride(0), dest.stride(0),
+            HAS_BIAS=w2_bias is not None, PRECISION=precision, ATOMIC=combine == "atomic",
+            **gemm2,
+        )  # fmt: skip
+        if combine == "atomic":
+            return out.copy_(summed)
+        block_n = min(1024, next_pow2(hidden_size, 16))
+        _sum_topk_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
+            dest, out, hidden_size, top_k, dest.stride(0), out.stride(0), BLOCK_N=block_n,
+        )  # fmt: skip
+        return out
 
     # NOTE: each pair's weighted output is stored in the input dtype (as vLLM does): half the
     # traffic of fp32 at prefill; the K-way sum below is still done in fp32.
-    pair_out = torch.empty((num_pairs, hidden_size), dtype=dtype, device=device)  # [N, H]
+    atomic = combine == "atomic" and top_k > 1
+    if atomic:
+        dest = summed
+    elif top_k == 1:
+        dest = out  # pair == token
+    else:
+        dest = torch.empty((num_pairs, hidden_size), dtype=dtype, device=device)  # [N, H]
     grid2 = (num_row_blocks * triton.cdiv(hidden_size, gemm2["BLOCK_N"]),)
     _gemm2_kernel[grid2](
-        activated, w2, b2, weights, pair_out, sorted_ids, counts, ends,
-        num_row_blocks, group2, num_experts, hidden_size, inter_size, activated.stride(0),
-        w2.stride(0), w2.stride(1), w2.stride(2), *bias2_strides, weights.stride(0),
-        pair_out.stride(0),
-        HAS_BIAS=w2_bias is not None, PRECISION=precision, BLOCK_E=block_e, **gemm2,
+        activated, w2, b2, weights, dest, sorted_ids, counts, ends,
+        num_row_blocks, group2, num_experts, hidden_size, inter_size, top_k,
+        activated.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *bias2_strides,
+        weights.stride(0), dest.stride(0),
+        HAS_BIAS=w2_bias is not None, PRECISION=precision, ATOMIC=atomic, BLOCK_E=block_e,
+        **gemm2,
     )  # fmt: skip
+    if atomic:
+        return out.copy_(summed)
     if top_k == 1:
-        return pair_out
-    out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
+        return out
     # One reduction kernel; torch accumulates a bf16/fp16 sum in fp32.
-    return torch.sum(pair_out.view(num_tokens, top_k, hidden_size), dim=1, out=out)  # [T, H]
+    return torch.sum(dest.view(num_tokens, top_k, hidden_size), dim=1, out=out)  # [T, H]
