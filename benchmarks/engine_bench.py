@@ -269,7 +269,11 @@ def bench_throughput(args) -> dict:
     t0 = time.perf_counter()
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
         engine.add_request(
-            str(i), p, SamplingParams(temperature=1.0, max_tokens=o, ignore_eos=True)
+            str(i),
+            p,
+            SamplingParams(
+                temperature=1.0, max_tokens=o, ignore_eos=True, output_kind="final_only"
+            ),
         )
     steps = 0
     while engine.has_unfinished_requests():

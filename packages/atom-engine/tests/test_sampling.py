@@ -162,6 +162,7 @@ def test_repetition_penalty_matches_transformers(smollm2_llm, smollm2_hf):
         ("prompt_logprobs", -1),
         ("stop", [""]),
         ("stop_token_ids", [-4]),
+        ("output_kind", "delta"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(field, value):
@@ -224,6 +225,14 @@ def test_async_scheduling_gives_the_same_outputs(smollm2_llm):
     engine = llm.engine
     assert engine.async_scheduling and not engine.has_unfinished_requests()
     assert engine.stats().kv_cache_usage == 0.0
+
+    engine.add_request("f", "Count:", SamplingParams(max_tokens=3, output_kind="final_only"))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [(o.request_id, o.finished, len(o.outputs[0].token_ids)) for o in outputs] == [
+        ("f", True, 3)
+    ]  # final_only: one output, the finished one
 
     engine.add_request("a", "A long story begins", SamplingParams(max_tokens=200))
     assert engine.step() == []  # the prefill is launched; its token is read by the next step

@@ -81,6 +81,7 @@ class BlockManager:
                 del self.free[block]
             self.ref_counts[block] += 1
         seq.block_table = hits
+        seq.num_published_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
 
     def record_prefix_lookup(self, seq: Sequence) -> None:
@@ -94,12 +95,16 @@ class BlockManager:
         """Publish the hashes of the sequence's blocks that are now full and computed."""
         if not self.enable_prefix_caching:
             return
+        full = seq.num_computed_tokens // self.block_size
+        if full <= seq.num_published_blocks:
+            return  # nothing new (a decode inside a block): no per-block walk every step
         hashes = self._full_block_hashes(seq, seq.num_computed_tokens)
-        for i, h in enumerate(hashes):
-            block = seq.block_table[i]
+        for i in range(seq.num_published_blocks, full):
+            block, h = seq.block_table[i], hashes[i]
             if self.block_hash[block] is None:
                 self.block_hash[block] = h
                 self.cached.setdefault(h, block)
+        seq.num_published_blocks = full
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -133,4 +138,5 @@ class BlockManager:
                 else:
                     self.free[block] = None
         seq.block_table = []
+        seq.num_published_blocks = 0
         seq.num_computed_tokens = 0

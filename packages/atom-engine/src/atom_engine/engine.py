@@ -357,6 +357,8 @@ class LLMEngine:
                 for seq in request.seqs:
                     self._seq_to_request.pop(seq.seq_id, None)
                 self._finished_requests += 1
+            elif request.params.output_kind == "final_only":
+                continue
             outputs.append(self._output_of(request))
         return outputs
 

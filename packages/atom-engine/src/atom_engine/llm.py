@@ -62,8 +62,10 @@ class LLM:
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
                 request_id = str(next(self._ids))
-                # Each request gets its own copy: the engine fills in per-request fields.
-                self.engine.add_request(request_id, prompt, replace(params))
+                # Each request gets its own copy: the engine fills in per-request fields. Only
+                # finished outputs are read here.
+                params = replace(params, output_kind="final_only")
+                self.engine.add_request(request_id, prompt, params)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:

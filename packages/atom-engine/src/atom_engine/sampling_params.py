@@ -15,6 +15,9 @@ class SamplingParams:
     the output; `stop_token_ids` finish the request (and, like EOS, are not part of the text).
     `logprobs` = N returns the top-N log-probs of every generated token (plus the chosen one);
     `prompt_logprobs` = N does the same for every prompt token after the first.
+    `output_kind` (vLLM's RequestOutputKind): "cumulative" gives a RequestOutput from every step
+    that advanced the request, "final_only" only the finished one (what `LLM.generate` uses; it
+    saves copying every request's tokens at every step).
     """
 
     n: int = 1
@@ -35,6 +38,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: str = "cumulative"
     # Filled by the engine from the model's generation config (not a user field).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -49,6 +53,8 @@ class SamplingParams:
         def fail(name: str, why: str) -> None:
             raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
+        if self.output_kind not in ("cumulative", "final_only"):
+            fail("output_kind", "must be 'cumulative' or 'final_only'")
         if not isinstance(self.n, int) or self.n < 1:
             fail("n", "must be an integer >= 1")
         if not self.temperature >= 0.0:

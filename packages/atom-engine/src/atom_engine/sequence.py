@@ -51,6 +51,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks, in order
+        self.num_published_blocks = 0  # leading blocks whose hashes the prefix cache holds
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache
         self.logprobs: SampleLogprobs | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0

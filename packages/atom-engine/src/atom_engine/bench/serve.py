@@ -194,8 +194,10 @@ class RequestResult:
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             text = (  # reasoning models stream their thinking in a field of its own
-                choice.get("text") or delta.get("content")
-                or delta.get("reasoning_content") or delta.get("reasoning")
+                choice.get("text")
+                or delta.get("content")
+                or delta.get("reasoning_content")
+                or delta.get("reasoning")
             )
             if text:
                 self.generated_text += text
@@ -388,11 +390,16 @@ def main(args) -> dict:
         args.seed,
         as_text=True,
     )
-    print(f"Benchmarking {model} at {args.base_url}{args.endpoint}: {len(requests)} requests, "
-          f"rate {args.request_rate}, max concurrency {args.max_concurrency}")
+    print(
+        f"Benchmarking {model} at {args.base_url}{args.endpoint}: {len(requests)} requests, "
+        f"rate {args.request_rate}, max concurrency {args.max_concurrency}"
+    )
     result = asyncio.run(run_benchmark(args, requests, model, tokenizer))
-    print(format_report(result, args.metric_percentiles, args.percentile_metrics,
-                        args.max_concurrency))
+    print(
+        format_report(
+            result, args.metric_percentiles, args.percentile_metrics, args.max_concurrency
+        )
+    )
     now = datetime.now()
     config = {
         "date": now.strftime("%Y%m%d-%H%M%S"),
@@ -435,4 +442,3 @@ async def _first_model(base_url: str, api_key: str | None) -> str:
     if not models:
         raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
     return models[0]["id"]
-

@@ -22,18 +22,20 @@ def format_report(result: dict) -> str:
     def row(label: str, value) -> str:
         return f"{label:<40} {value:.2f}" if isinstance(value, float) else f"{label:<40} {value}"
 
-    return "\n".join([
-        " Offline Throughput Result ".center(50, "="),
-        row("Requests:", result["num_requests"]),
-        row("Elapsed time (s):", float(result["elapsed_time"])),
-        row("Total input tokens:", result["total_input_tokens"]),
-        row("Total output tokens:", result["total_output_tokens"]),
-        row("Request throughput (req/s):", float(result["requests_per_second"])),
-        row("Input token throughput (tok/s):", float(result["input_tokens_per_second"])),
-        row("Output token throughput (tok/s):", float(result["output_tokens_per_second"])),
-        row("Total token throughput (tok/s):", float(result["tokens_per_second"])),
-        "=" * 50,
-    ])
+    return "\n".join(
+        [
+            " Offline Throughput Result ".center(50, "="),
+            row("Requests:", result["num_requests"]),
+            row("Elapsed time (s):", float(result["elapsed_time"])),
+            row("Total input tokens:", result["total_input_tokens"]),
+            row("Total output tokens:", result["total_output_tokens"]),
+            row("Request throughput (req/s):", float(result["requests_per_second"])),
+            row("Input token throughput (tok/s):", float(result["input_tokens_per_second"])),
+            row("Output token throughput (tok/s):", float(result["output_tokens_per_second"])),
+            row("Total token throughput (tok/s):", float(result["tokens_per_second"])),
+            "=" * 50,
+        ]
+    )
 
 
 def main(args, config: EngineConfig) -> dict:
