@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then benchmarks, results as JSON under $OUT (or ./gpu-out).
-#   bash benchmarks/run_gpu.sh tests kernels decode     # phase 1
+#   bash benchmarks/run_gpu.sh tests kernels moe decode     # phase 1
 #   bash benchmarks/run_gpu.sh throughput serve         # phase 2
 # Needs the wheels the GPU image lacks in .whl (../shared/device/fetch-wheels.sh) and the bundled
 # tokenizer in .bench_assets/tokenizer (for the serving benchmark's text prompts).
@@ -26,6 +26,8 @@ for phase in "$@"; do
             --ignore=packages/atom-sglang-plugin packages 2>&1 | tail -40 | tee "$OUT/gpu-tests.log" ;;
     kernels)
         timeout 240 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -40 ;;
+    moe)
+        timeout 150 python3 benchmarks/moe.py --out "$OUT/moe.json" 2>&1 | tail -12 ;;
     decode)
         for shape in qwen3-0.6b llama3-8b; do
             timeout 200 python3 benchmarks/engine_bench.py decode --shape $shape \
