@@ -274,16 +274,17 @@ def test_empty_batches(triton_backend):
 
 def test_choose_splits(triton_backend):
     choose = triton_backend.attention.choose_splits
-    # Big batch: no split. Batch 1 x 8 kv heads x 4K / 8K context on 132 SMs: 128-token splits,
-    # at most MAX_SPLITS (64).
+    # Big batch: no split. Batch 1 x 8 kv heads x 8K context on 132 SMs: 128-token splits, at
+    # most MAX_SPLITS (64); at 4K, 32 such splits leave SMs idle: 64 splits of 64 tokens.
     assert choose(64, 8, 8192, 132, 64) == (1, 8192)
-    assert choose(1, 8, 4096, 132, 64) == (32, 128)
     assert choose(1, 8, 8192, 132, 64) == (64, 128)
+    assert choose(1, 8, 4096, 132, 64) == (64, 64)
+    assert choose(2, 8, 4096, 132, 64) == (32, 128)
     # 8 sequences: splits of a multiple of the KV tile covering the context.
     num_splits, split_len = choose(8, 8, 3000, 132, 64)
     assert num_splits == 24 and split_len == 128 and num_splits * split_len >= 3000
-    # Short contexts and MQA: at most MAX_SPLITS, a split of at least MIN_SPLIT_TOKENS (128).
-    assert choose(1, 1, 300, 132, 64) == (3, 128)
+    # Short contexts and MQA: at most MAX_SPLITS, splits of at least MIN_SPLIT_TOKENS / 2 (64).
+    assert choose(1, 1, 300, 132, 64) == (5, 64)
     assert choose(1, 1, 1 << 20, 132, 64)[0] == triton_backend.attention.MAX_SPLITS
     assert choose(4, 2, 100, 132, 16) == (1, 112)
 

@@ -103,13 +103,17 @@ def choose_splits(
     work sits in the first splits and short splits spread it over more programs. H100, 8 kv
     heads, table of 4096 tokens, contexts of 512 / 1024 / 2048 (benchmarks/tune_decode.py): batch
     8 took 20.3 / 31.7 / 42.9 us with splits sized to fill the SMs (5) and 11.6 / 19.2 / 34.4 us
-    with 32 splits of 128; batch 1 8.8 / 8.9 / 9.1 us either way (32 splits).
+    with 32 splits of 128; batch 1 8.8 / 8.9 / 9.1 us either way (32 splits). When even those
+    programs leave SMs idle (batch 1), splits are halved once to 64 tokens: batch 1, 4096-token
+    table, context 512 / 1024 / 2048: 7.4 / 8.2 / 9.4 us with 64 splits.
     """
     programs = max(1, num_seqs * num_kv_heads)
     target = PROGRAMS_PER_SM * num_sms
     num_splits = 1
     if programs < target and max_context > MIN_SPLIT_TOKENS:
         num_splits = min(triton.cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS)
+        if programs * num_splits < target:
+            num_splits = min(triton.cdiv(max_context, MIN_SPLIT_TOKENS // 2), MAX_SPLITS)
     split_len = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), block_n) * block_n
     return triton.cdiv(max(max_context, 1), split_len), split_len
 
