@@ -164,7 +164,7 @@ def reshape_and_cache(
     schema="(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
     "Tensor seq_lens, Tensor query_start_loc, float scale, int? sliding_window, Tensor? sinks, "
     "float? soft_cap, Tensor? k_scale, float? k_scale_value, Tensor? v_scale, "
-    "float? v_scale_value, Tensor(a!) out, int? max_query_len) -> ()",
+    "float? v_scale_value, Tensor(a!) out, int? max_query_len=None) -> ()",
 )
 def _paged_attention_op(
     query,
@@ -182,7 +182,7 @@ def _paged_attention_op(
     v_scale,
     v_scale_value,
     out,
-    max_query_len,
+    max_query_len=None,
 ):
     attention.paged_attention(
         query,
