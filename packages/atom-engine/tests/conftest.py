@@ -7,7 +7,7 @@ import torch
 
 from atom_models.bundled import smollm2_gguf_path
 from atom_models.gguf_file import gguf_tokenizer
-from atom_models.testing import save_random_checkpoint
+from atom_models.testing import save_random_checkpoint, transformers_gguf_model
 
 
 @pytest.fixture(scope="session")
@@ -26,13 +26,7 @@ def smollm2_llm():
 @pytest.fixture(scope="session")
 def smollm2_hf():
     """transformers' own load of the same GGUF file: the reference."""
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
+    return transformers_gguf_model(smollm2_gguf_path())
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random checkpoints saved by transformers, and a paged-cache driver."""
+"""Shared fixtures: the bundled GGUF file and transformers' load of it, tiny random checkpoints
+saved by transformers, and a paged-cache driver."""
 
 from __future__ import annotations
 
@@ -8,8 +9,21 @@ import pytest
 import torch
 
 from atom_models import set_forward_context
+from atom_models.bundled import smollm2_gguf_path
 from atom_models.native_attention import PagedAttentionMetadata, bind_kv_cache
-from atom_models.testing import save_random_checkpoint
+from atom_models.testing import save_random_checkpoint, transformers_gguf_model
+
+
+@pytest.fixture(scope="session")
+def bundled():
+    """The bundled SmolLM2 GGUF file."""
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def reference(bundled):
+    """transformers' own float32 load of the bundled GGUF file."""
+    return transformers_gguf_model(bundled)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from atom_models import load_model
-from atom_models.bundled import smollm2_gguf_path
 from atom_models.gguf_file import gguf_tokenizer
 
 PROMPTS = [
@@ -18,14 +17,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def models():
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    return load_model(path, dtype=torch.float32), hf, gguf_tokenizer(path)
+def models(bundled, reference):
+    return load_model(bundled, dtype=torch.float32), reference, gguf_tokenizer(bundled)
 
 
 @torch.no_grad()

@@ -3,47 +3,12 @@ same logits as transformers' direct GGUF load."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 import torch
 
-from atom_models.bundled import smollm2_gguf_path
 from atom_models.convert import convert_gguf_to_hf, main, parse_size
-
-
-def transformers_gguf_model(path):
-    """transformers' direct load of a GGUF file, in float32 (same helper as test_gguf_file)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    if importlib.util.find_spec("accelerate") is not None:
-        return AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        ).eval()
-    # from_pretrained(gguf_file=...) refuses to run without `accelerate`, which nothing in ATOM
-    # needs; for llama it loads the weights with this same function
-    # (GgufHfQuantizer.get_state_dict -> load_gguf_checkpoint).
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    parsed = load_gguf_checkpoint(
-        str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
-    )
-    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    return smollm2_gguf_path()
-
-
-@pytest.fixture(scope="module")
-def reference(bundled):
-    return transformers_gguf_model(bundled)
 
 
 def test_parse_size():
@@ -115,4 +80,3 @@ def test_cli_bfloat16_single_file(bundled, reference, tmp_path, capsys):
             tensor = f.get_tensor(name)
             assert tensor.dtype == torch.bfloat16
             assert torch.equal(tensor, state[name].to(torch.bfloat16)), name
-

@@ -7,7 +7,6 @@ llama's q/k permutation).
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 
 import gguf
@@ -15,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from atom_models.bundled import smollm2_gguf_path
 from atom_models.gguf_file import (
     gguf_hf_config,
     gguf_tokenizer,
@@ -32,42 +30,9 @@ CONFIG_FIELDS = [
 ]  # fmt: skip
 
 
-def transformers_gguf_model(path):
-    """transformers' direct load of a GGUF file, in float32."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    if importlib.util.find_spec("accelerate") is not None:
-        return AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        ).eval()
-    # from_pretrained(gguf_file=...) refuses to run without `accelerate`, which nothing in ATOM
-    # needs; for llama it loads the weights with this same function
-    # (GgufHfQuantizer.get_state_dict -> load_gguf_checkpoint).
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    parsed = load_gguf_checkpoint(
-        str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
-    )
-    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    return smollm2_gguf_path()
-
-
 @pytest.fixture(scope="module")
 def reader(bundled):
     return open_gguf(bundled)  # parsing the metadata takes seconds: share it
-
-
-@pytest.fixture(scope="module")
-def reference(bundled):
-    return transformers_gguf_model(bundled)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ the exact layout Hugging Face publishes.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -53,4 +54,28 @@ def save_random_checkpoint(config, path: str | Path, seed: int = 0, tokenizer=No
         GenerationConfig(
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
         ).save_pretrained(path)
+    return model.eval()
+
+
+def transformers_gguf_model(path: str | Path):
+    """transformers' own float32 load of a GGUF file (eval mode): the reference for GGUF tests."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = Path(path)
+    if importlib.util.find_spec("accelerate") is not None:
+        return AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
+    # from_pretrained(gguf_file=...) refuses to run without `accelerate`, which nothing in ATOM
+    # needs; for llama it loads the weights with this same function
+    # (GgufHfQuantizer.get_state_dict -> load_gguf_checkpoint).
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    parsed = load_gguf_checkpoint(
+        str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
+    )
+    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
     return model.eval()
