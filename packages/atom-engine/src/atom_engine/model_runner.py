@@ -272,14 +272,26 @@ class ModelRunner:
         """Sampled ids [B] on the device, without a host sync on the paths that need none
         (greedy; temperature with or without seeds; min_tokens masks and top-k / top-p / min-p
         filters read their flags on the host and may wait for the device)."""
-        params = [s.params for s in seqs]
-        for i, s in enumerate(seqs):
-            if s.num_output_tokens < s.params.min_tokens and s.params.all_stop_token_ids:
-                logits[i, list(s.params.all_stop_token_ids)] = float("-inf")
-        if all(p.is_greedy for p in params):
+        logits = self._mask_stop_tokens(seqs, logits)
+        if all(s.params.is_greedy for s in seqs):
             # The argmax of 16-bit logits is that of their (exact) fp32 copies, ties included.
             return logits.argmax(dim=-1)
-        logits = logits.float()
+        return self._draw(seqs, logits.float()).token_ids
+
+    @staticmethod
+    def _mask_stop_tokens(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Stop tokens masked out for sequences still short of min_tokens (a copy when any)."""
+        masked = logits
+        for i, s in enumerate(seqs):
+            if s.num_output_tokens < s.params.min_tokens and s.params.all_stop_token_ids:
+                if masked is logits:
+                    masked = logits.clone()
+                masked[i, list(s.params.all_stop_token_ids)] = float("-inf")
+        return masked
+
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, num_logprobs: int = 0):
+        """atom_kernels.sample over the sequences' parameters; filters no row uses are off."""
+        params = [s.params for s in seqs]
 
         def column(values, dtype):
             return _to_device(values, dtype, self.device)
@@ -295,7 +307,8 @@ class ModelRunner:
             optional([p.top_p for p in params], lambda p: p < 1.0, torch.float32),
             optional([p.min_p for p in params], lambda p: p > 0.0, torch.float32),
             generators=generators if any(g is not None for g in generators) else None,
-        ).token_ids
+            num_logprobs=num_logprobs,
+        )
 
     def _sample(
         self, seqs: list[Sequence], logits: torch.Tensor
@@ -313,25 +326,9 @@ class ModelRunner:
         raw_logits = logits
         if any(s.params.has_penalties for s in seqs):
             logits = self._apply_penalties(seqs, logits)
-        for i, s in enumerate(seqs):
-            if s.num_output_tokens < s.params.min_tokens and s.params.all_stop_token_ids:
-                if logits is raw_logits:
-                    logits = logits.clone()
-                logits[i, list(s.params.all_stop_token_ids)] = float("-inf")
-
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
+        logits = self._mask_stop_tokens(seqs, logits)
         num_logprobs = max((p.logprobs or 0) for p in params)
-        result = atom_kernels.sample(
-            logits,
-            column([p.temperature for p in params], torch.float32),
-            column([p.top_k for p in params], torch.int64),
-            column([p.top_p for p in params], torch.float32),
-            column([p.min_p for p in params], torch.float32),
-            generators=[s.generator for s in seqs],
-            num_logprobs=num_logprobs,
-        )
+        result = self._draw(seqs, logits, num_logprobs)
         token_ids = result.token_ids.tolist()
         sampled: dict[int, tuple[int, TopLogprobs | None]] = {}
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
