@@ -3,6 +3,7 @@
 from atom_kernels.ops.activation import gelu_and_mul, silu_and_mul
 from atom_kernels.ops.attention import paged_attention
 from atom_kernels.ops.cache import reshape_and_cache
+from atom_kernels.ops.linear import linear
 from atom_kernels.ops.moe import fused_moe, grouped_topk, topk_softmax, topk_then_softmax
 from atom_kernels.ops.norm import fused_add_rms_norm, rms_norm
 from atom_kernels.ops.rotary import rotary_embedding
@@ -21,6 +22,7 @@ __all__ = [
     "fused_moe",
     "gelu_and_mul",
     "grouped_topk",
+    "linear",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import atom_kernels
 from atom_models.distributed import get_tp_group
 
 
@@ -47,7 +48,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection; may share its weight with the input embedding (tied)."""
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)  # [T, V / tp]
+        logits = atom_kernels.linear(hidden_states, self.weight)  # [T, V / tp]
         if self.tp_size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]

@@ -9,9 +9,9 @@ naming which checkpoint tensor is being loaded and record the ids they expect in
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+import atom_kernels
 from atom_models.distributed import divide, get_tp_group
 
 
@@ -52,7 +52,7 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return atom_kernels.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -161,7 +161,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction (rank 0 only, then summed).
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = atom_kernels.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1 and self.reduce_results:
             y = self.tp.all_reduce(y)
         return y

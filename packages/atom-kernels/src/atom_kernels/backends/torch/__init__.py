@@ -7,6 +7,7 @@ from atom_kernels.backends.torch import (  # noqa: F401  (imported to register t
     activation,
     attention,
     cache,
+    linear,
     moe,
     norm,
     rotary,

@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from atom_kernels.backends.triton import activation, attention, cache, moe, norm, rotary
+from atom_kernels.backends.triton import (
+    activation,
+    attention,
+    cache,
+    linear,
+    moe,
+    norm,
+    rotary,
+)
 from atom_kernels.registry import register_op
 
 
@@ -258,6 +266,31 @@ def _(hidden_states, *rest):
     return _new_like(hidden_states)
 
 
+# --- linear -----------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "atom::triton_skinny_linear",
+    mutates_args=(),
+    schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+)
+def skinny_linear(x, weight, bias):
+    return linear.skinny_linear(x, weight, bias)
+
+
+@skinny_linear.register_fake
+def _(x, weight, bias):
+    return _new_like(x, (*x.shape[:-1], weight.shape[0]))
+
+
+def linear_op(x, weight, bias):
+    """A plain function, not a custom op: cuBLAS GEMMs stay visible to torch.compile and skip the
+    custom-op dispatch; only the Triton kernel is opaque."""
+    if linear.takes(x, weight):
+        return skinny_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 for _name, _fn in {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
@@ -267,5 +300,6 @@ for _name, _fn in {
     "reshape_and_cache": reshape_and_cache,
     "paged_attention": paged_attention,
     "fused_moe": fused_moe,
+    "linear": linear_op,
 }.items():
     register_op(_name, "triton")(_fn)

@@ -1,0 +1,13 @@
+"""Torch reference: dense linear (cuBLAS on GPU)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from atom_kernels.registry import register_op
+
+
+@register_op("linear", "torch")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)

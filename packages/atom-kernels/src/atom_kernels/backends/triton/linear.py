@@ -1,0 +1,159 @@
+"""Triton skinny GEMM: ``y = x W^T (+ b)`` for a few rows of x (batch-1..8 decode), else cuBLAS.
+
+A decode step at a small batch reads every weight once and multiplies it by a handful of rows:
+the GEMM is a stream over W. ``_skinny_kernel`` gives each program BLOCK_N output features and
+walks all of K: W tiles [BLOCK_N, BLOCK_K] flow through the software pipeline (num_stages deep)
+into a dot with the x rows (padded to BLOCK_M >= 16) or, at one row, into an fp32 multiply-add.
+No split-K: one program owns its outputs, so there is no reduce and no zeroed buffer, and the
+grid (N / BLOCK_N programs) is a shape-only function (CUDA-graph safe).
+
+Where cuBLAS stays: more rows than SKINNY_MAX_ROWS (the GEMM stops being a pure weight stream),
+fp32 (tests' precision, not speed), and weights whose feature count gives fewer programs than
+SMs at the smallest tile (small models: cuBLAS's split-K keeps the SMs busy there).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms
+
+SKINNY_MAX_ROWS = 8
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool = True
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    num_rows,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # M = rows of x (<= BLOCK_M), N = output features, K = input features
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < num_rows
+    n_mask = offs_n < N
+    # Rows past N read row N - 1 (in bounds, discarded at the store): no mask on the W stream.
+    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + w_rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:  # one row: elementwise products, summed over K once at the end
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = (k + offs_k) < K
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if USE_DOT:
+            acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            acc2 += w.to(tl.float32) * x.to(tl.float32)  # x is [1, BLOCK_K]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if not USE_DOT:
+        acc = tl.reshape(tl.sum(acc2, axis=1), [BLOCK_M, BLOCK_N])
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def default_config(num_rows: int, n: int, k: int, sms: int, interpreted: bool) -> SkinnyConfig:
+    """Tiles for an [num_rows, k] x [n, k]^T GEMM (see the module docstring)."""
+    if interpreted:
+        return SkinnyConfig(16, 32, 4, 1, use_dot=num_rows > 1)
+    block_n = 32 if n >= 64 * sms else 16
+    return SkinnyConfig(block_n, 256, 4, 4, use_dot=num_rows > 1)
+
+
+def use_skinny(num_rows: int, n: int, dtype: torch.dtype, sms: int) -> bool:
+    """Whether the Triton kernel takes this GEMM (see the module docstring)."""
+    return 0 < num_rows <= SKINNY_MAX_ROWS and dtype != torch.float32 and n >= 16 * sms
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """The Triton kernel on [..., K] x [N, K]^T for any row count <= 16 (tests call it directly)."""
+    n, k = weight.shape
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
+    x2 = as_rows(x)
+    num_rows = x2.shape[0]
+    if num_rows > 16:
+        raise ValueError(f"skinny_linear: x has {num_rows} rows; the kernel takes at most 16")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    config = config or default_config(num_rows, n, k, num_sms(x.device), is_interpreted(x.device))
+    use_dot = config.use_dot or num_rows > 1
+    out2 = out.view(-1, n)
+    _skinny_kernel[(triton.cdiv(n, config.block_n),)](
+        x2,
+        weight,
+        bias if bias is not None else weight,
+        out2,
+        num_rows,
+        n,
+        k,
+        x2.stride(0),
+        weight.stride(0),
+        out2.stride(0),
+        HAS_BIAS=bias is not None,
+        USE_DOT=use_dot,
+        EVEN_K=k % config.block_k == 0,
+        BLOCK_M=16 if use_dot else 1,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the Triton kernel runs this GEMM (see the module docstring); cuBLAS otherwise.
+    Interpreted (CPU) runs keep torch: the interpreter is for the kernel tests, not for models."""
+    if is_interpreted(x.device):
+        return False
+    num_rows = math.prod(x.shape[:-1])
+    return use_skinny(num_rows, weight.shape[0], x.dtype, num_sms(x.device))

@@ -1,0 +1,34 @@
+"""Dense linear layer: ``y = x W^T (+ b)``."""
+
+from __future__ import annotations
+
+import torch
+
+from atom_kernels.ops._checks import (
+    FLOAT_DTYPES,
+    check_dim,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+)
+from atom_kernels.registry import get_op
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.nn.functional.linear``: x [..., K], weight [N, K], bias [N] or None -> [..., N].
+
+    All in one float dtype. The torch backend is cuBLAS (``F.linear``); the Triton backend streams
+    the weight through its own kernel when x has only a few rows (batch-1..8 decode) and keeps
+    cuBLAS otherwise.
+    """
+    op = "linear"
+    check_tensor(op, "x", x, min_ndim=1, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
+    check_dim(op, "weight", weight, 1, x.shape[-1], "to match x's last dim")
+    check_same_dtype(op, "x", x, weight=weight)
+    check_same_device(op, "x", x, weight=weight, bias=bias)
+    if bias is not None:
+        check_tensor(op, "bias", bias, ndim=1, dtypes=FLOAT_DTYPES)
+        check_dim(op, "bias", bias, 0, weight.shape[0], "to match weight's rows")
+        check_same_dtype(op, "x", x, bias=bias)
+    return get_op(op, x.device)(x, weight, bias)

@@ -1,0 +1,91 @@
+"""Triton skinny GEMM (the linear op's decode path) against torch.nn.functional.linear."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from atom_kernels.backends.triton import linear as triton_linear
+from atom_kernels.backends.triton.linear import SkinnyConfig
+from atom_kernels.testing import assert_close
+
+# (rows, N, K): one row and several; K a multiple of the tile and not; N not a multiple of BLOCK_N
+SHAPES = [(1, 48, 64), (1, 37, 100), (3, 64, 96), (8, 40, 64), (16, 33, 70), (2, 3, 5)]
+CONFIGS = [
+    SkinnyConfig(16, 32, 4, 1),
+    SkinnyConfig(32, 64, 4, 2),
+    SkinnyConfig(16, 32, 4, 1, False),
+]
+
+
+def _inputs(rows, n, k, dtype, device, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + n * 10 + k)
+    x = torch.randn(rows, k, generator=g).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device) if bias else None
+    return x, w, b
+
+
+def _expected(x, w, b):
+    return F.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.block_n}x{c.block_k}-dot{c.use_dot}")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_skinny_linear(triton_backend, dtype, shape, bias, config):
+    rows, n, k = shape
+    x, w, b = _inputs(rows, n, k, dtype, triton_backend.device, bias)
+    out = triton_linear.skinny_linear(x, w, b, config)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    # fp32 accumulation of 16-bit products: the only rounding is the output's
+    assert_close(out.float(), _expected(x, w, b), atol=2e-2, rtol=1.6e-2, name="skinny_linear")
+
+
+def test_skinny_linear_leading_dims_and_strided_x(triton_backend):
+    x, w, b = _inputs(4, 24, 40, torch.bfloat16, triton_backend.device, True)
+    x3 = x.view(2, 2, 40)
+    out = triton_linear.skinny_linear(x3, w, b, CONFIGS[0])
+    assert out.shape == (2, 2, 24)
+    assert_close(out.float().view(4, 24), _expected(x, w, b), atol=2e-2, rtol=1.6e-2)
+    wide = torch.zeros(4, 80, dtype=x.dtype, device=x.device)
+    wide[:, ::2] = x  # x with a last-dim stride of 2
+    out = triton_linear.skinny_linear(wide[:, ::2], w, None, CONFIGS[1])
+    assert_close(out.float(), _expected(x, w, None), atol=2e-2, rtol=1.6e-2)
+
+
+def test_skinny_linear_empty(triton_backend):
+    x, w, b = _inputs(2, 8, 16, torch.bfloat16, triton_backend.device, True)
+    assert triton_linear.skinny_linear(x[:0], w, b).shape == (0, 8)
+    out = triton_linear.skinny_linear(x[:, :0], w[:, :0], b)
+    assert torch.equal(out, b.expand(2, 8))
+
+
+def test_linear_op_routes_by_rows(triton_backend):
+    # Interpreted runs keep F.linear for every shape: the registered op equals the reference.
+    x, w, b = _inputs(3, 16, 32, torch.float32, triton_backend.device, True)
+    out = triton_backend.custom_ops.linear_op(x, w, b)
+    assert torch.equal(out, F.linear(x, w, b))
+
+
+def test_use_skinny_policy():
+    sms = 132
+    assert triton_linear.use_skinny(1, 4096, torch.bfloat16, sms)
+    assert triton_linear.use_skinny(triton_linear.SKINNY_MAX_ROWS, 4096, torch.float16, sms)
+    assert not triton_linear.use_skinny(
+        triton_linear.SKINNY_MAX_ROWS + 1, 4096, torch.bfloat16, sms
+    )
+    assert not triton_linear.use_skinny(1, 4096, torch.float32, sms)
+    assert not triton_linear.use_skinny(1, 1024, torch.bfloat16, sms)  # too few programs
+    assert not triton_linear.use_skinny(0, 4096, torch.bfloat16, sms)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize("nk", [(6144, 4096), (4096, 14336), (28672, 4096), (128256, 4096)])
+def test_skinny_linear_gpu_real_sizes(triton_backend, rows, nk):
+    # Llama-3-8B: qkv, down, gate_up, LM head
+    n, k = nk
+    x, w, b = _inputs(rows, n, k, torch.bfloat16, "cuda", False)
+    out = triton_linear.skinny_linear(x, w, b)
+    assert_close(out.float(), _expected(x, w, b), atol=3e-2, rtol=1.6e-2)
