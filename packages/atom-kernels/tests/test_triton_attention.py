@@ -225,6 +225,20 @@ def test_decode_only_hint(triton_backend, num_splits):
     assert_close(out, expected, atol=atol, rtol=rtol, name="paged_attention")
 
 
+@pytest.mark.parametrize("feature", ["causal", "window_sinks", "sinks_softcap"])
+def test_decode_per_sequence_splits(triton_backend, feature):
+    """Each sequence cuts its own context: at most num_splits splits of at least min_split_len
+    (here 16: one split for 5 and 16 tokens, 3 for 40, 4 of 32 for 100, 4 of 48 for 190)."""
+    seqs = [(5, 1), (40, 1), (100, 1), (16, 1), (190, 1), (30, 4)]
+    batch = PagedBatch(seqs, GQA, torch.bfloat16, triton_backend.device, pad_rows=1, seed=12)
+    args = batch.args(FEATURES[feature])
+    out = torch.full_like(batch.query, float("nan"))
+    triton_backend.attention.paged_attention(*args, out, num_splits=4, min_split_len=16)
+    expected = reference.paged_attention(*args, None)
+    atol, rtol = TOLERANCES[torch.bfloat16]
+    assert_close(out, expected, atol=atol, rtol=rtol, name="paged_attention")
+
+
 def test_prefill_only_batch_int64_metadata(triton_backend):
     seqs = [(30, 30), (45, 20), (18, 2)]
     batch = PagedBatch(
@@ -274,9 +288,15 @@ def test_empty_batches(triton_backend):
 
 def test_choose_splits(triton_backend):
     choose = triton_backend.attention.choose_splits
-    # Big batch: no split. Batch 1 x 8 kv heads x 8K context on 132 SMs: 128-token splits, at
-    # most MAX_SPLITS (64); at 4K, 32 such splits leave SMs idle: 64 splits of 64 tokens.
-    assert choose(64, 8, 8192, 132, 64) == (1, 8192)
+    attention = triton_backend.attention
+    # A batch that fills the SMs: LARGE_BATCH_SPLITS per sequence of at least
+    # LARGE_BATCH_SPLIT_TOKENS, none when the table is no wider than one split.
+    large = (attention.LARGE_BATCH_SPLITS, attention.LARGE_BATCH_SPLIT_TOKENS)
+    assert choose(64, 8, 8192, 132, 64) == large
+    assert choose(64, 8, large[1], 132, 64) == (1, large[1])
+    assert choose(64, 8, 300, 132, 64) == (1, 320)
+    # Batch 1 x 8 kv heads x 8K context on 132 SMs: 128-token splits, at most MAX_SPLITS (64);
+    # at 4K, 32 such splits leave SMs idle: 64 splits of 64 tokens.
     assert choose(1, 8, 8192, 132, 64) == (64, 128)
     assert choose(1, 8, 4096, 132, 64) == (64, 64)
     assert choose(2, 8, 4096, 132, 64) == (32, 128)

@@ -25,6 +25,11 @@ MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
 # Programs the decode grid aims for, per SM: enough resident programs to cover memory latency.
 PROGRAMS_PER_SM = 2
+# A batch that fills the GPU still splits long contexts: each sequence into at most
+# LARGE_BATCH_SPLITS splits of at least LARGE_BATCH_SPLIT_TOKENS, so a few long contexts among
+# short ones do not leave a tail of lone programs (offline throughput: contexts vary 20x).
+LARGE_BATCH_SPLITS = 4
+LARGE_BATCH_SPLIT_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -94,28 +99,37 @@ def default_config(
 def choose_splits(
     num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int, block_n: int
 ) -> tuple[int, int]:
-    """(num_splits, split_len) of the decode grid (num_seqs, num_kv_heads, num_splits).
+    """(num_splits, min_split_len) of the decode grid (num_seqs, num_kv_heads, num_splits).
 
-    Split only when the batch alone does not give every SM PROGRAMS_PER_SM programs, into splits
-    of MIN_SPLIT_TOKENS tokens (at most MAX_SPLITS splits, each a multiple of block_n).
-    ``max_context`` is what the block table can hold (shapes only: no host sync); a decode graph's
-    table is as wide as max_model_len while the batch's contexts are often much shorter, so the
-    work sits in the first splits and short splits spread it over more programs. H100, 8 kv
-    heads, table of 4096 tokens, contexts of 512 / 1024 / 2048 (benchmarks/tune_decode.py): batch
-    8 took 20.3 / 31.7 / 42.9 us with splits sized to fill the SMs (5) and 11.6 / 19.2 / 34.4 us
-    with 32 splits of 128; batch 1 8.8 / 8.9 / 9.1 us either way (32 splits). When even those
-    programs leave SMs idle (batch 1), splits are halved once to 64 tokens: batch 1, 4096-token
-    table, context 512 / 1024 / 2048: 7.4 / 8.2 / 9.4 us with 64 splits.
+    Each sequence cuts its context into at most num_splits splits of at least min_split_len
+    tokens (a multiple of block_n; see attention_decode). ``max_context`` is what the block table
+    can hold (shapes only: no host sync); a decode graph's table is as wide as max_model_len while
+    the batch's contexts are often much shorter.
+
+    When the batch alone does not give every SM PROGRAMS_PER_SM programs: splits of
+    MIN_SPLIT_TOKENS tokens (at most MAX_SPLITS). H100, 8 kv heads, table of 4096 tokens, contexts
+    of 512 / 1024 / 2048 (benchmarks/tune_decode.py): batch 8 took 20.3 / 31.7 / 42.9 us with
+    splits sized to fill the SMs (5) and 11.6 / 19.2 / 34.4 us with 32 splits of 128; batch 1
+    8.8 / 8.9 / 9.1 us either way (32 splits). When even those programs leave SMs idle (batch 1),
+    splits are halved once to 64 tokens: batch 1, 4096-token table, context 512 / 1024 / 2048:
+    7.4 / 8.2 / 9.4 us with 64 splits. A batch that fills the GPU: LARGE_BATCH_SPLITS splits of
+    at least LARGE_BATCH_SPLIT_TOKENS.
     """
+    context = max(max_context, 1)
     programs = max(1, num_seqs * num_kv_heads)
     target = PROGRAMS_PER_SM * num_sms
+    if programs >= target:
+        split_len = triton.cdiv(LARGE_BATCH_SPLIT_TOKENS, block_n) * block_n
+        if LARGE_BATCH_SPLITS > 1 and context > split_len:
+            return min(LARGE_BATCH_SPLITS, triton.cdiv(context, split_len)), split_len
+        return 1, triton.cdiv(context, block_n) * block_n
     num_splits = 1
-    if programs < target and max_context > MIN_SPLIT_TOKENS:
-        num_splits = min(triton.cdiv(max_context, MIN_SPLIT_TOKENS), MAX_SPLITS)
+    if context > MIN_SPLIT_TOKENS:
+        num_splits = min(triton.cdiv(context, MIN_SPLIT_TOKENS), MAX_SPLITS)
         if programs * num_splits < target:
-            num_splits = min(triton.cdiv(max_context, MIN_SPLIT_TOKENS // 2), MAX_SPLITS)
-    split_len = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), block_n) * block_n
-    return triton.cdiv(max(max_context, 1), split_len), split_len
+            num_splits = min(triton.cdiv(context, MIN_SPLIT_TOKENS // 2), MAX_SPLITS)
+    split_len = triton.cdiv(triton.cdiv(context, num_splits), block_n) * block_n
+    return triton.cdiv(context, split_len), split_len
 
 
 def paged_attention(
@@ -135,10 +149,12 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     num_splits: int | None = None,
+    min_split_len: int | None = None,
     config: AttentionConfig | None = None,
 ) -> torch.Tensor:
-    """See atom_kernels.paged_attention. ``num_splits`` / ``config`` override the heuristics
-    (tests use them to force several decode splits and small tiles)."""
+    """See atom_kernels.paged_attention. ``num_splits`` / ``min_split_len`` / ``config`` override
+    the heuristics (tests use them to force several decode splits and small tiles; a forced
+    ``num_splits`` alone cuts the table's width evenly)."""
     # T = query tokens, H / Hk = query / kv heads, D / Dv = key / value head dims, B = sequences
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
@@ -222,14 +238,19 @@ def paged_attention(
         )
 
     block_n = config.decode_block_n
-    max_context = block_tables.shape[1] * block_size
+    max_context = max(block_tables.shape[1] * block_size, 1)
     if num_splits is None:
-        num_splits, split_len = choose_splits(
+        num_splits, min_split_len = choose_splits(
             num_seqs, num_kv_heads, max_context, num_sms(query.device), block_n
         )
+    elif min_split_len is None:
+        min_split_len = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+        num_splits = triton.cdiv(max_context, min_split_len)
     else:
-        split_len = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), block_n) * block_n
-        num_splits = triton.cdiv(max(max_context, 1), split_len)
+        min_split_len = triton.cdiv(min_split_len, block_n) * block_n
+    # Splits that only add parallelism are short: more warps per program; a batch that fills the
+    # GPU keeps more, smaller programs resident.
+    small_batch = num_seqs * num_kv_heads < PROGRAMS_PER_SM * num_sms(query.device)
     group = num_heads // num_kv_heads
     if num_splits > 1:
         m_part = torch.empty(
@@ -257,13 +278,13 @@ def paged_attention(
         v_scale_ptr,
         num_heads,
         *common,
-        split_len,
+        min_split_len,
         num_splits,
         *values,
         SINGLE_SPLIT=num_splits == 1,
         BLOCK_G=next_pow2(group, 16),
         BLOCK_N=block_n,
-        num_warps=config.decode_num_warps if num_splits > 1 else config.decode_num_warps_unsplit,
+        num_warps=config.decode_num_warps if small_batch else config.decode_num_warps_unsplit,
         num_stages=config.decode_num_stages,
         **flags,
     )
@@ -278,10 +299,11 @@ def paged_attention(
             sinks if sinks is not None else dummy,
             num_heads,
             head_dim_v,
-            split_len,
+            min_split_len,
             num_splits,
             *out.stride(),
             HAS_SINKS=sinks is not None,
+            BLOCK_N=block_n,
             BLOCK_S=next_pow2(num_splits),
             BLOCK_DV=block_dv,
             num_warps=4,

@@ -1,11 +1,15 @@
 """Decode paged attention (one query row per sequence): flash-decoding with GQA packing.
 
 ``decode_kernel`` grid (B, Hk, num_splits): one program takes one sequence, one kv head and one
-split (``split_len`` consecutive KV tokens) and all the query heads of that kv head's group at once
-(the group's q rows form the M dim of the dot, padded to >= 16), so each K/V tile is read once per
-group. Sequences whose query length is not 1 exit at once (the prefill kernel owns them). With one
-split the program finishes the row itself (sinks included); with several it writes the partial
-(max, sum, acc) and ``decode_reduce_kernel`` (grid (B, H)) merges the splits and adds the sink.
+split of that sequence's context, and all the query heads of that kv head's group at once (the
+group's q rows form the M dim of the dot, padded to >= 16), so each K/V tile is read once per
+group. Sequences whose query length is not 1 exit at once (the prefill kernel owns them).
+
+Each sequence cuts its own context into at most ``num_splits`` splits of
+``split_len(seq_len) = max(min_split_len, ceil(seq_len / num_splits))`` tokens (rounded up to the
+KV tile), so long and short contexts in one batch give programs of similar work. A sequence with
+one split finishes its row in the program (sinks included); with several, each program writes its
+partial (max, sum, acc) and ``decode_reduce_kernel`` (grid (B, H)) merges them and adds the sink.
 """
 
 import triton
@@ -18,6 +22,14 @@ from atom_kernels.backends.triton.attention_common import (
     scores,
     softmax_step,
 )
+
+
+@triton.jit
+def _split_len(seq_len, min_split_len, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens per split of a sequence (see the module docstring); min_split_len is a multiple of
+    BLOCK_N."""
+    even = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(even, min_split_len)
 
 
 @triton.jit
@@ -40,7 +52,7 @@ def decode_kernel(
     head_dim,
     head_dim_v,
     block_size,
-    split_len,
+    min_split_len,
     num_splits,
     scale,
     k_scale,
@@ -82,6 +94,7 @@ def decode_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    split_len = _split_len(seq_len, min_split_len, num_splits, BLOCK_N)
     kv_lo = split * split_len
     if kv_lo >= seq_len:  # past the end of this sequence: the reduce skips this split
         return
@@ -121,7 +134,7 @@ def decode_kernel(
     acc = acc * load_scale(v_scale_ptr, v_scale, V_SCALE_IS_PTR)
 
     dv_mask = head_mask[:, None] & (offs_dv < head_dim_v)[None, :]
-    if SINGLE_SPLIT:  # finish the row here
+    if SINGLE_SPLIT or seq_len <= split_len:  # one split: finish the row here
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0).to(tl.float32) * LOG2E
             m_new = tl.maximum(m_i, sink)
@@ -147,12 +160,13 @@ def decode_reduce_kernel(
     sinks_ptr,
     num_heads,
     head_dim_v,
-    split_len,
+    min_split_len,
     num_splits,
     stride_ot,
     stride_oh,
     stride_od,
     HAS_SINKS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
@@ -162,8 +176,11 @@ def decode_reduce_kernel(
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    split_len = _split_len(seq_len, min_split_len, num_splits, BLOCK_N)
+    if seq_len <= split_len:  # one split: the decode kernel finished the row
+        return
     splits = tl.arange(0, BLOCK_S)
-    split_mask = splits < tl.minimum(tl.cdiv(seq_len, split_len), num_splits)
+    split_mask = splits < tl.cdiv(seq_len, split_len)
     part = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
     m = tl.load(m_part_ptr + part, mask=split_mask, other=float("-inf"))
     l_part = tl.load(l_part_ptr + part, mask=split_mask, other=0.0)
