@@ -2,6 +2,8 @@
 # One device call: GPU tests, then benchmarks, results as JSON under $OUT (or ./gpu-out).
 #   bash benchmarks/run_gpu.sh tests kernels moe decode     # phase 1
 #   bash benchmarks/run_gpu.sh throughput serve         # phase 2
+#   bash benchmarks/run_gpu.sh tune-linear tune-decode tune-moe   # tile sweeps
+# GPU_TESTS=<paths> limits the tests phase to some test files.
 # Needs the wheels the GPU image lacks in .whl (../shared/device/fetch-wheels.sh) and the bundled
 # tokenizer in .bench_assets/tokenizer (for the serving benchmark's text prompts).
 set -uo pipefail
@@ -23,9 +25,17 @@ for phase in "$@"; do
     tests)
         ATOM_REQUIRE_GPU=1 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -x \
             --junitxml="$OUT/gpu-tests.xml" --ignore=packages/atom-vllm-plugin \
-            --ignore=packages/atom-sglang-plugin packages 2>&1 | tail -40 | tee "$OUT/gpu-tests.log" ;;
+            --ignore=packages/atom-sglang-plugin ${GPU_TESTS:-packages} 2>&1 | tail -40 \
+            | tee "$OUT/gpu-tests.log" ;;
     kernels)
         timeout 240 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -40 ;;
+    tune-linear)
+        timeout 280 python3 benchmarks/tune_linear.py --out "$OUT/tune-linear.json" 2>&1 | tail -40 ;;
+    tune-decode)
+        timeout 200 python3 benchmarks/tune_decode.py --default-only --out "$OUT/tune-decode.json" \
+            2>&1 | tail -40 ;;
+    tune-moe)
+        timeout 280 python3 benchmarks/tune_moe.py --out "$OUT/tune-moe.json" 2>&1 | tail -30 ;;
     moe)
         timeout 150 python3 benchmarks/moe.py --out "$OUT/moe.json" 2>&1 | tail -12 ;;
     decode)
