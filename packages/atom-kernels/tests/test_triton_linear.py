@@ -69,15 +69,16 @@ def test_linear_op_routes_by_rows(triton_backend):
 
 
 def test_use_skinny_policy():
-    sms = 132
-    assert triton_linear.use_skinny(1, 4096, torch.bfloat16, sms)
-    assert triton_linear.use_skinny(triton_linear.SKINNY_MAX_ROWS, 4096, torch.float16, sms)
-    assert not triton_linear.use_skinny(
-        triton_linear.SKINNY_MAX_ROWS + 1, 4096, torch.bfloat16, sms
-    )
-    assert not triton_linear.use_skinny(1, 4096, torch.float32, sms)
-    assert not triton_linear.use_skinny(1, 1024, torch.bfloat16, sms)  # too few programs
-    assert not triton_linear.use_skinny(0, 4096, torch.bfloat16, sms)
+    sms, bf16 = 132, torch.bfloat16
+    most = triton_linear.SKINNY_MAX_ROWS
+    assert triton_linear.use_skinny(1, 4096, 4096, bf16, sms)
+    assert triton_linear.use_skinny(most, 4096, 4096, torch.float16, sms)
+    assert not triton_linear.use_skinny(most + 1, 4096, 4096, bf16, sms)
+    assert not triton_linear.use_skinny(1, 4096, 4096, torch.float32, sms)
+    assert not triton_linear.use_skinny(1, 1024, 14336, bf16, sms)  # too few programs
+    assert not triton_linear.use_skinny(1, 4096, 1024, bf16, sms)  # a small weight
+    assert triton_linear.use_skinny(1, 151936, 1024, bf16, sms)  # an LM head
+    assert not triton_linear.use_skinny(0, 4096, 4096, bf16, sms)
 
 
 @pytest.mark.gpu

@@ -25,10 +25,13 @@ MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
 # Programs the decode grid aims for, per SM: enough resident programs to cover memory latency.
 PROGRAMS_PER_SM = 2
-# A batch that fills the GPU still splits long contexts: each sequence into at most
-# LARGE_BATCH_SPLITS splits of at least LARGE_BATCH_SPLIT_TOKENS, so a few long contexts among
-# short ones do not leave a tail of lone programs (offline throughput: contexts vary 20x).
-LARGE_BATCH_SPLITS = 4
+# A batch that fills the GPU may still split long contexts: each sequence into at most
+# LARGE_BATCH_SPLITS splits of at least LARGE_BATCH_SPLIT_TOKENS. Off (1): on one H100
+# (benchmarks/tune_decode.py, results/tune-decode-large-batch-h100.json) 256 Qwen3-0.6B sequences
+# of 100-2048 tokens took 451 us unsplit, 438 / 442 / 447 us with 2 x 512 / 4 x 512 / 4 x 256
+# (2.6 TB/s unsplit: the uneven contexts leave no tail); 64 Llama-3-8B sequences of 4096 took
+# 364 us unsplit, 369-390 us split.
+LARGE_BATCH_SPLITS = 1
 LARGE_BATCH_SPLIT_TOKENS = 512
 
 
