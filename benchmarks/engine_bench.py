@@ -202,11 +202,13 @@ class StepRecorder:
 
     def __init__(self, engine) -> None:
         self.steps: list[list[tuple[int, int]]] = []  # per step: (new tokens, context after)
+        self.times: list[float] = []  # perf_counter when each step was scheduled
         schedule = engine.scheduler.schedule
 
         def recorded():
             batch = schedule()
             if batch.seqs:
+                self.times.append(time.perf_counter())
                 self.steps.append(
                     [
                         (num, seq.num_computed_tokens + num)
@@ -219,7 +221,7 @@ class StepRecorder:
 
 
 def step_roofline(steps, model, config, kv_per_token: int, bandwidth: float, matmul: float):
-    """Seconds the recorded steps need at least: each step max(bytes / bandwidth, FLOPs / matmul
+    """Seconds each recorded step needs at least: max( max(bytes / bandwidth, FLOPs / matmul
     rate). Bytes: every weight once (the input embedding only for the step's rows) plus the KV
     read (each sequence's context) and written (its new tokens). FLOPs: 2 x matmul parameters x
     tokens, plus causal attention (2 x 2 x new x context x heads x head_dim per layer, the
@@ -230,7 +232,7 @@ def step_roofline(steps, model, config, kv_per_token: int, bandwidth: float, mat
         params += lm_head  # the tied embedding is read as the LM head
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attn = 2 * 2 * config.num_attention_heads * head_dim * config.num_hidden_layers
-    total = 0.0
+    floors = []
     for step in steps:
         tokens = sum(n for n, _ in step)
         sampled = len(step)
@@ -239,8 +241,28 @@ def step_roofline(steps, model, config, kv_per_token: int, bandwidth: float, mat
         # matmuls: all layers for every token, the LM head only for sampled rows
         flops = 2 * (params - lm_head) * tokens + 2 * lm_head * sampled
         flops += sum(attn * n * (ctx - n / 2) for n, ctx in step)
-        total += max(nbytes / bandwidth, flops / matmul)
-    return total
+        floors.append(max(nbytes / bandwidth, flops / matmul))
+    return floors
+
+
+def step_breakdown(steps, times: list[float], end: float, floors: list[float]) -> list[dict]:
+    """Wall time (from one step's scheduling to the next's) against the roofline, per kind of
+    step: prefill-carrying steps, and decode steps by batch size."""
+    buckets: dict[str, list[float]] = {}
+    for i, step in enumerate(steps):
+        wall = (times[i + 1] if i + 1 < len(times) else end) - times[i]
+        if any(n > 1 for n, _ in step):
+            name = "prefill"
+        else:
+            name = next(f"decode <= {b}" for b in (8, 32, 64, 128, 256, 1 << 30) if len(step) <= b)
+        entry = buckets.setdefault(name, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += wall
+        entry[2] += floors[i]
+    return [
+        dict(kind=k, steps=n, wall_s=w, roofline_s=f, fraction=f / w if w else 0.0)
+        for k, (n, w, f) in sorted(buckets.items())
+    ]
 
 
 def bench_throughput(args) -> dict:
@@ -280,9 +302,10 @@ def bench_throughput(args) -> dict:
         engine.step()
         steps += 1
     torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
+    end = time.perf_counter()
+    elapsed = end - t0
     total_out, total_in = sum(outs), sum(len(p) for p in prompts)
-    floor = step_roofline(
+    floors = step_roofline(
         recorder.steps,
         engine.runner.model,
         engine.hf_config,
@@ -290,6 +313,7 @@ def bench_throughput(args) -> dict:
         roofline["copy_GBps"] * 1e9,
         roofline["matmul_TFLOPs"] * 1e12,
     )
+    floor = sum(floors)
     result = {
         "bench": "throughput",
         "shape": args.shape,
@@ -305,6 +329,7 @@ def bench_throughput(args) -> dict:
         "roofline": roofline,
         "step_roofline_s": floor,
         "fraction_of_step_roofline": floor / elapsed,
+        "by_step_kind": step_breakdown(recorder.steps, recorder.times, end, floors),
         "async_scheduling": engine.async_scheduling,
         "kv_cache_tokens": engine.runner.num_blocks * engine.runner.block_size,
     }
@@ -314,6 +339,12 @@ def bench_throughput(args) -> dict:
         f"{100 * floor / elapsed:.0f}%)",
         flush=True,
     )
+    for row in result["by_step_kind"]:
+        print(
+            f"  {row['kind']:>12}: {row['steps']:5d} steps {row['wall_s']:6.2f} s, "
+            f"roofline {row['roofline_s']:6.2f} s ({row['fraction']:.0%})",
+            flush=True,
+        )
     del engine
     gc.collect()  # the engine holds reference cycles (runner <-> CUDA graphs)
     torch.cuda.empty_cache()
