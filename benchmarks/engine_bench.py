@@ -255,13 +255,14 @@ def step_breakdown(steps, times: list[float], end: float, floors: list[float]) -
             name = "prefill"
         else:
             name = next(f"decode <= {b}" for b in (8, 32, 64, 128, 256, 1 << 30) if len(step) <= b)
-        entry = buckets.setdefault(name, [0, 0.0, 0.0])
+        entry = buckets.setdefault(name, [0, 0.0, 0.0, 0.0])
         entry[0] += 1
         entry[1] += wall
         entry[2] += floors[i]
+        entry[3] = max(entry[3], wall)
     return [
-        dict(kind=k, steps=n, wall_s=w, roofline_s=f, fraction=f / w if w else 0.0)
-        for k, (n, w, f) in sorted(buckets.items())
+        dict(kind=k, steps=n, wall_s=w, roofline_s=f, fraction=f / w if w else 0.0, max_wall_s=m)
+        for k, (n, w, f, m) in sorted(buckets.items())
     ]
 
 
@@ -342,7 +343,8 @@ def bench_throughput(args) -> dict:
     for row in result["by_step_kind"]:
         print(
             f"  {row['kind']:>12}: {row['steps']:5d} steps {row['wall_s']:6.2f} s, "
-            f"roofline {row['roofline_s']:6.2f} s ({row['fraction']:.0%})",
+            f"roofline {row['roofline_s']:6.2f} s ({row['fraction']:.0%}), "
+            f"slowest step {1e3 * row['max_wall_s']:.1f} ms",
             flush=True,
         )
     del engine

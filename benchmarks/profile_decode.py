@@ -7,6 +7,7 @@ Reports, for one batch size of the real shape (random weights):
 - ``step_ms``: `LLMEngine.step()` wall time per decode step, steps back to back (what a user sees);
 - ``graph_ms``: one replay of the captured decode graph alone (GPU time, CUDA events);
 - ``tail_ms``: the logits and the greedy argmax after the graph (GPU time);
+- ``sample_ms``: ``atom_kernels.sample`` over those logits at ``--temperature`` (GPU time);
 - the kernels of one eager decode forward, by total GPU time (torch.profiler).
 """
 
@@ -41,6 +42,7 @@ def gpu_ms(fn, iters: int = 50) -> float:
 
 
 def main() -> None:
+    import atom_kernels
     from atom_engine import SamplingParams
     from atom_models import set_forward_context
 
@@ -49,6 +51,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="of the timed steps")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -56,7 +59,9 @@ def main() -> None:
         args.shape, max_num_seqs=max(8, args.batch_size), max_model_len=4096,
     )  # fmt: skip
     bs = args.batch_size
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 8, ignore_eos=True)
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.steps + 8, ignore_eos=True
+    )
     for i in range(bs):
         engine.add_request(str(i), [(7 * i + j) % 1000 for j in range(args.prompt_len)], params)
     while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
@@ -77,6 +82,9 @@ def main() -> None:
     graph, hidden = graphs.graphs[size]
     graph_ms = gpu_ms(graph.replay)
     tail_ms = gpu_ms(lambda: runner.model.compute_logits(hidden[:bs]).float().argmax(-1))
+    logits = runner.model.compute_logits(hidden[:bs])
+    temperature = torch.full((bs,), max(args.temperature, 1e-5), device=logits.device)
+    sample_ms = gpu_ms(lambda: atom_kernels.sample(logits, temperature, None, None, None))
 
     def forward():  # the graph's forward, eagerly (ids gathered as the graph does)
         with set_forward_context(graphs._metadata(size)):
@@ -104,6 +112,8 @@ def main() -> None:
         "step_ms": step_ms,
         "graph_ms": graph_ms,
         "tail_ms": tail_ms,
+        "sample_ms": sample_ms,
+        "temperature": args.temperature,
         "eager_forward_gpu_ms": eager_ms,
         "num_kernels": sum(r["count"] for r in table),
         "kernel_sum_ms": sum(r["total_ms"] for r in table),
@@ -113,7 +123,8 @@ def main() -> None:
     }
     print(
         f"{args.shape} bs={bs}: step {step_ms:.3f} ms | graph {graph_ms:.3f} ms | "
-        f"logits+argmax {tail_ms:.3f} ms | eager forward {eager_ms:.3f} ms | "
+        f"logits+argmax {tail_ms:.3f} ms | sample {sample_ms:.3f} ms | "
+        f"eager forward {eager_ms:.3f} ms | "
         f"{result['num_kernels']} kernels, sum {result['kernel_sum_ms']:.3f} ms"
     )
     for r in table[:25]:

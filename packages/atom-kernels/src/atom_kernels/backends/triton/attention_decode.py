@@ -32,7 +32,9 @@ def _split_len(seq_len, min_split_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.maximum(even, min_split_len)
 
 
-@triton.jit
+# NOTE: split sizes and the block table's width follow the batch's shapes; not specialized on (see
+# prefill_kernel).
+@triton.jit(do_not_specialize=["min_split_len", "num_splits", "stride_bt"])
 def decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -149,7 +151,7 @@ def decode_kernel(
         tl.store(acc_part_ptr + part[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=dv_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["min_split_len", "num_splits"])
 def decode_reduce_kernel(
     out_ptr,
     m_part_ptr,

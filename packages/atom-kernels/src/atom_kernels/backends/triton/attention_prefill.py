@@ -192,7 +192,10 @@ def _prefill_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# NOTE: counts and the block table's width change from step to step; specializing on them (Triton
+# compiles a variant per "== 1" / "% 16 == 0" of an int argument) recompiled the kernel in the
+# middle of a run (seconds of a step, measured on the H100 throughput benchmark).
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_bt"])
 def prefill_kernel(
     q_ptr,
     k_cache_ptr,
