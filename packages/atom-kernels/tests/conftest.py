@@ -108,6 +108,7 @@ def triton_backend():
         custom_ops,
         norm,
         rotary,
+        sampling,
     )
 
     kernel_type = type(norm._rms_norm_kernel).__name__
@@ -130,6 +131,7 @@ def triton_backend():
         custom_ops=custom_ops,
         norm=norm,
         rotary=rotary,
+        sampling=sampling,
     )
     mp.undo()
 

@@ -276,7 +276,7 @@ class ModelRunner:
         if all(s.params.is_greedy for s in seqs):
             # The argmax of 16-bit logits is that of their (exact) fp32 copies, ties included.
             return logits.argmax(dim=-1)
-        return self._draw(seqs, logits.float()).token_ids
+        return self._draw(seqs, logits).token_ids
 
     @staticmethod
     def _mask_stop_tokens(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:

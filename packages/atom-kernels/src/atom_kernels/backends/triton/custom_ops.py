@@ -20,7 +20,9 @@ from atom_kernels.backends.triton import (
     moe,
     norm,
     rotary,
+    sampling,
 )
+from atom_kernels.ops.sampling import SamplerOutput
 from atom_kernels.registry import register_op
 
 
@@ -291,6 +293,36 @@ def linear_op(x, weight, bias):
     return torch.nn.functional.linear(x, weight, bias)
 
 
+# --- sampling ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "atom::triton_sample",
+    mutates_args=(),
+    schema="(Tensor logits, Tensor temperature) -> (Tensor, Tensor)",
+)
+def fused_sample(logits, temperature):
+    return sampling.fused_sample(logits, temperature)
+
+
+@fused_sample.register_fake
+def _(logits, temperature):
+    rows = logits.shape[0]
+    return logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows, dtype=torch.float32)
+
+
+def sample_op(logits, temperature, top_k, top_p, min_p, generators, num_logprobs):
+    """A plain function (generators are not a schema type): the fused kernel where it applies,
+    the torch reference otherwise."""
+    if not sampling.takes(logits, top_k, top_p, min_p, generators, num_logprobs):
+        return sampling.reference.sample(
+            logits, temperature, top_k, top_p, min_p, generators, num_logprobs
+        )
+    token_ids, logprobs = fused_sample(logits, temperature)
+    empty = logits.new_empty((logits.shape[0], 0), dtype=torch.float32)
+    return SamplerOutput(token_ids, logprobs, empty, empty.to(torch.int64))
+
+
 for _name, _fn in {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
@@ -301,5 +333,6 @@ for _name, _fn in {
     "paged_attention": paged_attention,
     "fused_moe": fused_moe,
     "linear": linear_op,
+    "sample": sample_op,
 }.items():
     register_op(_name, "triton")(_fn)
