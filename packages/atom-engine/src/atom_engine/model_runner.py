@@ -82,6 +82,7 @@ class ModelRunner:
             model_path, dtype=self.dtype, device=self.device, load_format=config.load_format
         )
         self.vocab_size = hf_config.vocab_size
+        self.hidden_size = hf_config.hidden_size
         self.num_blocks = self._num_kv_blocks()
         bind_kv_cache(self.model, self.num_blocks, self.block_size, self.dtype, self.device)
         # Sampled ids of the last launch (device) and two pinned host mirrors (a launch writes one
@@ -97,6 +98,8 @@ class ModelRunner:
             torch.zeros(max_sampled, dtype=torch.long, pin_memory=pin) for _ in range(2)
         ]
         self._launches = 0
+        if self.device.type == "cuda":
+            self._warm_up_sampling()
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s",
             self.num_blocks,
@@ -105,6 +108,19 @@ class ModelRunner:
             self.num_blocks * self._block_bytes() / GiB,
             self.device,
         )
+
+    @torch.no_grad()
+    def _warm_up_sampling(self) -> None:
+        """Run the LM head and the samplers once at one row and at several, so the kernels of
+        the step's tail (which kernel variant depends on the row count) compile at start-up, not
+        during the first requests (seconds of a step on a cold Triton cache)."""
+        for rows in (1, 2, max(1, self.config.max_num_seqs)):
+            hidden = torch.zeros(rows, self.hidden_size, dtype=self.dtype, device=self.device)
+            logits = self.model.compute_logits(hidden)
+            logits.argmax(dim=-1)
+            temperature = torch.ones(rows, device=self.device)
+            atom_kernels.sample(logits, temperature, None, None, None)
+        torch.cuda.synchronize(self.device)
 
     def _use_graphs(self) -> bool:
         return self.device.type == "cuda" and not self.config.enforce_eager

@@ -307,7 +307,8 @@ def paged_attention(
             *out.stride(),
             HAS_SINKS=sinks is not None,
             BLOCK_N=block_n,
-            BLOCK_S=next_pow2(num_splits),
+            # One width for every split count: no recompile as the table's width changes.
+            BLOCK_S=next_pow2(max(num_splits, MAX_SPLITS)),
             BLOCK_DV=block_dv,
             num_warps=4,
         )
