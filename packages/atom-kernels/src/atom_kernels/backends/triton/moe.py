@@ -421,14 +421,16 @@ def _gemm1_kernel(
         x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_weights_ptr,
         expert, row0, first, count, pid_n, hidden_size, inter_size, top_k,
         stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_be, stride_bn, stride_om,
-        stride_tw, alpha, limit, ACTIVATION, INTERLEAVED, HAS_BIAS, PRECISION, PER_PAIR,
+        stride_tw, alpha, limit,
     )  # fmt: skip
     # An expert's last block with at most REMAINDER_M pairs left runs a REMAINDER_M-row tile
     # (Triton compiles both branches); its padding rows past REMAINDER_M are never touched.
     if REMAINDER_M > 0 and count - first <= REMAINDER_M:
-        _gemm1_tile(*args, REMAINDER_M, BLOCK_N, BLOCK_K)
+        _gemm1_tile(*args, ACTIVATION, INTERLEAVED, HAS_BIAS, PRECISION, PER_PAIR,
+                    REMAINDER_M, BLOCK_N, BLOCK_K)  # fmt: skip
     else:
-        _gemm1_tile(*args, BLOCK_M, BLOCK_N, BLOCK_K)
+        _gemm1_tile(*args, ACTIVATION, INTERLEAVED, HAS_BIAS, PRECISION, PER_PAIR,
+                    BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 @triton.jit
@@ -519,12 +521,11 @@ def _gemm2_kernel(
         a_ptr, w_ptr, bias_ptr, topk_weights_ptr, out_ptr, sorted_ptr,
         expert, pid_m * BLOCK_M, first, count, pid_n, hidden_size, inter_size, top_k,
         stride_am, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_tw, stride_om,
-        HAS_BIAS, PRECISION, ATOMIC,
     )  # fmt: skip
     if REMAINDER_M > 0 and count - first <= REMAINDER_M:
-        _gemm2_tile(*args, REMAINDER_M, BLOCK_N, BLOCK_K)
+        _gemm2_tile(*args, HAS_BIAS, PRECISION, ATOMIC, REMAINDER_M, BLOCK_N, BLOCK_K)
     else:
-        _gemm2_tile(*args, BLOCK_M, BLOCK_N, BLOCK_K)
+        _gemm2_tile(*args, HAS_BIAS, PRECISION, ATOMIC, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
