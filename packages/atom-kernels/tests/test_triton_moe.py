@@ -100,7 +100,7 @@ def test_align_modes_agree(triton_backend, align):
     """Each align mode against a plain Python sort: 10 experts, 0, 4 and 9 with no pair, counts 1,
     16 and 17 (below, at and past BLOCK_M 16), pairs in order within an expert; also N = 1 and
     N = 700 over four experts (several programs of the sort and hist aligns' second kernels), and
-    (hist) N = 16700: more chunks than one block of its histogram loop."""
+    (hist) N = 16700 int64 ids: more chunks than one block of its histogram loop."""
     from atom_kernels.backends.triton import moe
 
     device = triton_backend.device
@@ -113,7 +113,8 @@ def test_align_modes_agree(triton_backend, align):
     if align == "hist":
         cases.append(torch.randint(0, 10, (16700,), generator=g).tolist())
     for ids_py in cases:
-        ids = torch.tensor(ids_py, dtype=torch.int32, device=device)
+        dtype = torch.int64 if len(ids_py) > 1000 else torch.int32
+        ids = torch.tensor(ids_py, dtype=dtype, device=device)
         num_experts, block_m = len(counts_in), 16
         counts_ref = [ids_py.count(e) for e in range(num_experts)]
         padded = [(c + block_m - 1) // block_m * block_m for c in counts_ref]
@@ -290,11 +291,21 @@ def test_fused_moe_gpu_real_sizes(triton_backend, shape, num_tokens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("num_tokens", "combine", "align"),
-    [(1, "atomic", None), (1, "token", None), (2048, "atomic", "sort"), (2048, "sum", "onehot")],
+    ("num_tokens", "combine", "align", "remainder_m"),
+    [
+        (1, "atomic", None, 0),
+        (1, "token", None, 0),
+        (2048, "atomic", "sort", 0),
+        (2048, "sum", "onehot", 0),
+        (2048, "sum", "hist", 32),
+        (4096, "atomic", "hist", 64),
+        (4096, "sum", "sort", 16),
+    ],
 )
-def test_fused_moe_gpu_combines_and_aligns(triton_backend, num_tokens, combine, align):
-    """The non-default combines and align modes at the Qwen3-30B-A3B shape (default tiles)."""
+def test_fused_moe_gpu_combines_and_aligns(triton_backend, num_tokens, combine, align,
+                                           remainder_m):  # fmt: skip
+    """The non-default combines, align modes and mixed tiles at the Qwen3-30B-A3B shape (default
+    tiles: 128 rows from 2048 tokens on)."""
     from atom_kernels.backends.triton import moe
 
     num_experts, top_k, hidden, inter = QWEN3_30B_A3B
@@ -303,4 +314,6 @@ def test_fused_moe_gpu_combines_and_aligns(triton_backend, num_tokens, combine, 
     config["combine"] = combine
     if align:
         config["align"] = align
+    if remainder_m:
+        config["remainder_m"] = remainder_m
     _check(triton_backend, *inputs[:5], tol=(5e-2, 5e-2), config=config)
