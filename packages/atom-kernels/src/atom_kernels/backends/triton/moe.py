@@ -1,11 +1,11 @@
 """Triton fused MoE, two paths chosen by ``_configs`` from the shape:
 
 - sorted (most batches): (token, slot) pairs sorted by expert and padded per expert to BLOCK_M
-  (the align step: a single-program Triton kernel for few pairs, a stable radix sort for many),
-  two grouped GEMMs over the padded rows (optionally with a smaller tile for the rows left at
-  the end of an expert's segment) (the gated activation fused into the first, the bias and
-  the routing weight into the second), then the per-token sum of its top-k rows: a torch sum over
-  [T, K, H] ("sum"), or fp32 atomics in GEMM 2's epilogue plus one cast ("atomic").
+  (the align step: a single-program Triton kernel for few pairs, a stable radix sort for many,
+  or per-chunk histograms), two grouped GEMMs over the padded rows (the gated activation fused
+  into the first, the bias and the routing weight into the second; optionally a smaller tile for
+  an expert's last rows), then the per-token sum of its top-k rows: a torch sum over [T, K, H]
+  ("sum"), or fp32 atomics in GEMM 2's epilogue plus one cast ("atomic").
 - per-pair (decode, a handful of pairs): no align step. GEMM 1 runs one program row per pair (its
   expert read from ``topk_ids``) and folds the routing weight into the activation; GEMM 2 runs one
   program per (pair, column tile) and writes fp32 pair rows summed by one small kernel ("sum") or
