@@ -134,8 +134,9 @@ def stage_options(best: dict, num_pairs: int, align_kernel_max_pairs: int) -> li
         aligns.append("kernel")
     if num_pairs > align_kernel_max_pairs:
         aligns.append("onehot")  # the previous many-pair align
+    # No GEMM recompiles here (the align and the sum are kernels of their own): cheap to cross.
     return [_with(best, combine=c, **({"align": a} if a != implicit else {}))
-            for c in ("sum", "atomic") for a in aligns]  # fmt: skip
+            for c in ("sum", "sum_kernel", "atomic") for a in aligns]  # fmt: skip
 
 
 def stage_group1(best: dict) -> list[dict]:

@@ -177,6 +177,8 @@ def test_fused_moe_per_pair_path(triton_backend, activation, interleaved, num_to
         (False, 3, "atomic", "sort"),
         (False, 0, "sum", "onehot"),  # 0: one group of all row blocks
         (False, 1, "atomic", "kernel"),
+        (False, 2, "sum_kernel", "hist"),
+        (True, 1, "sum_kernel", None),
         (True, 1, "sum", None),
         (True, 1, "atomic", None),
         (True, 1, "token", None),
@@ -300,6 +302,7 @@ def test_fused_moe_gpu_real_sizes(triton_backend, shape, num_tokens):
         (2048, "sum", "hist", 32),
         (4096, "atomic", "hist", 64),
         (4096, "sum", "sort", 16),
+        (4096, "sum_kernel", "hist", 32),
     ],
 )
 def test_fused_moe_gpu_combines_and_aligns(triton_backend, num_tokens, combine, align,

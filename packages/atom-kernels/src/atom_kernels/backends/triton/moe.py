@@ -5,7 +5,8 @@
   or per-chunk histograms), two grouped GEMMs over the padded rows (the gated activation fused
   into the first, the bias and the routing weight into the second; optionally a smaller tile for
   an expert's last rows), then the per-token sum of its top-k rows: a torch sum over [T, K, H]
-  ("sum"), or fp32 atomics in GEMM 2's epilogue plus one cast ("atomic").
+  ("sum"; "sum_kernel": a Triton one), or fp32 atomics in GEMM 2's epilogue plus one cast
+  ("atomic").
 - per-pair (decode, a handful of pairs): no align step. GEMM 1 runs one program row per pair (its
   expert read from ``topk_ids``) and folds the routing weight into the activation; GEMM 2 runs one
   program per (pair, column tile) and writes fp32 pair rows summed by one small kernel ("sum") or
@@ -47,13 +48,15 @@ _ACTIVATIONS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
 ALIGN_KERNEL_MAX_PAIRS = 4096
 ALIGN_MODES = ("kernel", "sort", "hist", "onehot")
 # How a token's K expert outputs are summed (a config's "combine" key):
-# - "sum": GEMM 2 writes one row per pair, then one reduction over K (deterministic).
+# - "sum": GEMM 2 writes one row per pair, then one reduction over K (deterministic): torch's sum
+#   over [T, K, H] on the sorted path.
+# - "sum_kernel": as "sum", the reduction a Triton kernel (``_sum_topk_kernel``) on both paths.
 # - "atomic": GEMM 2's epilogue adds each weighted row into an fp32 [T, H] buffer (zeroed first)
 #   with fp32 atomics, then one cast: no [N, H] round trip, but the fp32 summation order varies
 #   from run to run (not bitwise reproducible).
 # - "token" (per-pair path only): one GEMM 2 program per (token, column tile) walks the token's K
 #   experts in one loop; no extra kernel, but only T * H / BLOCK_N programs.
-COMBINE_MODES = ("sum", "atomic", "token")
+COMBINE_MODES = ("sum", "sum_kernel", "atomic", "token")
 # Up to this many pairs the per-pair path runs (no align, no combine kernel). At T = 1 every pair
 # has its own expert; with more pairs, pairs that share an expert read its weights again.
 PER_PAIR_MAX_PAIRS = 8
@@ -653,7 +656,7 @@ def _gemm2_pair_kernel(
 
 @triton.jit
 def _sum_topk_kernel(
-    x_ptr,  # [T * K, H] fp32
+    x_ptr,  # [T * K, H] fp32 or the output dtype
     out_ptr,  # [T, H]
     hidden_size,
     top_k,
@@ -879,6 +882,12 @@ def fused_moe(
     if atomic:
         return out.copy_(summed)
     if top_k == 1:
+        return out
+    if combine == "sum_kernel":
+        block_n = min(1024, next_pow2(hidden_size, 16))
+        _sum_topk_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
+            dest, out, hidden_size, top_k, dest.stride(0), out.stride(0), BLOCK_N=block_n,
+        )  # fmt: skip
         return out
     # One reduction kernel; torch accumulates a bf16/fp16 sum in fp32.
     return torch.sum(dest.view(num_tokens, top_k, hidden_size), dim=1, out=out)  # [T, H]
