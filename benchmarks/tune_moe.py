@@ -6,15 +6,20 @@ Run on a GPU from the repo root (under 3 minutes in all on an H100):
     python benchmarks/tune_moe.py --out $OUT/tune_moe.json
 
 For each shape and T = 1, 16, 256, 4096 tokens: the default config (``_configs``) first, then a
-greedy coordinate search (GEMM 1 tiles and the path, then the top-k combine and the align mode,
-then GEMM 1's GROUP_M, then GEMM 2's tiles and GROUP_M, each stage starting from the best so
-far). Each config runs once against the torch reference (``BAD`` past atol = rtol = 5e-2, as the
-GPU test), is timed as moe.py times it (CUDA graphs, L2 flushed before each call) and rated as
+greedy coordinate search (GEMM 1 tiles and the path, then mixed tiles (``remainder_m``: a smaller
+tile for an expert's last rows), then the top-k combine and the align mode, then GEMM 1's
+GROUP_M, then GEMM 2's tiles and GROUP_M, each stage starting from the best so far). Each
+config runs once against the torch reference (``BAD`` past atol = rtol = 5e-2, as the GPU test),
+is timed as moe.py times it (CUDA graphs, L2 flushed before each call) and rated as
 moe.py rates it (weight bytes / copy bandwidth up to 256 tokens, FLOP/s / matmul rate above). A
 config that fails to compile is recorded and skipped. Each (shape, T) gets a slice of the time
-budget; the two targets missed so far (Qwen3 at 1 and 4096 tokens) go first and get the largest
-slices. Prints a sorted table per (shape, T) (where the best is the sorted path, with each align
-mode timed alone) and, last, default vs best with the best configs as ``_configs`` literals.
+budget; the target missed so far (Qwen3 at 4096 tokens) goes first and gets the largest slice.
+Prints a sorted table per (shape, T) (where the best is the sorted path, with each align mode
+timed alone) and, last, one line per (shape, T): default vs best, the best with and without mixed
+tiles, then the best configs as ``_configs`` literals.
+
+``--dry-run`` (no GPU) prints each (shape, T)'s candidates as the stages would build them from the
+default config, to check the enumeration.
 """
 
 from __future__ import annotations
@@ -30,14 +35,14 @@ from moe import BANDWIDTH_TOKENS, SHAPES, expert_bytes, moe_flops
 
 # (shape, tokens, share of the budget), in the order they run.
 PLAN = (
-    ("qwen3-30b-a3b", 1, 0.16),
-    ("qwen3-30b-a3b", 4096, 0.24),
-    ("mixtral-8x7b", 1, 0.10),
+    ("qwen3-30b-a3b", 4096, 0.30),
+    ("qwen3-30b-a3b", 256, 0.12),
     ("mixtral-8x7b", 4096, 0.14),
+    ("qwen3-30b-a3b", 1, 0.10),
+    ("mixtral-8x7b", 1, 0.06),
     ("qwen3-30b-a3b", 16, 0.08),
-    ("mixtral-8x7b", 16, 0.10),
-    ("qwen3-30b-a3b", 256, 0.08),
-    ("mixtral-8x7b", 256, 0.10),
+    ("mixtral-8x7b", 16, 0.08),
+    ("mixtral-8x7b", 256, 0.12),
 )
 # The per-pair path is tried up to this many pairs (past it, pairs share experts and re-read their
 # weights: Mixtral T=16, 32 pairs, ran at half the sorted path's rate on an H100).
@@ -94,6 +99,29 @@ def stage_gemm1(default: dict, num_pairs: int, rows_per_expert: float) -> list[d
     return [c for c in cands if c != default]
 
 
+def _with_tiles(config: dict, block_m: int, remainder_m: int) -> dict:
+    """``config`` with both GEMMs on ``block_m``-row tiles and ``remainder_m`` (0: off)."""
+    out = _with(_with(config, "gemm1", BLOCK_M=block_m), "gemm2", BLOCK_M=block_m)
+    return _with(out, remainder_m=remainder_m)
+
+
+def stage_tiles(best: dict, results: list[dict]) -> list[dict]:
+    """Mixed tiles (sorted path): the best tiles with each smaller tile for an expert's last rows;
+    twice the best BLOCK_M with the best BLOCK_M as that tile; and the best config measured on
+    half its BLOCK_M with a quarter as that tile (64-row tiles at prefill)."""
+    if best["per_pair"]:
+        return []
+    m = best["gemm1"]["BLOCK_M"]
+    cands = [_with_tiles(best, m, r) for r in (16, 32, 64) if r < m]
+    if m <= 64:
+        cands.append(_with_tiles(best, 2 * m, m))
+    half = [r for r in results if r["ok"] and r["ms"] and not r["config"]["per_pair"]
+            and r["config"]["gemm1"]["BLOCK_M"] == m // 2]  # fmt: skip
+    if m // 4 >= 16 and half:
+        cands.append(_with_tiles(min(half, key=lambda r: r["ms"])["config"], m // 2, m // 4))
+    return cands
+
+
 def stage_options(best: dict, num_pairs: int, align_kernel_max_pairs: int) -> list[dict]:
     """The top-k combine (and, sorted path, the align mode) for the best tiles so far."""
     if best["per_pair"]:
@@ -101,13 +129,14 @@ def stage_options(best: dict, num_pairs: int, align_kernel_max_pairs: int) -> li
         return [_with(best, combine="atomic"), _with(best, combine="sum"),
                 _with(_with(best, "gemm2", **token_g2), combine="token")]  # fmt: skip
     implicit = "kernel" if num_pairs <= align_kernel_max_pairs else "sort"  # fused_moe's choice
-    aligns = ["sort"]
+    aligns = ["sort", "hist"]
     if num_pairs <= 4 * align_kernel_max_pairs:  # one program: slow past a few thousand pairs
         aligns.append("kernel")
     if num_pairs > align_kernel_max_pairs:
         aligns.append("onehot")  # the previous many-pair align
+    # No GEMM recompiles here (the align and the sum are kernels of their own): cheap to cross.
     return [_with(best, combine=c, **({"align": a} if a != implicit else {}))
-            for c in ("sum", "atomic") for a in aligns]  # fmt: skip
+            for c in ("sum", "sum_kernel", "atomic") for a in aligns]  # fmt: skip
 
 
 def stage_group1(best: dict) -> list[dict]:
@@ -156,6 +185,8 @@ def short(config: dict) -> str:
     opts = config.get("combine", "sum") + (
         f", align {config['align']}" if "align" in config else ""
     )
+    if config.get("remainder_m"):
+        opts += f", remainder {config['remainder_m']}"
     return f"{path} ({opts}) | {one(config['gemm1'])} | {one(config['gemm2'])}"
 
 
@@ -227,6 +258,7 @@ def tune_one(torch, moe, shape, num_tokens, roofline, budget_s, seed) -> dict:
 
     stages = (
         lambda: stage_gemm1(default, num_pairs, rows_per_expert),
+        lambda: stage_tiles(best(), results),
         lambda: stage_options(best(), num_pairs, moe.ALIGN_KERNEL_MAX_PAIRS),
         lambda: stage_group1(best()),
         lambda: stage_gemm2(best(), rows_per_expert),
@@ -252,6 +284,7 @@ def tune_one(torch, moe, shape, num_tokens, roofline, budget_s, seed) -> dict:
         block_e = max(16, 1 << (num_experts - 1).bit_length())
         aligns = {
             "sort": lambda: moe._align_sort(flat, num_experts, block_m, sorted_ids, counts, ends),
+            "hist": lambda: moe._align_hist(flat, num_experts, block_m, sorted_ids, counts, ends),
             "onehot": lambda: moe._align_torch(
                 flat.long(), num_experts, block_m, sorted_ids, counts, ends
             ),
@@ -311,7 +344,14 @@ def format_table(name: str, entry: dict) -> str:
 
 
 def summary(entries: dict) -> str:
-    lines = ["\nshape | T | default ms | default % | best ms | best % | best config"]
+    """One line per (shape, T): default vs best (short form), the best with and without mixed
+    tiles (sorted path); then each best as a JSON literal for ``_configs``."""
+
+    def ms_pct(r):
+        return f"{r['ms']:.4f} ms {100 * r['fraction']:.0f}%" if r and r["ms"] else "-"
+
+    lines = ["\nshape T | default | best | best mixed tiles | best w/o | best config"]
+    literals = ["\nbest configs:"]
     for key, entry in entries.items():
         good = [r for r in entry["results"] if r["ok"] and r["ms"]]
         default = next((r for r in entry["results"] if r["tag"] == "default"), None)
@@ -319,26 +359,69 @@ def summary(entries: dict) -> str:
             lines.append(f"{key} | no valid config")
             continue
         b = min(good, key=lambda r: r["ms"])
-        d_ms = f"{default['ms']:.4f}" if default and default["ms"] else "-"
-        d_pct = f"{100 * default['fraction']:.0f}%" if default and default["fraction"] else "-"
+        sorted_rows = [r for r in good if not r["config"]["per_pair"]]
+        mixed = [r for r in sorted_rows if r["config"].get("remainder_m")]
+        plain = [r for r in sorted_rows if not r["config"].get("remainder_m")]
+        best_mixed = min(mixed, key=lambda r: r["ms"]) if mixed else None
+        best_plain = min(plain, key=lambda r: r["ms"]) if plain else None
         lines.append(
-            f"{key} | {d_ms} | {d_pct} | {b['ms']:.4f} | {100 * b['fraction']:.0f}% | "
-            f"{json.dumps(b['config'])}"
+            f"{key} | {ms_pct(default)} | {ms_pct(b)} | {ms_pct(best_mixed)} | "
+            f"{ms_pct(best_plain)} | {short(b['config'])}"
         )
-    return "\n".join(lines)
+        literals.append(f"{key}: {json.dumps(b['config'])}")
+    return "\n".join(lines + literals)
+
+
+def dry_run(torch, moe) -> int:
+    """Each (shape, T)'s candidates, stage by stage, built from the default config (every GEMM 1
+    candidate standing in as measured for ``stage_tiles``); checks each config's shape rules.
+    Returns the number of invalid configs."""
+    bad = 0
+    for name, num_tokens, _ in PLAN:
+        num_experts, top_k, hidden, inter = SHAPES[name]
+        num_pairs = num_tokens * top_k
+        rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
+        default = moe._configs(num_tokens, top_k, num_experts, hidden, inter, torch.device("meta"))
+        gemm1 = stage_gemm1(default, num_pairs, rows_per_expert)
+        measured = [{"ok": True, "ms": 1.0, "config": c} for c in [default, *gemm1]]
+        stages = {
+            "gemm1": gemm1,
+            "tiles": stage_tiles(default, measured),
+            "options": stage_options(default, num_pairs, moe.ALIGN_KERNEL_MAX_PAIRS),
+            "group1": stage_group1(default),
+            "gemm2": stage_gemm2(default, rows_per_expert),
+            "group2": stage_group2(default),
+        }
+        total = sum(len(c) for c in stages.values())
+        print(f"\n{name} T={num_tokens}: default {short(default)}; {total} candidates")
+        for stage, configs in stages.items():
+            for config in configs:
+                m, r = config["gemm1"]["BLOCK_M"], config.get("remainder_m", 0)
+                ok = config["gemm2"]["BLOCK_M"] == m and (not r or (16 <= r < m and m % r == 0))
+                ok = ok and config.get("align", "sort") in moe.ALIGN_MODES
+                bad += not ok
+                print(f"  {stage}: {short(config)}{'' if ok else '  INVALID'}")
+    return bad
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="JSON results file")
+    parser.add_argument("--out", help="JSON results file (required unless --dry-run)")
     parser.add_argument("--budget-s", type=float, default=140.0,
                         help="seconds for all sweeps (setup and roofline come on top)")  # fmt: skip
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the candidate configs (no GPU needed)")  # fmt: skip
     args = parser.parse_args(argv)
+    if not args.dry_run and not args.out:
+        parser.error("--out is required")
 
     import torch
     import triton
 
     from atom_kernels.backends.triton import moe
+
+    if args.dry_run:
+        return 1 if dry_run(torch, moe) else 0
 
     t0 = time.monotonic()
     roofline = measure_roofline(torch)

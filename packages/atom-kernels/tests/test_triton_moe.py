@@ -95,11 +95,12 @@ def test_fused_moe_empty_experts_and_align_paths(triton_backend, align_kernel_ma
            align_kernel_max_pairs=align_kernel_max_pairs)  # fmt: skip
 
 
-@pytest.mark.parametrize("align", ["kernel", "sort", "onehot"])
+@pytest.mark.parametrize("align", ["kernel", "sort", "hist", "onehot"])
 def test_align_modes_agree(triton_backend, align):
     """Each align mode against a plain Python sort: 10 experts, 0, 4 and 9 with no pair, counts 1,
     16 and 17 (below, at and past BLOCK_M 16), pairs in order within an expert; also N = 1 and
-    N = 700 over four experts (several programs of the sort align's second kernel)."""
+    N = 700 over four experts (several programs of the sort and hist aligns' second kernels), and
+    (hist) N = 16700 int64 ids: more chunks than one block of its histogram loop."""
     from atom_kernels.backends.triton import moe
 
     device = triton_backend.device
@@ -108,8 +109,12 @@ def test_align_modes_agree(triton_backend, align):
     ids_list = [e for e, c in enumerate(counts_in) for _ in range(c)]
     ids_list = [ids_list[i] for i in torch.randperm(len(ids_list), generator=g).tolist()]
     many = torch.tensor([1, 2, 5, 7])[torch.randint(0, 4, (700,), generator=g)].tolist()
-    for ids_py in (ids_list, [3], many):
-        ids = torch.tensor(ids_py, dtype=torch.int32, device=device)
+    cases = [ids_list, [3], many]
+    if align == "hist":
+        cases.append(torch.randint(0, 10, (16700,), generator=g).tolist())
+    for ids_py in cases:
+        dtype = torch.int64 if len(ids_py) > 1000 else torch.int32
+        ids = torch.tensor(ids_py, dtype=dtype, device=device)
         num_experts, block_m = len(counts_in), 16
         counts_ref = [ids_py.count(e) for e in range(num_experts)]
         padded = [(c + block_m - 1) // block_m * block_m for c in counts_ref]
@@ -123,10 +128,11 @@ def test_align_modes_agree(triton_backend, align):
                 ids, sorted_ids, counts, ends, ids.numel(), num_experts,
                 BLOCK_M=block_m, BLOCK_E=16, CHUNK=8,
             )  # fmt: skip
+        elif align == "onehot":
+            moe._align_torch(ids.long(), num_experts, block_m, sorted_ids, counts, ends)
         else:
-            fn = moe._align_sort if align == "sort" else moe._align_torch
-            fn(ids if align == "sort" else ids.long(), num_experts, block_m, sorted_ids, counts,
-               ends)  # fmt: skip
+            fn = moe._align_sort if align == "sort" else moe._align_hist
+            fn(ids, num_experts, block_m, sorted_ids, counts, ends)
         assert counts.tolist() == counts_ref and ends.tolist() == ends_ref
         got = sorted_ids.tolist()
         for e in range(num_experts):
@@ -136,11 +142,14 @@ def test_align_modes_agree(triton_backend, align):
             assert all(v == -1 for v in got[start + counts_ref[e] : ends_ref[e]])  # padding
 
 
-def _config(per_pair, group_m=4, block_k=32, combine="sum", align=None):
-    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, num_warps=4, GROUP_M=group_m)
+def _config(per_pair, group_m=4, block_k=32, combine="sum", align=None, block_m=16,
+            remainder_m=None):  # fmt: skip
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=16, BLOCK_K=block_k, num_warps=4, GROUP_M=group_m)
     out = {"per_pair": per_pair, "combine": combine, "gemm1": cfg, "gemm2": cfg}
     if align:
         out["align"] = align
+    if remainder_m is not None:
+        out["remainder_m"] = remainder_m
     return out
 
 
@@ -168,6 +177,8 @@ def test_fused_moe_per_pair_path(triton_backend, activation, interleaved, num_to
         (False, 3, "atomic", "sort"),
         (False, 0, "sum", "onehot"),  # 0: one group of all row blocks
         (False, 1, "atomic", "kernel"),
+        (False, 2, "sum_kernel", "hist"),
+        (True, 1, "sum_kernel", None),
         (True, 1, "sum", None),
         (True, 1, "atomic", None),
         (True, 1, "token", None),
@@ -196,6 +207,61 @@ def test_fused_moe_sorted_single_token_sort_align(triton_backend, top_k, combine
     )
     config = _config(per_pair=False, group_m=1, combine=combine, align="sort")
     _check(triton_backend, x, w13, w2, weights, ids, "silu", b13, b2, config=config)
+
+
+# Pairs per expert for the mixed-tile tests (BLOCK_M 32, remainder tile 16): a multiple of the
+# full tile (remainder 0), remainders 8 and 16 (fit the small tile), 25 and 17 (do not), no pair.
+MIXED_TILE_COUNTS = (32, 40, 57, 0, 16, 17)
+
+
+def _ids_with_counts(counts, top_k, device, seed):
+    """[T, K] expert ids where expert e gets counts[e] pairs, a token's K experts distinct (every
+    count <= T), tokens shuffled."""
+    labels = [e for e, c in enumerate(counts) for _ in range(c)]
+    num_tokens = len(labels) // top_k
+    assert num_tokens * top_k == len(labels) and max(counts) <= num_tokens
+    ids = torch.tensor(labels).view(top_k, num_tokens).t()  # column k: labels k*T .. (k+1)*T - 1
+    g = torch.Generator().manual_seed(seed)
+    return ids[torch.randperm(num_tokens, generator=g)].to(torch.int32).to(device)
+
+
+@pytest.mark.parametrize(
+    ("activation", "interleaved", "combine", "align", "remainder_m"),
+    [
+        ("silu", False, "sum", "hist", 16),
+        ("gelu", False, "atomic", "sort", 16),
+        ("swiglu_oai", True, "sum", "kernel", 16),
+        ("silu", False, "sum", "hist", 0),  # off: every block a full tile
+    ],
+)
+def test_fused_moe_mixed_tiles(
+    triton_backend, activation, interleaved, combine, align, remainder_m
+):
+    """Full 32-row tiles plus a 16-row tile for an expert's last <= 16 pairs: 81 tokens x top-2
+    (162 pairs, not a multiple of the tile) with MIXED_TILE_COUNTS per expert, biases, bf16;
+    GROUP_M 3 so a group mixes experts and tile sizes."""
+    device = triton_backend.device
+    counts = MIXED_TILE_COUNTS
+    ids = _ids_with_counts(counts, 2, device, seed=4)
+    x, w13, w2, weights, _, b13, b2 = _inputs(
+        81, len(counts), 2, 40, 24, torch.bfloat16, device, seed=9, bias=True
+    )
+    config = _config(False, group_m=3, combine=combine, align=align, block_m=32,
+                     remainder_m=remainder_m)  # fmt: skip
+    _check(triton_backend, x, w13, w2, weights, ids, activation, b13, b2, interleaved,
+           config=config)  # fmt: skip
+
+
+@pytest.mark.parametrize("remainder_m", [8, 24, 32])
+def test_fused_moe_mixed_tiles_bad_remainder(triton_backend, remainder_m):
+    """remainder_m must be a power of two from 16 to BLOCK_M / 2 (checked before any launch)."""
+    from atom_kernels.backends.triton import moe
+
+    device = triton_backend.device
+    x, w13, w2, weights, ids, _, _ = _inputs(3, 4, 2, 40, 24, torch.float32, device, seed=1)
+    args = (x, w13, w2, weights, ids, "silu", None, None, False, 1.702, 7.0)
+    with pytest.raises(ValueError, match="remainder_m"):
+        moe.fused_moe(*args, config=_config(False, block_m=32, remainder_m=remainder_m))
 
 
 def test_fused_moe_is_registered(triton_backend):
@@ -227,11 +293,22 @@ def test_fused_moe_gpu_real_sizes(triton_backend, shape, num_tokens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("num_tokens", "combine", "align"),
-    [(1, "atomic", None), (1, "token", None), (2048, "atomic", "sort"), (2048, "sum", "onehot")],
+    ("num_tokens", "combine", "align", "remainder_m"),
+    [
+        (1, "atomic", None, 0),
+        (1, "token", None, 0),
+        (2048, "atomic", "sort", 0),
+        (2048, "sum", "onehot", 0),
+        (2048, "sum", "hist", 32),
+        (4096, "atomic", "hist", 64),
+        (4096, "sum", "sort", 16),
+        (4096, "sum_kernel", "hist", 32),
+    ],
 )
-def test_fused_moe_gpu_combines_and_aligns(triton_backend, num_tokens, combine, align):
-    """The non-default combines and align modes at the Qwen3-30B-A3B shape (default tiles)."""
+def test_fused_moe_gpu_combines_and_aligns(triton_backend, num_tokens, combine, align,
+                                           remainder_m):  # fmt: skip
+    """The non-default combines, align modes and mixed tiles at the Qwen3-30B-A3B shape (default
+    tiles: 128 rows from 2048 tokens on)."""
     from atom_kernels.backends.triton import moe
 
     num_experts, top_k, hidden, inter = QWEN3_30B_A3B
@@ -240,4 +317,6 @@ def test_fused_moe_gpu_combines_and_aligns(triton_backend, num_tokens, combine, 
     config["combine"] = combine
     if align:
         config["align"] = align
+    if remainder_m:
+        config["remainder_m"] = remainder_m
     _check(triton_backend, *inputs[:5], tol=(5e-2, 5e-2), config=config)

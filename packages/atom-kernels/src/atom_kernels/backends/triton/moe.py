@@ -1,10 +1,12 @@
 """Triton fused MoE, two paths chosen by ``_configs`` from the shape:
 
 - sorted (most batches): (token, slot) pairs sorted by expert and padded per expert to BLOCK_M
-  (the align step: a single-program Triton kernel for few pairs, a stable radix sort for many),
-  two grouped GEMMs over the padded rows (the gated activation fused into the first, the bias and
-  the routing weight into the second), then the per-token sum of its top-k rows: a torch sum over
-  [T, K, H] ("sum"), or fp32 atomics in GEMM 2's epilogue plus one cast ("atomic").
+  (the align step: a single-program Triton kernel for few pairs, a stable radix sort for many,
+  or per-chunk histograms), two grouped GEMMs over the padded rows (the gated activation fused
+  into the first, the bias and the routing weight into the second; optionally a smaller tile for
+  an expert's last rows), then the per-token sum of its top-k rows: a torch sum over [T, K, H]
+  ("sum"; "sum_kernel": a Triton one), or fp32 atomics in GEMM 2's epilogue plus one cast
+  ("atomic").
 - per-pair (decode, a handful of pairs): no align step. GEMM 1 runs one program row per pair (its
   expert read from ``topk_ids``) and folds the routing weight into the activation; GEMM 2 runs one
   program per (pair, column tile) and writes fp32 pair rows summed by one small kernel ("sum") or
@@ -20,6 +22,13 @@ program owns one BLOCK_M row block, finds its expert from those ends and returns
 block lies past the last used segment: experts that receive no token have no block and cost nothing
 (their weights are never read). GEMM programs form a 1-D grid ordered in groups of GROUP_M row
 blocks (row blocks fastest within a group) so a group's A rows and expert weights stay in L2.
+
+Mixed tiles (a config's "remainder_m" > 0): the layout stays padded to BLOCK_M, but an expert's
+last row block with at most REMAINDER_M pairs left runs a REMAINDER_M-row tile (the rest of the
+block is never read nor written), so e.g. 260 pairs cost 128 + 128 + 32 rows of MMA work, not
+3 x 128. Both GEMMs take the same branch for a block (same counts), so GEMM 2 reads exactly the
+rows GEMM 1 wrote. The program order is unchanged: the small tile runs beside its expert's full
+tiles and reads the expert's weights from L2.
 """
 
 from __future__ import annotations
@@ -33,18 +42,21 @@ from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_s
 _ACTIVATIONS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
 # Up to this many pairs the align step is one single-program Triton kernel (one launch: decode);
 # above it, a stable radix sort and one kernel (``_align_sort``), a few launches, noise next to
-# the GEMMs. A config's "align" key overrides ("kernel", "sort", or "onehot": the older
-# one-hot/cumsum torch version, kept so the sweep can compare).
+# the GEMMs. A config's "align" key overrides ("kernel", "sort", "hist": per-chunk histograms
+# then a placement kernel, two launches and no sort, or "onehot": the older one-hot/cumsum torch
+# version, kept so the sweep can compare).
 ALIGN_KERNEL_MAX_PAIRS = 4096
-ALIGN_MODES = ("kernel", "sort", "onehot")
+ALIGN_MODES = ("kernel", "sort", "hist", "onehot")
 # How a token's K expert outputs are summed (a config's "combine" key):
-# - "sum": GEMM 2 writes one row per pair, then one reduction over K (deterministic).
+# - "sum": GEMM 2 writes one row per pair, then one reduction over K (deterministic): torch's sum
+#   over [T, K, H] on the sorted path.
+# - "sum_kernel": as "sum", the reduction a Triton kernel (``_sum_topk_kernel``) on both paths.
 # - "atomic": GEMM 2's epilogue adds each weighted row into an fp32 [T, H] buffer (zeroed first)
 #   with fp32 atomics, then one cast: no [N, H] round trip, but the fp32 summation order varies
 #   from run to run (not bitwise reproducible).
 # - "token" (per-pair path only): one GEMM 2 program per (token, column tile) walks the token's K
 #   experts in one loop; no extra kernel, but only T * H / BLOCK_N programs.
-COMBINE_MODES = ("sum", "atomic", "token")
+COMBINE_MODES = ("sum", "sum_kernel", "atomic", "token")
 # Up to this many pairs the per-pair path runs (no align, no combine kernel). At T = 1 every pair
 # has its own expert; with more pairs, pairs that share an expert read its weights again.
 PER_PAIR_MAX_PAIRS = 8
@@ -169,6 +181,94 @@ def _align_sort(ids: torch.Tensor, num_experts: int, block_m: int, sorted_ids, c
     )  # fmt: skip
 
 
+# NOTE: the pair and chunk counts vary with every batch: unspecialized, one compile serves all.
+@triton.jit(do_not_specialize=["num_pairs"])
+def _expert_histogram_kernel(
+    ids_ptr,  # [N] expert of each pair
+    hist_ptr,  # [C, BLOCK_E] out: pairs per expert in each chunk of CHUNK pairs
+    num_pairs,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    experts = tl.arange(0, BLOCK_E)
+    lanes = tl.arange(0, SUB)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for sub in tl.static_range(0, CHUNK, SUB):
+        offs = tl.program_id(0) * CHUNK + sub + lanes
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)  # [E]
+    tl.store(hist_ptr + tl.program_id(0) * BLOCK_E + experts, counts)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks"])
+def _align_place_kernel(
+    ids_ptr,  # [N] expert of each pair
+    hist_ptr,  # [C, BLOCK_E] per-chunk expert counts (``_expert_histogram_kernel``)
+    sorted_ptr,  # [P] out: pair index at each padded row (padding rows left unwritten)
+    counts_ptr,  # [E] out (program 0)
+    ends_ptr,  # [E] out (program 0)
+    num_pairs,
+    num_experts,
+    num_chunks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    """Program c places the pairs of chunk c: row = its expert's padded segment start + pairs of
+    that expert in earlier chunks + pairs of it earlier in this chunk (stable, as the sort)."""
+    chunk = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    chunks = tl.arange(0, BLOCK_C)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs of each expert in earlier chunks
+    for c0 in range(0, num_chunks, BLOCK_C):
+        idx = c0 + chunks
+        hist = tl.load(
+            hist_ptr + idx[:, None] * BLOCK_E + experts[None, :],
+            mask=(idx < num_chunks)[:, None], other=0,
+        )  # [C, E]  # fmt: skip
+        counts += tl.sum(hist, axis=0)
+        before += tl.sum(tl.where((idx < chunk)[:, None], hist, 0), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    if chunk == 0:
+        tl.store(counts_ptr + experts, counts, mask=experts < num_experts)
+        tl.store(ends_ptr + experts, ends, mask=experts < num_experts)
+    seen = ends - padded + before  # [E] next free row of each expert
+    lanes = tl.arange(0, SUB)
+    earlier = lanes[:, None] > lanes[None, :]  # [S, S]
+    for sub in tl.static_range(0, CHUNK, SUB):
+        offs = chunk * CHUNK + sub + lanes
+        valid = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=valid, other=-1)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [S, E]
+        same = (ids[:, None] == ids[None, :]) & earlier  # [S, S]
+        rank = tl.sum(same.to(tl.int32), axis=1)
+        row = tl.sum(onehot * seen[None, :], axis=1) + rank
+        tl.store(sorted_ptr + row, offs, mask=valid)
+        seen += tl.sum(onehot, axis=0)
+
+
+def _align_hist(ids: torch.Tensor, num_experts: int, block_m: int, sorted_ids, counts, ends):
+    """The align step in two launches and no sort: per-chunk expert histograms, then each chunk
+    places its pairs from the histograms of the chunks before it (the same rows as the sort)."""
+    num_pairs = ids.numel()
+    chunk, sub = 256, 64
+    num_chunks = triton.cdiv(num_pairs, chunk)
+    block_e = next_pow2(num_experts, 16)
+    hist = torch.empty((num_chunks, block_e), dtype=torch.int32, device=ids.device)
+    _expert_histogram_kernel[(num_chunks,)](
+        ids, hist, num_pairs, BLOCK_E=block_e, CHUNK=chunk, SUB=sub, num_warps=4
+    )
+    _align_place_kernel[(num_chunks,)](
+        ids, hist, sorted_ids, counts, ends, num_pairs, num_experts, num_chunks,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_C=64, CHUNK=chunk, SUB=sub, num_warps=4,
+    )  # fmt: skip
+
+
 @triton.jit
 def _tile(pid, num_m, num_n, group_m):
     """(row block, column tile) of program ``pid`` in a 1-D grid: ``group_m`` row blocks sweep the
@@ -198,63 +298,28 @@ def _block_expert(
     return expert, row0 - start, count
 
 
-# NOTE: the row-block count and GROUP_M vary with the batch and the config; left unspecialized
-# they compile once instead of once per divisibility class (a recompile mid-serving, and per
-# GROUP_M in a sweep).
-@triton.jit(do_not_specialize=["num_row_blocks", "group_m"])
-def _gemm1_kernel(
-    x_ptr,  # [T, H]
-    w_ptr,  # [E, 2I, H]
-    bias_ptr,  # [E, 2I] or dummy
-    out_ptr,  # [P, I] (per-pair: [N, I])
-    sorted_ptr,  # [P] pair at each padded row (sorted path)
-    counts_ptr,
-    ends_ptr,
-    ids_ptr,  # [N] expert of each pair (per-pair path)
-    topk_weights_ptr,  # [N] routing weights (per-pair path: folded into the output)
-    num_row_blocks,  # sorted: padded row blocks; per-pair: pairs
-    group_m,
-    num_experts,
-    hidden_size,
-    inter_size,
-    top_k,
-    stride_xt,
-    stride_xh,
-    stride_we,
-    stride_wn,
-    stride_wh,
-    stride_be,
-    stride_bn,
-    stride_om,
-    stride_tw,
-    alpha,
-    limit,
-    ACTIVATION: tl.constexpr,  # 0 silu, 1 gelu (erf), 2 swiglu_oai
-    INTERLEAVED: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PER_PAIR: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
-    pid_m, pid_n = _tile(tl.program_id(0), num_row_blocks, tl.cdiv(inter_size, BLOCK_N), group_m)
+@triton.jit
+def _gemm1_tile(
+    x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_weights_ptr,
+    expert, row0, first, count, pid_n,
+    hidden_size, inter_size, top_k,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_be, stride_bn, stride_om,
+    stride_tw, alpha, limit,
+    ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr, PER_PAIR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_M, BLOCK_N] output tile of GEMM 1: rows ``row0`` on (sorted: ``first`` of the
+    expert's ``count`` pairs; per-pair: the pair ``row0`` alone, in row 0 of the tile)."""
     offs_m = tl.arange(0, BLOCK_M)
-    if PER_PAIR:  # one pair per program row block: row 0 of the tile, the others masked off
-        expert = tl.load(ids_ptr + pid_m).to(tl.int32)
+    if PER_PAIR:
         row_valid = offs_m == 0
-        rows = pid_m + offs_m * 0  # output row = pair
+        rows = row0 + offs_m * 0  # output row = pair
         pairs = rows
     else:
-        expert, first, count = _block_expert(
-            pid_m, ends_ptr, counts_ptr, num_experts, BLOCK_M, BLOCK_E
-        )
         row_valid = first + offs_m < count
-        rows = pid_m * BLOCK_M + offs_m  # padded rows
+        rows = row0 + offs_m  # padded rows
         pairs = tl.load(sorted_ptr + rows, mask=row_valid, other=0)
-    if expert >= num_experts:
-        return
     tokens = (pairs // top_k).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the output [P, I]
     col_valid = cols < inter_size
@@ -302,45 +367,88 @@ def _gemm1_kernel(
     tl.store(out_ptrs, act.to(dtype), mask=row_valid[:, None] & col_valid[None, :])
 
 
+# NOTE: the row-block count and GROUP_M vary with the batch and the config; left unspecialized
+# they compile once instead of once per divisibility class (a recompile mid-serving, and per
+# GROUP_M in a sweep).
 @triton.jit(do_not_specialize=["num_row_blocks", "group_m"])
-def _gemm2_kernel(
-    a_ptr,  # [P, I] activations
-    w_ptr,  # [E, H, I]
-    bias_ptr,  # [E, H] or dummy
-    topk_weights_ptr,  # [N] (flattened [T, K])
-    out_ptr,  # [N, H]: each pair's weighted expert output (ATOMIC: fp32 [T, H], summed into)
-    sorted_ptr,
+def _gemm1_kernel(
+    x_ptr,  # [T, H]
+    w_ptr,  # [E, 2I, H]
+    bias_ptr,  # [E, 2I] or dummy
+    out_ptr,  # [P, I] (per-pair: [N, I])
+    sorted_ptr,  # [P] pair at each padded row (sorted path)
     counts_ptr,
     ends_ptr,
-    num_row_blocks,
+    ids_ptr,  # [N] expert of each pair (per-pair path)
+    topk_weights_ptr,  # [N] routing weights (per-pair path: folded into the output)
+    num_row_blocks,  # sorted: padded row blocks; per-pair: pairs
     group_m,
     num_experts,
     hidden_size,
     inter_size,
     top_k,
-    stride_am,
+    stride_xt,
+    stride_xh,
     stride_we,
     stride_wn,
-    stride_wk,
+    stride_wh,
     stride_be,
     stride_bn,
-    stride_tw,
     stride_om,
+    stride_tw,
+    alpha,
+    limit,
+    ACTIVATION: tl.constexpr,  # 0 silu, 1 gelu (erf), 2 swiglu_oai
+    INTERLEAVED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
-    ATOMIC: tl.constexpr,
+    PER_PAIR: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    REMAINDER_M: tl.constexpr,  # 0, or the rows of an expert's last tile when they fit it
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    pid_m, pid_n = _tile(tl.program_id(0), num_row_blocks, tl.cdiv(hidden_size, BLOCK_N), group_m)
-    expert, first, count = _block_expert(pid_m, ends_ptr, counts_ptr, num_experts, BLOCK_M, BLOCK_E)
+    pid_m, pid_n = _tile(tl.program_id(0), num_row_blocks, tl.cdiv(inter_size, BLOCK_N), group_m)
+    if PER_PAIR:  # one pair per program row block
+        expert = tl.load(ids_ptr + pid_m).to(tl.int32)
+        first, count, row0 = 0, 1, pid_m
+    else:
+        expert, first, count = _block_expert(
+            pid_m, ends_ptr, counts_ptr, num_experts, BLOCK_M, BLOCK_E
+        )
+        row0 = pid_m * BLOCK_M
     if expert >= num_experts:
         return
+    args = (
+        x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_weights_ptr,
+        expert, row0, first, count, pid_n, hidden_size, inter_size, top_k,
+        stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_be, stride_bn, stride_om,
+        stride_tw, alpha, limit,
+    )  # fmt: skip
+    # An expert's last block with at most REMAINDER_M pairs left runs a REMAINDER_M-row tile
+    # (Triton compiles both branches); its padding rows past REMAINDER_M are never touched.
+    if REMAINDER_M > 0 and count - first <= REMAINDER_M:
+        _gemm1_tile(*args, ACTIVATION, INTERLEAVED, HAS_BIAS, PRECISION, PER_PAIR,
+                    REMAINDER_M, BLOCK_N, BLOCK_K)  # fmt: skip
+    else:
+        _gemm1_tile(*args, ACTIVATION, INTERLEAVED, HAS_BIAS, PRECISION, PER_PAIR,
+                    BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+
+
+@triton.jit
+def _gemm2_tile(
+    a_ptr, w_ptr, bias_ptr, topk_weights_ptr, out_ptr, sorted_ptr,
+    expert, row0, first, count, pid_n, hidden_size, inter_size, top_k,
+    stride_am, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_tw, stride_om,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_M, BLOCK_N] tile of GEMM 2 over the padded rows ``row0`` on, weighted by each
+    pair's routing weight, stored per pair (or added into its token's fp32 row: ATOMIC)."""
     offs_m = tl.arange(0, BLOCK_M)
     row_valid = first + offs_m < count
-    rows = (pid_m * BLOCK_M + offs_m).to(tl.int64)
+    rows = (row0 + offs_m).to(tl.int64)
     pairs = tl.load(sorted_ptr + rows, mask=row_valid, other=0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the output [N, H]
     col_valid = cols < hidden_size
@@ -373,6 +481,54 @@ def _gemm2_kernel(
         y = acc.to(dtype).to(tl.float32) * weight.to(tl.float32)[:, None]
         out_ptrs = out_ptr + pairs[:, None] * stride_om + cols[None, :]
         tl.store(out_ptrs, y.to(dtype), mask=row_valid[:, None] & col_valid[None, :])
+
+
+@triton.jit(do_not_specialize=["num_row_blocks", "group_m"])
+def _gemm2_kernel(
+    a_ptr,  # [P, I] activations
+    w_ptr,  # [E, H, I]
+    bias_ptr,  # [E, H] or dummy
+    topk_weights_ptr,  # [N] (flattened [T, K])
+    out_ptr,  # [N, H]: each pair's weighted expert output (ATOMIC: fp32 [T, H], summed into)
+    sorted_ptr,
+    counts_ptr,
+    ends_ptr,
+    num_row_blocks,
+    group_m,
+    num_experts,
+    hidden_size,
+    inter_size,
+    top_k,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    stride_tw,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    ATOMIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    REMAINDER_M: tl.constexpr,  # as GEMM 1's (both walk the same tiles)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    pid_m, pid_n = _tile(tl.program_id(0), num_row_blocks, tl.cdiv(hidden_size, BLOCK_N), group_m)
+    expert, first, count = _block_expert(pid_m, ends_ptr, counts_ptr, num_experts, BLOCK_M, BLOCK_E)
+    if expert >= num_experts:
+        return
+    args = (
+        a_ptr, w_ptr, bias_ptr, topk_weights_ptr, out_ptr, sorted_ptr,
+        expert, pid_m * BLOCK_M, first, count, pid_n, hidden_size, inter_size, top_k,
+        stride_am, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_tw, stride_om,
+    )  # fmt: skip
+    if REMAINDER_M > 0 and count - first <= REMAINDER_M:
+        _gemm2_tile(*args, HAS_BIAS, PRECISION, ATOMIC, REMAINDER_M, BLOCK_N, BLOCK_K)
+    else:
+        _gemm2_tile(*args, HAS_BIAS, PRECISION, ATOMIC, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -500,7 +656,7 @@ def _gemm2_pair_kernel(
 
 @triton.jit
 def _sum_topk_kernel(
-    x_ptr,  # [T * K, H] fp32
+    x_ptr,  # [T * K, H] fp32 or the output dtype
     out_ptr,  # [T, H]
     hidden_size,
     top_k,
@@ -527,7 +683,9 @@ def _configs(
     device: torch.device,
 ) -> dict:
     """{"per_pair": path, "combine": COMBINE_MODES entry, "gemm1": kernel config, "gemm2": kernel
-    config} for this shape, plus (sorted path, optional) "align": an ALIGN_MODES entry.
+    config} for this shape, plus (sorted path, optional) "align": an ALIGN_MODES entry and
+    "remainder_m": the rows of the smaller tile for an expert's last rows (0 or absent: off; else
+    a power of two, 16 <= remainder_m < BLOCK_M).
 
     A kernel config holds BLOCK_M/N/K, num_warps, num_stages and (sorted path) GROUP_M; the
     sorted path's two GEMMs share BLOCK_M. ``benchmarks/tune_moe.py`` sweeps these; pass one to
@@ -618,6 +776,7 @@ def fused_moe(
     if combine not in COMBINE_MODES or (combine == "token" and not per_pair):
         raise ValueError(f"combine={combine!r}: expected one of {COMBINE_MODES} ('token' needs "
                          "the per-pair path)")  # fmt: skip
+    remainder_m = 0 if per_pair else config.get("remainder_m", 0)
 
     if per_pair:
         gemm1, group1 = _split_group(config["gemm1"], num_pairs)
@@ -626,9 +785,12 @@ def fused_moe(
         sorted_ids = counts = ends = ids  # unused by the per-pair kernels
         activated = torch.empty((num_pairs, inter_size), dtype=dtype, device=device)  # [N, I]
     else:
-        # Both GEMMs walk the same padded rows, so they share BLOCK_M.
+        # Both GEMMs walk the same padded rows, so they share BLOCK_M (and REMAINDER_M).
         block_m = config["gemm1"]["BLOCK_M"]
         assert config["gemm2"]["BLOCK_M"] == block_m
+        if remainder_m and not (16 <= remainder_m < block_m and block_m % remainder_m == 0):
+            raise ValueError(f"remainder_m={remainder_m}: expected 0 or a power of two from 16 "
+                             f"to BLOCK_M / 2 = {block_m // 2}")  # fmt: skip
         max_rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
         num_row_blocks = triton.cdiv(max_rows, block_m)
         gemm1, group1 = _split_group(config["gemm1"], num_row_blocks)
@@ -647,6 +809,8 @@ def fused_moe(
             )  # fmt: skip
         elif align == "sort":
             _align_sort(ids, num_experts, block_m, sorted_ids, counts, ends)
+        elif align == "hist":
+            _align_hist(ids, num_experts, block_m, sorted_ids, counts, ends)
         elif align == "onehot":
             _align_torch(ids.long(), num_experts, block_m, sorted_ids, counts, ends)
         else:
@@ -662,7 +826,7 @@ def fused_moe(
         weights.stride(0), float(swiglu_alpha), float(swiglu_limit),
         ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=bool(gate_up_interleaved),
         HAS_BIAS=w13_bias is not None, PRECISION=precision, PER_PAIR=per_pair,
-        BLOCK_E=block_e, **gemm1,
+        REMAINDER_M=remainder_m, BLOCK_E=block_e, **gemm1,
     )  # fmt: skip
 
     out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)  # [T, H]
@@ -712,12 +876,18 @@ def fused_moe(
         num_row_blocks, group2, num_experts, hidden_size, inter_size, top_k,
         activated.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *bias2_strides,
         weights.stride(0), dest.stride(0),
-        HAS_BIAS=w2_bias is not None, PRECISION=precision, ATOMIC=atomic, BLOCK_E=block_e,
-        **gemm2,
+        HAS_BIAS=w2_bias is not None, PRECISION=precision, ATOMIC=atomic,
+        REMAINDER_M=remainder_m, BLOCK_E=block_e, **gemm2,
     )  # fmt: skip
     if atomic:
         return out.copy_(summed)
     if top_k == 1:
+        return out
+    if combine == "sum_kernel":
+        block_n = min(1024, next_pow2(hidden_size, 16))
+        _sum_topk_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
+            dest, out, hidden_size, top_k, dest.stride(0), out.stride(0), BLOCK_N=block_n,
+        )  # fmt: skip
         return out
     # One reduction kernel; torch accumulates a bf16/fp16 sum in fp32.
     return torch.sum(dest.view(num_tokens, top_k, hidden_size), dim=1, out=out)  # [T, H]
