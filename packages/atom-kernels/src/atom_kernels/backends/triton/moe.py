@@ -62,7 +62,7 @@ COMBINE_MODES = ("sum", "sum_kernel", "atomic", "token")
 PER_PAIR_MAX_PAIRS = 8
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _align_kernel(
     ids_ptr,  # [N] expert of each pair
     sorted_ptr,  # [P] out: pair index at each padded row (padding rows left unwritten)
@@ -119,7 +119,7 @@ def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int, sorted_ids, 
     sorted_ids.scatter_(0, rows.long(), pairs.to(torch.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_steps"])
 def _align_sorted_kernel(
     keys_ptr,  # [N] expert ids, sorted ascending (stable)
     order_ptr,  # [N] pair index at each sorted position
@@ -707,24 +707,44 @@ def _configs(
         gemm2 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=5)
         return {"per_pair": True, "combine": "sum", "gemm1": gemm1, "gemm2": gemm2}
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
-    # NOTE: tiles from benchmarks/tune_moe.py on an H100 (bf16, CUDA graphs, L2 flushed).
+    # NOTE: tiles from benchmarks/tune_moe.py on an H100 (bf16, CUDA graphs, L2 flushed;
+    # results/tune-moe-h100.json, 2026-11-22, triton 3.6).
+    if rows_per_expert <= 16 and num_pairs >= 1024:
+        # Qwen3-30B-A3B T=256 (16 rows per expert): 0.443 ms, 90% of copy bandwidth, against
+        # 0.554 ms with the decode tiles below and the single-program align.
+        gemm1 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=5)
+        gemm2 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+        return {
+            "per_pair": False, "combine": "sum_kernel", "align": "hist",
+            "gemm1": gemm1, "gemm2": gemm2,
+        }  # fmt: skip
     if rows_per_expert <= 16:  # decode: bandwidth-bound, many narrow column tiles
-        # Qwen3-30B-A3B T=16 91%, Mixtral T=16 99% of copy bandwidth (Qwen3 T=256: 72%, its best
-        # 75% with gemm1 16x32x128 s5).
+        # Qwen3-30B-A3B T=16 90%, Mixtral T=16 99% of copy bandwidth.
         gemm1 = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
         gemm2 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
-    elif rows_per_expert <= 64:  # Mixtral T=256: 75%
-        gemm1 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
-        gemm2 = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
+    elif rows_per_expert <= 64:
+        # Mixtral T=256: 1.052 ms (89%) with mixed tiles and the hist align, 1.234 ms with
+        # 32-row tiles, the sort align and torch's sum.
+        gemm1 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
+        gemm2 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4, GROUP_M=16)
+        return {
+            "per_pair": False, "combine": "sum_kernel", "align": "hist", "remainder_m": 32,
+            "gemm1": gemm1, "gemm2": gemm2,
+        }  # fmt: skip
     elif rows_per_expert <= 512:
-        # Many small GEMMs (Qwen3-30B-A3B prefill: ~256 rows per expert): BLOCK_M 128 beat 64
-        # despite twice the padding (0.99 vs 1.14 ms at T=4096); GEMM 2 in groups of 8 row blocks
-        # sharing an expert's weight tiles in L2. With the sort align: 0.901 ms (50%) with GEMM 2
-        # 128x128 / 3 stages vs 0.929 ms at 128x256 / 4 (H100, benchmarks/results).
+        # Many small GEMMs (Qwen3-30B-A3B prefill: ~256 +- 16 rows per expert). 128-row tiles,
+        # an expert's last <= 32 rows in a 32-row tile (padding to 128 wasted ~25% of the MMA
+        # work), the hist align, GEMM 2 256 columns wide in groups of 4 row blocks: T=4096
+        # 0.803 ms (54% of the matmul rate) against 0.907 ms without mixed tiles and with the sort
+        # align and GEMM 2 at 128x128 / 3 stages / groups of 8.
         gemm1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=1)
-        gemm2 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=8)
-    else:  # prefill over few large experts (Mixtral T=4096: 72% of the matmul rate, 61% w/o g8)
-        gemm1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=8)
+        gemm2 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=4)
+        return {
+            "per_pair": False, "combine": "sum_kernel", "align": "hist", "remainder_m": 32,
+            "gemm1": gemm1, "gemm2": gemm2,
+        }  # fmt: skip
+    else:  # prefill over few large experts (Mixtral T=4096: 67-72% of the matmul rate)
+        gemm1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=8)
         gemm2 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=8)
     return {"per_pair": False, "combine": "sum", "gemm1": gemm1, "gemm2": gemm2}
 
