@@ -10,6 +10,7 @@ Random weights of the real shapes (weight values do not change a dense model's s
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
 import json
 import random
@@ -245,6 +246,22 @@ def step_roofline(steps, model, config, kv_per_token: int, bandwidth: float, mat
     return floors
 
 
+def log_triton_compiles() -> list[tuple[float, str]]:
+    """(perf_counter, kernel) of every Triton compile from now on (triton's post-compile hook;
+    an empty list on versions without it)."""
+    import triton
+
+    compiles: list[tuple[float, str]] = []
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is not None and hasattr(runtime, "jit_post_compile_hook"):
+
+        def hook(*, repr, **_):
+            compiles.append((time.perf_counter(), repr[:300]))
+
+        runtime.jit_post_compile_hook = hook
+    return compiles
+
+
 def step_breakdown(steps, times: list[float], end: float, floors: list[float]) -> list[dict]:
     """Wall time (from one step's scheduling to the next's) against the roofline, per kind of
     step: prefill-carrying steps, and decode steps by batch size."""
@@ -288,6 +305,7 @@ def bench_throughput(args) -> dict:
         engine.step()
     roofline = measure_roofline(torch)
     recorder = StepRecorder(engine)
+    compiles = log_triton_compiles()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
@@ -331,6 +349,10 @@ def bench_throughput(args) -> dict:
         "step_roofline_s": floor,
         "fraction_of_step_roofline": floor / elapsed,
         "by_step_kind": step_breakdown(recorder.steps, recorder.times, end, floors),
+        # Triton kernels compiled (or loaded from the disk cache) during the timed run: (step, name)
+        "triton_compiles": [
+            (bisect.bisect_right(recorder.times, t) - 1, name) for t, name in compiles
+        ],
         "async_scheduling": engine.async_scheduling,
         "kv_cache_tokens": engine.runner.num_blocks * engine.runner.block_size,
     }
@@ -340,6 +362,8 @@ def bench_throughput(args) -> dict:
         f"{100 * floor / elapsed:.0f}%)",
         flush=True,
     )
+    for step, name in result["triton_compiles"][:12]:
+        print(f"  Triton compile at step {step}: {name[:160]}", flush=True)
     for row in result["by_step_kind"]:
         print(
             f"  {row['kind']:>12}: {row['steps']:5d} steps {row['wall_s']:6.2f} s, "

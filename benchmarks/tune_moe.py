@@ -169,6 +169,20 @@ def stage_gemm2(best: dict, rows_per_expert: float) -> list[dict]:
     return cands
 
 
+def stage_refine(best: dict) -> list[dict]:
+    """Around a tuned config (``--only``): the combine, the remainder tile, GEMM 1's K tile and
+    both GEMMs' pipeline depths."""
+    out = []
+    for combine in ("sum_kernel", "atomic"):
+        for remainder_m in (32, 64):
+            for k1, s1 in ((64, 4), (64, 3), (128, 2)):
+                for s2 in (4, 3):
+                    config = _with(best, combine=combine, remainder_m=remainder_m)
+                    config = _with(config, "gemm1", BLOCK_K=k1, num_stages=s1)
+                    out.append(_with(config, "gemm2", num_stages=s2))
+    return out
+
+
 def stage_group2(best: dict) -> list[dict]:
     if best["per_pair"]:
         return []
@@ -190,7 +204,7 @@ def short(config: dict) -> str:
     return f"{path} ({opts}) | {one(config['gemm1'])} | {one(config['gemm2'])}"
 
 
-def tune_one(torch, moe, shape, num_tokens, roofline, budget_s, seed) -> dict:
+def tune_one(torch, moe, shape, num_tokens, roofline, budget_s, seed, refine=False) -> dict:
     from atom_kernels.backends.torch import moe as reference
 
     num_experts, top_k, hidden, inter = shape
@@ -257,7 +271,8 @@ def tune_one(torch, moe, shape, num_tokens, roofline, budget_s, seed) -> dict:
         return min(good, key=lambda r: r["ms"])["config"] if good else default
 
     stages = (
-        lambda: stage_gemm1(default, num_pairs, rows_per_expert),
+        lambda: stage_refine(best()) if refine else [],
+        lambda: [] if refine else stage_gemm1(default, num_pairs, rows_per_expert),
         lambda: stage_tiles(best(), results),
         lambda: stage_options(best(), num_pairs, moe.ALIGN_KERNEL_MAX_PAIRS),
         lambda: stage_group1(best()),
@@ -411,7 +426,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds for all sweeps (setup and roofline come on top)")  # fmt: skip
     parser.add_argument("--dry-run", action="store_true",
                         help="print the candidate configs (no GPU needed)")  # fmt: skip
+    parser.add_argument("--only", metavar="SHAPE=TOKENS",
+                        help="one shape (e.g. qwen3-30b-a3b=4096), all the budget, refining its "
+                        "default config")  # fmt: skip
     args = parser.parse_args(argv)
+    plan = PLAN
+    if args.only:
+        name, tokens = args.only.split("=")
+        plan = ((name, int(tokens), 1.0),)
     if not args.dry_run and not args.out:
         parser.error("--out is required")
 
@@ -438,13 +460,16 @@ def main(argv: list[str] | None = None) -> int:
         "sweeps": {},
     }
     spent = 0.0
-    share_left = sum(share for _, _, share in PLAN)
-    for name, num_tokens, share in PLAN:
+    share_left = sum(share for _, _, share in plan)
+    for name, num_tokens, share in plan:
         # Time a slice leaves unused passes on to the slices after it.
         budget = (args.budget_s - spent) * share / share_left
         share_left -= share
         start = time.monotonic()
-        entry = tune_one(torch, moe, SHAPES[name], num_tokens, roofline, budget, seed=num_tokens)
+        entry = tune_one(
+            torch, moe, SHAPES[name], num_tokens, roofline, budget, seed=num_tokens,
+            refine=bool(args.only),
+        )  # fmt: skip
         spent += time.monotonic() - start
         key = f"{name} T={num_tokens}"
         result["sweeps"][key] = entry
