@@ -27,6 +27,7 @@ import math
 import platform
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
 # Llama-3-8B
 HIDDEN, INTERMEDIATE = 4096, 14336
@@ -361,11 +362,45 @@ def bench_attention(torch, impls) -> list[Result]:
     return results
 
 
+def bench_decode_tail(torch, impls) -> list[Result]:
+    """Batch-1 / 8 projections of the Llama-3-8B shape (the skinny GEMM against cuBLAS) and
+    sampling 256 rows of the Qwen3 vocabulary at temperature 1 (fused against torch)."""
+    results = []
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096)}
+    shapes.update({"down": (4096, 14336), "lm_head": (128256, 4096)})
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+        for rows in (1, 8):
+            x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+            nbytes = w.numel() * 2 + (x.numel() + rows * n) * 2
+            for impl, module in impls.items():
+                ms, ms_graph, ms_cold = _bench(
+                    lambda module=module, x=x, w=w: module.linear(x, w, None), True
+                )
+                shape = f"{name} M={rows} N={n} K={k}"
+                results.append(Result("linear", shape, impl, ms, ms_graph, ms_cold, bytes=nbytes))
+        del w
+    logits = torch.randn(256, 151936, device="cuda").to(torch.bfloat16)
+    temperature = torch.ones(256, device="cuda")
+    for impl, module in impls.items():
+        ms, ms_graph, ms_cold = _bench(
+            lambda module=module: module.sample(logits, temperature, None, None, None, None, 0),
+            True,
+        )
+        shape = "B=256 V=151936 T=1.0"
+        results.append(
+            Result("sample", shape, impl, ms, ms_graph, ms_cold, bytes=logits.numel() * 2)
+        )
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="path of the JSON results file")
     parser.add_argument(
-        "--only", default="", help="comma-separated groups: elementwise,rotary_cache,attention"
+        "--only",
+        default="",
+        help="comma-separated groups: elementwise,rotary_cache,attention,decode_tail",
     )
     args = parser.parse_args(argv)
 
@@ -373,7 +408,15 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     import atom_kernels as ak
-    from atom_kernels.backends.torch import activation, attention, cache, norm, rotary
+    from atom_kernels.backends.torch import (
+        activation,
+        attention,
+        cache,
+        linear,
+        norm,
+        rotary,
+        sampling,
+    )
     from atom_kernels.backends.triton import custom_ops
 
     if not torch.cuda.is_available():
@@ -387,10 +430,17 @@ def main(argv: list[str] | None = None) -> int:
         rotary_embedding = staticmethod(rotary.rotary_embedding)
         reshape_and_cache = staticmethod(cache.reshape_and_cache)
         paged_attention = staticmethod(attention.paged_attention)
+        linear = staticmethod(linear.linear)
+        sample = staticmethod(sampling.sample)
 
-    impls = {"triton": custom_ops, "torch": Reference}
+    # custom_ops under the reference's names (linear and sample are plain functions there)
+    ops = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding")
+    ops += ("reshape_and_cache", "paged_attention")
+    triton_ops = SimpleNamespace(**{op: getattr(custom_ops, op) for op in ops})
+    triton_ops.linear, triton_ops.sample = custom_ops.linear_op, custom_ops.sample_op
+    impls = {"triton": triton_ops, "torch": Reference}
     groups = set(filter(None, args.only.split(","))) or {
-        "elementwise", "rotary_cache", "attention",
+        "elementwise", "rotary_cache", "attention", "decode_tail",
     }  # fmt: skip
     roofline = measure_roofline(torch)
     results: list[Result] = []
@@ -401,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         results += bench_rotary_and_cache(torch, impls, rope_cache)
     if "attention" in groups:
         results += bench_attention(torch, impls)
+    if "decode_tail" in groups:
+        results += bench_decode_tail(torch, impls)
 
     rows = []
     for r in results:
