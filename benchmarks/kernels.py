@@ -408,15 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     import atom_kernels as ak
-    from atom_kernels.backends.torch import (
-        activation,
-        attention,
-        cache,
-        linear,
-        norm,
-        rotary,
-        sampling,
-    )
+    from atom_kernels.backends.torch import activation, attention, cache, norm, rotary
+    from atom_kernels.backends.torch import linear as torch_linear
+    from atom_kernels.backends.torch import sampling as torch_sampling
     from atom_kernels.backends.triton import custom_ops
 
     if not torch.cuda.is_available():
@@ -430,8 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         rotary_embedding = staticmethod(rotary.rotary_embedding)
         reshape_and_cache = staticmethod(cache.reshape_and_cache)
         paged_attention = staticmethod(attention.paged_attention)
-        linear = staticmethod(linear.linear)
-        sample = staticmethod(sampling.sample)
+        linear = staticmethod(torch_linear.linear)
+        sample = staticmethod(torch_sampling.sample)
 
     # custom_ops under the reference's names (linear and sample are plain functions there)
     ops = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding")
