@@ -15,8 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 
 import torch
+
+# Large-batch sweeps: (num_splits, min_split_len) and (KV tile, warps, stages) of unsplit decode.
+LARGE_SPLITS = ((None, None), (1, None), (2, 512), (4, 256), (4, 512), (8, 256))
+LARGE_TILES = (
+    (64, 2, 3), (64, 4, 3), (64, 2, 4), (32, 2, 4), (128, 4, 2), (128, 4, 3), (128, 8, 2),
+)  # fmt: skip
 
 
 def decode_batch(num_heads, num_kv_heads, lens, width, block_size, head_dim):
@@ -41,12 +48,12 @@ def decode_batch(num_heads, num_kv_heads, lens, width, block_size, head_dim):
     return call, reference.paged_attention(*call[:-1], None)
 
 
-def time_decode(attention, call, expected, row, splits, min_split_len) -> dict:
+def time_decode(attention, call, expected, row, splits, min_split_len, config=None) -> dict:
     from triton.testing import do_bench_cudagraph
 
     def run():
         attention.paged_attention(
-            *call, max_query_len=1, num_splits=splits, min_split_len=min_split_len
+            *call, max_query_len=1, num_splits=splits, min_split_len=min_split_len, config=config
         )
 
     run()
@@ -68,11 +75,14 @@ def main() -> None:
     parser.add_argument(
         "--default-only", action="store_true", help="small batches: the default split only"
     )
+    parser.add_argument(
+        "--large-tiles", action="store_true", help="large batches: tiles instead of splits"
+    )
     args = parser.parse_args()
     block_size, head_dim = 16, 128
     width = args.max_model_len // block_size
     rows = []
-    for heads in ((16, 8), (32, 8)):
+    for heads in () if args.large_tiles else ((16, 8), (32, 8)):
         for batch in (1, 8):
             for context in (512, 1024, 2048):
                 num_heads, num_kv_heads = heads
@@ -88,12 +98,30 @@ def main() -> None:
         ((16, 8), 256, (100 + torch.rand(256, generator=g) * 1948).int()),
         ((32, 8), 64, torch.full((64,), 4096, dtype=torch.int32)),
     ]
+    if args.large_tiles:  # unsplit large batches: the KV tile, warps and stages
+        large = [
+            ((32, 8), 256, (512 + torch.rand(256, generator=g) * 256).int()),
+            ((16, 8), 256, (100 + torch.rand(256, generator=g) * 1948).int()),
+            ((32, 8), 64, torch.full((64,), 1024, dtype=torch.int32)),
+        ]
     for (num_heads, num_kv_heads), batch, lens in large:
         call, expected = decode_batch(num_heads, num_kv_heads, lens, width, block_size, head_dim)
-        for splits, min_len in ((None, None), (1, None), (2, 512), (4, 256), (4, 512), (8, 256)):
+        base = attention.default_config(head_dim, torch.bfloat16, False, num_heads // num_kv_heads)
+        if args.large_tiles:
+            variants = [(n, w, s) for n, w, s in LARGE_TILES]
+        else:
+            variants = [(splits, min_len, None) for splits, min_len in LARGE_SPLITS]
+        for a, b, c in variants:
             row = dict(heads=f"{num_heads}/{num_kv_heads}", batch=batch, context="varied")
             row["tokens"] = int(lens.sum())
-            row = time_decode(attention, call, expected, row, splits, min_len)
+            if args.large_tiles:
+                config = replace(
+                    base, decode_block_n=a, decode_num_warps_unsplit=b, decode_num_stages=c
+                )
+                row["tile"] = f"{a} tokens, {b} warps, {c} stages"
+                row = time_decode(attention, call, expected, row, None, None, config)
+            else:
+                row = time_decode(attention, call, expected, row, a, b)
             row["kv_GBps"] = row["tokens"] * num_kv_heads * head_dim * 2 * 2 / row["us"] / 1e3
             rows.append(row)
     with open(args.out, "w") as f:
