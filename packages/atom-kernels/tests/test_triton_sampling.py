@@ -63,6 +63,35 @@ def test_mixed_batch_seeded_by_torch(triton_backend):
     assert not torch.equal(first, later), "a new call draws new noise"
 
 
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_vocabulary_splits_give_the_same_draws(triton_backend, num_splits):
+    """The noise is keyed by the global column: splitting a row over programs (few rows) changes
+    nothing but the launch."""
+    device = triton_backend.device
+    logits = _logits(3, 150, seed=6, spread=0.5, device=device)
+    logits[0, 149] = logits[0].max() + 1  # the greedy winner in the last split
+    temperature = torch.tensor([0.0, 1.0, 0.7], device=device)
+    torch.manual_seed(3)
+    one_ids, one_lp = triton_backend.sampling.fused_sample(logits, temperature, num_splits=1)
+    torch.manual_seed(3)
+    ids, lp = triton_backend.sampling.fused_sample(logits, temperature, num_splits=num_splits)
+    assert_equal(ids, one_ids, name="split draws")
+    assert ids[0].item() == 149
+    assert_close(lp, one_lp, atol=1e-5, rtol=1e-5, name="split logprobs")
+
+
+def test_choose_splits(triton_backend):
+    choose = triton_backend.sampling.choose_splits
+    assert choose(256, 151936, 2048, 132, 8192) == (1, 151552 + 2048)  # rows fill the SMs
+    for rows in (1, 16, 64):  # few rows: >= 8192 columns a program, about 2 programs an SM
+        splits, chunk = choose(rows, 151936, 2048, 132, 8192)
+        assert (
+            chunk % 2048 == 0 and chunk >= 8192 and (splits - 1) * chunk < 151936 <= splits * chunk
+        )
+        assert rows * splits <= 2 * 132 or splits == 1
+    assert choose(1, 151936, 2048, 132, 8192)[0] > 8
+
+
 def test_sample_op_routes_filters_to_the_reference(triton_backend):
     device = triton_backend.device
     logits = _logits(4, 40, seed=4, device=device)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from atom_kernels.backends.torch import sampling as reference
-from atom_kernels.backends.triton.common import is_interpreted
+from atom_kernels.backends.triton.common import is_interpreted, num_sms
 
 _SAMPLING_EPS = reference._SAMPLING_EPS
 
@@ -45,11 +45,20 @@ def _sample_kernel(
     seed_ptr,
     token_ids_ptr,
     logprobs_ptr,
+    part_f_ptr,  # [B, S, 4] fp32 partials: max, sum (of exp(x - max)), best raw, best draw
+    part_i_ptr,  # [B, S, 2] int32 partials: ids of the best raw and the best draw
     vocab_size,
+    chunk,
+    num_splits,
     stride_lb,
+    SINGLE: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
+    # grid (B, S): program (row, split) walks columns [split * chunk, (split + 1) * chunk)
     row = tl.program_id(0)
+    split = tl.program_id(1)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, vocab_size)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_lb
     temperature = tl.load(temperature_ptr + row).to(tl.float32)
     greedy = temperature < 1e-5  # vLLM's epsilon, as the reference
@@ -61,53 +70,131 @@ def _sample_kernel(
     run_sum = tl.zeros([], tl.float32)
     best_raw, best_raw_i = tl.full([], neg_inf, tl.float32), tl.zeros([], tl.int32)
     best_draw, best_draw_i = tl.full([], neg_inf, tl.float32), tl.zeros([], tl.int32)
-    for start in range(0, vocab_size, BLOCK_V):
+    for start in range(lo, hi, BLOCK_V):
         cols = start + offs
-        mask = cols < vocab_size
+        mask = cols < hi
         x = tl.load(row_ptr + cols, mask=mask, other=neg_inf).to(tl.float32)
-        block_max = tl.max(x, axis=0)
-        new_max = tl.maximum(run_max, block_max)
-        # exp2 of -inf - -inf is NaN: a row (so far) of -inf adds nothing.
-        scale = tl.where(new_max == neg_inf, 0.0, tl.exp2((run_max - new_max) * 1.4426950408889634))
-        shifted = tl.where(mask & (x > neg_inf), (x - new_max) * 1.4426950408889634, neg_inf)
-        run_sum = run_sum * scale + tl.sum(tl.exp2(shifted), axis=0)
-        run_max = new_max
+        run_max, run_sum = _lse_step(run_max, run_sum, x)
         best_raw, best_raw_i = _argmax_merge(best_raw, best_raw_i, x, cols)
-        u = tl.rand(seed, row.to(tl.int64) * vocab_size + cols)
-        u = tl.maximum(u, 1e-20)  # tl.rand is in [0, 1): log(0) would make an infinite draw
-        gumbel = -tl.log(-tl.log(u))
-        draw = tl.where(mask & (x > neg_inf), x * inv_t + gumbel, neg_inf)
-        best_draw, best_draw_i = _argmax_merge(best_draw, best_draw_i, draw, cols)
+        if temperature >= 1e-5:  # Gumbel(0, 1) noise keyed by the global column: split-invariant
+            u = tl.rand(seed, row.to(tl.int64) * vocab_size + cols)
+            u = tl.maximum(u, 1e-20)  # tl.rand is in [0, 1): log(0) would make an infinite draw
+            draw = tl.where(x > neg_inf, x * inv_t - tl.log(-tl.log(u)), neg_inf)
+            best_draw, best_draw_i = _argmax_merge(best_draw, best_draw_i, draw, cols)
+    if SINGLE:
+        _finish(row_ptr, row, greedy, run_max, run_sum, best_raw_i, best_draw_i, token_ids_ptr,
+                logprobs_ptr)  # fmt: skip
+    else:
+        part = row.to(tl.int64) * num_splits + split
+        tl.store(part_f_ptr + part * 4 + 0, run_max)
+        tl.store(part_f_ptr + part * 4 + 1, run_sum)
+        tl.store(part_f_ptr + part * 4 + 2, best_raw)
+        tl.store(part_f_ptr + part * 4 + 3, best_draw)
+        tl.store(part_i_ptr + part * 2 + 0, best_raw_i)
+        tl.store(part_i_ptr + part * 2 + 1, best_draw_i)
+
+
+@triton.jit
+def _lse_step(run_max, run_sum, x):
+    """Fold a block into a running (max, sum of exp(x - max)); -inf entries add nothing."""
+    neg_inf = float("-inf")
+    new_max = tl.maximum(run_max, tl.max(x, axis=0))
+    # exp2 of -inf - -inf is NaN: a row (so far) of -inf adds nothing.
+    scale = tl.where(new_max == neg_inf, 0.0, tl.exp2((run_max - new_max) * 1.4426950408889634))
+    shifted = tl.where(x > neg_inf, (x - new_max) * 1.4426950408889634, neg_inf)
+    return new_max, run_sum * scale + tl.sum(tl.exp2(shifted), axis=0)
+
+
+@triton.jit
+def _finish(row_ptr, row, greedy, run_max, run_sum, best_raw_i, best_draw_i, token_ids_ptr,
+            logprobs_ptr):  # fmt: skip
     token = tl.where(greedy, best_raw_i, best_draw_i)
     chosen = tl.load(row_ptr + token).to(tl.float32)
-    logprob = chosen - run_max - tl.log(run_sum)
     tl.store(token_ids_ptr + row, token.to(tl.int64))
-    tl.store(logprobs_ptr + row, logprob)
+    tl.store(logprobs_ptr + row, chosen - run_max - tl.log(run_sum))
+
+
+@triton.jit
+def _sample_reduce_kernel(
+    logits_ptr,
+    temperature_ptr,
+    token_ids_ptr,
+    logprobs_ptr,
+    part_f_ptr,
+    part_i_ptr,
+    num_splits,
+    stride_lb,
+    BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0)
+    splits = tl.arange(0, BLOCK_S)
+    valid = splits < num_splits
+    part = row.to(tl.int64) * num_splits + splits
+    neg_inf = float("-inf")
+    maxes = tl.load(part_f_ptr + part * 4 + 0, mask=valid, other=neg_inf)
+    sums = tl.load(part_f_ptr + part * 4 + 1, mask=valid, other=0.0)
+    run_max = tl.max(maxes, axis=0)
+    weights = tl.where(maxes > neg_inf, tl.exp2((maxes - run_max) * 1.4426950408889634), 0.0)
+    run_sum = tl.sum(sums * weights, axis=0)
+    big = 2147483647
+    raw = tl.load(part_f_ptr + part * 4 + 2, mask=valid, other=neg_inf)
+    raw_i = tl.load(part_i_ptr + part * 2 + 0, mask=valid, other=big)
+    draw = tl.load(part_f_ptr + part * 4 + 3, mask=valid, other=neg_inf)
+    draw_i = tl.load(part_i_ptr + part * 2 + 1, mask=valid, other=big)
+    best_raw_i = tl.min(tl.where(raw == tl.max(raw, axis=0), raw_i, big), axis=0)
+    best_draw_i = tl.min(tl.where(draw == tl.max(draw, axis=0), draw_i, big), axis=0)
+    greedy = tl.load(temperature_ptr + row).to(tl.float32) < 1e-5
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_lb
+    _finish(row_ptr, row, greedy, run_max, run_sum, best_raw_i, best_draw_i, token_ids_ptr,
+            logprobs_ptr)  # fmt: skip
+
+
+def choose_splits(num_seqs: int, vocab_size: int, block_v: int, sms: int, min_chunk: int):
+    """(num_splits, chunk): a row's vocabulary over several programs when the rows alone leave
+    SMs idle (about two programs per SM), chunks of at least ``min_chunk`` columns (a multiple
+    of ``block_v``)."""
+    splits = max(1, min(2 * sms // max(num_seqs, 1), vocab_size // min_chunk))
+    chunk = triton.cdiv(triton.cdiv(vocab_size, splits), block_v) * block_v
+    return triton.cdiv(vocab_size, chunk), chunk
 
 
 def fused_sample(
-    logits: torch.Tensor, temperature: torch.Tensor
+    logits: torch.Tensor, temperature: torch.Tensor, num_splits: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token_ids [B] int64, their log-probs [B] fp32): greedy or temperature draws, every row."""
+    """(token_ids [B] int64, their log-probs [B] fp32): greedy or temperature draws, every row.
+    ``num_splits`` overrides the vocabulary split (tests)."""
     num_seqs, vocab_size = logits.shape
-    token_ids = torch.empty(num_seqs, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(num_seqs, dtype=torch.float32, device=logits.device)
-    if num_seqs:
-        logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-        # A fresh Philox key per call from torch's generator: on the device, no host sync.
-        seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=logits.device)
-        block_v = 64 if is_interpreted(logits.device) else 2048
-        _sample_kernel[(num_seqs,)](
-            logits,
-            temperature.contiguous(),
-            seed,
-            token_ids,
-            logprobs,
-            vocab_size,
-            logits.stride(0),
-            BLOCK_V=min(block_v, triton.next_power_of_2(vocab_size)),
-            num_warps=8 if block_v >= 2048 else 4,
+    device = logits.device
+    token_ids = torch.empty(num_seqs, dtype=torch.int64, device=device)
+    logprobs = torch.empty(num_seqs, dtype=torch.float32, device=device)
+    if num_seqs == 0:
+        return token_ids, logprobs
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    temperature = temperature.contiguous()
+    # A fresh Philox key per call from torch's generator: on the device, no host sync.
+    seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=device)
+    interpreted = is_interpreted(device)
+    block_v = min(64 if interpreted else 2048, triton.next_power_of_2(vocab_size))
+    if num_splits is None:
+        sms = num_sms(device)
+        num_splits, chunk = choose_splits(
+            num_seqs, vocab_size, block_v, sms, block_v if interpreted else 8192
         )
+    else:
+        chunk = triton.cdiv(triton.cdiv(vocab_size, num_splits), block_v) * block_v
+        num_splits = triton.cdiv(vocab_size, chunk)
+    part_f = torch.empty((num_seqs, num_splits, 4), dtype=torch.float32, device=device)
+    part_i = torch.empty((num_seqs, num_splits, 2), dtype=torch.int32, device=device)
+    _sample_kernel[(num_seqs, num_splits)](
+        logits, temperature, seed, token_ids, logprobs, part_f, part_i, vocab_size, chunk,
+        num_splits, logits.stride(0), SINGLE=num_splits == 1, BLOCK_V=block_v,
+        num_warps=8 if block_v >= 2048 else 4,
+    )  # fmt: skip
+    if num_splits > 1:
+        _sample_reduce_kernel[(num_seqs,)](
+            logits, temperature, token_ids, logprobs, part_f, part_i, num_splits,
+            logits.stride(0), BLOCK_S=triton.next_power_of_2(num_splits), num_warps=1,
+        )  # fmt: skip
     return token_ids, logprobs
 
 
