@@ -116,7 +116,10 @@ def main() -> None:
             row["tokens"] = int(lens.sum())
             if args.large_tiles:
                 config = replace(
-                    base, decode_block_n=a, decode_num_warps_unsplit=b, decode_num_stages=c
+                    base,
+                    decode_block_n_unsplit=a,
+                    decode_num_warps_unsplit=b,
+                    decode_num_stages_unsplit=c,
                 )
                 row["tile"] = f"{a} tokens, {b} warps, {c} stages"
                 row = time_decode(attention, call, expected, row, None, None, config)

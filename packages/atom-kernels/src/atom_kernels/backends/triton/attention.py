@@ -38,8 +38,9 @@ LARGE_BATCH_SPLIT_TOKENS = 512
 @dataclass(frozen=True)
 class AttentionConfig:
     """Tile sizes and launch options of the two attention kernels. The decode kernel runs with
-    ``decode_num_warps`` when it splits the context and ``decode_num_warps_unsplit`` when the
-    batch alone fills the GPU (more, smaller resident programs keep more loads in flight)."""
+    ``decode_block_n`` / ``decode_num_warps`` / ``decode_num_stages`` when the batch leaves SMs
+    idle (splits add programs) and with the ``_unsplit`` ones (None: the same) when the batch
+    alone fills the GPU."""
 
     prefill_block_m: int
     prefill_block_n: int
@@ -49,6 +50,8 @@ class AttentionConfig:
     decode_num_warps: int
     decode_num_stages: int
     decode_num_warps_unsplit: int
+    decode_block_n_unsplit: int | None = None
+    decode_num_stages_unsplit: int | None = None
     # Prefill query tiles in reverse order (heaviest causal tiles first; see attention_prefill).
     prefill_heavy_first: bool = True
 
@@ -76,6 +79,12 @@ def default_config(
     3.6, torch 2.11, CUDA graphs, 32 / 8 heads, bf16, 2026-11-22): 4K causal 128x128/8w/2 stages
     364 TFLOP/s, 128x64/8w/3 350, 64x64/4w/3 329; 2K causal 299 / 293 / 306
     (benchmarks/results/tune-prefill-h100.json).
+
+    NOTE (benchmarks/tune_decode.py --large-tiles, one H100, triton 3.6, 2026-11-22,
+    results/tune-decode-large-tiles-h100.json): batches that fill the GPU, D=128, unsplit:
+    128-token KV tiles, 4 warps, 2 stages (128 KB shared) against 64 / 2 warps / 3 stages:
+    256 Qwen3-0.6B sequences of 100-2048 tokens 396 vs 428 us, 256 Llama-3-8B of 512-768 241 vs
+    245 us, 64 Llama-3-8B of 1024 97 vs 96 us (3 stages: 389 / 239 / 96 us, 192 KB shared).
     """
     if interpreted:  # small tiles: several KV tiles and query tiles even at test sizes
         return AttentionConfig(16, 16, 4, 1, 16, 4, 1, 4)
@@ -85,7 +94,7 @@ def default_config(
     if block_d <= 64:
         config = AttentionConfig(64, 64, 4, 3, 64, 4, 3, 2)
     elif block_d <= 128:
-        config = AttentionConfig(128, 128, 8, 2, 64, 4, 3, 2)
+        config = AttentionConfig(128, 128, 8, 2, 64, 4, 3, 4, 128, 2)
     else:
         config = AttentionConfig(64, 32, 8, 2, 32, 4, 2, 4)
     block_g = next_pow2(group, 16)
@@ -94,6 +103,7 @@ def default_config(
         config = replace(
             config,
             decode_block_n=min(config.decode_block_n, decode_block_n),
+            decode_block_n_unsplit=min(config.decode_block_n, decode_block_n),
             decode_num_warps_unsplit=4,
         )
     return config
@@ -240,8 +250,16 @@ def paged_attention(
             **flags,
         )
 
-    block_n = config.decode_block_n
     max_context = max(block_tables.shape[1] * block_size, 1)
+    # The batch alone fills the GPU (PROGRAMS_PER_SM programs an SM): the unsplit tiles.
+    small_batch = num_seqs * num_kv_heads < PROGRAMS_PER_SM * num_sms(query.device)
+    block_n, num_warps, num_stages = (
+        config.decode_block_n, config.decode_num_warps, config.decode_num_stages
+    )  # fmt: skip
+    if not small_batch:
+        block_n = config.decode_block_n_unsplit or block_n
+        num_warps = config.decode_num_warps_unsplit
+        num_stages = config.decode_num_stages_unsplit or num_stages
     if num_splits is None:
         num_splits, min_split_len = choose_splits(
             num_seqs, num_kv_heads, max_context, num_sms(query.device), block_n
@@ -251,9 +269,6 @@ def paged_attention(
         num_splits = triton.cdiv(max_context, min_split_len)
     else:
         min_split_len = triton.cdiv(min_split_len, block_n) * block_n
-    # Splits that only add parallelism are short: more warps per program; a batch that fills the
-    # GPU keeps more, smaller programs resident.
-    small_batch = num_seqs * num_kv_heads < PROGRAMS_PER_SM * num_sms(query.device)
     group = num_heads // num_kv_heads
     if num_splits > 1:
         m_part = torch.empty(
@@ -287,8 +302,8 @@ def paged_attention(
         SINGLE_SPLIT=num_splits == 1,
         BLOCK_G=next_pow2(group, 16),
         BLOCK_N=block_n,
-        num_warps=config.decode_num_warps if small_batch else config.decode_num_warps_unsplit,
-        num_stages=config.decode_num_stages,
+        num_warps=num_warps,
+        num_stages=num_stages,
         **flags,
     )
     if num_splits > 1:
