@@ -117,9 +117,9 @@ def main() -> None:
             if args.large_tiles:
                 config = replace(
                     base,
-                    decode_block_n_unsplit=a,
-                    decode_num_warps_unsplit=b,
-                    decode_num_stages_unsplit=c,
+                    decode_block_n_large=a,
+                    decode_num_warps_large=b,
+                    decode_num_stages_large=c,
                 )
                 row["tile"] = f"{a} tokens, {b} warps, {c} stages"
                 row = time_decode(attention, call, expected, row, None, None, config)

@@ -25,6 +25,9 @@ MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
 # Programs the decode grid aims for, per SM: enough resident programs to cover memory latency.
 PROGRAMS_PER_SM = 2
+# From this many (sequence, kv head) programs an SM, the decode kernel takes the config's large
+# tiles (see default_config).
+LARGE_BATCH_PROGRAMS_PER_SM = 8
 # A batch that fills the GPU may still split long contexts: each sequence into at most
 # LARGE_BATCH_SPLITS splits of at least LARGE_BATCH_SPLIT_TOKENS. Off (1): on one H100
 # (benchmarks/tune_decode.py, results/tune-decode-large-batch-h100.json) 256 Qwen3-0.6B sequences
@@ -39,8 +42,9 @@ LARGE_BATCH_SPLIT_TOKENS = 512
 class AttentionConfig:
     """Tile sizes and launch options of the two attention kernels. The decode kernel runs with
     ``decode_block_n`` / ``decode_num_warps`` / ``decode_num_stages`` when the batch leaves SMs
-    idle (splits add programs) and with the ``_unsplit`` ones (None: the same) when the batch
-    alone fills the GPU."""
+    idle (splits add programs), with ``decode_num_warps_unsplit`` when the batch alone fills the
+    GPU, and with the ``_large`` tiles (None: the unsplit ones) from LARGE_BATCH_PROGRAMS_PER_SM
+    programs an SM."""
 
     prefill_block_m: int
     prefill_block_n: int
@@ -50,8 +54,9 @@ class AttentionConfig:
     decode_num_warps: int
     decode_num_stages: int
     decode_num_warps_unsplit: int
-    decode_block_n_unsplit: int | None = None
-    decode_num_stages_unsplit: int | None = None
+    decode_block_n_large: int | None = None
+    decode_num_warps_large: int | None = None
+    decode_num_stages_large: int | None = None
     # Prefill query tiles in reverse order (heaviest causal tiles first; see attention_prefill).
     prefill_heavy_first: bool = True
 
@@ -81,10 +86,12 @@ def default_config(
     (benchmarks/results/tune-prefill-h100.json).
 
     NOTE (benchmarks/tune_decode.py --large-tiles, one H100, triton 3.6, 2026-11-22,
-    results/tune-decode-large-tiles-h100.json): batches that fill the GPU, D=128, unsplit:
-    128-token KV tiles, 4 warps, 2 stages (128 KB shared) against 64 / 2 warps / 3 stages:
-    256 Qwen3-0.6B sequences of 100-2048 tokens 396 vs 428 us, 256 Llama-3-8B of 512-768 241 vs
-    245 us, 64 Llama-3-8B of 1024 97 vs 96 us (3 stages: 389 / 239 / 96 us, 192 KB shared).
+    results/tune-decode-large-tiles-h100.json): unsplit batches, D=128: 128-token KV tiles, 4
+    warps, 2 stages (128 KB shared) against 64 / 2 warps / 3 stages: 256 Qwen3-0.6B sequences
+    of 100-2048 tokens 396 vs 428 us, 256 Llama-3-8B of 512-768 241 vs 245 us, 64 Llama-3-8B of
+    1024 97 vs 96 us (3 stages: 389 / 239 / 96 us, 192 KB shared); in the engine's batch-64
+    decode step (contexts ~530) the 128-token tiles cost 3-4% (Qwen3 3.02 vs 2.90 ms): they run
+    from LARGE_BATCH_PROGRAMS_PER_SM programs an SM (batch 256 x 8 kv heads), not at batch 64.
     """
     if interpreted:  # small tiles: several KV tiles and query tiles even at test sizes
         return AttentionConfig(16, 16, 4, 1, 16, 4, 1, 4)
@@ -94,7 +101,7 @@ def default_config(
     if block_d <= 64:
         config = AttentionConfig(64, 64, 4, 3, 64, 4, 3, 2)
     elif block_d <= 128:
-        config = AttentionConfig(128, 128, 8, 2, 64, 4, 3, 4, 128, 2)
+        config = AttentionConfig(128, 128, 8, 2, 64, 4, 3, 2, 128, 4, 2)
     else:
         config = AttentionConfig(64, 32, 8, 2, 32, 4, 2, 4)
     block_g = next_pow2(group, 16)
@@ -103,8 +110,9 @@ def default_config(
         config = replace(
             config,
             decode_block_n=min(config.decode_block_n, decode_block_n),
-            decode_block_n_unsplit=min(config.decode_block_n, decode_block_n),
+            decode_block_n_large=min(config.decode_block_n, decode_block_n),
             decode_num_warps_unsplit=4,
+            decode_num_warps_large=4,
         )
     return config
 
@@ -251,15 +259,16 @@ def paged_attention(
         )
 
     max_context = max(block_tables.shape[1] * block_size, 1)
-    # The batch alone fills the GPU (PROGRAMS_PER_SM programs an SM): the unsplit tiles.
-    small_batch = num_seqs * num_kv_heads < PROGRAMS_PER_SM * num_sms(query.device)
+    programs_per_sm = num_seqs * num_kv_heads / num_sms(query.device)
     block_n, num_warps, num_stages = (
         config.decode_block_n, config.decode_num_warps, config.decode_num_stages
     )  # fmt: skip
-    if not small_batch:
-        block_n = config.decode_block_n_unsplit or block_n
+    if programs_per_sm >= LARGE_BATCH_PROGRAMS_PER_SM:
+        block_n = config.decode_block_n_large or block_n
+        num_warps = config.decode_num_warps_large or config.decode_num_warps_unsplit
+        num_stages = config.decode_num_stages_large or num_stages
+    elif programs_per_sm >= PROGRAMS_PER_SM:  # the batch alone fills the GPU: no split
         num_warps = config.decode_num_warps_unsplit
-        num_stages = config.decode_num_stages_unsplit or num_stages
     if num_splits is None:
         num_splits, min_split_len = choose_splits(
             num_seqs, num_kv_heads, max_context, num_sms(query.device), block_n
