@@ -345,6 +345,16 @@ def test_gpu_decode_8k(triton_backend, num_seqs):
 
 
 @pytest.mark.gpu
+def test_gpu_decode_large_batch_tiles(triton_backend):
+    # 256 sequences x 8 kv heads: the large-batch KV tiles (LARGE_BATCH_PROGRAMS_PER_SM).
+    lens = torch.linspace(100, 2048, 256).long().tolist()
+    heads = (16, 8, 128, 128, 16)  # Qwen3-0.6B
+    batch = PagedBatch([(n, 1) for n in lens], heads, torch.bfloat16, "cuda", seed=13)
+    assert 256 * 8 >= triton_backend.attention.LARGE_BATCH_PROGRAMS_PER_SM * 132
+    _check(triton_backend, batch, {}, TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 256])
 @pytest.mark.parametrize("feature", ["window_sinks", "sinks_softcap"])
 def test_gpu_head_dims_and_features(triton_backend, head_dim, feature):

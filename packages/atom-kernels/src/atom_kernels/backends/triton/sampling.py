@@ -38,7 +38,9 @@ def _argmax_merge(best_value, best_index, values, indices):
     return tl.where(better, block_max, best_value), tl.where(better, block_index, best_index)
 
 
-@triton.jit
+# NOTE: the split count and chunk follow the batch size; not specialized on (a variant compiled in
+# the middle of a run otherwise: seen in the H100 throughput benchmark).
+@triton.jit(do_not_specialize=["chunk", "num_splits"])
 def _sample_kernel(
     logits_ptr,
     temperature_ptr,
@@ -114,7 +116,7 @@ def _finish(row_ptr, row, greedy, run_max, run_sum, best_raw_i, best_draw_i, tok
     tl.store(logprobs_ptr + row, chosen - run_max - tl.log(run_sum))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _sample_reduce_kernel(
     logits_ptr,
     temperature_ptr,
@@ -175,11 +177,11 @@ def fused_sample(
     seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=device)
     interpreted = is_interpreted(device)
     block_v = min(64 if interpreted else 2048, triton.next_power_of_2(vocab_size))
+    sms, min_chunk = num_sms(device), block_v if interpreted else 8192
+    # One merge width for every split count of this vocabulary: one compiled variant.
+    most_splits = choose_splits(1, vocab_size, block_v, sms, min_chunk)[0]
     if num_splits is None:
-        sms = num_sms(device)
-        num_splits, chunk = choose_splits(
-            num_seqs, vocab_size, block_v, sms, block_v if interpreted else 8192
-        )
+        num_splits, chunk = choose_splits(num_seqs, vocab_size, block_v, sms, min_chunk)
     else:
         chunk = triton.cdiv(triton.cdiv(vocab_size, num_splits), block_v) * block_v
         num_splits = triton.cdiv(vocab_size, chunk)
@@ -193,7 +195,8 @@ def fused_sample(
     if num_splits > 1:
         _sample_reduce_kernel[(num_seqs,)](
             logits, temperature, token_ids, logprobs, part_f, part_i, num_splits,
-            logits.stride(0), BLOCK_S=triton.next_power_of_2(num_splits), num_warps=1,
+            logits.stride(0), BLOCK_S=triton.next_power_of_2(max(num_splits, most_splits)),
+            num_warps=1,
         )  # fmt: skip
     return token_ids, logprobs
 
