@@ -17,6 +17,8 @@ OPS = [
     "reshape_and_cache",
     "paged_attention",
 ]
+# Kernels behind plain-function ops (they route part of their work to torch): op -> custom op.
+KERNEL_OPS = {"linear": "skinny_linear", "sample": "sample"}
 
 
 def test_every_triton_op_is_registered(triton_backend):
@@ -24,6 +26,10 @@ def test_every_triton_op_is_registered(triton_backend):
     for name in OPS:
         assert registry._IMPLS["triton"][name] is getattr(triton_backend.custom_ops, name)
         assert hasattr(torch.ops.atom, f"triton_{name}")
+    assert registry._IMPLS["triton"]["linear"] is triton_backend.custom_ops.linear_op
+    assert registry._IMPLS["triton"]["sample"] is triton_backend.custom_ops.sample_op
+    for kernel in KERNEL_OPS.values():
+        assert hasattr(torch.ops.atom, f"triton_{kernel}")
 
 
 def _cases(device):
@@ -86,10 +92,15 @@ def _cases(device):
                 out,
             ),
         ),  # fmt: skip
+        "skinny_linear": (ops.triton_skinny_linear, (randn(3, 32), randn(40, 32), randn(40))),
+        "sample": (
+            ops.triton_sample,
+            (randn(3, 50, dtype=torch.float32), torch.ones(3).to(device)),
+        ),
     }
 
 
-@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("name", OPS + list(KERNEL_OPS.values()))
 def test_opcheck(triton_backend, name):
     op, args = _cases(triton_backend.device)[name]
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
