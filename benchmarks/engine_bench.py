@@ -156,16 +156,29 @@ def workload(name: str, n: int, seed: int = 0) -> list[tuple[int, int]]:
     raise ValueError(name)
 
 
+def make_prompts(shape: str, name: str, n: int) -> tuple[list[list[int]], list[int]]:
+    """The workload's prompts (random token ids) and output lengths, the same in every process."""
+    lengths = workload(name, n)
+    rng = random.Random(1)
+    vocab = SHAPES[shape]().vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(i)] for i, _ in lengths]
+    return prompts, [o for _, o in lengths]
+
+
 def hf_generate_throughput(shape: str, prompts, outs, batch: int) -> dict:
-    """transformers' generate on the same prompts (left-padded batches), random weights."""
+    """transformers' generate on the same prompts (left-padded batches), random weights.
+
+    Run in a process of its own (``hf`` subcommand): no memory or state left by the engine. One
+    untimed short generate first (CUDA context, cuBLAS handles, kernel selection)."""
     from transformers import AutoModelForCausalLM
 
     config = SHAPES[shape]()
-    with torch.device("cuda"):  # initialize the random weights on the GPU (8B on a CPU: minutes)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (CPU: a smoke test of the script)
+    with torch.device(device):  # initialize the random weights on the GPU (8B on a CPU: minutes)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    total_out = 0
-    t0 = time.perf_counter()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = []
     for start in range(0, len(order), batch):
         idx = order[start : start + batch]
         width = max(len(prompts[i]) for i in idx)
@@ -174,27 +187,60 @@ def hf_generate_throughput(shape: str, prompts, outs, batch: int) -> dict:
         for row, i in enumerate(idx):
             ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
             mask[row, width - len(prompts[i]) :] = 1
-        new = max(outs[i] for i in idx)
+        new, useful = max(outs[i] for i in idx), sum(outs[i] for i in idx)
+        batches.append((ids.to(device), mask.to(device), new, useful))
+
+    def generate(ids, mask, new):
         with torch.no_grad():
             model.generate(
-                ids.cuda(),
-                attention_mask=mask.cuda(),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        total_out += sum(outs[i] for i in idx)  # useful tokens (padding steps not counted)
-    torch.cuda.synchronize()
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+
+    generate(batches[0][0], batches[0][1], 4)  # warm-up, untimed
+    sync()
+    total_out = 0
+    batch_s = []
+    t0 = time.perf_counter()
+    for ids, mask, new, useful in batches:
+        t = time.perf_counter()
+        generate(ids, mask, new)
+        sync()
+        batch_s.append(time.perf_counter() - t)
+        total_out += useful  # useful tokens (padding steps not counted)
     elapsed = time.perf_counter() - t0
-    del model
-    torch.cuda.empty_cache()
     return {
         "elapsed_s": elapsed,
         "output_tokens": total_out,
         "output_tok_per_s": total_out / elapsed,
         "batch_size": batch,
+        "num_prompts": len(prompts),
+        "batch_s": batch_s,
+        "transformers": __import__("transformers").__version__,
+        "process": "separate",
     }
+
+
+def run_hf_separately(args) -> dict:
+    """``hf_generate_throughput`` in a fresh Python process (this file's ``hf`` subcommand)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "hf.json"
+        cmd = [
+            sys.executable, __file__, "hf", "--shape", args.shape, "--workload", args.workload,
+            "--num-prompts", str(args.num_prompts), "--hf-batch", str(args.hf_batch),
+            "--hf-prompts", str(args.hf_prompts), "--out", str(out),
+        ]  # fmt: skip
+        subprocess.run(cmd, check=True)
+        return json.loads(out.read_text())
+
+
+def bench_hf(args) -> dict:
+    prompts, outs = make_prompts(args.shape, args.workload, args.num_prompts)
+    n = args.hf_prompts
+    return hf_generate_throughput(args.shape, prompts[:n], outs[:n], args.hf_batch)
 
 
 class StepRecorder:
@@ -288,11 +334,7 @@ def bench_throughput(args) -> dict:
 
     from atom_engine import SamplingParams
 
-    lengths = workload(args.workload, args.num_prompts)
-    rng = random.Random(1)
-    vocab = SHAPES[args.shape]().vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(i)] for i, _ in lengths]
-    outs = [o for _, o in lengths]
+    prompts, outs = make_prompts(args.shape, args.workload, args.num_prompts)
     engine = make_engine(
         args.shape,
         max_num_seqs=args.max_num_seqs,
@@ -371,14 +413,13 @@ def bench_throughput(args) -> dict:
             f"slowest step {1e3 * row['max_wall_s']:.1f} ms",
             flush=True,
         )
-    del engine
+    del engine, recorder
     gc.collect()  # the engine holds reference cycles (runner <-> CUDA graphs)
     torch.cuda.empty_cache()
+    result["gpu_bytes_held_during_transformers"] = torch.cuda.memory_reserved()
     Path(args.out).write_text(json.dumps(result, indent=2))  # kept if transformers fails
     if args.hf_batch:
-        hf = hf_generate_throughput(
-            args.shape, prompts[: args.hf_prompts], outs[: args.hf_prompts], args.hf_batch
-        )
+        hf = run_hf_separately(args)
         result["transformers"] = hf
         result["speedup_vs_transformers"] = result["output_tok_per_s"] / hf["output_tok_per_s"]
         print(
@@ -407,10 +448,17 @@ def main() -> None:
     t.add_argument("--max-num-batched-tokens", type=int, default=8192)
     t.add_argument("--hf-batch", type=int, default=64, help="0 skips transformers")
     t.add_argument("--hf-prompts", type=int, default=256)
-    for p in (d, t):
+    h = sub.add_parser("hf", help="transformers generate alone (throughput runs it in a child)")
+    h.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    h.add_argument("--workload", choices=["nanovllm", "512x256"], required=True)
+    h.add_argument("--num-prompts", type=int, default=256)
+    h.add_argument("--hf-batch", type=int, default=64)
+    h.add_argument("--hf-prompts", type=int, default=256)
+    for p in (d, t, h):
         p.add_argument("--out", required=True)
     args = parser.parse_args()
-    result = bench_decode(args) if args.cmd == "decode" else bench_throughput(args)
+    bench = {"decode": bench_decode, "throughput": bench_throughput, "hf": bench_hf}[args.cmd]
+    result = bench(args)
     result.update(
         device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d")
     )
