@@ -6,9 +6,10 @@ Run on a GPU from the repo root (under 3 minutes in all on an H100):
     python benchmarks/tune_moe.py --out $OUT/tune_moe.json
 
 For each shape and T = 1, 16, 256, 4096 tokens: the default config (``_configs``) first, then a
-greedy coordinate search (GEMM 1 tiles and the path, then mixed tiles (``remainder_m``: a smaller
-tile for an expert's last rows), then the top-k combine and the align mode, then GEMM 1's
-GROUP_M, then GEMM 2's tiles and GROUP_M, each stage starting from the best so far). Each
+greedy coordinate search (TMA weight loads, then GEMM 1 tiles and the path, then mixed tiles
+(``remainder_m``: a smaller tile for an expert's last rows), then the top-k combine and the
+align mode, then GEMM 1's GROUP_M, then GEMM 2's tiles and GROUP_M, each stage starting from the
+best so far). Each
 config runs once against the torch reference (``BAD`` past atol = rtol = 5e-2, as the GPU test),
 is timed as moe.py times it (CUDA graphs, L2 flushed before each call) and rated as
 moe.py rates it (weight bytes / copy bandwidth up to 256 tokens, FLOP/s / matmul rate above). A
@@ -183,6 +184,17 @@ def stage_refine(best: dict) -> list[dict]:
     return out
 
 
+def stage_tma(best: dict) -> list[dict]:
+    """TMA weight loads (sorted path): alone, warp-specialized, and at other pipeline depths."""
+    if best["per_pair"]:
+        return []
+    tma = _with(best, tma=True, ws=False)
+    out = [tma, _with(best, tma=True, ws=True)]
+    for s1, s2 in ((3, 3), (5, 4), (4, 3), (3, 4)):
+        out.append(_with(_with(tma, "gemm1", num_stages=s1), "gemm2", num_stages=s2))
+    return out
+
+
 def stage_group2(best: dict) -> list[dict]:
     if best["per_pair"]:
         return []
@@ -201,6 +213,8 @@ def short(config: dict) -> str:
     )
     if config.get("remainder_m"):
         opts += f", remainder {config['remainder_m']}"
+    if config.get("tma"):
+        opts += ", tma" + (" ws" if config.get("ws") else "")
     return f"{path} ({opts}) | {one(config['gemm1'])} | {one(config['gemm2'])}"
 
 
@@ -271,6 +285,7 @@ def tune_one(torch, moe, shape, num_tokens, roofline, budget_s, seed, refine=Fal
         return min(good, key=lambda r: r["ms"])["config"] if good else default
 
     stages = (
+        lambda: stage_tma(default),
         lambda: stage_refine(best()) if refine else [],
         lambda: [] if refine else stage_gemm1(default, num_pairs, rows_per_expert),
         lambda: stage_tiles(best(), results),
@@ -401,6 +416,7 @@ def dry_run(torch, moe) -> int:
         measured = [{"ok": True, "ms": 1.0, "config": c} for c in [default, *gemm1]]
         stages = {
             "gemm1": gemm1,
+            "tma": stage_tma(default),
             "tiles": stage_tiles(default, measured),
             "options": stage_options(default, num_pairs, moe.ALIGN_KERNEL_MAX_PAIRS),
             "group1": stage_group1(default),

@@ -252,6 +252,53 @@ def test_fused_moe_mixed_tiles(
            config=config)  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("activation", "interleaved", "warp_specialize", "remainder_m", "dtype"),
+    [
+        ("silu", False, False, 16, torch.bfloat16),
+        ("gelu", False, True, 0, torch.float32),
+        ("swiglu_oai", True, False, 16, torch.bfloat16),  # interleaved: falls back to pointers
+    ],
+)
+def test_fused_moe_tma_weight_loads(
+    triton_backend, activation, interleaved, warp_specialize, remainder_m, dtype
+):
+    """Weight tiles through TMA descriptors ("tma"; "ws": warp-specialized loop) on the mixed-tile
+    routing: I = 24 is not a multiple of BLOCK_N = 16 (a column tile reads into the up half and,
+    for the last expert, past the tensor: zeros) nor of BLOCK_K = 32 (a K tile half past I)."""
+    from atom_kernels.backends.triton import moe
+
+    device = triton_backend.device
+    counts = MIXED_TILE_COUNTS
+    ids = _ids_with_counts(counts, 2, device, seed=6)
+    x, w13, w2, weights, _, b13, b2 = _inputs(
+        81, len(counts), 2, 40, 24, dtype, device, seed=13, bias=True
+    )
+    config = _config(False, group_m=3, combine="sum_kernel", align="hist", block_m=32,
+                     remainder_m=remainder_m)  # fmt: skip
+    config.update(tma=True, ws=warp_specialize)
+    assert (moe._weight_descriptors(config, w13, w2, interleaved) is None) == interleaved
+    _check(triton_backend, x, w13, w2, weights, ids, activation, b13, b2, interleaved,
+           config=config)  # fmt: skip
+
+
+def test_fused_moe_tma_needs_contiguous_aligned_weights(triton_backend):
+    """No descriptor (pointer loads) for the per-pair path, strided weights, or rows not a
+    multiple of 16 bytes."""
+    from atom_kernels.backends.triton import moe
+
+    device = triton_backend.device
+    x, w13, w2, *_ = _inputs(3, 4, 2, 40, 24, torch.bfloat16, device, seed=1)
+    config = dict(_config(False), tma=True)
+    assert moe._weight_descriptors(config, w13, w2, False) is not None
+    assert moe._weight_descriptors(dict(config, per_pair=True), w13, w2, False) is None
+    assert moe._weight_descriptors(dict(config, tma=False), w13, w2, False) is None
+    strided = torch.empty(4, 48, 80, dtype=torch.bfloat16, device=device)[:, :, :40]
+    assert moe._weight_descriptors(config, strided, w2, False) is None
+    odd = torch.empty(4, 40, 20, dtype=torch.bfloat16, device=device)  # 40-byte rows
+    assert moe._weight_descriptors(config, w13, odd, False) is None
+
+
 @pytest.mark.parametrize("remainder_m", [8, 24, 32])
 def test_fused_moe_mixed_tiles_bad_remainder(triton_backend, remainder_m):
     """remainder_m must be a power of two from 16 to BLOCK_M / 2 (checked before any launch)."""
@@ -303,12 +350,16 @@ def test_fused_moe_gpu_real_sizes(triton_backend, shape, num_tokens):
         (4096, "atomic", "hist", 64),
         (4096, "sum", "sort", 16),
         (4096, "sum_kernel", "hist", 32),
+        (4096, "sum_kernel", "hist", "tma"),
+        (4096, "sum_kernel", "hist", "tma+ws"),
+        (256, "sum_kernel", "hist", "tma"),
     ],
 )
 def test_fused_moe_gpu_combines_and_aligns(triton_backend, num_tokens, combine, align,
                                            remainder_m):  # fmt: skip
-    """The non-default combines, align modes and mixed tiles at the Qwen3-30B-A3B shape (default
-    tiles: 128 rows from 2048 tokens on)."""
+    """The non-default combines, align modes, mixed tiles and TMA weight loads ("tma": with the
+    default remainder tile; "+ws": warp-specialized) at the Qwen3-30B-A3B shape (default tiles:
+    128 rows from 2048 tokens on)."""
     from atom_kernels.backends.triton import moe
 
     num_experts, top_k, hidden, inter = QWEN3_30B_A3B
@@ -317,6 +368,8 @@ def test_fused_moe_gpu_combines_and_aligns(triton_backend, num_tokens, combine, 
     config["combine"] = combine
     if align:
         config["align"] = align
-    if remainder_m:
+    if isinstance(remainder_m, str):
+        config.update(tma=True, ws=remainder_m == "tma+ws")
+    elif remainder_m:
         config["remainder_m"] = remainder_m
     _check(triton_backend, *inputs[:5], tol=(5e-2, 5e-2), config=config)

@@ -39,6 +39,11 @@ import triton.language as tl
 
 from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_sms
 
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: the pointer loads only
+    TensorDescriptor = None
+
 _ACTIVATIONS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
 # Up to this many pairs the align step is one single-program Triton kernel (one launch: decode);
 # above it, a stable radix sort and one kernel (``_align_sort``), a few launches, noise next to
@@ -300,17 +305,22 @@ def _block_expert(
 
 @triton.jit
 def _gemm1_tile(
-    x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_weights_ptr,
+    x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, sorted_ptr, topk_weights_ptr,
     expert, row0, first, count, pid_n,
     hidden_size, inter_size, top_k,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_be, stride_bn, stride_om,
     stride_tw, alpha, limit,
     ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr, PER_PAIR: tl.constexpr,
+    PRECISION: tl.constexpr, PER_PAIR: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] output tile of GEMM 1: rows ``row0`` on (sorted: ``first`` of the
-    expert's ``count`` pairs; per-pair: the pair ``row0`` alone, in row 0 of the tile)."""
+    expert's ``count`` pairs; per-pair: the pair ``row0`` alone, in row 0 of the tile).
+
+    TMA: the weight tiles come through ``w_desc`` (a descriptor over W13 as [E * 2I, H], blocks
+    [BLOCK_N, BLOCK_K], gate and up halves not interleaved): a column tile past I reads the up
+    half or the next expert (finite, never stored), past the last expert TMA fills zeros. WS asks
+    Triton to warp-specialize the loop (loads and MMAs in separate warps)."""
     offs_m = tl.arange(0, BLOCK_M)
     if PER_PAIR:
         row_valid = offs_m == 0
@@ -334,16 +344,27 @@ def _gemm1_tile(
     wu_ptrs = w_base + up_rows[None, :].to(tl.int64) * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden_size, BLOCK_K):
-        k_valid = k0 + offs_k < hidden_size
-        x = tl.load(x_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        wg = tl.load(wg_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-        wu = tl.load(wu_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-        acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
-        x_ptrs += BLOCK_K * stride_xh
-        wg_ptrs += BLOCK_K * stride_wh
-        wu_ptrs += BLOCK_K * stride_wh
+    if TMA:
+        gate_row = expert * (2 * inter_size) + pid_n * BLOCK_N
+        for k0 in tl.range(0, hidden_size, BLOCK_K, warp_specialize=WS):
+            k_valid = k0 + offs_k < hidden_size
+            x = tl.load(x_ptrs + k0 * stride_xh, mask=row_valid[:, None] & k_valid[None, :],
+                        other=0.0)  # fmt: skip
+            wg = w_desc.load([gate_row, k0])  # [N, K]
+            wu = w_desc.load([gate_row + inter_size, k0])
+            acc_g = tl.dot(x, wg.T, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(x, wu.T, acc_u, input_precision=PRECISION)
+    else:
+        for k0 in range(0, hidden_size, BLOCK_K):
+            k_valid = k0 + offs_k < hidden_size
+            x = tl.load(x_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            wg = tl.load(wg_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+            acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
+            x_ptrs += BLOCK_K * stride_xh
+            wg_ptrs += BLOCK_K * stride_wh
+            wu_ptrs += BLOCK_K * stride_wh
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         b_base = bias_ptr + expert.to(tl.int64) * stride_be
@@ -374,6 +395,7 @@ def _gemm1_tile(
 def _gemm1_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2I, H]
+    w_desc,  # TMA: descriptor over w as [E * 2I, H]; else w_ptr again (unused)
     bias_ptr,  # [E, 2I] or dummy
     out_ptr,  # [P, I] (per-pair: [N, I])
     sorted_ptr,  # [P] pair at each padded row (sorted path)
@@ -403,6 +425,8 @@ def _gemm1_kernel(
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     PER_PAIR: tl.constexpr,
+    TMA: tl.constexpr,
+    WS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     REMAINDER_M: tl.constexpr,  # 0, or the rows of an expert's last tile when they fit it
     BLOCK_N: tl.constexpr,
@@ -421,7 +445,7 @@ def _gemm1_kernel(
     if expert >= num_experts:
         return
     args = (
-        x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, topk_weights_ptr,
+        x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, sorted_ptr, topk_weights_ptr,
         expert, row0, first, count, pid_n, hidden_size, inter_size, top_k,
         stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_be, stride_bn, stride_om,
         stride_tw, alpha, limit,
@@ -429,23 +453,25 @@ def _gemm1_kernel(
     # An expert's last block with at most REMAINDER_M pairs left runs a REMAINDER_M-row tile
     # (Triton compiles both branches); its padding rows past REMAINDER_M are never touched.
     if REMAINDER_M > 0 and count - first <= REMAINDER_M:
-        _gemm1_tile(*args, ACTIVATION, INTERLEAVED, HAS_BIAS, PRECISION, PER_PAIR,
+        _gemm1_tile(*args, ACTIVATION, INTERLEAVED, HAS_BIAS, PRECISION, PER_PAIR, TMA, WS,
                     REMAINDER_M, BLOCK_N, BLOCK_K)  # fmt: skip
     else:
-        _gemm1_tile(*args, ACTIVATION, INTERLEAVED, HAS_BIAS, PRECISION, PER_PAIR,
+        _gemm1_tile(*args, ACTIVATION, INTERLEAVED, HAS_BIAS, PRECISION, PER_PAIR, TMA, WS,
                     BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 @triton.jit
 def _gemm2_tile(
-    a_ptr, w_ptr, bias_ptr, topk_weights_ptr, out_ptr, sorted_ptr,
+    a_ptr, w_ptr, w_desc, bias_ptr, topk_weights_ptr, out_ptr, sorted_ptr,
     expert, row0, first, count, pid_n, hidden_size, inter_size, top_k,
     stride_am, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_tw, stride_om,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of GEMM 2 over the padded rows ``row0`` on, weighted by each
-    pair's routing weight, stored per pair (or added into its token's fp32 row: ATOMIC)."""
+    pair's routing weight, stored per pair (or added into its token's fp32 row: ATOMIC). TMA: the
+    weight tiles through ``w_desc`` (W2 as [E * H, I], blocks [BLOCK_N, BLOCK_K]), as GEMM 1's."""
     offs_m = tl.arange(0, BLOCK_M)
     row_valid = first + offs_m < count
     rows = (row0 + offs_m).to(tl.int64)
@@ -461,13 +487,21 @@ def _gemm2_tile(
         + cols[None, :].to(tl.int64) * stride_wn
     )  # [K, N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter_size, BLOCK_K):
-        k_valid = k0 + offs_k < inter_size
-        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+    if TMA:
+        w_row = expert * hidden_size + pid_n * BLOCK_N
+        for k0 in tl.range(0, inter_size, BLOCK_K, warp_specialize=WS):
+            k_valid = k0 + offs_k < inter_size
+            a = tl.load(a_ptrs + k0, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            w = w_desc.load([w_row, k0])  # [N, K]
+            acc = tl.dot(a, w.T, acc, input_precision=PRECISION)
+    else:
+        for k0 in range(0, inter_size, BLOCK_K):
+            k_valid = k0 + offs_k < inter_size
+            a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         b_base = bias_ptr + expert.to(tl.int64) * stride_be
@@ -487,6 +521,7 @@ def _gemm2_tile(
 def _gemm2_kernel(
     a_ptr,  # [P, I] activations
     w_ptr,  # [E, H, I]
+    w_desc,  # TMA: descriptor over w as [E * H, I]; else w_ptr again (unused)
     bias_ptr,  # [E, H] or dummy
     topk_weights_ptr,  # [N] (flattened [T, K])
     out_ptr,  # [N, H]: each pair's weighted expert output (ATOMIC: fp32 [T, H], summed into)
@@ -510,6 +545,8 @@ def _gemm2_kernel(
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     ATOMIC: tl.constexpr,
+    TMA: tl.constexpr,
+    WS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     REMAINDER_M: tl.constexpr,  # as GEMM 1's (both walk the same tiles)
     BLOCK_N: tl.constexpr,
@@ -521,14 +558,14 @@ def _gemm2_kernel(
     if expert >= num_experts:
         return
     args = (
-        a_ptr, w_ptr, bias_ptr, topk_weights_ptr, out_ptr, sorted_ptr,
+        a_ptr, w_ptr, w_desc, bias_ptr, topk_weights_ptr, out_ptr, sorted_ptr,
         expert, pid_m * BLOCK_M, first, count, pid_n, hidden_size, inter_size, top_k,
         stride_am, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_tw, stride_om,
     )  # fmt: skip
     if REMAINDER_M > 0 and count - first <= REMAINDER_M:
-        _gemm2_tile(*args, HAS_BIAS, PRECISION, ATOMIC, REMAINDER_M, BLOCK_N, BLOCK_K)
+        _gemm2_tile(*args, HAS_BIAS, PRECISION, ATOMIC, TMA, WS, REMAINDER_M, BLOCK_N, BLOCK_K)
     else:
-        _gemm2_tile(*args, HAS_BIAS, PRECISION, ATOMIC, BLOCK_M, BLOCK_N, BLOCK_K)
+        _gemm2_tile(*args, HAS_BIAS, PRECISION, ATOMIC, TMA, WS, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -749,6 +786,24 @@ def _configs(
     return {"per_pair": False, "combine": "sum", "gemm1": gemm1, "gemm2": gemm2}
 
 
+def _weight_descriptors(config: dict, w13: torch.Tensor, w2: torch.Tensor, interleaved: bool):
+    """(descriptor over W13 as [E * 2I, H], over W2 as [E * H, I]) for a config asking for TMA
+    weight loads ("tma": True, sorted path), or None where TMA cannot serve: interleaved gate/up
+    columns, weights not contiguous or not 16-byte aligned (TMA's rule for the base and the
+    row stride), a Triton without host descriptors."""
+    if not config.get("tma") or config["per_pair"] or interleaved:
+        return None
+    if TensorDescriptor is None or not (w13.is_contiguous() and w2.is_contiguous()):
+        return None
+    if any(t.data_ptr() % 16 or t.shape[-1] * t.element_size() % 16 for t in (w13, w2)):
+        return None
+    g1, g2 = config["gemm1"], config["gemm2"]
+    return (
+        TensorDescriptor.from_tensor(w13.view(-1, w13.shape[-1]), [g1["BLOCK_N"], g1["BLOCK_K"]]),
+        TensorDescriptor.from_tensor(w2.view(-1, w2.shape[-1]), [g2["BLOCK_N"], g2["BLOCK_K"]]),
+    )
+
+
 def _split_group(cfg: dict, num_row_blocks: int) -> tuple[dict, int]:
     """(launch config, group_m): GROUP_M travels as a runtime argument (no recompile per value);
     without one, all row blocks form one group (column tile by column tile)."""
@@ -797,6 +852,10 @@ def fused_moe(
         raise ValueError(f"combine={combine!r}: expected one of {COMBINE_MODES} ('token' needs "
                          "the per-pair path)")  # fmt: skip
     remainder_m = 0 if per_pair else config.get("remainder_m", 0)
+    descriptors = _weight_descriptors(config, w13, w2, gate_up_interleaved)
+    tma = descriptors is not None
+    w13_desc, w2_desc = descriptors if tma else (w13, w2)
+    warp_specialize = tma and bool(config.get("ws"))
 
     if per_pair:
         gemm1, group1 = _split_group(config["gemm1"], num_pairs)
@@ -839,14 +898,14 @@ def fused_moe(
 
     grid1 = (num_row_blocks * triton.cdiv(inter_size, gemm1["BLOCK_N"]),)
     _gemm1_kernel[grid1](
-        hidden_states, w13, b13, activated, sorted_ids, counts, ends, ids, weights,
+        hidden_states, w13, w13_desc, b13, activated, sorted_ids, counts, ends, ids, weights,
         num_row_blocks, group1, num_experts, hidden_size, inter_size, top_k,
         hidden_states.stride(0), hidden_states.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2), *bias13_strides, activated.stride(0),
         weights.stride(0), float(swiglu_alpha), float(swiglu_limit),
         ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=bool(gate_up_interleaved),
-        HAS_BIAS=w13_bias is not None, PRECISION=precision, PER_PAIR=per_pair,
-        REMAINDER_M=remainder_m, BLOCK_E=block_e, **gemm1,
+        HAS_BIAS=w13_bias is not None, PRECISION=precision, PER_PAIR=per_pair, TMA=tma,
+        WS=warp_specialize, REMAINDER_M=remainder_m, BLOCK_E=block_e, **gemm1,
     )  # fmt: skip
 
     out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)  # [T, H]
@@ -892,12 +951,12 @@ def fused_moe(
         dest = torch.empty((num_pairs, hidden_size), dtype=dtype, device=device)  # [N, H]
     grid2 = (num_row_blocks * triton.cdiv(hidden_size, gemm2["BLOCK_N"]),)
     _gemm2_kernel[grid2](
-        activated, w2, b2, weights, dest, sorted_ids, counts, ends,
+        activated, w2, w2_desc, b2, weights, dest, sorted_ids, counts, ends,
         num_row_blocks, group2, num_experts, hidden_size, inter_size, top_k,
         activated.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *bias2_strides,
         weights.stride(0), dest.stride(0),
-        HAS_BIAS=w2_bias is not None, PRECISION=precision, ATOMIC=atomic,
-        REMAINDER_M=remainder_m, BLOCK_E=block_e, **gemm2,
+        HAS_BIAS=w2_bias is not None, PRECISION=precision, ATOMIC=atomic, TMA=tma,
+        WS=warp_specialize, REMAINDER_M=remainder_m, BLOCK_E=block_e, **gemm2,
     )  # fmt: skip
     if atomic:
         return out.copy_(summed)
