@@ -350,16 +350,16 @@ def test_fused_moe_gpu_real_sizes(triton_backend, shape, num_tokens):
         (4096, "atomic", "hist", 64),
         (4096, "sum", "sort", 16),
         (4096, "sum_kernel", "hist", 32),
+        (4096, "sum_kernel", "hist", "pointers"),
         (4096, "sum_kernel", "hist", "tma"),
-        (4096, "sum_kernel", "hist", "tma+ws"),
-        (256, "sum_kernel", "hist", "tma"),
+        (256, "sum_kernel", "hist", "tma+ws"),
     ],
 )
 def test_fused_moe_gpu_combines_and_aligns(triton_backend, num_tokens, combine, align,
                                            remainder_m):  # fmt: skip
-    """The non-default combines, align modes, mixed tiles and TMA weight loads ("tma": with the
-    default remainder tile; "+ws": warp-specialized) at the Qwen3-30B-A3B shape (default tiles:
-    128 rows from 2048 tokens on)."""
+    """The non-default combines, align modes, mixed tiles and weight loads ("pointers": no TMA;
+    "tma": TMA without warp specialization; "tma+ws": both, on the 16-row tiles) at the
+    Qwen3-30B-A3B shape (default tiles: 128 rows from 2048 tokens on)."""
     from atom_kernels.backends.triton import moe
 
     num_experts, top_k, hidden, inter = QWEN3_30B_A3B
@@ -369,7 +369,7 @@ def test_fused_moe_gpu_combines_and_aligns(triton_backend, num_tokens, combine, 
     if align:
         config["align"] = align
     if isinstance(remainder_m, str):
-        config.update(tma=True, ws=remainder_m == "tma+ws")
+        config.update(tma=remainder_m != "pointers", ws=remainder_m == "tma+ws")
     elif remainder_m:
         config["remainder_m"] = remainder_m
     _check(triton_backend, *inputs[:5], tol=(5e-2, 5e-2), config=config)

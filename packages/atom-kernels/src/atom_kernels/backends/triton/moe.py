@@ -29,6 +29,12 @@ block is never read nor written), so e.g. 260 pairs cost 128 + 128 + 32 rows of 
 3 x 128. Both GEMMs take the same branch for a block (same counts), so GEMM 2 reads exactly the
 rows GEMM 1 wrote. The program order is unchanged: the small tile runs beside its expert's full
 tiles and reads the expert's weights from L2.
+
+TMA (a config's "tma", prefill configs on Hopper and newer): both GEMMs load their weight tiles
+through host-built tensor descriptors instead of pointer arithmetic, and ("ws") Triton
+warp-specializes the K loop (producer warps issue the copies, consumer warps the MMAs). The
+activations stay pointer loads (GEMM 1 gathers token rows). Interleaved gate/up weights (GPT-OSS)
+and weights that break TMA's alignment rules fall back to pointer loads.
 """
 
 from __future__ import annotations
@@ -759,7 +765,8 @@ def _configs(
         # Qwen3-30B-A3B T=16 90%, Mixtral T=16 99% of copy bandwidth.
         gemm1 = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
         gemm2 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
-    elif rows_per_expert <= 64:
+        return {"per_pair": False, "combine": "sum", "gemm1": gemm1, "gemm2": gemm2}
+    if rows_per_expert <= 64:
         # Mixtral T=256: 1.052 ms (89%) with mixed tiles and the hist align, 1.234 ms with
         # 32-row tiles, the sort align and torch's sum.
         gemm1 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
@@ -768,22 +775,40 @@ def _configs(
             "per_pair": False, "combine": "sum_kernel", "align": "hist", "remainder_m": 32,
             "gemm1": gemm1, "gemm2": gemm2,
         }  # fmt: skip
-    elif rows_per_expert <= 512:
+    tma = _tma_capable(device)
+    if rows_per_expert <= 512:
         # Many small GEMMs (Qwen3-30B-A3B prefill: ~256 +- 16 rows per expert). 128-row tiles,
-        # an expert's last <= 32 rows in a 32-row tile (padding to 128 wasted ~25% of the MMA
-        # work), the hist align, GEMM 2 256 columns wide in groups of 4 row blocks: T=4096
-        # 0.803 ms (54% of the matmul rate) against 0.907 ms without mixed tiles and with the sort
-        # align and GEMM 2 at 128x128 / 3 stages / groups of 8.
+        # an expert's last rows in a smaller tile (padding to 128 wasted ~25% of the MMA work),
+        # the hist align, GEMM 2 256 columns wide in groups of 4 row blocks. T=4096: 0.759 ms
+        # (59% of the matmul rate) with TMA weight loads in a warp-specialized loop and 64-row
+        # remainders, 0.821 ms without TMA (32-row remainders), 0.907 ms in session 2 (no mixed
+        # tiles, sort align, GEMM 2 at 128x128 / 3 stages / groups of 8).
         gemm1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=1)
         gemm2 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=4)
         return {
-            "per_pair": False, "combine": "sum_kernel", "align": "hist", "remainder_m": 32,
+            "per_pair": False, "combine": "sum_kernel", "align": "hist",
+            "remainder_m": 64 if tma else 32, "tma": tma, "ws": tma,
             "gemm1": gemm1, "gemm2": gemm2,
         }  # fmt: skip
-    else:  # prefill over few large experts (Mixtral T=4096: 67-72% of the matmul rate)
-        gemm1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=8)
-        gemm2 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=8)
-    return {"per_pair": False, "combine": "sum", "gemm1": gemm1, "gemm2": gemm2}
+    # Prefill over few large experts. Mixtral T=4096: 4.96 ms (85% of the matmul rate) with TMA
+    # weight loads in a warp-specialized loop, 64-row remainders and the Triton sum; 6.01 ms (70%)
+    # without (torch's sum, no mixed tiles). fp32 atomics instead of the sum: 4.78 ms, but not
+    # bitwise reproducible.
+    gemm1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=8)
+    gemm2 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=8)
+    if not tma:
+        return {"per_pair": False, "combine": "sum", "gemm1": gemm1, "gemm2": gemm2}
+    return {
+        "per_pair": False, "combine": "sum_kernel", "align": "hist", "remainder_m": 64,
+        "tma": True, "ws": True, "gemm1": gemm1, "gemm2": gemm2,
+    }  # fmt: skip
+
+
+def _tma_capable(device: torch.device) -> bool:
+    """TMA weight loads: NVIDIA Hopper or newer (compute capability 9+), with host descriptors."""
+    if TensorDescriptor is None or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _weight_descriptors(config: dict, w13: torch.Tensor, w2: torch.Tensor, interleaved: bool):
