@@ -123,6 +123,34 @@ def test_greedy_matches_transformers_with_prefix_caching(moe, greedy_reference):
     assert hits == sum((len(p) - 1) // 4 * 4 for p in prompts)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_gpu_greedy_matches_transformers(name, tmp_path, greedy_reference):
+    """On a GPU (float32, CUDA graphs): the same tokens as transformers on the CPU. Two long
+    prompts put ~150 pairs on each expert in the first step, so the Triton fused MoE's prefill
+    configuration runs (TMA weight loads on Hopper), beside the decode and mid-size ones."""
+    from atom_models.testing import save_random_checkpoint
+
+    hf = save_random_checkpoint(CONFIGS[name](), tmp_path, seed=13)  # no tokenizer: ids only
+    gen = torch.Generator().manual_seed(7)
+    prompts = prompt_ids() + [
+        torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (200, 240)
+    ]
+    expected = [greedy_reference(hf, p, MAX_TOKENS, None) for p in prompts]
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        device="cuda",
+        skip_tokenizer_init=True,
+        block_size=16,
+        num_kv_blocks=256,
+    )
+    assert llm.engine.runner.graphs is not None
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected, name
+
+
 # -- atom serve --------------------------------------------------------------------------------
 
 

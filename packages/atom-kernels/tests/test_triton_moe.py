@@ -339,6 +339,16 @@ def test_fused_moe_gpu_real_sizes(triton_backend, shape, num_tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 256, 2048])
+def test_fused_moe_gpu_float32(triton_backend, num_tokens):
+    """float32 through every default configuration (the tiles are tuned for 16-bit weights; the
+    K tile halves for 4-byte ones so the pipeline stages fit in shared memory)."""
+    num_experts, top_k, hidden, inter = QWEN3_30B_A3B
+    inputs = _inputs(num_tokens, num_experts, top_k, hidden, inter, torch.float32, "cuda", seed=3)
+    _check(triton_backend, *inputs[:5], tol=(1e-4, 1e-4))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("num_tokens", "combine", "align", "remainder_m"),
     [

@@ -863,6 +863,11 @@ def fused_moe(
         return torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device)
     if config is None:
         config = _configs(num_tokens, top_k, num_experts, hidden_size, inter_size, device)
+        if dtype.itemsize > 2:  # the tiles are tuned for 16-bit weights: same bytes per stage,
+            # and no warp specialization (float32 dots run on FMA units, not the tensor cores)
+            for gemm in ("gemm1", "gemm2"):
+                config[gemm] = dict(config[gemm], BLOCK_K=max(16, config[gemm]["BLOCK_K"] // 2))
+            config["ws"] = False
     ids = topk_ids.reshape(-1)
     weights = topk_weights.reshape(-1)
     precision = "ieee" if dtype == torch.float32 else "tf32"
