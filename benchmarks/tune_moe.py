@@ -189,7 +189,9 @@ def stage_tma(best: dict) -> list[dict]:
     if best["per_pair"]:
         return []
     tma = _with(best, tma=True, ws=False)
-    out = [tma, _with(best, tma=True, ws=True)]
+    out = [tma]
+    if best["gemm1"]["BLOCK_M"] >= 64:  # fused_moe ignores "ws" on smaller tiles
+        out.append(_with(best, tma=True, ws=True))
     for s1, s2 in ((3, 3), (5, 4), (4, 3), (3, 4)):
         out.append(_with(_with(tma, "gemm1", num_stages=s1), "gemm2", num_stages=s2))
     return out

@@ -274,8 +274,9 @@ def test_fused_moe_tma_weight_loads(
     x, w13, w2, weights, _, b13, b2 = _inputs(
         81, len(counts), 2, 40, 24, dtype, device, seed=13, bias=True
     )
-    config = _config(False, group_m=3, combine="sum_kernel", align="hist", block_m=32,
-                     remainder_m=remainder_m)  # fmt: skip
+    # Warp specialization is honoured from 64-row tiles on.
+    config = _config(False, group_m=3, combine="sum_kernel", align="hist",
+                     block_m=64 if warp_specialize else 32, remainder_m=remainder_m)  # fmt: skip
     config.update(tma=True, ws=warp_specialize)
     assert (moe._weight_descriptors(config, w13, w2, interleaved) is None) == interleaved
     _check(triton_backend, x, w13, w2, weights, ids, activation, b13, b2, interleaved,
@@ -362,14 +363,15 @@ def test_fused_moe_gpu_float32(triton_backend, num_tokens):
         (4096, "sum_kernel", "hist", 32),
         (4096, "sum_kernel", "hist", "pointers"),
         (4096, "sum_kernel", "hist", "tma"),
-        (256, "sum_kernel", "hist", "tma+ws"),
+        (4096, "sum_kernel", "hist", "tma+ws"),
+        (256, "sum_kernel", "hist", "tma"),
     ],
 )
 def test_fused_moe_gpu_combines_and_aligns(triton_backend, num_tokens, combine, align,
                                            remainder_m):  # fmt: skip
     """The non-default combines, align modes, mixed tiles and weight loads ("pointers": no TMA;
-    "tma": TMA without warp specialization; "tma+ws": both, on the 16-row tiles) at the
-    Qwen3-30B-A3B shape (default tiles: 128 rows from 2048 tokens on)."""
+    "tma": TMA, also on the 16-row tiles at 256 tokens; "tma+ws": with a warp-specialized loop)
+    at the Qwen3-30B-A3B shape (default tiles: 128 rows from 2048 tokens on)."""
     from atom_kernels.backends.triton import moe
 
     num_experts, top_k, hidden, inter = QWEN3_30B_A3B

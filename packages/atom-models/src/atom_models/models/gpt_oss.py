@@ -76,7 +76,9 @@ class GptOssMLP(nn.Module):
             config.intermediate_size,
             activation="swiglu_oai",
             bias=True,
-            swiglu_alpha=config.swiglu_alpha,
+            # Published GPT-OSS configs carry swiglu_limit only: transformers 5.17's config has no
+            # swiglu_alpha (its modeling code fixes 1.702); later versions add the attribute.
+            swiglu_alpha=getattr(config, "swiglu_alpha", 1.702),
             swiglu_limit=config.swiglu_limit,
             checkpoint_transposed=True,
             checkpoint_interleaved=True,

@@ -31,8 +31,9 @@ rows GEMM 1 wrote. The program order is unchanged: the small tile runs beside it
 tiles and reads the expert's weights from L2.
 
 TMA (a config's "tma", prefill configs on Hopper and newer): both GEMMs load their weight tiles
-through host-built tensor descriptors instead of pointer arithmetic, and ("ws") Triton
-warp-specializes the K loop (producer warps issue the copies, consumer warps the MMAs). The
+through host-built tensor descriptors instead of pointer arithmetic, and (optional, "ws", tiles of
+64 rows or more) Triton warp-specializes the K loop (producer warps issue the copies, consumer
+warps the MMAs). The
 activations stay pointer loads (GEMM 1 gathers token rows). Interleaved gate/up weights (GPT-OSS)
 and weights that break TMA's alignment rules fall back to pointer loads.
 """
@@ -778,29 +779,30 @@ def _configs(
     tma = _tma_capable(device)
     if rows_per_expert <= 512:
         # Many small GEMMs (Qwen3-30B-A3B prefill: ~256 +- 16 rows per expert). 128-row tiles,
-        # an expert's last rows in a smaller tile (padding to 128 wasted ~25% of the MMA work),
-        # the hist align, GEMM 2 256 columns wide in groups of 4 row blocks. T=4096: 0.759 ms
-        # (59% of the matmul rate) with TMA weight loads in a warp-specialized loop and 64-row
-        # remainders, 0.821 ms without TMA (32-row remainders), 0.907 ms in session 2 (no mixed
-        # tiles, sort align, GEMM 2 at 128x128 / 3 stages / groups of 8).
+        # an expert's last <= 32 rows in a 32-row tile (padding to 128 wasted ~25% of the MMA
+        # work), the hist align, GEMM 2 256 columns wide in groups of 4 row blocks. T=4096:
+        # 0.755-0.770 ms (53-55% of the matmul rate) with TMA weight loads, 0.821 ms without,
+        # 0.907 ms in session 2 (no mixed tiles, sort align, GEMM 2 128x128 / 3 stages / groups
+        # of 8). A warp-specialized loop ("ws") measured within +-1% of it.
         gemm1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=1)
         gemm2 = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=4)
         return {
-            "per_pair": False, "combine": "sum_kernel", "align": "hist",
-            "remainder_m": 64 if tma else 32, "tma": tma, "ws": tma,
-            "gemm1": gemm1, "gemm2": gemm2,
+            "per_pair": False, "combine": "sum_kernel", "align": "hist", "remainder_m": 32,
+            "tma": tma, "gemm1": gemm1, "gemm2": gemm2,
         }  # fmt: skip
-    # Prefill over few large experts. Mixtral T=4096: 4.96 ms (85% of the matmul rate) with TMA
-    # weight loads in a warp-specialized loop, 64-row remainders and the Triton sum; 6.01 ms (70%)
-    # without (torch's sum, no mixed tiles). fp32 atomics instead of the sum: 4.78 ms, but not
-    # bitwise reproducible.
-    gemm1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=8)
-    gemm2 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=8)
+    # Prefill over few large experts. Mixtral T=4096: 4.98 ms (84% of the matmul rate) with TMA
+    # weight loads, 16-row remainders and the Triton sum; 6.01 ms (70%) without (torch's sum, no
+    # mixed tiles). fp32 atomics instead of the sum measured up to 4% faster, but the result is
+    # not bitwise reproducible.
     if not tma:
+        gemm1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=8)
+        gemm2 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=8)
         return {"per_pair": False, "combine": "sum", "gemm1": gemm1, "gemm2": gemm2}
+    gemm1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=8)
+    gemm2 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, GROUP_M=8)
     return {
-        "per_pair": False, "combine": "sum_kernel", "align": "hist", "remainder_m": 64,
-        "tma": True, "ws": True, "gemm1": gemm1, "gemm2": gemm2,
+        "per_pair": False, "combine": "sum_kernel", "align": "hist", "remainder_m": 16,
+        "tma": True, "gemm1": gemm1, "gemm2": gemm2,
     }  # fmt: skip
 
 
@@ -885,7 +887,9 @@ def fused_moe(
     descriptors = _weight_descriptors(config, w13, w2, gate_up_interleaved)
     tma = descriptors is not None
     w13_desc, w2_desc = descriptors if tma else (w13, w2)
-    warp_specialize = tma and bool(config.get("ws"))
+    # NOTE: Triton 3.6's warp specialization fails to compile ("PassManager::run failed") on
+    # 16-row tiles (no warpgroup MMA below 64 rows): honoured from 64-row tiles on.
+    warp_specialize = tma and bool(config.get("ws")) and config["gemm1"]["BLOCK_M"] >= 64
 
     if per_pair:
         gemm1, group1 = _split_group(config["gemm1"], num_pairs)
