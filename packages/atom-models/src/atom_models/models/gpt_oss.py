@@ -76,10 +76,10 @@ class GptOssMLP(nn.Module):
             config.intermediate_size,
             activation="swiglu_oai",
             bias=True,
-            # Published GPT-OSS configs carry swiglu_limit only: transformers 5.17's config has no
-            # swiglu_alpha (its modeling code fixes 1.702); later versions add the attribute.
+            # transformers 5.17's config has neither attribute (its modeling code fixes alpha
+            # 1.702 and limit 7.0); later versions carry both, with those defaults.
             swiglu_alpha=getattr(config, "swiglu_alpha", 1.702),
-            swiglu_limit=config.swiglu_limit,
+            swiglu_limit=getattr(config, "swiglu_limit", 7.0),
             checkpoint_transposed=True,
             checkpoint_interleaved=True,
         )
