@@ -153,6 +153,8 @@ def workload(name: str, n: int, seed: int = 0) -> list[tuple[int, int]]:
         return [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(n)]
     if name == "512x256":
         return [(512, 256)] * n
+    if name == "512x128":  # the device README's transformers reference row (batch 64)
+        return [(512, 128)] * n
     raise ValueError(name)
 
 
@@ -442,7 +444,7 @@ def main() -> None:
     d.add_argument("--no-async", action="store_true", help="synchronous steps (no overlap)")
     t = sub.add_parser("throughput")
     t.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    t.add_argument("--workload", choices=["nanovllm", "512x256"], required=True)
+    t.add_argument("--workload", choices=["nanovllm", "512x256", "512x128"], required=True)
     t.add_argument("--num-prompts", type=int, default=256)
     t.add_argument("--max-num-seqs", type=int, default=256)
     t.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -450,7 +452,7 @@ def main() -> None:
     t.add_argument("--hf-prompts", type=int, default=256)
     h = sub.add_parser("hf", help="transformers generate alone (throughput runs it in a child)")
     h.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    h.add_argument("--workload", choices=["nanovllm", "512x256"], required=True)
+    h.add_argument("--workload", choices=["nanovllm", "512x256", "512x128"], required=True)
     h.add_argument("--num-prompts", type=int, default=256)
     h.add_argument("--hf-batch", type=int, default=64)
     h.add_argument("--hf-prompts", type=int, default=256)
