@@ -167,12 +167,20 @@ def make_prompts(shape: str, name: str, n: int) -> tuple[list[list[int]], list[i
     return prompts, [o for _, o in lengths]
 
 
-def hf_generate_throughput(shape: str, prompts, outs, batch: int) -> dict:
+def hf_generate_throughput(shape: str, prompts, outs, batch: int, attention: str) -> dict:
     """transformers' generate on the same prompts (left-padded batches), random weights.
 
     Run in a process of its own (``hf`` subcommand): no memory or state left by the engine. One
-    untimed short generate first (CUDA context, cuBLAS handles, kernel selection)."""
+    untimed short generate first (CUDA context, cuBLAS handles, kernel selection).
+
+    attention "sdpa-no-cudnn" (the default) keeps torch's SDPA off its cuDNN backend: with it
+    (torch 2.11 picks it on an H100), every new key length builds a cuDNN plan, so a first
+    generate pays for one per decode step (on an H100, batch 1: 113 ms a step against ~45 warm).
+    Flash attention needs no plan: the baseline runs at its steady rate from the first step."""
     from transformers import AutoModelForCausalLM
+
+    if attention == "sdpa-no-cudnn":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
     config = SHAPES[shape]()
     device = "cuda" if torch.cuda.is_available() else "cpu"  # (CPU: a smoke test of the script)
@@ -218,12 +226,13 @@ def hf_generate_throughput(shape: str, prompts, outs, batch: int) -> dict:
         "batch_size": batch,
         "num_prompts": len(prompts),
         "batch_s": batch_s,
+        "attention": attention,
         "transformers": __import__("transformers").__version__,
         "process": "separate",
     }
 
 
-def run_hf_separately(args) -> dict:
+def run_hf_separately(args, batch: int) -> dict:
     """``hf_generate_throughput`` in a fresh Python process (this file's ``hf`` subcommand)."""
     import subprocess
     import tempfile
@@ -232,17 +241,20 @@ def run_hf_separately(args) -> dict:
         out = Path(tmp) / "hf.json"
         cmd = [
             sys.executable, __file__, "hf", "--shape", args.shape, "--workload", args.workload,
-            "--num-prompts", str(args.num_prompts), "--hf-batch", str(args.hf_batch),
-            "--hf-prompts", str(args.hf_prompts), "--out", str(out),
+            "--num-prompts", str(args.num_prompts), "--hf-batch", str(batch),
+            "--hf-prompts", str(args.hf_prompts), "--hf-attention", args.hf_attention,
+            "--out", str(out),
         ]  # fmt: skip
         subprocess.run(cmd, check=True)
         return json.loads(out.read_text())
 
 
 def bench_hf(args) -> dict:
+    """The first max(hf_prompts, batch) prompts (at least one full batch)."""
     prompts, outs = make_prompts(args.shape, args.workload, args.num_prompts)
-    n = args.hf_prompts
-    return hf_generate_throughput(args.shape, prompts[:n], outs[:n], args.hf_batch)
+    batch = args.hf_batch[0]
+    n = max(args.hf_prompts, batch)
+    return hf_generate_throughput(args.shape, prompts[:n], outs[:n], batch, args.hf_attention)
 
 
 class StepRecorder:
@@ -420,15 +432,21 @@ def bench_throughput(args) -> dict:
     torch.cuda.empty_cache()
     result["gpu_bytes_held_during_transformers"] = torch.cuda.memory_reserved()
     Path(args.out).write_text(json.dumps(result, indent=2))  # kept if transformers fails
-    if args.hf_batch:
-        hf = run_hf_separately(args)
-        result["transformers"] = hf
-        result["speedup_vs_transformers"] = result["output_tok_per_s"] / hf["output_tok_per_s"]
+    runs = []
+    for batch in (b for b in args.hf_batch if b > 0):
+        hf = run_hf_separately(args, batch)
+        hf["speedup"] = result["output_tok_per_s"] / hf["output_tok_per_s"]
+        runs.append(hf)
         print(
-            f"transformers generate: {hf['output_tok_per_s']:.0f} out tok/s "
-            f"(first {args.hf_prompts} prompts); ATOM x{result['speedup_vs_transformers']:.1f}",
+            f"transformers generate, batch {batch}: {hf['output_tok_per_s']:.0f} out tok/s "
+            f"({hf['num_prompts']} prompts, {hf['attention']}); ATOM x{hf['speedup']:.1f}",
             flush=True,
         )
+        Path(args.out).write_text(json.dumps(dict(result, transformers_runs=runs), indent=2))
+    if runs:  # the first batch size is the headline comparison
+        result["transformers"] = runs[0]
+        result["speedup_vs_transformers"] = runs[0]["speedup"]
+        result["transformers_runs"] = runs
     return result
 
 
@@ -448,14 +466,26 @@ def main() -> None:
     t.add_argument("--num-prompts", type=int, default=256)
     t.add_argument("--max-num-seqs", type=int, default=256)
     t.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    t.add_argument("--hf-batch", type=int, default=64, help="0 skips transformers")
-    t.add_argument("--hf-prompts", type=int, default=256)
     h = sub.add_parser("hf", help="transformers generate alone (throughput runs it in a child)")
     h.add_argument("--shape", choices=sorted(SHAPES), required=True)
     h.add_argument("--workload", choices=["nanovllm", "512x256", "512x128"], required=True)
     h.add_argument("--num-prompts", type=int, default=256)
-    h.add_argument("--hf-batch", type=int, default=64)
-    h.add_argument("--hf-prompts", type=int, default=256)
+    for p in (t, h):
+        p.add_argument(
+            "--hf-batch",
+            type=int,
+            nargs="+",
+            default=[64],
+            help="transformers' batch size(s), one run each (0 skips transformers)",
+        )
+        p.add_argument(
+            "--hf-prompts",
+            type=int,
+            default=256,
+            help="prompts transformers runs (at least one full batch)",
+        )
+        p.add_argument("--hf-attention", choices=["sdpa-no-cudnn", "sdpa"],
+                       default="sdpa-no-cudnn")  # fmt: skip
     for p in (d, t, h):
         p.add_argument("--out", required=True)
     args = parser.parse_args()

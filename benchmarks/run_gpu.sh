@@ -45,9 +45,9 @@ for phase in "$@"; do
         done ;;
     throughput)
         timeout 280 python3 benchmarks/engine_bench.py throughput --shape qwen3-0.6b \
-            --workload nanovllm --hf-prompts 64 --out "$OUT/throughput-qwen3-0.6b.json" 2>&1 | tail -5
+            --workload nanovllm --hf-batch 64 256 --hf-prompts 64 --out "$OUT/throughput-qwen3-0.6b.json" 2>&1 | tail -5
         timeout 280 python3 benchmarks/engine_bench.py throughput --shape llama3-8b \
-            --workload 512x256 --hf-prompts 64 --out "$OUT/throughput-llama3-8b.json" 2>&1 | tail -5 ;;
+            --workload 512x256 --hf-batch 64 256 --hf-prompts 64 --out "$OUT/throughput-llama3-8b.json" 2>&1 | tail -5 ;;
     serve)
         model=$(python3 benchmarks/shapes.py qwen3-0.6b .bench_assets/tokenizer /tmp/qwen3-serve)
         python3 -m atom_engine.cli.main serve --model "$model" --load-format dummy --port 8011 \
