@@ -248,7 +248,7 @@ def test_prefill_only_batch_int64_metadata(triton_backend):
 
 
 def test_public_op_through_the_registry(triton_backend, monkeypatch):
-    """ak.paged_attention with ATOM_KERNEL_BACKEND=triton runs the custom op; out= semantics."""
+    """ak.paged_attention with ATOM_KERNEL_BACKEND=triton runs the Triton entry; out= semantics."""
     import atom_kernels as ak
     from atom_kernels import registry
 
@@ -258,7 +258,8 @@ def test_public_op_through_the_registry(triton_backend, monkeypatch):
     registry._reset_for_tests()
     try:
         device = triton_backend.device
-        assert ak.get_op("paged_attention", device) is triton_backend.custom_ops.paged_attention
+        entry = triton_backend.custom_ops.ENTRIES["paged_attention"]
+        assert ak.get_op("paged_attention", device) is entry
         batch = PagedBatch(MIXED[:4], MQA, torch.bfloat16, device, seed=6)
         args = batch.args({"sliding_window": 5})
         keywords = ("sliding_window", "sinks", "soft_cap", "k_scale", "v_scale")

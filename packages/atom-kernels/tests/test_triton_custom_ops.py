@@ -4,6 +4,7 @@ schemas that match what they mutate and fake implementations that match their ou
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import atom_kernels as ak
 from atom_kernels import registry
@@ -24,12 +25,56 @@ KERNEL_OPS = {"linear": "skinny_linear", "sample": "sample"}
 def test_every_triton_op_is_registered(triton_backend):
     assert set(OPS) <= set(registry.registered_ops("triton"))
     for name in OPS:
-        assert registry._IMPLS["triton"][name] is getattr(triton_backend.custom_ops, name)
+        assert registry._IMPLS["triton"][name] is triton_backend.custom_ops.ENTRIES[name]
         assert hasattr(torch.ops.atom, f"triton_{name}")
-    assert registry._IMPLS["triton"]["linear"] is triton_backend.custom_ops.linear_op
-    assert registry._IMPLS["triton"]["sample"] is triton_backend.custom_ops.sample_op
+    for name in ("linear", "sample", "fused_moe"):
+        assert registry._IMPLS["triton"][name] is triton_backend.custom_ops.ENTRIES[name]
     for kernel in KERNEL_OPS.values():
         assert hasattr(torch.ops.atom, f"triton_{kernel}")
+
+
+def test_entries_direct_in_eager_custom_op_under_compile(triton_backend, monkeypatch):
+    """The registry's entry calls the Triton host code directly in eager code and the custom op
+    under torch.compile (one opaque node in the traced graph); both give the same result as the
+    custom op called in eager."""
+    custom_ops = triton_backend.custom_ops
+    device = triton_backend.device
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 64, generator=g).to(device)
+    weight = torch.randn(64, generator=g).to(device)
+    expected = custom_ops.rms_norm(x, weight, 1e-6)
+    entry = custom_ops.ENTRIES["rms_norm"]
+
+    class Dispatched(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Dispatched() as seen:
+        out = entry(x, weight, 1e-6)
+    assert not any("atom" in op for op in seen.ops)  # direct: no custom-op dispatch
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    monkeypatch.setattr(custom_ops, "DIRECT_EAGER", False)
+    with Dispatched() as seen:
+        entry(x, weight, 1e-6)
+    assert "atom.triton_rms_norm.default" in seen.ops
+    monkeypatch.undo()
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(lambda a, w: entry(a, w, 1e-6), backend=backend, fullgraph=True)(x, weight)
+    targets = [node.target for gm in graphs for node in gm.graph.nodes]
+    assert torch.ops.atom.triton_rms_norm.default in targets
+    torch.testing.assert_close(out, expected)
 
 
 def _cases(device):

@@ -315,7 +315,7 @@ def test_fused_moe_mixed_tiles_bad_remainder(triton_backend, remainder_m):
 def test_fused_moe_is_registered(triton_backend):
     from atom_kernels import registry
 
-    assert registry._IMPLS["triton"]["fused_moe"] is triton_backend.custom_ops.fused_moe
+    assert registry._IMPLS["triton"]["fused_moe"] is triton_backend.custom_ops.ENTRIES["fused_moe"]
     assert hasattr(torch.ops.atom, "triton_fused_moe")
 
 
