@@ -245,7 +245,11 @@ def run_hf_separately(args, batch: int) -> dict:
             "--hf-prompts", str(args.hf_prompts), "--hf-attention", args.hf_attention,
             "--out", str(out),
         ]  # fmt: skip
-        subprocess.run(cmd, check=True)
+        child = subprocess.run(cmd, capture_output=True, text=True)
+        if child.returncode != 0:  # e.g. out of memory at a large batch: recorded, run goes on
+            tail = (child.stderr or child.stdout).strip().splitlines()[-3:]
+            print(f"transformers at batch {batch} failed: {' | '.join(tail)}", flush=True)
+            return {"batch_size": batch, "error": tail, "returncode": child.returncode}
         return json.loads(out.read_text())
 
 
@@ -435,17 +439,21 @@ def bench_throughput(args) -> dict:
     runs = []
     for batch in (b for b in args.hf_batch if b > 0):
         hf = run_hf_separately(args, batch)
-        hf["speedup"] = result["output_tok_per_s"] / hf["output_tok_per_s"]
         runs.append(hf)
+        if "error" in hf:
+            continue
+        hf["speedup"] = result["output_tok_per_s"] / hf["output_tok_per_s"]
         print(
             f"transformers generate, batch {batch}: {hf['output_tok_per_s']:.0f} out tok/s "
             f"({hf['num_prompts']} prompts, {hf['attention']}); ATOM x{hf['speedup']:.1f}",
             flush=True,
         )
         Path(args.out).write_text(json.dumps(dict(result, transformers_runs=runs), indent=2))
-    if runs:  # the first batch size is the headline comparison
-        result["transformers"] = runs[0]
-        result["speedup_vs_transformers"] = runs[0]["speedup"]
+    done = [hf for hf in runs if "error" not in hf]
+    if done:  # the first batch size that ran is the headline comparison
+        result["transformers"] = done[0]
+        result["speedup_vs_transformers"] = done[0]["speedup"]
+    if runs:
         result["transformers_runs"] = runs
     return result
 
