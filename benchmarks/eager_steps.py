@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from engine_bench import StepRecorder  # noqa: E402
 from shapes import config_dir  # noqa: E402
 
 
@@ -58,17 +59,7 @@ def main() -> None:
     while engine.has_unfinished_requests():
         engine.step()
 
-    scheduled = []  # (time, prefill tokens, sequences) per scheduled step
-    schedule = engine.scheduler.schedule
-
-    def recorded():
-        batch = schedule()
-        if batch.seqs:
-            prefill = sum(n for n in batch.num_tokens if n > 1)
-            scheduled.append((time.perf_counter(), prefill, len(batch.seqs)))
-        return batch
-
-    engine.scheduler.schedule = recorded
+    recorder = StepRecorder(engine)
     for i, p in enumerate(prompts(args.requests)):
         engine.add_request(str(i), p, params)
     torch.cuda.synchronize()
@@ -78,9 +69,12 @@ def main() -> None:
         steps += 1
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    # (wall time to the next step, prefill tokens, sequences) per scheduled step
+    times = recorder.times
     walls = [
-        (b[0] - a[0], a[1], a[2]) for a, b in zip(scheduled, scheduled[1:], strict=False)
-    ]  # fmt: skip
+        (b - a, sum(n for n, _ in step if n > 1), len(step))
+        for a, b, step in zip(times, times[1:], recorder.steps, strict=False)
+    ]
     decode = [w for w, prefill, seqs in walls if prefill == 0 and seqs >= 48]
     mixed = [w for w, prefill, _ in walls if prefill > 0]
     result = {

@@ -222,6 +222,11 @@ def _(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, *r
     return None
 
 
+def _attention_out(query, value_cache, out):
+    """``out``, or a new [T, H, Dv] tensor when None."""
+    return _new_like(query, (*query.shape[:2], value_cache.shape[3])) if out is None else out
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -238,8 +243,7 @@ def paged_attention(
     out: torch.Tensor | None,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
-    if out is None:
-        out = _new_like(query, (*query.shape[:2], value_cache.shape[3]))
+    out = _attention_out(query, value_cache, out)
     _paged_attention_op(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
         sliding_window, sinks, soft_cap, *_split_scale(k_scale), *_split_scale(v_scale), out,
@@ -290,12 +294,18 @@ def _(x, weight, bias):
     return _new_like(x, (*x.shape[:-1], weight.shape[0]))
 
 
-def linear_op(x, weight, bias):
-    """A plain function, not a custom op: cuBLAS GEMMs stay visible to torch.compile and skip the
-    custom-op dispatch; only the Triton kernel is opaque."""
-    if linear.takes(x, weight):
-        return skinny_linear(x, weight, bias)
-    return torch.nn.functional.linear(x, weight, bias)
+def _linear_router(skinny):
+    def linear_op(x, weight, bias):
+        """A plain function, not a custom op: cuBLAS GEMMs stay visible to torch.compile and skip
+        the custom-op dispatch; only the Triton kernel (``skinny``) is opaque."""
+        if linear.takes(x, weight):
+            return skinny(x, weight, bias)
+        return torch.nn.functional.linear(x, weight, bias)
+
+    return linear_op
+
+
+linear_op = _linear_router(skinny_linear)
 
 
 # --- sampling ---------------------------------------------------------------------------------
@@ -316,16 +326,22 @@ def _(logits, temperature):
     return logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows, dtype=torch.float32)
 
 
-def sample_op(logits, temperature, top_k, top_p, min_p, generators, num_logprobs):
-    """A plain function (generators are not a schema type): the fused kernel where it applies,
-    the torch reference otherwise."""
-    if not sampling.takes(logits, top_k, top_p, min_p, generators, num_logprobs):
-        return sampling.reference.sample(
-            logits, temperature, top_k, top_p, min_p, generators, num_logprobs
-        )
-    token_ids, logprobs = fused_sample(logits, temperature)
-    empty = logits.new_empty((logits.shape[0], 0), dtype=torch.float32)
-    return SamplerOutput(token_ids, logprobs, empty, empty.to(torch.int64))
+def _sample_router(fused):
+    def sample_op(logits, temperature, top_k, top_p, min_p, generators, num_logprobs):
+        """A plain function (generators are not a schema type): the fused kernel (``fused``)
+        where it applies, the torch reference otherwise."""
+        if not sampling.takes(logits, top_k, top_p, min_p, generators, num_logprobs):
+            return sampling.reference.sample(
+                logits, temperature, top_k, top_p, min_p, generators, num_logprobs
+            )
+        token_ids, logprobs = fused(logits, temperature)
+        empty = logits.new_empty((logits.shape[0], 0), dtype=torch.float32)
+        return SamplerOutput(token_ids, logprobs, empty, empty.to(torch.int64))
+
+    return sample_op
+
+
+sample_op = _sample_router(fused_sample)
 
 
 # --- the registry's entries -------------------------------------------------------------------
@@ -338,29 +354,12 @@ def _paged_attention_direct(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
     sliding_window, sinks, soft_cap, k_scale, v_scale, out, max_query_len=None,
 ):  # fmt: skip
-    if out is None:
-        out = _new_like(query, (*query.shape[:2], value_cache.shape[3]))
+    out = _attention_out(query, value_cache, out)
     attention.paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
         sliding_window, sinks, soft_cap, k_scale, v_scale, out, max_query_len=max_query_len,
     )  # fmt: skip
     return out
-
-
-def _linear_direct(x, weight, bias):
-    if linear.takes(x, weight):
-        return linear.skinny_linear(x, weight, bias)
-    return torch.nn.functional.linear(x, weight, bias)
-
-
-def _sample_direct(logits, temperature, top_k, top_p, min_p, generators, num_logprobs):
-    if not sampling.takes(logits, top_k, top_p, min_p, generators, num_logprobs):
-        return sampling.reference.sample(
-            logits, temperature, top_k, top_p, min_p, generators, num_logprobs
-        )
-    token_ids, logprobs = sampling.fused_sample(logits, temperature)
-    empty = logits.new_empty((logits.shape[0], 0), dtype=torch.float32)
-    return SamplerOutput(token_ids, logprobs, empty, empty.to(torch.int64))
 
 
 def _router(name: str, traced, direct):
@@ -388,8 +387,8 @@ ENTRIES = {
         "reshape_and_cache": (reshape_and_cache, cache.reshape_and_cache),
         "paged_attention": (paged_attention, _paged_attention_direct),
         "fused_moe": (fused_moe, moe.fused_moe),
-        "linear": (linear_op, _linear_direct),
-        "sample": (sample_op, _sample_direct),
+        "linear": (linear_op, _linear_router(linear.skinny_linear)),
+        "sample": (sample_op, _sample_router(sampling.fused_sample)),
     }.items()
 }
 for _name, _entry in ENTRIES.items():
