@@ -8,6 +8,7 @@ from atom_kernels.backends.torch import (  # noqa: F401  (imported to register t
     attention,
     cache,
     linear,
+    mla,
     moe,
     norm,
     rotary,
