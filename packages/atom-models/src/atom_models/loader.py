@@ -7,6 +7,7 @@ the requested device, then filled from the checkpoint by name.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -37,7 +38,26 @@ def load_config(model: str | Path):
         )
     from transformers import AutoConfig
 
+    config_dict = json.loads((path / "config.json").read_text())
+    alias = _CONFIG_ALIASES.get(config_dict.get("model_type"))
+    if alias is not None:
+        return _aliased_config(path, config_dict, alias)
     return AutoConfig.from_pretrained(path)
+
+
+# Checkpoints whose config.json names a model_type transformers lacks (they ship their own
+# configuration code, for trust_remote_code) but whose fields are those of a transformers config.
+_CONFIG_ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
+def _aliased_config(path: Path, config_dict: dict, model_type: str):
+    """The transformers config of `model_type` from config.json's fields, running no code."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config_dict.items() if k not in ("model_type", "auto_map")}
+    config = AutoConfig.for_model(model_type, **fields)
+    config.name_or_path = str(path)
+    return config
 
 
 def iter_weights(model: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -2,7 +2,10 @@
 
 The runner allocates the cache (`bind_kv_cache`), then sets a `PagedAttentionMetadata` with
 `set_forward_context` around each forward. Each layer writes this step's K/V into its cache by slot
-mapping, then attends over the cache (cached prefix + new tokens).
+mapping, then attends over the cache (cached prefix + new tokens). Every layer kind that owns a
+paged cache (`NativeAttention` here, the latent cache of `NativeMLAAttention`) is a
+`NativeCacheLayer`: it says how many bytes a token costs it and binds its own cache, so the runner
+sizes blocks without knowing the layer kinds.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from torch import nn
 import atom_kernels
 from atom_models.forward_context import get_forward_context
 from atom_models.layers.attention import AttentionSpec
+from atom_models.layers.mla import MLAAttentionSpec
 
 
 @dataclass
@@ -69,7 +73,30 @@ class PagedAttentionMetadata:
         )
 
 
-class NativeAttention(nn.Module):
+class NativeCacheLayer(nn.Module):
+    """A native attention layer that owns a paged cache (`spec.layer_idx` orders them)."""
+
+    spec: AttentionSpec | MLAAttentionSpec
+
+    def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        raise NotImplementedError
+
+    def bind_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kv_scale: float | None,
+    ) -> tuple[torch.Tensor, ...]:
+        """Allocate (zeroed) and keep this layer's cache; returns its tensors."""
+        raise NotImplementedError
+
+    def release_cache(self) -> None:
+        raise NotImplementedError
+
+
+class NativeAttention(NativeCacheLayer):
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__()
         self.spec = spec
@@ -77,6 +104,20 @@ class NativeAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.k_scale: float | None = None  # fp8 caches only
         self.v_scale: float | None = None
+
+    def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.spec.num_kv_heads * self.spec.head_size * dtype.itemsize
+
+    def bind_cache(self, num_blocks, block_size, dtype, device, kv_scale):
+        shape = (num_blocks, block_size, self.spec.num_kv_heads, self.spec.head_size)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        if dtype == torch.float8_e4m3fn:
+            self.k_scale = self.v_scale = kv_scale
+        return self.k_cache, self.v_cache
+
+    def release_cache(self) -> None:
+        self.k_cache = self.v_cache = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
@@ -121,11 +162,21 @@ class NativeAttentionHost:
     def make_attention(self, spec: AttentionSpec) -> nn.Module:
         return NativeAttention(spec)
 
+    def make_mla_attention(self, spec: MLAAttentionSpec, kv_b_proj: nn.Module) -> nn.Module:
+        from atom_models.native_mla import NativeMLAAttention
 
-def native_attention_layers(model: nn.Module) -> list[NativeAttention]:
-    """The model's native attention layers in layer order."""
-    layers = [m for m in model.modules() if isinstance(m, NativeAttention)]
+        return NativeMLAAttention(spec, kv_b_proj)
+
+
+def native_attention_layers(model: nn.Module) -> list[NativeCacheLayer]:
+    """The model's native attention layers (every kind with a paged cache) in layer order."""
+    layers = [m for m in model.modules() if isinstance(m, NativeCacheLayer)]
     return sorted(layers, key=lambda m: m.spec.layer_idx)
+
+
+def kv_cache_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of paged cache one token takes over all of the model's attention layers."""
+    return sum(layer.cache_bytes_per_token(dtype) for layer in native_attention_layers(model))
 
 
 def bind_kv_cache(
@@ -135,16 +186,18 @@ def bind_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
     kv_scale: float | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Allocate a paged K and V cache for every attention layer and bind them to the layers."""
+) -> list[tuple[torch.Tensor, ...]]:
+    """Allocate a paged cache for every attention layer and bind it to the layer: (K, V) for
+    standard attention, (latent,) for MLA."""
     if dtype == torch.float8_e4m3fn and kv_scale is None:
         raise ValueError("an fp8 KV cache needs kv_scale (per-tensor scale of K and V)")
-    caches = []
+    return [
+        layer.bind_cache(num_blocks, block_size, dtype, device, kv_scale)
+        for layer in native_attention_layers(model)
+    ]
+
+
+def release_kv_cache(model: nn.Module) -> None:
+    """Drop every layer's cache (the runner's memory profile binds a temporary one)."""
     for layer in native_attention_layers(model):
-        shape = (num_blocks, block_size, layer.spec.num_kv_heads, layer.spec.head_size)
-        layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        if dtype == torch.float8_e4m3fn:
-            layer.k_scale = layer.v_scale = kv_scale
-        caches.append((layer.k_cache, layer.v_cache))
-    return caches
+        layer.release_cache()

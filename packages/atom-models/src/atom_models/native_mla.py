@@ -1,0 +1,143 @@
+"""ATOM's own MLA: a paged latent cache per layer, computed with atom_kernels.
+
+The cache holds, per token, only the normed latent c (L = kv_lora_rank) and the rotated rope key
+k_pe (R = qk_rope_head_dim): `[num_blocks, block_size, L + R]`, one "head" shared by every query
+head. `kv_b_proj.weight` [H * (Dn + Dv), L] holds each head's key up-projection W_UK [Dn, L] and
+value up-projection W_UV [Dv, L]. Two exact formulations of the same attention:
+
+- absorbed (decode): q_latent = q_nope @ W_UK, attention over the cache itself
+  (`atom_kernels.mla_paged_attention`: scores q_latent . c + q_pe . k_pe, values c), then the
+  output through W_UV. Reads L + R values per cached token, whatever H is.
+- expanded (prefill): the cached latents of the step's blocks go up through kv_b_proj to per-head
+  keys [k_nope, k_pe] and values, then ordinary paged attention. Cheaper in FLOPs when many query
+  rows share each key.
+
+`mode` picks one ("auto": absorbed for decode-only steps, expanded for steps with a prefill).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import atom_kernels
+from atom_models.forward_context import get_forward_context
+from atom_models.layers.mla import MLAAttentionSpec
+from atom_models.native_attention import NativeCacheLayer, PagedAttentionMetadata
+
+MODES = ("auto", "absorbed", "expanded")
+
+
+class NativeMLAAttention(NativeCacheLayer):
+    def __init__(self, spec: MLAAttentionSpec, kv_b_proj: nn.Module) -> None:
+        super().__init__()
+        self.spec = spec
+        # Held, not registered: kv_b_proj is the attention module's (and its checkpoint name).
+        self._kv_b_proj = (kv_b_proj,)
+        self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, L + R]
+        self.mode = "auto"
+
+    @property
+    def kv_b_proj(self) -> nn.Module:
+        return self._kv_b_proj[0]
+
+    # -- cache ---------------------------------------------------------------------------------
+
+    def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.spec.cache_size * dtype.itemsize
+
+    def bind_cache(self, num_blocks, block_size, dtype, device, kv_scale):
+        if dtype.itemsize == 1:
+            raise ValueError("an fp8 MLA latent cache is not supported yet; use the model dtype")
+        shape = (num_blocks, block_size, self.spec.cache_size)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        return (self.kv_cache,)
+
+    def release_cache(self) -> None:
+        self.kv_cache = None
+
+    # -- compute -------------------------------------------------------------------------------
+
+    def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, Dn, L] and W_UV [H, Dv, L], views of kv_b_proj's weight."""
+        spec = self.spec
+        weight = self.kv_b_proj.weight.view(
+            spec.num_heads, spec.qk_nope_head_dim + spec.v_head_dim, spec.kv_lora_rank
+        )
+        return weight.split([spec.qk_nope_head_dim, spec.v_head_dim], dim=1)
+
+    def forward(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
+    ) -> torch.Tensor:
+        # T = tokens, H = heads, Dn / R / Dv = nope / rope / value head dims, L = latent dim
+        md = get_forward_context().attn_metadata
+        if not isinstance(md, PagedAttentionMetadata):
+            raise RuntimeError(
+                "NativeMLAAttention needs a PagedAttentionMetadata set with set_forward_context()"
+            )
+        if self.kv_cache is None:
+            raise RuntimeError(
+                f"no latent cache bound to layer {self.spec.layer_idx}: call bind_kv_cache() first"
+            )
+        if self.mode not in MODES:
+            raise ValueError(f"MLA mode must be one of {MODES}, got {self.mode!r}")
+        atom_kernels.mla_cache_write(kv_c, k_pe, self.kv_cache, md.slot_mapping)
+        absorbed = self.mode == "absorbed" or (self.mode == "auto" and md.max_query_len == 1)
+        if absorbed:
+            out = self._absorbed(q_nope, q_pe, md)
+        else:
+            out = self._expanded(q_nope, q_pe, md)
+        return out.reshape(q_nope.shape[0], -1)  # [T, H * Dv]
+
+    def _absorbed(self, q_nope, q_pe, md: PagedAttentionMetadata) -> torch.Tensor:
+        w_uk, w_uv = self._up_weights()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
+        out_latent = atom_kernels.mla_paged_attention(
+            q_latent.contiguous(),
+            q_pe.contiguous(),
+            self.kv_cache,
+            md.block_tables,
+            md.seq_lens,
+            md.query_start_loc,
+            self.spec.scale,
+            max_query_len=md.max_query_len,
+        )  # [T, H, L]
+        return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _expanded(self, q_nope, q_pe, md: PagedAttentionMetadata) -> torch.Tensor:
+        # NOTE: every block the step's tables reach is expanded, up to max_seq_len per sequence
+        # (shorter sequences' padding blocks too): simple and free of host syncs.
+        spec = self.spec
+        num_heads, dn, dv = spec.num_heads, spec.qk_nope_head_dim, spec.v_head_dim
+        r = spec.qk_rope_head_dim
+        block_size = self.kv_cache.shape[1]
+        num_seqs = md.block_tables.shape[0]
+        max_blocks = -(-md.max_seq_len // block_size)
+        blocks = md.block_tables[:, :max_blocks].reshape(-1).long()  # [N] N = B * max_blocks
+        latent = self.kv_cache[blocks]  # [N, block_size, L + R]
+        c, k_pe = latent.split([spec.kv_lora_rank, r], dim=-1)
+        kv = self.kv_b_proj(c.reshape(-1, spec.kv_lora_rank))  # [N * block_size, H * (Dn + Dv)]
+        kv = kv.view(-1, block_size, num_heads, dn + dv)
+        k_nope, v = kv.split([dn, dv], dim=-1)
+        k = torch.cat((k_nope, k_pe[:, :, None, :].expand(-1, -1, num_heads, -1)), dim=-1)
+        tables = torch.arange(len(blocks), dtype=torch.int32, device=blocks.device)
+        q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, Dn + R]
+        return atom_kernels.paged_attention(
+            q,
+            k,  # [N, block_size, H, Dn + R]
+            v.contiguous(),  # [N, block_size, H, Dv]
+            tables.view(num_seqs, max_blocks),
+            md.seq_lens,
+            md.query_start_loc,
+            spec.scale,
+            max_query_len=md.max_query_len,
+        )  # [T, H, Dv]
+
+
+def set_mla_mode(model: nn.Module, mode: str) -> None:
+    """Force every native MLA layer of `model` to one formulation ("auto" restores the default)."""
+    if mode not in MODES:
+        raise ValueError(f"MLA mode must be one of {MODES}, got {mode!r}")
+    for module in model.modules():
+        if isinstance(module, NativeMLAAttention):
+            module.mode = mode
