@@ -25,7 +25,8 @@ from atom_models import load_model, set_forward_context
 from atom_models.native_attention import (
     PagedAttentionMetadata,
     bind_kv_cache,
-    native_attention_layers,
+    kv_cache_bytes_per_token,
+    release_kv_cache,
 )
 
 logger = logging.getLogger("atom_engine")
@@ -101,10 +102,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warm_up_sampling()
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s",
+            "KV cache: %d blocks of %d tokens (%d tokens fit, %d bytes per token, %.2f GiB) on %s",
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.block_size,
+            kv_cache_bytes_per_token(self.model, self.dtype),
             self.num_blocks * self._block_bytes() / GiB,
             self.device,
         )
@@ -128,11 +130,9 @@ class ModelRunner:
     # -- KV-cache sizing ----------------------------------------------------------------------
 
     def _block_bytes(self) -> int:
-        per_token = sum(
-            2 * layer.spec.num_kv_heads * layer.spec.head_size
-            for layer in native_attention_layers(self.model)
-        )
-        return per_token * self.block_size * self.dtype.itemsize
+        """One block of every layer's cache, from the layers' own cache specs (K and V per
+        head for standard attention, latent + rope key for MLA)."""
+        return kv_cache_bytes_per_token(self.model, self.dtype) * self.block_size
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -167,8 +167,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - baseline
         peak -= blocks * self._block_bytes()  # the profile's own temporary cache
-        for layer in native_attention_layers(self.model):
-            layer.k_cache = layer.v_cache = None
+        release_kv_cache(self.model)
         del hidden
         torch.cuda.empty_cache()
         in_use = total - free
@@ -288,21 +287,32 @@ class ModelRunner:
         """Sampled ids [B] on the device, without a host sync on the paths that need none
         (greedy; temperature with or without seeds; min_tokens masks and top-k / top-p / min-p
         filters read their flags on the host and may wait for the device)."""
-        logits = self._mask_stop_tokens(seqs, logits)
+        logits = self._mask_logits(seqs, logits)
         if all(s.params.is_greedy for s in seqs):
             # The argmax of 16-bit logits is that of their (exact) fp32 copies, ties included.
             return logits.argmax(dim=-1)
         return self._draw(seqs, logits).token_ids
 
     @staticmethod
-    def _mask_stop_tokens(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """Stop tokens masked out for sequences still short of min_tokens (a copy when any)."""
+    def _mask_logits(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Logits with what a row may not sample set to -inf (a copy when any): tokens outside
+        its allowed_token_ids, and its stop tokens while it is short of min_tokens."""
         masked = logits
         for i, s in enumerate(seqs):
-            if s.num_output_tokens < s.params.min_tokens and s.params.all_stop_token_ids:
-                if masked is logits:
-                    masked = logits.clone()
-                masked[i, list(s.params.all_stop_token_ids)] = float("-inf")
+            allowed = s.params.allowed_token_ids
+            stops = s.params.all_stop_token_ids
+            short = s.num_output_tokens < s.params.min_tokens and bool(stops)
+            if allowed is None and not short:
+                continue
+            if masked is logits:
+                masked = logits.clone()
+            if allowed is not None:
+                keep = torch.full_like(masked[i], float("-inf"))
+                index = torch.tensor(allowed, dtype=torch.long, device=logits.device)
+                keep[index] = 0.0
+                masked[i] += keep
+            if short:
+                masked[i, list(stops)] = float("-inf")
         return masked
 
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor, num_logprobs: int = 0):
@@ -331,7 +341,11 @@ class ModelRunner:
     ) -> dict[int, tuple[int, TopLogprobs | None]]:
         params = [s.params for s in seqs]
         if all(
-            p.is_greedy and p.logprobs is None and not p.has_penalties and p.min_tokens == 0
+            p.is_greedy
+            and p.logprobs is None
+            and not p.has_penalties
+            and p.min_tokens == 0
+            and p.allowed_token_ids is None
             for p in params
         ):
             # NOTE: the common greedy batch needs one argmax kernel and one sync; the sampler's
@@ -342,7 +356,7 @@ class ModelRunner:
         raw_logits = logits
         if any(s.params.has_penalties for s in seqs):
             logits = self._apply_penalties(seqs, logits)
-        logits = self._mask_stop_tokens(seqs, logits)
+        logits = self._mask_logits(seqs, logits)
         num_logprobs = max((p.logprobs or 0) for p in params)
         result = self._draw(seqs, logits, num_logprobs)
         token_ids = result.token_ids.tolist()
