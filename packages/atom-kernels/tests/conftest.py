@@ -89,7 +89,8 @@ def _fix_interpreter_casts(mp: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="session")
 def triton_backend():
     """Namespace: ``device`` ("cuda" or "cpu"), ``interpreted``, and the backend's modules
-    (``norm``, ``rotary``, ``activation``, ``cache``, ``attention``, ``custom_ops``)."""
+    (``norm``, ``rotary``, ``activation``, ``cache``, ``attention``, ``mla_cache``,
+    ``mla_attention``, ``custom_ops``)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     interpreted = interpreter_child()
@@ -106,6 +107,8 @@ def triton_backend():
         attention,
         cache,
         custom_ops,
+        mla_attention,
+        mla_cache,
         norm,
         rotary,
         sampling,
@@ -129,6 +132,8 @@ def triton_backend():
         attention=attention,
         cache=cache,
         custom_ops=custom_ops,
+        mla_attention=mla_attention,
+        mla_cache=mla_cache,
         norm=norm,
         rotary=rotary,
         sampling=sampling,

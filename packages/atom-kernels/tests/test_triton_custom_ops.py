@@ -17,6 +17,8 @@ OPS = [
     "gelu_and_mul",
     "reshape_and_cache",
     "paged_attention",
+    "mla_cache_write",
+    "mla_paged_attention",
 ]
 # Kernels behind plain-function ops (they route part of their work to torch): op -> custom op.
 KERNEL_OPS = {"linear": "skinny_linear", "sample": "sample"}
@@ -93,6 +95,7 @@ def _cases(device):
     qsl = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
     scale_t = torch.tensor([0.5], device=device)
     query, out = randn(4, 4, 16), randn(4, 4, 16)
+    latent_cache = randn(4, 8, 40 + 8)  # MLA: L = 40, R = 8
     ops = torch.ops.atom
     return {
         "rms_norm": (ops.triton_rms_norm, (x, weight, 1e-6)),
@@ -135,6 +138,24 @@ def _cases(device):
                 None,
                 None,
                 out,
+            ),
+        ),  # fmt: skip
+        "mla_cache_write": (
+            ops.triton_mla_cache_write,
+            (randn(3, 40), randn(3, 8), latent_cache.clone(), slots),
+        ),
+        "mla_paged_attention": (
+            ops.triton_mla_paged_attention,
+            (
+                randn(4, 5, 40),
+                randn(4, 5, 8),
+                latent_cache,
+                block_tables,
+                seq_lens,
+                qsl,
+                0.25,
+                randn(4, 5, 40),
+                None,
             ),
         ),  # fmt: skip
         "skinny_linear": (ops.triton_skinny_linear, (randn(3, 32), randn(40, 32), randn(40))),

@@ -1,0 +1,206 @@
+"""MLA decode (one query row per sequence): flash-decoding over the latent cache with several
+query heads per program.
+
+``mla_decode_kernel`` grid (B, cdiv(H, BLOCK_H), num_splits): one program takes one sequence,
+BLOCK_H query heads and one split of that sequence's context. Every head attends over the same
+cache rows (the latent is one shared kv "head"), so the heads form the M dim of both dots:
+logits = q_latent [BLOCK_H, L] @ c^T + q_pe [BLOCK_H, R] @ k_pe^T, and each latent tile c
+[BLOCK_N, L] is read once for BLOCK_H heads and is also the value tile (acc [BLOCK_H, L] += P @ c).
+Sequences whose query length is not 1 exit at once (the prefill kernel owns them).
+
+Splits follow paged attention's decode (attention_decode): each sequence cuts its context into at
+most ``num_splits`` splits of ``max(min_split_len, ceil(seq_len / num_splits))`` tokens. A
+sequence with one split finishes its rows in the program; with several, each program writes its
+partial (max, sum, acc) and ``mla_decode_reduce_kernel`` (grid (B, H, cdiv(L, BLOCK_C))) merges
+them, one chunk of the latent dim per program (a whole [splits, 512] fp32 tile would spill).
+"""
+
+import triton
+import triton.language as tl
+
+from atom_kernels.backends.triton.attention_common import LOG2E, softmax_step
+from atom_kernels.backends.triton.attention_decode import _split_len
+
+
+@triton.jit
+def load_latent_tile(
+    kv_cache_ptr,
+    block_table_ptr,
+    tokens,
+    token_mask,
+    block_size,
+    latent_dim,
+    rope_dim,
+    stride_kb,
+    stride_ks,
+    stride_kd,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Latent c [BLOCK_N, BLOCK_L] and rope key k_pe [BLOCK_N, BLOCK_R] of ``tokens`` (positions
+    in the sequence) through the block table; masked tokens and padded dims read as 0."""
+    block = tl.load(block_table_ptr + tokens // block_size, mask=token_mask, other=0).to(tl.int64)
+    rows = block * stride_kb + (tokens % block_size).to(tl.int64) * stride_ks
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    c = tl.load(
+        kv_cache_ptr + rows[:, None] + offs_l[None, :] * stride_kd,
+        mask=token_mask[:, None] & (offs_l < latent_dim)[None, :],
+        other=0.0,
+    )
+    k_pe = tl.load(
+        kv_cache_ptr + rows[:, None] + (latent_dim + offs_r)[None, :] * stride_kd,
+        mask=token_mask[:, None] & (offs_r < rope_dim)[None, :],
+        other=0.0,
+    )
+    return c, k_pe
+
+
+# NOTE: split sizes and the block table's width follow the batch's shapes; not specialized on (a
+# recompile per value mid-run; see attention_prefill.prefill_kernel).
+@triton.jit(do_not_specialize=["min_split_len", "num_splits", "stride_bt"])
+def mla_decode_kernel(
+    q_latent_ptr,
+    q_pe_ptr,
+    kv_cache_ptr,
+    out_ptr,
+    m_part_ptr,
+    l_part_ptr,
+    acc_part_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_heads,
+    latent_dim,
+    rope_dim,
+    block_size,
+    min_split_len,
+    num_splits,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_pt,
+    stride_ph,
+    stride_pd,
+    stride_kb,
+    stride_ks,
+    stride_kd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_bt,
+    SINGLE_SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    # B = sequences, H = heads, L / R = latent / rope dims; partials [B, H, num_splits(, BLOCK_L)]
+    seq = tl.program_id(0)
+    split = tl.program_id(2)
+    q_row = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    split_len = _split_len(seq_len, min_split_len, num_splits, BLOCK_N)
+    kv_lo = split * split_len
+    if kv_lo >= seq_len:  # past the end of this sequence: the reduce skips this split
+        return
+    kv_hi = tl.minimum(kv_lo + split_len, seq_len)
+
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = heads < num_heads
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    q_row64 = q_row.to(tl.int64)
+    q = tl.load(
+        q_latent_ptr
+        + q_row64 * stride_qt
+        + heads[:, None] * stride_qh
+        + offs_l[None, :] * stride_qd,
+        mask=head_mask[:, None] & (offs_l < latent_dim)[None, :],
+        other=0.0,
+    )  # [BLOCK_H, BLOCK_L]
+    q_pe = tl.load(
+        q_pe_ptr + q_row64 * stride_pt + heads[:, None] * stride_ph + offs_r[None, :] * stride_pd,
+        mask=head_mask[:, None] & (offs_r < rope_dim)[None, :],
+        other=0.0,
+    )  # [BLOCK_H, BLOCK_R]
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    qk_scale = scale * LOG2E
+
+    m_i = tl.zeros([BLOCK_H], tl.float32) + float("-inf")
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        tokens = start + offs_n
+        token_mask = tokens < kv_hi
+        c, k_pe = load_latent_tile(
+            kv_cache_ptr, block_table_ptr, tokens, token_mask, block_size, latent_dim, rope_dim,
+            stride_kb, stride_ks, stride_kd, BLOCK_L, BLOCK_R,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(c), input_precision=PRECISION)
+        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
+        s = tl.where(token_mask[None, :], s * qk_scale, float("-inf"))
+        acc, l_i, m_i = softmax_step(acc, l_i, m_i, s, c, PRECISION)
+
+    l_mask = head_mask[:, None] & (offs_l < latent_dim)[None, :]
+    if SINGLE_SPLIT or seq_len <= split_len:  # one split: finish the rows here
+        o_ptrs = out_ptr + q_row64 * stride_ot + heads[:, None] * stride_oh
+        tl.store(o_ptrs + offs_l[None, :] * stride_od, acc / l_i[:, None], mask=l_mask)
+    else:
+        part = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # [BLOCK_H]
+        tl.store(m_part_ptr + part, m_i, mask=head_mask)
+        tl.store(l_part_ptr + part, l_i, mask=head_mask)
+        tl.store(acc_part_ptr + part[:, None] * BLOCK_L + offs_l[None, :], acc, mask=l_mask)
+
+
+@triton.jit(do_not_specialize=["min_split_len", "num_splits"])
+def mla_decode_reduce_kernel(
+    out_ptr,
+    m_part_ptr,
+    l_part_ptr,
+    acc_part_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_heads,
+    latent_dim,
+    min_split_len,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(query_start_loc_ptr + seq).to(tl.int32)
+    if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    split_len = _split_len(seq_len, min_split_len, num_splits, BLOCK_N)
+    if seq_len <= split_len:  # one split: the decode kernel finished the row
+        return
+    splits = tl.arange(0, BLOCK_S)
+    split_mask = splits < tl.cdiv(seq_len, split_len)
+    part = (seq.to(tl.int64) * num_heads + head) * num_splits + splits
+    m = tl.load(m_part_ptr + part, mask=split_mask, other=float("-inf"))
+    l_part = tl.load(l_part_ptr + part, mask=split_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    weight = tl.exp2(m - m_max)  # every split saw a key: m is finite
+    denominator = tl.sum(l_part * weight, 0)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    acc = tl.load(
+        acc_part_ptr + part[:, None] * BLOCK_L + offs_c[None, :],
+        mask=split_mask[:, None] & (offs_c < BLOCK_L)[None, :],
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_C]
+    out = tl.sum(acc * weight[:, None], 0) / denominator
+    o_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + offs_c * stride_od
+    tl.store(o_ptrs, out, mask=offs_c < latent_dim)
