@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Glm4MoeConfig, GptOssConfig, LlamaConfig, Qwen3Config
+from transformers import DeepseekV3Config, Glm4MoeConfig, GptOssConfig, LlamaConfig, Qwen3Config
 
 from atom_models import load_model
 
@@ -92,8 +92,33 @@ def free_port() -> int:
                 "original_max_position_embeddings": 64,
             },
         ),
+        # MLA: q_b_proj / kv_b_proj split by heads (2 per rank), o_proj by rows; the latent
+        # projections replicated; routed and shared experts. Slow, like glm4_moe.
+        pytest.param(
+            DeepseekV3Config(
+                vocab_size=211,
+                hidden_size=64,
+                intermediate_size=96,
+                moe_intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=128,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_group=2,
+                topk_group=1,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                q_lora_rank=24,
+                kv_lora_rank=32,
+                qk_nope_head_dim=16,
+                qk_rope_head_dim=8,
+                v_head_dim=24,
+            ),
+            marks=pytest.mark.slow,
+        ),
     ],
-    ids=["llama-kv-split", "qwen3-kv-replicated", "glm4_moe", "gpt_oss"],
+    ids=["llama-kv-split", "qwen3-kv-replicated", "glm4_moe", "gpt_oss", "deepseek_v3"],
 )
 def test_tp2_matches_tp1(config, make_checkpoint, paged_session, tmp_path):
     path, _ = make_checkpoint(config)

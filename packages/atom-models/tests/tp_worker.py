@@ -15,6 +15,7 @@ import torch.distributed as dist
 from atom_models import load_model, set_forward_context
 from atom_models.distributed import TPGroup
 from atom_models.native_attention import PagedAttentionMetadata, bind_kv_cache
+from atom_models.native_mla import NativeMLAAttention, set_mla_mode
 from atom_models.weights import iter_safetensors
 
 
@@ -37,11 +38,16 @@ def main() -> None:
     model = load_model(args.checkpoint, dtype=torch.float32, tp=tp)
     full = dict(iter_safetensors(args.checkpoint))
     attn = model.model.layers[0].self_attn
-    heads = attn.qkv_proj.num_heads * attn.qkv_proj.head_size
-    q_rows = full["model.layers.0.self_attn.q_proj.weight"][
-        args.rank * heads : (args.rank + 1) * heads
-    ]
-    assert torch.equal(attn.qkv_proj.weight[:heads], q_rows), "q shard is not this rank's slice"
+    if hasattr(attn, "qkv_proj"):
+        heads = attn.qkv_proj.num_heads * attn.qkv_proj.head_size
+        q_rows = full["model.layers.0.self_attn.q_proj.weight"][
+            args.rank * heads : (args.rank + 1) * heads
+        ]
+        assert torch.equal(attn.qkv_proj.weight[:heads], q_rows), "q shard is not this rank's"
+    else:  # MLA: kv_b_proj split by heads
+        rows = attn.kv_b_proj.weight.shape[0]
+        kv_b = full["model.layers.0.self_attn.kv_b_proj.weight"]
+        assert torch.equal(attn.kv_b_proj.weight, kv_b[args.rank * rows : (args.rank + 1) * rows])
     o_cols = attn.o_proj.weight.shape[1]
     o_full = full["model.layers.0.self_attn.o_proj.weight"]
     assert torch.equal(attn.o_proj.weight, o_full[:, args.rank * o_cols : (args.rank + 1) * o_cols])
@@ -59,6 +65,13 @@ def main() -> None:
     positions = torch.tensor([p for t in batch for p in range(len(t))])
     with torch.no_grad(), set_forward_context(md):
         logits = model.compute_logits(model(ids, positions))
+    if any(isinstance(m, NativeMLAAttention) for m in model.modules()):
+        # MLA: the absorbed formulation over this rank's heads gives the same logits.
+        bind_kv_cache(model, next_block, block_size, torch.float32, "cpu")
+        set_mla_mode(model, "absorbed")
+        with torch.no_grad(), set_forward_context(md):
+            absorbed = model.compute_logits(model(ids, positions))
+        assert (absorbed - logits).abs().max() < 1e-4, "absorbed MLA differs from expanded"
     torch.save(logits, Path(args.out))
     dist.barrier()
     dist.destroy_process_group()
