@@ -1,7 +1,7 @@
-"""DeepSeek-V3 / Kimi-K2 against transformers' own implementation on the same random weights
-(float32), through the paged latent cache: both MLA formulations (absorbed into the latent space,
-expanded to per-head K/V) at every step, Kimi-K2 configs read without remote code, and the
-multi-token-prediction layer's tensors kept at load."""
+"""DeepSeek-V3 / Kimi-K2 (and DeepSeek-V2) against transformers' own implementation on the same
+random weights (float32), through the paged latent cache: both MLA formulations (absorbed into the
+latent space, expanded to per-head K/V) at every step, Kimi-K2 configs read without remote code,
+and the multi-token-prediction layer's tensors kept at load."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import DeepseekV3Config
+from transformers import DeepseekV2Config, DeepseekV3Config
 
 from atom_models import load_config, load_model, set_forward_context
 from atom_models.native_attention import (
@@ -78,6 +78,44 @@ CONFIGS = {
         norm_topk_prob=False,
         routed_scaling_factor=1.5,
         rope_interleave=False,
+    ),
+    # DeepSeek-V2: softmax routing limited to the best 2 of 4 groups, unnormalized and scaled;
+    # low-rank q; YaRN with V2's mscale (0.707 both).
+    "v2-group-limited-yarn": lambda: DeepseekV2Config(
+        **BASE,
+        num_hidden_layers=2,
+        q_lora_rank=48,
+        qk_nope_head_dim=16,
+        v_head_dim=24,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=16.0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+    ),
+    # DeepSeek-V2-Lite: plain q_proj, plain top-k softmax routing.
+    "v2-lite-greedy": lambda: DeepseekV2Config(
+        **BASE,
+        num_hidden_layers=2,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        topk_method="greedy",
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
     ),
 }
 

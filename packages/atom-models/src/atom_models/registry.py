@@ -12,6 +12,7 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("atom_models.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("atom_models.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("atom_models.models.mixtral", "MixtralForCausalLM"),
+    "DeepseekV2ForCausalLM": ("atom_models.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("atom_models.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "Glm4MoeForCausalLM": ("atom_models.models.glm4_moe", "Glm4MoeForCausalLM"),
     "GptOssForCausalLM": ("atom_models.models.gpt_oss", "GptOssForCausalLM"),
