@@ -171,6 +171,34 @@ def test_greedy_matches_transformers_under_preemption(deepseek, async_scheduling
     assert stats.kv_cache_usage == 0.0 and stats.num_running == stats.num_waiting == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_gpu_greedy_matches_transformers(name, tmp_path, greedy_reference):
+    """On a GPU (float32, CUDA graphs, the Triton MLA kernels: absorbed decode in the graphs,
+    expanded prefill over paged attention): the same tokens as transformers on the CPU."""
+    from atom_models.testing import save_random_checkpoint
+
+    hf = save_random_checkpoint(CONFIGS[name](), tmp_path, seed=13)  # no tokenizer: ids only
+    gen = torch.Generator().manual_seed(7)
+    prompts = prompt_ids() + [torch.randint(3, 49152, (200,), generator=gen).tolist()]
+    expected = [greedy_reference(hf, p, MAX_TOKENS, None) for p in prompts]
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        device="cuda",
+        skip_tokenizer_init=True,
+        block_size=16,
+        num_kv_blocks=256,
+    )
+    assert llm.engine.runner.graphs is not None
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected, name
+    # Again: the prefix cache serves every prompt's full blocks.
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected, name
+
+
 # -- atom serve --------------------------------------------------------------------------------
 
 
