@@ -10,74 +10,20 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
-import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 from http.client import HTTPConnection
 from urllib.parse import urlsplit
 
 import openai
 import pytest
-import uvicorn
 
 from atom_engine import EngineConfig
 from atom_engine.server.api_server import build_app
 from atom_engine.server.async_engine import AsyncEngine
+from atom_engine.testing import http, serve, wait_idle
 
 MODEL = "smollm2-test"
 MAX_MODEL_LEN = 1024
 PROMPT = "The capital of France is"
-
-
-@dataclass
-class Response:
-    status_code: int
-    text: str
-
-    def json(self):
-        return json.loads(self.text)
-
-
-def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None):
-    headers = {"content-type": "application/json", **(headers or {})}
-    request = urllib.request.Request(url, data=body, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request) as r:
-            return Response(r.status, r.read().decode())
-    except urllib.error.HTTPError as e:
-        return Response(e.code, e.read().decode())
-
-
-@dataclass
-class Server:
-    url: str
-    engine: AsyncEngine
-    uvicorn: uvicorn.Server
-    thread: threading.Thread
-
-    def client(self, **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kwargs)
-
-    def stop(self) -> None:
-        self.uvicorn.should_exit = True
-        self.thread.join(10)
-
-
-def _serve(app, engine: AsyncEngine) -> Server:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    return Server(f"http://127.0.0.1:{port}", engine, server, thread)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +43,7 @@ def profiler_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(engine, profiler_dir):
-    server = _serve(build_app(engine, MODEL, None, profiler_dir=str(profiler_dir)), engine)
+    server = serve(build_app(engine, MODEL, None, profiler_dir=str(profiler_dir)), engine)
     yield server
     server.stop()
 
@@ -111,16 +57,6 @@ def client(server):
 def greedy(client):
     """The greedy 8-token completion of PROMPT (shared by several tests)."""
     return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
-
-
-def _wait_idle(engine: AsyncEngine, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = engine.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0.0:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the engine is not idle: {engine.stats()}")
 
 
 # -- completions ------------------------------------------------------------------------------
@@ -373,7 +309,7 @@ def test_unknown_model(client, engine):
 
 
 def test_api_key(engine):
-    keyed = _serve(build_app(engine, MODEL, api_key="sekrit"), engine)
+    keyed = serve(build_app(engine, MODEL, api_key="sekrit"), engine)
     try:
         for key in ("wrong", None):
             headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -471,12 +407,12 @@ def test_concurrent_clients(server, greedy):
     # Greedy: every client with the same prompt gets the same text, whatever its batch.
     assert all(len(texts) == 1 for texts in by_prompt.values()), by_prompt
     assert greedy.choices[0].text.startswith(by_prompt[PROMPT].pop())
-    _wait_idle(server.engine)
+    wait_idle(server.engine)
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
 def test_disconnect_aborts(server, endpoint):
-    _wait_idle(server.engine)
+    wait_idle(server.engine)
     body = {"model": MODEL, "max_tokens": 500, "stream": True, "ignore_eos": True}
     if endpoint == "completions":
         body["prompt"] = PROMPT
@@ -493,37 +429,6 @@ def test_disconnect_aborts(server, endpoint):
     assert data and json.loads(data[0][6:])["id"]
     connection.sock.shutdown(socket.SHUT_RDWR)  # hang up mid-stream
     connection.close()
-    _wait_idle(server.engine, timeout=30)  # aborted: no running request, KV blocks all free
+    wait_idle(server.engine, timeout=30)  # aborted: no running request, KV blocks all free
     out = server.client(timeout=120).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
     assert out.choices[0].finish_reason == "length"
-
-
-def test_engine_failure_fails_requests_not_the_server(server, client):
-    """A step that raises fails its requests (500, or an error event when streaming); the next
-    request is served as usual."""
-    engine = server.engine
-    _wait_idle(engine)
-
-    def inject(llm_engine):
-        def fail_once(batch):
-            del llm_engine.runner.run  # back to the real method
-            raise RuntimeError("injected fault")
-
-        llm_engine.runner.run = fail_once
-
-    asyncio.run(engine.call(inject))
-    with pytest.raises(openai.InternalServerError) as info:
-        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
-    assert "injected fault" in info.value.body["message"]
-    _wait_idle(engine)
-
-    asyncio.run(engine.call(inject))
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream": True}
-    events = http("POST", server.url + "/v1/completions", json.dumps(body).encode()).text
-    events = [line[6:] for line in events.splitlines() if line.startswith("data: ")]
-    assert "injected fault" in json.loads(events[-2])["error"]["message"]
-    assert events[-1] == "[DONE]"
-    _wait_idle(engine)
-
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
-    assert out.choices[0].finish_reason == "length" and engine.is_running

@@ -8,7 +8,7 @@ from typing import Any
 _RESERVED_KWARGS = frozenset({
     "conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
     "max_length", "add_generation_prompt", "continue_final_message", "tools", "documents",
-    "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "chat_template",
 })  # fmt: skip
 
 
@@ -31,12 +31,14 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> list[int]:
-    """Token ids of `messages` rendered by the tokenizer's chat template.
+    """Token ids of `messages` rendered by `chat_template` (a Jinja string), or by the tokenizer's
+    own template when it is None.
 
-    Raises ValueError when the model has no template or the template refuses the conversation.
+    Raises ValueError when there is no template or the template refuses the conversation.
     """
-    if not getattr(tokenizer, "chat_template", None):
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template (use plain completions)")
     if not messages:
         raise ValueError("messages must not be empty")
@@ -48,6 +50,8 @@ def apply_chat_template(
         raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
     if continue_final_message:
         kwargs["continue_final_message"] = True
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
     try:
         ids = tokenizer.apply_chat_template(
             messages,

@@ -26,8 +26,8 @@ from atom_engine.config import EngineConfig
 from atom_engine.detokenizer import IncrementalDetokenizer
 from atom_engine.model_runner import Launch, ModelRunner, TopLogprobs
 from atom_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from atom_engine.sampling_params import SamplingParams
-from atom_engine.scheduler import Scheduler
+from atom_engine.sampling_params import InvalidRequest, SamplingParams
+from atom_engine.scheduler import ScheduledBatch, Scheduler
 from atom_engine.sequence import PLACEHOLDER, Sequence
 from atom_engine.tokenizer import eos_token_ids, load_tokenizer
 from atom_models import load_config
@@ -141,7 +141,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         text, token_ids = self._prompt_of(prompt)
-        self._check_fits(token_ids, params)
+        self.check_request(token_ids, params)
         params.all_stop_token_ids = set(params.stop_token_ids) | (
             set() if params.ignore_eos else self.eos_token_ids
         )
@@ -159,7 +159,7 @@ class LLMEngine:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(device=self.runner.device)
-                generator.manual_seed(params.seed + index)
+                generator.manual_seed(params.seed_of(index))
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 token_ids,
@@ -174,8 +174,12 @@ class LLMEngine:
         self.requests[request_id] = request
 
     def _prompt_of(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt: a string, token ids, or a dict with "prompt" and / or
+        "prompt_token_ids" (both: the ids are used and the text is kept for the outputs)."""
+        text = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
+                text = prompt.get("prompt")
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
@@ -185,35 +189,50 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
             return prompt, self.tokenize(prompt)
-        token_ids = list(prompt)
-        vocab = self.runner.vocab_size
+        return text, list(prompt)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError when a request can never run: token ids outside the vocabulary, a
+        prompt too long for the context or the KV cache. Fills params' per-model defaults
+        (max_tokens, top_k past the vocabulary). Reads only what never changes after start-up,
+        so the server calls it from any thread before the request reaches the engine."""
+        vocab = self.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
-        return None, token_ids
-
-    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
+            raise InvalidRequest(
+                f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}", "prompt"
+            )
+        params.check_vocab(vocab)
+        if params.top_k >= vocab:
+            params.top_k = 0  # every token is in the top k
         if not token_ids:
-            raise ValueError("the prompt is empty (0 tokens)")
+            raise InvalidRequest("the prompt is empty (0 tokens)", "prompt")
         n = len(token_ids)
         if n >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequest(
                 f"the prompt has {n} tokens, but the model's context length (max_model_len) is "
-                f"{self.max_model_len}; it leaves no room to generate"
-            )
-        if params.max_tokens is None:
-            params.max_tokens = self.max_model_len - n
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: {n} + "
-                f"{params.max_tokens} exceeds the context length (max_model_len) "
-                f"{self.max_model_len}"
+                f"{self.max_model_len}; it leaves no room to generate",
+                "prompt",
             )
         total = self.block_manager.num_blocks * self.block_manager.block_size
+        if params.max_tokens is None:  # as many as fit
+            params.max_tokens = max(1, min(self.max_model_len, total) - n)
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: {n} + "
+                f"{params.max_tokens} exceeds the context length (max_model_len) "
+                f"{self.max_model_len}",
+                "max_tokens",
+            )
         if n + params.max_tokens > total:
-            raise ValueError(
+            raise InvalidRequest(
                 f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs more than "
-                f"the whole KV cache ({total} tokens)"
+                f"the whole KV cache ({total} tokens)",
+                "max_tokens",
             )
 
     def abort_request(self, request_id: str) -> bool:
@@ -238,6 +257,11 @@ class LLMEngine:
     # -- the loop -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Run one step; the outputs of the requests it advanced.
+
+        A step that raises is run again one request at a time: the request whose run fails is
+        finished with an error output (`RequestOutput.error`), the others advance as usual.
+        """
         if not self.async_scheduling or self._host_sampled:
             outputs = self._complete_pending()  # the host must see every token from here on
             return outputs + self._step_sync()
@@ -245,7 +269,12 @@ class LLMEngine:
         if not batch.seqs:
             return self._complete_pending()
         self._mark_scheduled(batch)
-        launch = self.runner.launch(batch, self._pending)
+        try:
+            launch = self.runner.launch(batch, self._pending)
+        except Exception as error:
+            # The launch queued nothing: read the previous one, then isolate the failure.
+            outputs = self._complete_pending()
+            return outputs + self._run_isolated(batch, error)
         prompt_tokens = self._advance(batch)
         for seq in launch.seqs:  # ids to come: the next launch reads them on the device
             seq.token_ids.append(PLACEHOLDER)
@@ -260,7 +289,48 @@ class LLMEngine:
         if not batch.seqs:
             return []
         self._mark_scheduled(batch)
-        return self._postprocess(batch, self.runner.run(batch))
+        try:
+            result = self.runner.run(batch)
+        except Exception as error:
+            return self._run_isolated(batch, error)
+        return self._postprocess(batch, result)
+
+    def _run_isolated(self, batch: ScheduledBatch, error: Exception) -> list[RequestOutput]:
+        """Run a failed step's requests one by one (their blocks are allocated and nothing was
+        computed); a request whose own run fails is finished with an error."""
+        logger.warning(
+            "a step of %d sequences failed (%s: %s); running its requests one at a time",
+            len(batch.seqs),
+            type(error).__name__,
+            error,
+        )
+        groups: dict[str, ScheduledBatch] = {}
+        for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
+            if seq.is_finished or seq.seq_id not in self._seq_to_request:
+                continue  # finished by the previous launch's tokens, or aborted
+            group = groups.setdefault(seq.request_id, ScheduledBatch())
+            group.seqs.append(seq)
+            group.num_tokens.append(num)
+        outputs = []
+        for request_id, group in groups.items():
+            try:
+                outputs += self._postprocess(group, self.runner.run(group))
+            except Exception as e:
+                logger.exception("request %s failed", request_id)
+                request = self.requests.get(request_id)
+                if request is not None:
+                    outputs.append(self._fail_request(request, f"{type(e).__name__}: {e}"))
+        return outputs
+
+    def _fail_request(self, request: Request, message: str) -> RequestOutput:
+        """Finish a request with an error (its blocks are freed); its final output."""
+        self.abort_request(request.request_id)
+        for seq in request.seqs:
+            seq.finish_reason = "error"
+        request.metrics.finished_time = time.monotonic()
+        output = self._output_of(request)
+        output.error = message
+        return output
 
     def _mark_scheduled(self, batch) -> None:
         now = time.monotonic()
@@ -290,62 +360,94 @@ class LLMEngine:
         token_ids = launch.token_ids()
         now = time.monotonic()
         touched: dict[str, Request] = {}
+        failed: list[RequestOutput] = []
         generation_tokens = 0
         for seq in launch.batch.seqs:
             request = self._seq_to_request.get(seq.seq_id)
             if request is None or seq.is_finished:  # aborted, or stopped by an earlier token
                 continue
-            touched[request.request_id] = request
-            row = launch.rows.get(seq.seq_id)
-            if row is None:  # a prefill chunk: nothing sampled
-                self.block_manager.cache_computed_blocks(seq)
+            try:
+                generation_tokens += self._complete_seq(launch, token_ids, request, seq, now)
+            except Exception as e:  # one request's failure (detokenizing, ...) is its own
+                logger.exception("post-processing request %s failed", request.request_id)
+                touched.pop(request.request_id, None)
+                failed.append(self._fail_request(request, f"{type(e).__name__}: {e}"))
                 continue
-            # The placeholder this launch left, and after it the one of the launch in flight.
-            index = seq.token_ids.index(PLACEHOLDER, seq.num_prompt_tokens)
-            token_id = token_ids[row]
-            seq.token_ids[index] = token_id
-            self.block_manager.cache_computed_blocks(seq)
-            in_flight = seq.token_ids[index + 1 :]
-            del seq.token_ids[index:]
-            self._append_token(seq, token_id, None)
-            if not seq.is_finished:
-                seq.token_ids += in_flight
-            generation_tokens += 1
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
+            touched[request.request_id] = request
         self._generation_tokens += generation_tokens
         self._history.append((now, 0, generation_tokens))
-        return self._finish_outputs(touched, now)
+        return failed + self._finish_outputs(touched, now)
+
+    def _complete_seq(
+        self, launch: Launch, token_ids: list[int], request: Request, seq: Sequence, now: float
+    ) -> int:
+        """Put a launch's sampled id in place of its placeholder; 1 if it sampled one, else 0."""
+        row = launch.rows.get(seq.seq_id)
+        if row is None:  # a prefill chunk: nothing sampled
+            self.block_manager.cache_computed_blocks(seq)
+            return 0
+        # The placeholder this launch left, and after it the one of the launch in flight.
+        index = seq.token_ids.index(PLACEHOLDER, seq.num_prompt_tokens)
+        token_id = token_ids[row]
+        seq.token_ids[index] = token_id
+        self.block_manager.cache_computed_blocks(seq)
+        in_flight = seq.token_ids[index + 1 :]
+        del seq.token_ids[index:]
+        self._append_token(seq, token_id, None)
+        if not seq.is_finished:
+            seq.token_ids += in_flight
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        request.metrics.last_token_time = now
+        return 1
 
     def _postprocess(self, batch, result) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, Request] = {}
+        failed: list[RequestOutput] = []
         prompt_tokens = generation_tokens = 0
         for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
-            request = self._seq_to_request[seq.seq_id]
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                prompt_tokens += min(num, seq.num_prompt_tokens - seq.num_computed_tokens)
-            if seq.seq_id in result.prompt_logprobs and seq.index == 0:
-                # Positions start+1...; a recomputed (preempted) prefill repeats known ones.
-                first = seq.num_computed_tokens + 1
-                for i, info in enumerate(result.prompt_logprobs[seq.seq_id]):
-                    if first + i == len(request.prompt_logprobs):
-                        request.prompt_logprobs.append(self._logprob_dict(info))
-            seq.num_computed_tokens += num
-            self.block_manager.cache_computed_blocks(seq)
-            if seq.seq_id in result.sampled:
-                token_id, info = result.sampled[seq.seq_id]
-                self._append_token(seq, token_id, info)
-                generation_tokens += 1
-                if request.metrics.first_token_time is None:
-                    request.metrics.first_token_time = now
-                request.metrics.last_token_time = now
+            request = self._seq_to_request.get(seq.seq_id)
+            if request is None:  # failed with another sequence of its request
+                continue
+            try:
+                new_prompt, new_generated = self._postprocess_seq(request, seq, num, result, now)
+            except Exception as e:  # one request's failure (detokenizing, ...) is its own
+                logger.exception("post-processing request %s failed", request.request_id)
+                touched.pop(request.request_id, None)
+                failed.append(self._fail_request(request, f"{type(e).__name__}: {e}"))
+                continue
+            prompt_tokens += new_prompt
+            generation_tokens += new_generated
             touched[request.request_id] = request
         self._prompt_tokens += prompt_tokens
         self._generation_tokens += generation_tokens
         self._history.append((now, prompt_tokens, generation_tokens))
-        return self._finish_outputs(touched, now)
+        return failed + self._finish_outputs(touched, now)
+
+    def _postprocess_seq(
+        self, request: Request, seq: Sequence, num: int, result, now: float
+    ) -> tuple[int, int]:
+        """Advance one sequence by a step's result; (prompt tokens, generated tokens) counted."""
+        prompt_tokens = generated = 0
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            prompt_tokens = min(num, seq.num_prompt_tokens - seq.num_computed_tokens)
+        if seq.seq_id in result.prompt_logprobs and seq.index == 0:
+            # Positions start+1...; a recomputed (preempted) prefill repeats known ones.
+            first = seq.num_computed_tokens + 1
+            for i, info in enumerate(result.prompt_logprobs[seq.seq_id]):
+                if first + i == len(request.prompt_logprobs):
+                    request.prompt_logprobs.append(self._logprob_dict(info))
+        seq.num_computed_tokens += num
+        self.block_manager.cache_computed_blocks(seq)
+        if seq.seq_id in result.sampled:
+            token_id, info = result.sampled[seq.seq_id]
+            self._append_token(seq, token_id, info)
+            generated = 1
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+        return prompt_tokens, generated
 
     def _finish_outputs(self, touched: dict[str, Request], now: float) -> list[RequestOutput]:
         outputs = []

@@ -24,7 +24,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
 
     def finished(self) -> bool:
@@ -50,6 +50,8 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # Set when the engine failed this request (finished, with finish_reason "error").
+    error: str | None = None
 
     @property
     def num_cached_tokens(self) -> int:

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# NOTE: below this a temperature divides logits into inf/NaN in float32; vLLM clamps the same way.
+MIN_TEMPERATURE = 1e-2
+# Penalties outside this range overflow float32 logits (|logit| ~ 1e3 times or over 1e4).
+MAX_REPETITION_PENALTY = 1e4
+
+
+class InvalidRequest(ValueError):
+    """A request that can never run; `param` names the request field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -15,6 +29,9 @@ class SamplingParams:
     the output; `stop_token_ids` finish the request (and, like EOS, are not part of the text).
     `logprobs` = N returns the top-N log-probs of every generated token (plus the chosen one);
     `prompt_logprobs` = N does the same for every prompt token after the first.
+    `allowed_token_ids` restricts sampling to those ids. `seed` is any 64-bit integer (negative
+    ones too, as vLLM accepts them); choice i of n samples with seed + i (mod 2**64). A temperature
+    in (0, 0.01) is raised to 0.01 (float32 logits overflow below it).
     `output_kind` (vLLM's RequestOutputKind): "cumulative" gives a RequestOutput from every step
     that advanced the request, "final_only" only the finished one (what `LLM.generate` uses; it
     saves copying every request's tokens at every step).
@@ -36,6 +53,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: str = "cumulative"
@@ -47,7 +65,11 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._check()
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
 
     def _check(self) -> None:
         def fail(name: str, why: str) -> None:
@@ -55,42 +77,68 @@ class SamplingParams:
 
         if self.output_kind not in ("cumulative", "final_only"):
             fail("output_kind", "must be 'cumulative' or 'final_only'")
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             fail("n", "must be an integer >= 1")
+        for name in (
+            "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                fail(name, "must be a number")
+            if not math.isfinite(value):
+                fail(name, "must be a finite number")
         if not self.temperature >= 0.0:
             fail("temperature", "must be >= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT64_MAX:
             fail("top_k", "must be an integer: -1 or 0 to disable, or >= 1")
         if not 0.0 < self.top_p <= 1.0:
             fail("top_p", "must be in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
             fail("min_p", "must be in [0, 1]")
         if self.seed is not None and (
-            not isinstance(self.seed, int) or not 0 <= self.seed < 2**63 - self.n
+            not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX
         ):
-            fail("seed", "must be an integer in [0, 2**63 - n) or None")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
+            fail("seed", "must be a 64-bit integer or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             fail("max_tokens", "must be an integer >= 1 or None")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             fail("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be <= max_tokens={self.max_tokens}")
         if not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "must be non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative integers")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids
+            or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.allowed_token_ids)
+        ):
+            fail("allowed_token_ids", "must be a non-empty list of non-negative integers")
         if not -2.0 <= self.presence_penalty <= 2.0:
             fail("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             fail("frequency_penalty", "must be in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            fail("repetition_penalty", "must be > 0 (1 = off)")
+        if not 1 / MAX_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            fail("repetition_penalty", "must be in [1e-4, 1e4] (1 = off)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 fail(name, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids must be in the model's vocabulary (the engine calls this on add)."""
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            bad = [t for t in getattr(self, name) or () if t >= vocab_size]
+            if bad:
+                raise ValueError(
+                    f"SamplingParams.{name} must be token ids below the vocabulary size "
+                    f"{vocab_size}, got {bad[:5]}"
+                )
+
+    def seed_of(self, index: int) -> int | None:
+        """The generator seed of choice `index` (an unsigned 64-bit value), or None."""
+        return None if self.seed is None else (self.seed + index) % 2**64
 
     @property
     def is_greedy(self) -> bool:
@@ -103,3 +151,7 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

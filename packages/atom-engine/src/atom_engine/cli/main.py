@@ -66,6 +66,20 @@ def _add_serve(subparsers) -> None:
         help="enable /start_profile and /stop_profile, writing torch.profiler "
         "traces here (default: $ATOM_TORCH_PROFILER_DIR)",
     )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=5.0,
+        help="on SIGTERM / SIGINT, seconds to let requests in flight finish before they end "
+        "with an error and the server exits (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=16 << 20,
+        help="larger request bodies are refused with a 413 before they are read "
+        "(default: %(default)s, 16 MiB)",
+    )
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 

@@ -2,16 +2,23 @@
 
 Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`: 400 for
 a request that is invalid (pydantic validation included: FastAPI's 422 becomes 400), 401 for a
-missing or wrong API key on /v1/*, 404 for an unknown model or route, 500 for a bug. No request
-can stop the server.
+missing or wrong API key on /v1/*, 404 for an unknown model or route, 413 for a body over the
+size limit, 500 for a bug (the connection stays open), 503 while shutting down. No request can
+stop the server or fail another request.
+
+Shutdown (SIGTERM / SIGINT) stops accepting connections and lets requests in flight finish for
+`drain_timeout` seconds; then the ones left end with an error (an error event when streaming)
+and the process exits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from pathlib import Path
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -20,6 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from atom_engine import __version__
 from atom_engine.server.async_engine import AsyncEngine
 from atom_engine.server.metrics import ServerMetrics
+from atom_engine.server.middleware import BodySizeLimit, CatchAll
+from atom_engine.server.preprocess import Preprocessor
 from atom_engine.server.profiler import Profiler
 from atom_engine.server.protocol import (
     ChatCompletionRequest,
@@ -49,16 +58,27 @@ def error_response(
     return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status, headers=headers)
 
 
+# pydantic error types whose context names the request field at fault
+_CONTEXT_PARAM_ERRORS = ("unencodable_text", "stream_options_without_stream")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """A readable message for pydantic's errors, and the first offending field."""
     parts, param = [], None
     for error in exc.errors():
         loc = [str(x) for x in error.get("loc", ()) if x != "body"]
-        if error.get("type") == "json_invalid":
+        kind = error.get("type")
+        if kind == "json_invalid":
             return f"the request body is not valid JSON: {error.get('msg')}", None
+        if kind in _CONTEXT_PARAM_ERRORS:
+            return error["msg"], (error.get("ctx") or {}).get("param")
         if param is None and loc:
             param = loc[0]
-        parts.append(f"{'.'.join(loc) or 'body'}: {error.get('msg')}")
+        where = ".".join(loc) or "body"
+        if kind == "extra_forbidden":
+            parts.append(f"{where}: unknown or unsupported field (ATOM does not implement it)")
+        else:
+            parts.append(f"{where}: {error.get('msg')}")
     return "invalid request: " + "; ".join(parts), param
 
 
@@ -76,10 +96,17 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("request %s %s failed", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+def _api_key_matches(authorization: str, api_key: str) -> bool:
+    """`Authorization: Bearer <api_key>`, compared in constant time as bytes (a header is
+    latin-1 text: a non-ASCII one must be refused, not fail the comparison)."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return secrets.compare_digest(token.strip().encode("latin-1"), api_key.encode("utf-8"))
+
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
 
 
 def build_app(
@@ -88,22 +115,27 @@ def build_app(
     api_key: str | None = None,
     *,
     profiler_dir: str | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI app serving `engine` as `served_model_name` (also accepted: the model path)."""
     aliases = {engine.model_path, Path(engine.model_path).name}
     if engine.engine.config.model:
         aliases.add(engine.engine.config.model)
-    state = ServerState(engine, served_model_name, frozenset(aliases), ServerMetrics(engine))
+    preprocessor = Preprocessor(engine.engine, engine.tokenizer)
+    state = ServerState(
+        engine, served_model_name, frozenset(aliases), ServerMetrics(engine), preprocessor
+    )
     profiler = Profiler(engine, profiler_dir)
     app = FastAPI(title="ATOM", version=__version__)
     app.state.atom = state
     _install_error_handlers(app)
+    app.add_middleware(CatchAll)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
 
     async def check_api_key(request: Request) -> None:
         if api_key is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+        if not _api_key_matches(request.headers.get("authorization", ""), api_key):
             raise APIError("invalid or missing API key", status=401)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
@@ -150,20 +182,63 @@ def build_app(
     return app
 
 
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, whose graceful shutdown lasts at most `drain_timeout` seconds: then the requests
+    still in flight are failed (their streams end with an error event) so their connections
+    close, and uvicorn's own timeout cancels whatever is left a moment later."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.engine, self.drain_timeout = engine, drain_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        def expire() -> None:
+            logger.warning(
+                "drain timeout (%.1f s) reached: failing the requests still in flight",
+                self.drain_timeout,
+            )
+            self.engine.fail_all("the server is shutting down (drain timeout reached)")
+
+        timer = asyncio.get_running_loop().call_later(self.drain_timeout, expire)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
 def run_server(args) -> None:
     """`atom serve`: load the engine, then serve until interrupted."""
-    import uvicorn
-
     from atom_engine.cli.args import engine_config_from_args
 
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(
+            f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}"
+        )
     config = engine_config_from_args(args)
     engine = AsyncEngine.from_config(config)
     name = args.served_model_name or args.model or Path(engine.model_path).stem
     try:
-        app = build_app(engine, name, args.api_key, profiler_dir=args.profiler_dir)
+        app = build_app(
+            engine,
+            name,
+            args.api_key,
+            profiler_dir=args.profiler_dir,
+            max_request_body_bytes=args.max_request_body_bytes,
+        )
         logger.info(
             "serving %s (%s) at http://%s:%d", name, engine.model_path, args.host, args.port
         )
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        uvicorn_config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            # a backstop: the drain timer fails what is left first
+            timeout_graceful_shutdown=args.drain_timeout + 2.0,
+        )
+        _DrainingServer(uvicorn_config, engine, args.drain_timeout).run()
     finally:
-        engine.shutdown()
+        # The engine thread may be inside a long step: do not wait for it (it is a daemon).
+        engine.shutdown(timeout=1.0)

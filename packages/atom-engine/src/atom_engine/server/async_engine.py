@@ -4,8 +4,10 @@ The engine is not thread-safe, so only the engine thread touches it. The event l
 through a command list guarded by a condition variable; the thread drains the commands between
 steps (adds, aborts, calls), runs `step()` while requests are unfinished and sleeps on the condition
 otherwise. Each request's outputs go back to the loop that added it through its own asyncio.Queue,
-filled with `loop.call_soon_threadsafe`. A failing step fails the requests it held (they are aborted
-so their KV blocks return) and the loop goes on.
+filled with `loop.call_soon_threadsafe`. A request the engine fails (its step raised because of
+it: `RequestOutput.error`) ends with RequestFailed, and only it; a step that fails beyond that
+(a bug outside any one request) fails the requests in flight, which are aborted so their KV
+blocks return, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ logger = logging.getLogger("atom_engine.server")
 
 class RequestAborted(Exception):
     """The request was aborted (by `abort`, a disconnecting client or shutdown)."""
+
+
+class RequestFailed(Exception):
+    """The engine failed this request (the message says why); other requests went on."""
 
 
 class EngineDeadError(RuntimeError):
@@ -153,6 +159,13 @@ class AsyncEngine:
         self._submit(("call", fn, loop, future))
         return await future
 
+    def fail_all(self, message: str) -> None:
+        """End every request in flight with RequestAborted(message) (the drain timeout)."""
+        try:
+            self._submit(("fail_all", message))
+        except EngineDeadError:
+            pass
+
     def stats(self) -> EngineStats:
         """The engine's statistics as of its last step (a snapshot; never blocks)."""
         return self._stats
@@ -206,6 +219,8 @@ class AsyncEngine:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.put(RequestAborted(f"request {request_id} was aborted"))
+        elif kind == "fail_all":
+            self._fail_all(RequestAborted(command[1]))
         elif kind == "call":
             _, fn, loop, future = command
             try:
@@ -229,7 +244,7 @@ class AsyncEngine:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            stream.put(output)
+            stream.put(output if output.error is None else RequestFailed(output.error))
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self.engine.requests):

@@ -1,9 +1,12 @@
 """Pydantic models of the OpenAI API subset ATOM serves (completions, chat, models, errors).
 
-Request models ignore fields they do not know (as the OpenAI API and vLLM do), declare the vLLM
-sampling extensions (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, ...)
-and declare the OpenAI fields ATOM does not implement so a request using them is refused (400)
-instead of silently answered differently.
+Requests are strict: a field ATOM does not know is refused (400 naming it) instead of silently
+ignored, types are not coerced (`"max_tokens": "3"`, `"stream": "yes"` and `[[false]]` as token
+ids are refused), floats must be finite, and every string must be encodable text (no lone UTF-16
+surrogates). Declared fields are honoured, or refused with a 400 when set to something ATOM does
+not implement (logit_bias, suffix, use_beam_search, tools, ...). The vLLM extensions (top_k,
+min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, allowed_token_ids,
+prompt_logprobs, chat_template, ...) are declared with vLLM's names.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 
 def random_id(prefix: str) -> str:
@@ -36,12 +40,51 @@ class ErrorResponse(BaseModel):
 # -- requests ---------------------------------------------------------------------------------
 
 
+def _find_unencodable(value: Any, path: tuple) -> tuple | None:
+    """The path of the first string in `value` that is not encodable UTF-8, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and _find_unencodable(key, path) is not None:
+            return (*path, key)
+        found = _find_unencodable(item, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable_text(cls, data: Any) -> Any:
+        # A lone surrogate ("abc\ud800": a JavaScript string cut inside an emoji) parses as
+        # JSON but is no text: the tokenizer cannot encode it.
+        path = _find_unencodable(data, ())
+        if path is not None:
+            field = ".".join(str(p) for p in path) or "body"
+            raise PydanticCustomError(
+                "unencodable_text",
+                "{field} is not valid text: it holds a lone UTF-16 surrogate",
+                {"field": field, "param": str(path[0]) if path else None},
+            )
+        return data
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False  # vLLM's per-chunk usage: not implemented
 
 
 class SamplingRequest(_Request):
@@ -58,7 +101,7 @@ class SamplingRequest(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # not implemented: refused when non-empty
-    user: str | None = None
+    user: str | None = None  # an end-user id for the operator's logs; no effect on the output
     # vLLM extensions (the OpenAI client sends them through `extra_body`)
     top_k: int | None = None
     min_p: float | None = None
@@ -66,8 +109,21 @@ class SamplingRequest(_Request):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    use_beam_search: bool = False  # not implemented: refused when true
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError(
+                "stream_options_without_stream",
+                "stream_options is only allowed when stream is true",
+                {"param": "stream_options"},
+            )
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -77,7 +133,7 @@ class SamplingRequest(_Request):
 class CompletionRequest(SamplingRequest):
     # A string, a list of strings, a list of token ids, or a list of token-id lists.
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 with echo: score the prompt, generate nothing
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None  # not implemented: refused
@@ -85,13 +141,13 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextContentPart(_Request):
-    type: str
-    text: str | None = None
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
     # Extra keys (tool_calls, tool_call_id, ...) are kept and handed to the chat template.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     role: str
     content: str | list[TextContentPart] | None = None
@@ -106,6 +162,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # a Jinja template used instead of the model's own
     chat_template_kwargs: dict[str, Any] | None = None
     # Not implemented: refused when set to anything but the plain-text default.
     tools: list[dict[str, Any]] | None = None
@@ -129,12 +186,23 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: PromptLogprob}.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -182,6 +250,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from atom_engine.chat_template import apply_chat_template, message_text
+from atom_engine.chat_template import message_text
 from atom_engine.outputs import CompletionOutput, RequestOutput
 from atom_engine.server.protocol import (
     ChatChoice,
@@ -30,36 +30,38 @@ from atom_engine.server.serving_common import (
     chat_logprobs,
     error_json,
     finish_reason,
+    prompt_logprobs_json,
     sampling_params,
     sse,
+    value_error,
 )
 
 
 def _refuse_unsupported(request: ChatCompletionRequest) -> None:
     if request.tools:
         raise APIError("tools are not supported", param="tools")
+    # With no tools, "none" and "auto" both mean a plain reply.
     if request.tool_choice not in (None, "none", "auto"):
         raise APIError("tool_choice is not supported", param="tool_choice")
     if request.response_format and request.response_format.get("type") not in (None, "text"):
         raise APIError("only the text response_format is supported", param="response_format")
+    if request.stream and request.prompt_logprobs is not None:
+        raise APIError(
+            "prompt_logprobs is only returned by non-streaming chat completions",
+            param="prompt_logprobs",
+        )
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
 
 
-def _prompt_token_ids(state: ServerState, request: ChatCompletionRequest) -> list[int]:
+def _messages(request: ChatCompletionRequest) -> list[dict]:
     try:
         messages = []
         for message in request.messages:
             entry = message.model_dump(exclude_none=True)
             entry["content"] = message_text(message.content)
             messages.append(entry)
-        return apply_chat_template(
-            state.engine.tokenizer,
-            messages,
-            request.add_generation_prompt,
-            request.continue_final_message,
-            request.chat_template_kwargs,
-        )
+        return messages
     except ValueError as e:
         raise APIError(str(e), param="messages") from None
 
@@ -80,9 +82,21 @@ async def create_chat_completion(
         logprobs=num_top if request.logprobs else None,
         param_names=names,
     )
-    prompt_token_ids = _prompt_token_ids(state, request)
+    preprocessor = state.preprocessor
+    try:
+        engine_prompt = await preprocessor.run(
+            preprocessor.chat_prompt,
+            _messages(request),
+            params,
+            request.add_generation_prompt,
+            request.continue_final_message,
+            request.chat_template,
+            request.chat_template_kwargs,
+        )
+    except ValueError as e:
+        raise value_error(e, "messages", names) from None
     chat_id = random_id("chatcmpl")
-    group = await RequestGroup.start(state, raw_request, chat_id, [prompt_token_ids], params)
+    group = await RequestGroup.start(state, raw_request, chat_id, [engine_prompt])
     stream = _ChatStream(state, request, group, chat_id)
     if request.stream:
         return StreamingResponse(stream.events(), media_type="text/event-stream")
@@ -143,6 +157,11 @@ class _ChatStream:
             model=self.state.served_model_name,
             choices=choices,
             usage=self._usage(output),
+            prompt_logprobs=(
+                None
+                if self.request.prompt_logprobs is None
+                else prompt_logprobs_json(output.prompt_logprobs)
+            ),
         )
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:

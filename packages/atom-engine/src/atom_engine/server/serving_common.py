@@ -6,20 +6,27 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from starlette.requests import Request
 
 from atom_engine.outputs import Logprob, RequestOutput
 from atom_engine.sampling_params import SamplingParams
-from atom_engine.server.async_engine import AsyncEngine, EngineDeadError, RequestAborted
+from atom_engine.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestAborted,
+    RequestFailed,
+)
 from atom_engine.server.metrics import ServerMetrics
+from atom_engine.server.preprocess import Preprocessor
 from atom_engine.server.protocol import (
     ChatLogProb,
     ChatLogProbContent,
     CompletionLogProbs,
     ErrorInfo,
     ErrorResponse,
+    PromptLogprob,
     SamplingRequest,
 )
 
@@ -52,6 +59,7 @@ class ServerState:
     served_model_name: str
     model_aliases: frozenset[str]  # other names accepted in `model` (the model path, ...)
     metrics: ServerMetrics
+    preprocessor: Preprocessor  # tokenizes and checks prompts on worker threads
 
     @property
     def max_n(self) -> int:
@@ -79,10 +87,16 @@ def sampling_params(
     """The request's SamplingParams; an invalid value is a 400 naming its field."""
     if request.logit_bias:
         raise APIError("logit_bias is not supported", param="logit_bias")
+    if request.use_beam_search:
+        raise APIError("beam search is not supported", param="use_beam_search")
     if request.n > max_n:
         raise APIError(f"n must be at most {max_n} (max_num_seqs), got {request.n}", param="n")
-    if request.seed is not None and not -(2**63) <= request.seed < 2**63 - request.n:
-        raise APIError(f"seed must be a 64-bit integer, got {request.seed}", param="seed")
+    if request.prompt_logprobs is not None:
+        if prompt_logprobs is not None and prompt_logprobs != request.prompt_logprobs:
+            raise APIError(
+                "prompt_logprobs must equal logprobs when echo is set", param="prompt_logprobs"
+            )
+        prompt_logprobs = request.prompt_logprobs
 
     def default(value, fallback):
         return fallback if value is None else value
@@ -105,17 +119,26 @@ def sampling_params(
             repetition_penalty=default(request.repetition_penalty, 1.0),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            allowed_token_ids=request.allowed_token_ids,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
         )
     except ValueError as e:
-        # "SamplingParams.top_p must be ..." -> "top_p must be ...", param "top_p" (named as the
-        # request names it: a chat request's logprobs count is its top_logprobs).
-        match = _FIELD.search(str(e))
-        if match is None:
-            raise APIError(str(e)) from None
-        param = (param_names or {}).get(match.group(1), match.group(1))
-        raise APIError(_FIELD.sub(param, str(e), count=1), param=param) from None
+        raise value_error(e, None, param_names) from None
+
+
+def value_error(
+    error: ValueError, param: str | None, param_names: dict[str, str] | None = None
+) -> APIError:
+    """A 400 for a ValueError from the engine's checks: "SamplingParams.top_p must be ..." ->
+    "top_p must be ...", param "top_p" (named as the request names it: a chat request's
+    logprobs count is its top_logprobs); other messages get `param`."""
+    match = _FIELD.search(str(error))
+    if match is None:
+        param = getattr(error, "param", None) or param
+        return APIError(str(error), param=(param_names or {}).get(param, param))
+    name = (param_names or {}).get(match.group(1), match.group(1))
+    return APIError(_FIELD.sub(name, str(error), count=1), param=name)
 
 
 # -- running requests -------------------------------------------------------------------------
@@ -146,17 +169,15 @@ class RequestGroup:
         state: ServerState,
         raw_request: Request,
         base_id: str,
-        prompts: list[str | list[int]],
-        params: SamplingParams,
+        prompts: list[tuple[dict, SamplingParams]],
     ) -> RequestGroup:
-        """Add one engine request per prompt: all of them, or none (a refused one is a 400)."""
+        """Add one engine request per (prompt, params): all of them, or none."""
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
-        # Added together so that they are admitted in the same engine step; each gets its own
-        # params (the engine fills in per-request fields).
+        # Added together so that they are admitted in the same engine step.
         results = await asyncio.gather(
             *(
-                state.engine.add_request(request_id, prompt, replace(params))
-                for request_id, prompt in zip(ids, prompts, strict=True)
+                state.engine.add_request(request_id, prompt, params)
+                for request_id, (prompt, params) in zip(ids, prompts, strict=True)
             ),
             return_exceptions=True,
         )
@@ -167,12 +188,12 @@ class RequestGroup:
                     state.engine.abort(request_id)
             error = errors[0]
             if isinstance(error, ValueError):
-                raise APIError(str(error)) from None
+                raise value_error(error, None) from None
             if isinstance(error, EngineDeadError):
                 raise APIError(str(error), status=503) from None
             raise error
         streams: list[AsyncIterator[RequestOutput]] = list(results)
-        return cls(state, raw_request, ids, streams, params.n)
+        return cls(state, raw_request, ids, streams, prompts[0][1].n)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         try:
@@ -181,10 +202,12 @@ class RequestGroup:
                     self.unfinished.discard(output.request_id)
                     self.state.metrics.observe(output)
                 yield index, output
-        except RequestAborted:
+        except RequestAborted as e:
             if self.watcher.disconnected:
                 raise APIError("the client disconnected", status=499) from None
-            raise
+            raise APIError(str(e), status=503) from None
+        except RequestFailed as e:
+            raise APIError(f"the engine failed this request: {e}", status=500) from None
 
     def close(self) -> None:
         self.watcher.stop()
@@ -335,6 +358,24 @@ def chat_logprobs(
             )
         )
     return content
+
+
+def prompt_logprobs_json(
+    prompt_logprobs: list[dict[int, Logprob] | None] | None,
+) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None (the first) or {token id: its logprob,
+    rank and text} for the top N asked for and the prompt's own token."""
+    return [
+        None
+        if entry is None
+        else {
+            str(token_id): PromptLogprob(
+                logprob=_clamp(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
+            )
+            for token_id, lp in entry.items()
+        }
+        for entry in prompt_logprobs or []
+    ]
 
 
 def finish_reason(reason: str | None) -> str | None:

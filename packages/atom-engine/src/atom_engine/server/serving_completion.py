@@ -26,8 +26,10 @@ from atom_engine.server.serving_common import (
     completion_logprobs,
     error_json,
     finish_reason,
+    prompt_logprobs_json,
     sampling_params,
     sse,
+    value_error,
 )
 
 
@@ -55,18 +57,30 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw_
         raise APIError("suffix is not supported", param="suffix")
     if request.best_of is not None and request.best_of != request.n:
         raise APIError("best_of must equal n: ATOM does not rank completions", param="best_of")
+    score_only = request.max_tokens == 0
+    if score_only and not request.echo:
+        raise APIError(
+            "max_tokens must be at least 1 (0 is allowed with echo, to score the prompt)",
+            param="max_tokens",
+        )
     prompts = _prompts(request.prompt)
     echo_logprobs = request.logprobs if request.echo else None
     params = sampling_params(
         request,
         state.max_n,
-        request.max_tokens,
+        1 if score_only else request.max_tokens,
         logprobs=request.logprobs,
         prompt_logprobs=echo_logprobs,
     )
+    try:
+        engine_prompts = await state.preprocessor.run(
+            state.preprocessor.completion_prompts, prompts, params
+        )
+    except ValueError as e:
+        raise value_error(e, "prompt") from None
     completion_id = random_id("cmpl")
-    group = await RequestGroup.start(state, raw_request, completion_id, prompts, params)
-    stream = _CompletionStream(state, request, group, completion_id)
+    group = await RequestGroup.start(state, raw_request, completion_id, engine_prompts)
+    stream = _CompletionStream(state, request, group, completion_id, score_only)
     if request.stream:
         return StreamingResponse(stream.events(), media_type="text/event-stream")
     finals: list[RequestOutput | None] = [None] * len(prompts)
@@ -82,11 +96,34 @@ class _CompletionStream:
     """Builds the response, or the SSE chunks, of one completion request."""
 
     def __init__(
-        self, state: ServerState, request: CompletionRequest, group: RequestGroup, rid: str
+        self,
+        state: ServerState,
+        request: CompletionRequest,
+        group: RequestGroup,
+        rid: str,
+        score_only: bool,
     ) -> None:
         self.state, self.request, self.group, self.id = state, request, group, rid
         self.tokenizer = state.engine.tokenizer
         self.created = int(time.time())
+        self.score_only = score_only  # max_tokens 0: the one token generated is not shown
+
+    def _shown(self, completion: CompletionOutput) -> CompletionOutput:
+        """What the client sees of a completion: nothing generated when scoring the prompt."""
+        if not self.score_only:
+            return completion
+        return CompletionOutput(
+            index=completion.index,
+            text="",
+            token_ids=[],
+            logprobs=None if completion.logprobs is None else [],
+            finish_reason="length" if completion.finish_reason is not None else None,
+        )
+
+    def _prompt_logprobs(self, output: RequestOutput) -> list | None:
+        if self.request.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_json(output.prompt_logprobs)
 
     def _logprobs(
         self,
@@ -117,7 +154,7 @@ class _CompletionStream:
             assert output is not None and output.finished
             usage.prompt_tokens += len(output.prompt_token_ids)
             prompt_text = _prompt_text(output, self.tokenizer) if request.echo else ""
-            for completion in output.outputs:
+            for completion in map(self._shown, output.outputs):
                 usage.completion_tokens += len(completion.token_ids)
                 logprobs, _ = self._logprobs(output, completion, 0, 0, request.echo)
                 choices.append(
@@ -127,6 +164,7 @@ class _CompletionStream:
                         logprobs=logprobs,
                         finish_reason=finish_reason(completion.finish_reason),
                         stop_reason=completion.stop_reason,
+                        prompt_logprobs=self._prompt_logprobs(output),
                     )
                 )
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
@@ -158,7 +196,7 @@ class _CompletionStream:
         usage = UsageInfo()
         try:
             async for index, output in self.group.outputs():
-                for completion in output.outputs:
+                for completion in map(self._shown, output.outputs):
                     choice = index * n + completion.index
                     if choice in done:
                         continue
@@ -195,12 +233,15 @@ class _CompletionStream:
                                 logprobs=logprobs,
                                 finish_reason=finish_reason(completion.finish_reason),
                                 stop_reason=completion.stop_reason,
+                                prompt_logprobs=self._prompt_logprobs(output) if first else None,
                             )
                         ]
                     )
                 if output.finished:
                     usage.prompt_tokens += len(output.prompt_token_ids)
-                    usage.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    usage.completion_tokens += sum(
+                        len(self._shown(c).token_ids) for c in output.outputs
+                    )
             if request.include_usage:
                 usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
                 yield self._chunk([], usage)

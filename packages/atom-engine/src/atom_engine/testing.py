@@ -1,0 +1,83 @@
+"""Helpers for tests of the server: an app served by a real uvicorn on loopback (in a thread),
+and plain HTTP requests that return error responses instead of raising."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import uvicorn
+
+
+@dataclass
+class Response:
+    status_code: int
+    text: str
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None):
+    """One request on a new connection; any status comes back as a Response."""
+    headers = {"content-type": "application/json", **(headers or {})}
+    request = urllib.request.Request(url, data=body, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request) as r:
+            return Response(r.status, r.read().decode())
+    except urllib.error.HTTPError as e:
+        return Response(e.code, e.read().decode())
+
+
+@dataclass
+class Server:
+    url: str
+    engine: object  # the AsyncEngine behind the app
+    uvicorn: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def netloc(self) -> str:
+        return self.url.removeprefix("http://")
+
+    def client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kwargs)
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True
+        self.thread.join(10)
+
+
+def serve(app, engine) -> Server:
+    """Serve `app` on a free loopback port from a daemon thread; returns once it listens."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.05)
+    return Server(f"http://127.0.0.1:{port}", engine, server, thread)
+
+
+def wait_idle(engine, timeout: float = 60.0) -> None:
+    """Wait until the AsyncEngine runs nothing and holds no KV block."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0.0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the engine is not idle: {engine.stats()}")
