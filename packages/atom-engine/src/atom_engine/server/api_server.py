@@ -28,6 +28,7 @@ from atom_engine import __version__
 from atom_engine.server.async_engine import AsyncEngine
 from atom_engine.server.metrics import ServerMetrics
 from atom_engine.server.middleware import BodySizeLimit, CatchAll
+from atom_engine.server.openapi import install_openapi
 from atom_engine.server.preprocess import Preprocessor
 from atom_engine.server.profiler import Profiler
 from atom_engine.server.protocol import (
@@ -179,6 +180,7 @@ def build_app(
     async def stop_profile() -> dict:
         return {"status": "stopped", "directory": await profiler.stop()}
 
+    install_openapi(app)
     return app
 
 

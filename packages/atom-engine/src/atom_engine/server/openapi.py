@@ -1,0 +1,211 @@
+"""The server's OpenAPI document, as the server answers (`/openapi.json`, `/docs`).
+
+FastAPI's own document describes FastAPI's defaults: 422 for validation errors (this server
+answers 400), JSON for every route (`/health` answers an empty body, `/metrics` Prometheus text,
+a streamed completion `text/event-stream`) and no schema for the completion responses (the
+handlers return their responses themselves). `install_openapi` replaces each operation's
+responses with what the server sends: its success bodies, and the OpenAI-style error body
+(`ErrorResponse`) for each status that can occur there.
+
+A streamed response (`"stream": true`) is documented as `text/event-stream` whose `schema`
+describes one event, as OpenAPI 3.2's `itemSchema` does (tools such as schemathesis read it so
+in 3.1 documents): its `data` is a chunk, an error (the request failed after the stream began),
+or the final `[DONE]`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from atom_engine.server.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+    ErrorResponse,
+    ModelList,
+)
+
+JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
+_REF = "#/components/schemas/{model}"
+
+
+class VersionInfo(BaseModel):
+    version: str
+
+
+class ProfileStatus(BaseModel):
+    status: Literal["profiling", "stopped"]
+    directory: str  # where the trace is written
+
+
+_RESPONSE_MODELS = (
+    ErrorResponse,
+    ModelList,
+    CompletionResponse,
+    CompletionChunk,
+    ChatCompletionResponse,
+    ChatCompletionChunk,
+    VersionInfo,
+    ProfileStatus,
+)
+
+_ERRORS = {
+    400: "The request is invalid: malformed JSON, a field of the wrong type, out of range or "
+    "unknown, a prompt longer than the context; `error.param` names the field.",
+    401: "The server runs with `--api-key` and the `Authorization: Bearer` key is missing or "
+    "wrong.",
+    404: "The `model` is not served here.",
+    413: "The request body is larger than the server's limit (`--max-request-body-bytes`).",
+    500: "An internal error; the connection stays open and other requests go on.",
+    503: "The server is shutting down, or its engine has stopped.",
+}
+_ERRORS_OF_GENERATION = {
+    **_ERRORS,
+    500: "The engine failed this request (other requests go on); the connection stays open.",
+    503: "The server is shutting down (the request was ended by the drain timeout), or its "
+    "engine has stopped.",
+}
+_PROFILE_400 = (
+    "Profiling is not enabled (`--profiler-dir` / `ATOM_TORCH_PROFILER_DIR`), is already "
+    "running (start) or is not running (stop)."
+)
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": _REF.format(model=model.__name__)}
+
+
+def _error(status: int, description: str) -> dict[str, Any]:
+    response: dict[str, Any] = {
+        "description": description,
+        "content": {JSON: {"schema": _ref(ErrorResponse)}},
+    }
+    if status == 401:
+        response["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
+    return response
+
+
+def _errors(statuses: tuple[int, ...], descriptions: dict[int, str] = _ERRORS) -> dict:
+    return {str(status): _error(status, descriptions[status]) for status in statuses}
+
+
+def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event of a stream of `chunk`s: `data: <chunk or error JSON>` or
+    `data: [DONE]`."""
+    payload = {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}
+    data = {
+        "type": "string",
+        "if": {"const": "[DONE]"},
+        "then": True,
+        "else": {"contentMediaType": JSON, "contentSchema": payload},
+    }
+    return {"type": "object", "properties": {"data": data}, "required": ["data"]}
+
+
+def _generation(response: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
+    ok = {
+        "description": f"`{response.__name__}` as JSON; with `stream: true`, server-sent events "
+        f"(`data: <{chunk.__name__}>`, or an `ErrorResponse` if the request fails once "
+        "streaming, then `data: [DONE]`).",
+        "content": {
+            JSON: {"schema": _ref(response)},
+            SSE: {"schema": _sse_event(chunk)},
+        },
+    }
+    statuses = (400, 401, 404, 413, 500, 503)
+    return {"200": ok, **_errors(statuses, _ERRORS_OF_GENERATION)}
+
+
+def _json_ok(model: type[BaseModel], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {JSON: {"schema": _ref(model)}}}
+
+
+def _responses() -> dict[tuple[str, str], dict[str, Any]]:
+    """(path, method) -> the OpenAPI responses of each route the server has."""
+    profile_errors = {
+        **_errors((413, 500)),
+        "400": _error(400, _PROFILE_400),
+    }
+    return {
+        ("/v1/models", "get"): {
+            "200": _json_ok(ModelList, "The served model."),
+            **_errors((401, 413, 500)),
+        },
+        ("/v1/completions", "post"): _generation(CompletionResponse, CompletionChunk),
+        ("/v1/chat/completions", "post"): _generation(ChatCompletionResponse, ChatCompletionChunk),
+        ("/health", "get"): {
+            "200": {"description": "The engine is running (an empty body)."},
+            **_errors((413, 500)),
+            "503": _error(503, "The engine is not running."),
+        },
+        ("/version", "get"): {
+            "200": _json_ok(VersionInfo, "ATOM's version."),
+            **_errors((413, 500)),
+        },
+        ("/metrics", "get"): {
+            "200": {
+                "description": "Prometheus metrics in the text exposition format 0.0.4.",
+                "content": {TEXT: {"schema": {"type": "string"}}},
+            },
+            **_errors((413, 500)),
+        },
+        ("/start_profile", "post"): {
+            "200": _json_ok(ProfileStatus, "The profiler started; the trace directory."),
+            **profile_errors,
+        },
+        ("/stop_profile", "post"): {
+            "200": _json_ok(ProfileStatus, "The profiler stopped and wrote its trace there."),
+            **profile_errors,
+        },
+    }
+
+
+# FastAPI's schemas of its 422 body, which this server never sends.
+_UNUSED_SCHEMAS = ("HTTPValidationError", "ValidationError")
+
+
+def build_openapi(app: FastAPI) -> dict[str, Any]:
+    """`app`'s OpenAPI document with the responses the server sends."""
+    document = get_openapi(
+        title=app.title,
+        version=app.version,
+        openapi_version=app.openapi_version,
+        description=app.description,
+        routes=app.routes,
+    )
+    schemas = document.setdefault("components", {}).setdefault("schemas", {})
+    for name in _UNUSED_SCHEMAS:
+        schemas.pop(name, None)
+    _, definitions = models_json_schema(
+        [(model, "serialization") for model in _RESPONSE_MODELS], ref_template=_REF
+    )
+    schemas.update(definitions["$defs"])
+    known = _responses()
+    for path, item in document.get("paths", {}).items():
+        for method, operation in item.items():
+            responses = known.get((path, method))
+            if responses is None:  # a route added without documenting it here: the generic
+                responses = {
+                    key: value for key, value in operation["responses"].items() if key != "422"
+                }
+                statuses = (400, 413, 500) if "requestBody" in operation else (413, 500)
+                responses.update(_errors(statuses))
+            operation["responses"] = responses
+    return document
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Make `app.openapi()` (served as `/openapi.json`) describe what the server answers."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build_openapi(app)
+        return app.openapi_schema
+
+    app.openapi = openapi
