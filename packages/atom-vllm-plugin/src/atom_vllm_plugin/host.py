@@ -13,6 +13,7 @@ from torch import nn
 from vllm.model_executor.layers.attention import Attention
 
 from atom_models.layers.attention import AttentionSpec
+from atom_models.layers.mla import MLAAttentionSpec
 
 
 class VllmAttention(nn.Module):
@@ -108,6 +109,14 @@ class VllmAttentionHost:
     def make_attention(self, spec: AttentionSpec) -> nn.Module:
         name = f"{self.prefix}.{spec.prefix}" if self.prefix else spec.prefix
         return VllmAttention(spec, self.vllm_config, name, self.device)
+
+    def make_mla_attention(self, spec: MLAAttentionSpec, kv_b_proj: nn.Module) -> nn.Module:
+        """DeepSeek-style latent attention on vLLM's `MLAAttention` (its latent cache and MLA
+        backends; ATOM's attention backend is for standard attention only)."""
+        from atom_vllm_plugin.mla import VllmMLAAttention
+
+        name = f"{self.prefix}.{spec.prefix}" if self.prefix else spec.prefix
+        return VllmMLAAttention(spec, kv_b_proj, self.vllm_config, name, self.device)
 
 
 class VllmTPGroup:
