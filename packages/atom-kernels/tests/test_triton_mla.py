@@ -248,13 +248,26 @@ def test_default_config(triton_backend):
             assert config.decode_block_h >= 16 and config.decode_block_n >= 16
 
 
+def test_choose_splits(triton_backend):
+    choose = triton_backend.mla_attention.choose_splits
+    # 128 heads in 64-head blocks on 132 SMs: batch 64 fills the GPU (no split); batch 8 takes
+    # 8 splits of 512 tokens, batch 1 as many as the table allows (at most MAX_SPLITS).
+    assert choose(64, 2, 4096, 132, 64) == (1, 4096)
+    assert choose(8, 2, 4096, 132, 64) == (8, 512)
+    assert choose(1, 2, 8192, 132, 64) == (16, 512)
+    assert choose(1, 2, 163840, 132, 64) == (triton_backend.attention.MAX_SPLITS, 512)
+    assert choose(4, 1, 300, 132, 32) == (1, 320)  # shorter than one split
+
+
 # --- real sizes on a GPU ----------------------------------------------------------------------
 
 DEEPSEEK_TP1 = (128, 512, 64, 16)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [DEEPSEEK, DEEPSEEK_TP1], ids=["h16", "h128"])
+@pytest.mark.parametrize(
+    "shape", [DEEPSEEK, (32, 512, 64, 16), DEEPSEEK_TP1], ids=["h16", "h32", "h128"]
+)
 def test_gpu_prefill_with_prefix_and_decodes(triton_backend, shape):
     seqs = [(2048, 2048), (3000, 700), (4096, 1), (300, 1), (1024, 17)]
     batch = MlaBatch(seqs, shape, torch.bfloat16, "cuda", seed=10)

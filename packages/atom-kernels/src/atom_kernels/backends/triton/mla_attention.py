@@ -14,13 +14,17 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from atom_kernels.backends.triton.attention import MAX_SPLITS, choose_splits
+from atom_kernels.backends.triton.attention import MAX_SPLITS
 from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_sms
 from atom_kernels.backends.triton.mla_decode import mla_decode_kernel, mla_decode_reduce_kernel
 from atom_kernels.backends.triton.mla_prefill import mla_prefill_kernel
 
 # Latent columns per program of the split reduce: [MAX_SPLITS, 64] fp32 partials a program.
 REDUCE_BLOCK_C = 64
+# Decode splits hold at least this many cache tokens. A split writes and the reduce reads
+# BLOCK_H x L fp32 partials (128 KB for 64 heads of 512), about what 128 tokens of the cache
+# (1152 bytes each) weigh, so MLA splits are longer than paged attention's (see choose_splits).
+MIN_SPLIT_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -40,22 +44,63 @@ class MlaConfig:
     prefill_heavy_first: bool = True
 
 
-def default_config(latent_dim: int, dtype: torch.dtype, interpreted: bool) -> MlaConfig:
-    """Tiles for a latent dim (padded to a power of two) and the query dtype.
+def default_config(
+    latent_dim: int, dtype: torch.dtype, interpreted: bool, num_heads: int = 16
+) -> MlaConfig:
+    """Tiles for a latent dim (padded to a power of two), the query dtype and the head count.
 
-    NOTE: not tuned on a GPU yet. The sizes keep the fp32 accumulator [M, BLOCK_L] at 64 registers
-    a thread for DeepSeek's L = 512 (32 x 512 over 8 warps in prefill, 16 x 512 over 4 warps in
-    decode) and a latent tile of 32 x 512 bf16 (32 KB) a pipeline stage. fp32 queries (tests) get
-    smaller KV tiles.
+    NOTE (one H100, triton 3.6, torch 2.11, bf16, L = 512, R = 64, page 16, do_bench medians,
+    2026-11-23; a sweep script outside the repo): prefill, 128 heads: 64 x 64 tiles / 8 warps /
+    2 stages 290 TFLOP/s (causal 4096 tokens 8.02 ms, 2048 over a 6144 prefix 13.8 ms; 70
+    spilled registers), 32 x 64 / 4 warps / 3 stages 240, 64 x 32 / 8 warps 199, 32 x 32 /
+    8 warps 101; 128-row tiles spill 400-550 registers (36-75 TFLOP/s); 32 x 128 needs more
+    shared memory than the H100 has. Decode, 128 heads in 64-head blocks, 64-token tiles / 8
+    warps / 2 stages: 64 x 4096 tokens 324 us (226 TFLOP/s), 256 x 1024 364 us, 8 x 4096 81 us;
+    32-token tiles 436 / 463 / 93 us; with the first kernel (every tile masked) 16-head blocks
+    of 4 warps took 953 us at 64 x 4096 against 425 us for 64-head ones (a latent tile serves
+    more heads). Decode, 16 heads (128 over TP 8), one
+    16-head block / 4 warps: 64-token tiles 64 x 4096 169 us (1.79 TB/s of cache), 256 x 1024
+    118 us (2.57 TB/s); 32-token tiles 237 / 132 us, 16-token 253 / 173 us. 32 heads (TP 4),
+    one 32-head block, 64-token tiles: 4 warps 8 x 4096 96 us, 64 x 4096 211 us, 256 x 1024
+    132 us; 8 warps 136 / 218 / 175 us. Tile sizes for L <= 128 and fp32 (tests) are not
+    measured.
     """
     if interpreted:  # small tiles: several KV tiles and tiles of pairs even at test sizes
         return MlaConfig(16, 16, 4, 1, 16, 16, 4, 1)
     block_l = next_pow2(latent_dim, 16)
     if dtype == torch.float32:
         return MlaConfig(16, 16, 4, 2, 16, 16, 4, 2)
+    block_h = min(next_pow2(num_heads, 16), 64)
     if block_l <= 128:
-        return MlaConfig(64, 64, 4, 2, 16, 64, 4, 2)
-    return MlaConfig(32, 32, 8, 2, 16, 32, 4, 2)
+        return MlaConfig(64, 64, 4, 2, block_h, 64, 4, 2)
+    return MlaConfig(64, 64, 8, 2, block_h, 64, 8 if block_h >= 64 else 4, 2)
+
+
+def choose_splits(
+    num_seqs: int, head_blocks: int, max_context: int, num_sms: int, block_n: int
+) -> tuple[int, int]:
+    """(num_splits, min_split_len) of the decode grid (num_seqs, head_blocks, num_splits).
+
+    Splits only fill SMs the batch leaves idle (num_sms // programs, at most MAX_SPLITS), of at
+    least MIN_SPLIT_TOKENS each; a sequence of seq_len tokens takes
+    max(min_split_len, seq_len / num_splits) tokens a split (attention_decode._split_len).
+    ``max_context`` is what the block table can hold (shapes only: no host sync).
+
+    NOTE (one H100, bf16, 128 heads of L = 512 in 64-head blocks, 64-token tiles, do_bench,
+    2026-11-23, measured with the decode kernel before its unmasked-tile loop): batch 1 x 8192
+    tokens: 16 splits of 512 63 us, 32 of 256 96 us, 8 of 1024 107 us, none 780 us; batch 8 x
+    4096: 8 splits of 512 87 us, 16 of 256 99 us, none 391 us; batch 64 x 4096 (128 programs on
+    132 SMs): none 425 us, 2 splits of 2048 543 us, 8 of 512 628 us. With the current kernel,
+    batch 1 x 8192 (16 splits) takes 40 us in the decode kernel and 4.5 us in the reduce (torch
+    profiler, L2-warm); do_bench reports 70-160 us there, the launcher's host time included.
+    """
+    programs = max(1, num_seqs * head_blocks)
+    context = max(max_context, 1)
+    split_len = triton.cdiv(MIN_SPLIT_TOKENS, block_n) * block_n
+    num_splits = min(num_sms // programs, triton.cdiv(context, split_len), MAX_SPLITS)
+    if num_splits <= 1:
+        return 1, triton.cdiv(context, block_n) * block_n
+    return num_splits, split_len
 
 
 def mla_paged_attention(
@@ -86,7 +131,8 @@ def mla_paged_attention(
         return out
     if num_seqs == 0:
         return out.zero_()
-    config = config or default_config(latent_dim, q_latent.dtype, is_interpreted(q_latent.device))
+    interpreted = is_interpreted(q_latent.device)
+    config = config or default_config(latent_dim, q_latent.dtype, interpreted, num_heads)
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     seq_lens, query_start_loc = seq_lens.contiguous(), query_start_loc.contiguous()
     block_l, block_r = next_pow2(latent_dim, 16), next_pow2(rope_dim, 16)
@@ -165,13 +211,13 @@ def mla_paged_attention(
         num_heads,
         latent_dim,
         rope_dim,
-        block_size,
         min_split_len,
         num_splits,
         float(scale),
         *strides,
         SINGLE_SPLIT=num_splits == 1,
         PRECISION=precision,
+        BLOCK_SIZE=block_size,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         BLOCK_L=block_l,

@@ -5,7 +5,9 @@ query heads per program.
 BLOCK_H query heads and one split of that sequence's context. Every head attends over the same
 cache rows (the latent is one shared kv "head"), so the heads form the M dim of both dots:
 logits = q_latent [BLOCK_H, L] @ c^T + q_pe [BLOCK_H, R] @ k_pe^T, and each latent tile c
-[BLOCK_N, L] is read once for BLOCK_H heads and is also the value tile (acc [BLOCK_H, L] += P @ c).
+[BLOCK_N, L] is read once for BLOCK_H heads and is also the value tile (acc [BLOCK_H, L] += P @ c);
+the tile loop is the prefill kernel's (mla_prefill.attend_latent_tiles), the page size a
+compile-time constant.
 Sequences whose query length is not 1 exit at once (the prefill kernel owns them).
 
 Splits follow paged attention's decode (attention_decode): each sequence cuts its context into at
@@ -18,42 +20,9 @@ them, one chunk of the latent dim per program (a whole [splits, 512] fp32 tile w
 import triton
 import triton.language as tl
 
-from atom_kernels.backends.triton.attention_common import LOG2E, softmax_step
+from atom_kernels.backends.triton.attention_common import LOG2E
 from atom_kernels.backends.triton.attention_decode import _split_len
-
-
-@triton.jit
-def load_latent_tile(
-    kv_cache_ptr,
-    block_table_ptr,
-    tokens,
-    token_mask,
-    block_size,
-    latent_dim,
-    rope_dim,
-    stride_kb,
-    stride_ks,
-    stride_kd,
-    BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """Latent c [BLOCK_N, BLOCK_L] and rope key k_pe [BLOCK_N, BLOCK_R] of ``tokens`` (positions
-    in the sequence) through the block table; masked tokens and padded dims read as 0."""
-    block = tl.load(block_table_ptr + tokens // block_size, mask=token_mask, other=0).to(tl.int64)
-    rows = block * stride_kb + (tokens % block_size).to(tl.int64) * stride_ks
-    offs_l = tl.arange(0, BLOCK_L)
-    offs_r = tl.arange(0, BLOCK_R)
-    c = tl.load(
-        kv_cache_ptr + rows[:, None] + offs_l[None, :] * stride_kd,
-        mask=token_mask[:, None] & (offs_l < latent_dim)[None, :],
-        other=0.0,
-    )
-    k_pe = tl.load(
-        kv_cache_ptr + rows[:, None] + (latent_dim + offs_r)[None, :] * stride_kd,
-        mask=token_mask[:, None] & (offs_r < rope_dim)[None, :],
-        other=0.0,
-    )
-    return c, k_pe
+from atom_kernels.backends.triton.mla_prefill import attend_latent_tiles
 
 
 # NOTE: split sizes and the block table's width follow the batch's shapes; not specialized on (a
@@ -73,7 +42,6 @@ def mla_decode_kernel(
     num_heads,
     latent_dim,
     rope_dim,
-    block_size,
     min_split_len,
     num_splits,
     scale,
@@ -92,6 +60,7 @@ def mla_decode_kernel(
     stride_bt,
     SINGLE_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr,
@@ -134,18 +103,20 @@ def mla_decode_kernel(
     m_i = tl.zeros([BLOCK_H], tl.float32) + float("-inf")
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        tokens = start + offs_n
-        token_mask = tokens < kv_hi
-        c, k_pe = load_latent_tile(
-            kv_cache_ptr, block_table_ptr, tokens, token_mask, block_size, latent_dim, rope_dim,
-            stride_kb, stride_ks, stride_kd, BLOCK_L, BLOCK_R,
-        )  # fmt: skip
-        s = tl.dot(q, tl.trans(c), input_precision=PRECISION)
-        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)  # [BLOCK_H, BLOCK_N]
-        s = tl.where(token_mask[None, :], s * qk_scale, float("-inf"))
-        acc, l_i, m_i = softmax_step(acc, l_i, m_i, s, c, PRECISION)
+    # Whole tiles without a mask (a split's end is tile-aligned unless it is the sequence's end),
+    # then at most one masked tile at the end of the sequence.
+    full_hi = kv_lo + (kv_hi - kv_lo) // BLOCK_N * BLOCK_N
+    q_pos = tl.zeros([BLOCK_H], tl.int32) + seq_len - 1
+    acc, l_i, m_i = attend_latent_tiles(
+        acc, l_i, m_i, q, q_pe, q_pos, kv_lo, full_hi, kv_cache_ptr, block_table_ptr, seq_len,
+        qk_scale, latent_dim, rope_dim, stride_kb, stride_ks, stride_kd, False, PRECISION,
+        BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R,
+    )  # fmt: skip
+    acc, l_i, m_i = attend_latent_tiles(
+        acc, l_i, m_i, q, q_pe, q_pos, full_hi, kv_hi, kv_cache_ptr, block_table_ptr, seq_len,
+        qk_scale, latent_dim, rope_dim, stride_kb, stride_ks, stride_kd, True, PRECISION,
+        BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R,
+    )  # fmt: skip
 
     l_mask = head_mask[:, None] & (offs_l < latent_dim)[None, :]
     if SINGLE_SPLIT or seq_len <= split_len:  # one split: finish the rows here

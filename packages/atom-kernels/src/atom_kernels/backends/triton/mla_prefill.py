@@ -40,7 +40,7 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, num_heads, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _mla_prefill_tiles(
+def attend_latent_tiles(
     acc,
     l_i,
     m_i,
@@ -65,9 +65,10 @@ def _mla_prefill_tiles(
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """Online softmax over the KV tiles [tile_lo, tile_hi) (multiples of BLOCK_N). MASKED: the
-    causal mask (q_pos per pair) and tokens past seq_len read as 0; otherwise every pair sees
-    every token of the tiles."""
+    """Online softmax of q / q_pe [M, *] over the latent cache's KV tiles [tile_lo, tile_hi)
+    (tile_lo a multiple of BLOCK_N), c serving as key (with k_pe) and value. MASKED: the causal
+    mask (q_pos [M], each row's position) and tokens past seq_len read as 0; otherwise every row
+    sees every token of the tiles. Shared with the decode kernel."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
@@ -191,12 +192,12 @@ def mla_prefill_kernel(
     pos_hi = context_len + (tl.minimum(num_pairs, first_pair + BLOCK_M) - 1) // num_heads
     kv_hi = pos_hi + 1
     full_hi = ((pos_lo + 1) // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _mla_prefill_tiles(
+    acc, l_i, m_i = attend_latent_tiles(
         acc, l_i, m_i, q, q_pe, q_pos, 0, full_hi, kv_cache_ptr, block_table_ptr, seq_len,
         qk_scale, latent_dim, rope_dim, stride_kb, stride_ks, stride_kd, False, PRECISION,
         BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R,
     )  # fmt: skip
-    acc, l_i, m_i = _mla_prefill_tiles(
+    acc, l_i, m_i = attend_latent_tiles(
         acc, l_i, m_i, q, q_pe, q_pos, full_hi, kv_hi, kv_cache_ptr, block_table_ptr, seq_len,
         qk_scale, latent_dim, rope_dim, stride_kb, stride_ks, stride_kd, True, PRECISION,
         BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R,
