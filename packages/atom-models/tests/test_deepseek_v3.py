@@ -195,13 +195,30 @@ def test_absorbed_and_expanded_decode_match_each_other_and_transformers(pair, pa
     assert steps > 5
 
 
-def test_mixed_step_in_auto_mode_matches_transformers(pair, paged_session):
-    """Every prompt in one step (the default mode expands: the step has prefills)."""
+def test_auto_mode_steps_match_transformers(pair, paged_session):
+    """The default mode: prefill-only (expanded), then a step mixing one-token decodes with
+    multi-token chunks (split by sequence: decodes absorbed, chunks expanded), then the rest."""
     name, _, model, hf = pair
     batch = prompts(hf.config.vocab_size, seed=2)
-    out = paged_session(model, seed=5).step(dict(enumerate(batch)))
-    for i, tokens in enumerate(batch):
-        assert max_diff(out[i], hf_logits(hf, tokens)) < 1e-4, (name, i)
+    reference = {i: hf_logits(hf, t) for i, t in enumerate(batch)}
+    session = paged_session(model, seed=5)
+    done = {i: max(1, len(t) // 2) for i, t in enumerate(batch)}
+    steps = [{i: t[: done[i]] for i, t in enumerate(batch)}]
+    mixed = {}
+    for i, t in enumerate(batch):
+        if done[i] < len(t):
+            mixed[i] = t[done[i] : done[i] + (1 if i % 2 == 0 else 5)]
+    steps.append(mixed)
+    assert {len(c) for c in mixed.values()} >= {1, 5}
+    position = {i: 0 for i in done}
+    for chunks in steps + [{i: t[done[i] + len(mixed.get(i, [])) :] for i, t in enumerate(batch)}]:
+        chunks = {i: c for i, c in chunks.items() if c}
+        out = session.step(chunks)
+        for i, tokens in chunks.items():
+            expected = reference[i][position[i] : position[i] + len(tokens)]
+            assert max_diff(out[i], expected) < 1e-4, (name, i, position[i])
+            position[i] += len(tokens)
+    assert all(position[i] == len(t) for i, t in enumerate(batch))
 
 
 def test_kimi_k2_config_and_mtp_layer_load(make_checkpoint, tmp_path):

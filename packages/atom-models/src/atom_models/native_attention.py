@@ -32,6 +32,10 @@ class PagedAttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32, cumulative new-token counts
     max_query_len: int
     max_seq_len: int
+    # The same lengths on the host, when the builder knows them (None in captured graphs): lets
+    # a layer split a mixed step by sequence without reading the device.
+    query_lens_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
 
     @classmethod
     def build(
@@ -70,6 +74,8 @@ class PagedAttentionMetadata:
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
         )
 
 

@@ -12,7 +12,9 @@ value up-projection W_UV [Dv, L]. Two exact formulations of the same attention:
   keys [k_nope, k_pe] and values, then ordinary paged attention. Cheaper in FLOPs when many query
   rows share each key.
 
-`mode` picks one ("auto": absorbed for decode-only steps, expanded for steps with a prefill).
+`mode` picks one. "auto": absorbed for decode-only steps, expanded for prefill-only steps, and a
+mixed step split by sequence (decodes absorbed, prefills expanded: expanding a decode's whole
+context for one query row would cost memory in proportion to its context length).
 """
 
 from __future__ import annotations
@@ -82,12 +84,31 @@ class NativeMLAAttention(NativeCacheLayer):
         if self.mode not in MODES:
             raise ValueError(f"MLA mode must be one of {MODES}, got {self.mode!r}")
         atom_kernels.mla_cache_write(kv_c, k_pe, self.kv_cache, md.slot_mapping)
+        if self.mode == "auto" and md.max_query_len > 1 and md.query_lens_cpu is not None:
+            if 1 in md.query_lens_cpu:
+                return self._split(q_nope, q_pe, md).reshape(q_nope.shape[0], -1)
         absorbed = self.mode == "absorbed" or (self.mode == "auto" and md.max_query_len == 1)
         if absorbed:
             out = self._absorbed(q_nope, q_pe, md)
         else:
             out = self._expanded(q_nope, q_pe, md)
         return out.reshape(q_nope.shape[0], -1)  # [T, H * Dv]
+
+    def _split(self, q_nope, q_pe, md: PagedAttentionMetadata) -> torch.Tensor:
+        """A mixed step: the decode sequences absorbed, the prefill sequences expanded."""
+        query_lens = md.query_lens_cpu
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        out = q_nope.new_empty(q_nope.shape[0], self.spec.num_heads, self.spec.v_head_dim)
+        for is_decode in (True, False):
+            seqs = [b for b, n in enumerate(query_lens) if (n == 1) == is_decode]
+            rows = [r for b in seqs for r in range(starts[b], starts[b + 1])]
+            sub = _sub_metadata(md, seqs)
+            rows_t = torch.tensor(rows, dtype=torch.long, device=q_nope.device)
+            compute = self._absorbed if is_decode else self._expanded
+            out[rows_t] = compute(q_nope[rows_t], q_pe[rows_t], sub)
+        return out
 
     def _absorbed(self, q_nope, q_pe, md: PagedAttentionMetadata) -> torch.Tensor:
         w_uk, w_uv = self._up_weights()
@@ -132,6 +153,27 @@ class NativeMLAAttention(NativeCacheLayer):
             spec.scale,
             max_query_len=md.max_query_len,
         )  # [T, H, Dv]
+
+
+def _sub_metadata(md: PagedAttentionMetadata, seqs: list[int]) -> PagedAttentionMetadata:
+    """The metadata of sequences `seqs` of a step (attention only: no slots)."""
+    device = md.block_tables.device
+    query_lens = [md.query_lens_cpu[b] for b in seqs]
+    seq_lens = [md.seq_lens_cpu[b] for b in seqs]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    index = torch.tensor(seqs, dtype=torch.long, device=device)
+    return PagedAttentionMetadata(
+        slot_mapping=md.slot_mapping[:0],
+        block_tables=md.block_tables[index],
+        seq_lens=md.seq_lens[index],
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
 
 
 def set_mla_mode(model: nn.Module, mode: str) -> None:
