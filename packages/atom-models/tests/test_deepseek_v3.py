@@ -256,6 +256,8 @@ def test_kimi_k2_config_and_mtp_layer_load(make_checkpoint, tmp_path):
     assert torch.equal(model.mtp_weights[f"{mtp}.eh_proj.weight"], extra[f"{mtp}.eh_proj.weight"])
     model_bf16 = load_model(tmp_path, dtype=torch.bfloat16)
     assert model_bf16.mtp_weights[f"{mtp}.enorm.weight"].dtype == torch.bfloat16
+    bias = model_bf16.mtp_weights[f"{mtp}.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32
 
     tokens = prompts(211, seed=6)[1]
     bind_kv_cache(model, 8, 4, torch.float32, "cpu")

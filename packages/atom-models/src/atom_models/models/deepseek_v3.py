@@ -147,7 +147,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
                     yield name, tensor
                 else:
                     keep = tensor.to(device=embed.device)
-                    if keep.is_floating_point() and keep.dtype.itemsize > 1:
+                    # Weights in the model's dtype unless fp8; anything else (quantization
+                    # scales, the router's fp32 correction bias) as stored.
+                    if name.endswith(".weight") and keep.dtype.itemsize > 1:
                         keep = keep.to(embed.dtype)
                     self.mtp_weights[name] = keep
 
