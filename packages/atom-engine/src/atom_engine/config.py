@@ -46,6 +46,14 @@ class EngineConfig:
         default=2048,
         metadata=_help("token budget of one step (decodes first, then chunked prefills)"),
     )
+    long_prefill_token_threshold: int | None = field(
+        default=None,
+        metadata=_help(
+            "while requests wait, the most tokens one prefill takes in a step, so new requests "
+            "start beside a long prompt's chunks (0: no cap; default: a quarter of "
+            "max_num_batched_tokens)"
+        ),
+    )
     block_size: int = field(default=16, metadata=_help("tokens per KV-cache block"))
     enable_prefix_caching: bool = field(
         default=True, metadata=_help("reuse the KV cache of shared prompt prefixes")
@@ -98,6 +106,8 @@ class EngineConfig:
             fail("max_num_seqs", "must be >= 1")
         if self.max_num_batched_tokens < 1:
             fail("max_num_batched_tokens", "must be >= 1")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            fail("long_prefill_token_threshold", "must be >= 0 (0: no cap)")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             fail("block_size", "must be a power of two")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -112,6 +122,11 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    def resolved_long_prefill_token_threshold(self) -> int:
+        if self.long_prefill_token_threshold is None:
+            return max(1, self.max_num_batched_tokens // 4)
+        return self.long_prefill_token_threshold
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

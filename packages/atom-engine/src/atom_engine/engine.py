@@ -104,7 +104,10 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.resolved_long_prefill_token_threshold(),
         )
         self.requests: dict[str, Request] = {}
         self._seq_to_request: dict[int, Request] = {}

@@ -2,7 +2,10 @@
 
 Each step fills a token budget (`max_num_batched_tokens`): running sequences first (decodes, and
 prefills that were cut into chunks), then waiting ones in arrival order, their prompts chunked to
-fit. Prefill and decode share one step. When the KV cache runs out of blocks, the most recently
+fit. Prefill and decode share one step. While requests wait, one prefill takes at most
+`long_prefill_token_threshold` tokens of a step, so a long prompt cannot hold the whole budget
+step after step: the requests behind it are admitted beside its chunks (alone, it takes the whole
+budget). When the KV cache runs out of blocks, the most recently
 arrived running sequence is preempted: its blocks are released and it goes back to the front of
 the queue to be recomputed (its prefix, likely still cached, makes that cheap).
 """
@@ -34,11 +37,16 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold  # 0: no cap
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -71,6 +79,9 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        # The most one prefill takes this step: capped while others wait for their turn.
+        cap = self.long_prefill_token_threshold if self.waiting else 0
+        cap = cap or budget
 
         # 1. Running sequences, oldest first; preempt the newest when blocks run out. A sequence
         # whose last token is still on its way (async scheduling) and is its max_tokens-th waits:
@@ -79,7 +90,7 @@ class Scheduler:
         queue = [s for s in self.running if s.num_output_tokens < s.params.max_tokens]
         while queue and budget > 0:
             seq = queue.pop(0)
-            num = min(seq.num_uncomputed_tokens, budget)
+            num = min(seq.num_uncomputed_tokens, budget, cap)
             while not bm.can_allocate(seq, num):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
@@ -99,7 +110,7 @@ class Scheduler:
                 break  # blocks are short this step; do not admit new work
             seq = self.waiting[0]
             bm.match_prefix(seq)
-            num = min(seq.num_uncomputed_tokens, budget)
+            num = min(seq.num_uncomputed_tokens, budget, cap)
             if not bm.can_allocate(seq, num):
                 # Give the matched prefix back: a waiting sequence holds no blocks.
                 bm.release(seq)
