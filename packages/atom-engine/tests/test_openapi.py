@@ -1,0 +1,199 @@
+"""The OpenAPI document describes the server: its routes' responses by hand, and schemathesis
+against a live server (generated requests, valid and invalid, checked for 5xx and for status
+codes, content types and bodies that the document does not describe).
+
+The schemathesis run serves the bundled SmolLM2 (float32, CPU) with a 96-token context and at
+most 4 sequences in a batch, so that no generated request costs more than ~96 decode steps.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+
+import pytest
+
+from atom_engine import EngineConfig
+from atom_engine.server.api_server import build_app
+from atom_engine.server.async_engine import AsyncEngine
+from atom_engine.server.openapi import build_openapi
+from atom_engine.testing import http, serve, wait_idle
+
+MODEL = "smollm2-test"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    config = EngineConfig(
+        dtype="float32",
+        device="cpu",
+        max_model_len=96,
+        max_num_seqs=4,
+        max_num_batched_tokens=96,
+        cpu_kv_cache_space=0.05,
+    )
+    engine = AsyncEngine.from_config(config)
+    profiler_dir = tmp_path_factory.mktemp("profile")
+    server = serve(build_app(engine, MODEL, None, profiler_dir=str(profiler_dir)), engine)
+    yield server
+    server.stop()
+    engine.shutdown()
+
+
+# -- the document -----------------------------------------------------------------------------
+
+
+def test_document_has_no_fastapi_defaults(server):
+    document = http("GET", server.url + "/openapi.json").json()
+    assert document == build_openapi(server.uvicorn.config.app)
+    schemas = document["components"]["schemas"]
+    assert "HTTPValidationError" not in schemas and "ValidationError" not in schemas
+    error = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, item in document["paths"].items():
+        for method, operation in item.items():
+            responses = operation["responses"]
+            assert "422" not in responses, (path, method)
+            for status, response in responses.items():
+                if status.startswith(("4", "5")):
+                    assert response["content"] == {"application/json": {"schema": error}}
+    paths = document["paths"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = paths[path]["post"]["responses"]
+        assert set(responses) == {"200", "400", "401", "404", "413", "500", "503"}
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert "content" not in paths["/health"]["get"]["responses"]["200"]
+    assert set(paths["/health"]["get"]["responses"]) == {"200", "413", "500", "503"}
+    assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert paths["/version"]["get"]["responses"]["200"]["content"]["application/json"]
+
+
+# -- schemathesis -----------------------------------------------------------------------------
+
+# Generated requests per operation and mode; the generation endpoints get more. Measured on the
+# 2-core CPU: the whole run takes ~2 minutes (~90 s of requests).
+EXAMPLES = {"/v1/completions": 40, "/v1/chat/completions": 40}
+OTHER_EXAMPLES = 8
+
+
+# Requests that succeed, in every response shape the server has: generated requests rarely do
+# (a random value of a field is mostly out of its range), so these are sent too, each checked
+# like a generated one.
+_CHAT = [{"role": "user", "content": "Name a color."}]
+VALID = {
+    "/v1/completions": [
+        {"prompt": "The capital of France is", "max_tokens": 3},
+        {"prompt": ["1, 2,", "a, b,"], "max_tokens": 2, "n": 2, "temperature": 1.0, "seed": 1},
+        {"prompt": [1, 2, 3], "max_tokens": 2, "logprobs": 2, "echo": True, "prompt_logprobs": 2},
+        {"prompt": "hi", "max_tokens": 0, "echo": True, "logprobs": 1},
+        {"prompt": "hi", "max_tokens": 4, "stop": [" "], "include_stop_str_in_output": True},
+        {"prompt": "hi", "max_tokens": 3, "stream": True, "logprobs": 1, "echo": True,
+         "stream_options": {"include_usage": True}},
+        {"prompt": ["a", "b"], "max_tokens": 2, "n": 2, "stream": True, "seed": 3},
+    ],
+    "/v1/chat/completions": [
+        {"messages": _CHAT, "max_tokens": 3},
+        {"messages": _CHAT, "max_completion_tokens": 2, "logprobs": True, "top_logprobs": 2,
+         "n": 2, "seed": 5, "prompt_logprobs": 1},
+        {"messages": _CHAT, "max_tokens": 3, "stream": True, "logprobs": True,
+         "stream_options": {"include_usage": True}},
+        {"messages": _CHAT, "max_tokens": 2, "n": 2, "stream": True, "stop": ["e"]},
+    ],
+}  # fmt: skip
+
+
+def _checks():
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        negative_data_rejection,
+        response_headers_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
+    conformance = [
+        not_a_server_error,
+        status_code_conformance,
+        content_type_conformance,
+        response_headers_conformance,
+        response_schema_conformance,
+    ]
+    return {"positive": conformance, "negative": [*conformance, negative_data_rejection]}
+
+
+def _fuzz(operation, mode, examples: int, session, checks, failures: dict, counts: dict) -> None:
+    """Send `examples` generated requests of one operation and mode; record each kind of
+    failure once (its report)."""
+    from hypothesis import HealthCheck, Phase, given, seed, settings
+    from schemathesis.core.failures import FailureGroup
+
+    @seed(int(os.environ.get("ATOM_SCHEMATHESIS_SEED", "0")))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case):
+        try:
+            response = case.call_and_validate(session=session, checks=checks, timeout=300)
+            status = response.status_code
+        except FailureGroup as group:
+            for failure in group.exceptions:
+                key = f"{operation.label} [{mode.value}] {type(failure).__name__}"
+                failures.setdefault(key, str(group))
+            status = "failed"
+        key = f"{operation.label} [{mode.value}]"
+        counts.setdefault(key, Counter())[status] += 1
+
+    run()
+
+
+def _send_valid(operation, session, checks, failures: dict, counts: dict) -> None:
+    from schemathesis.core.failures import FailureGroup
+
+    for body in VALID.get(operation.path, []):
+        case = operation.Case(body=body, media_type="application/json")
+        try:
+            status = case.call_and_validate(session=session, checks=checks, timeout=300).status_code
+        except FailureGroup as group:
+            for failure in group.exceptions:
+                key = f"{operation.label} [valid] {type(failure).__name__}"
+                failures.setdefault(key, str(group))
+            status = "failed"
+        counts.setdefault(f"{operation.label} [valid]", Counter())[status] += 1
+
+
+@pytest.mark.slow
+def test_schemathesis(server):
+    """Every operation gets generated requests, valid and invalid by the document; each answer
+    must be no 5xx and conform to the document (status, content type, headers, body), and an
+    invalid request must be refused with a 4xx. All failures are collected, then reported."""
+    import requests
+    import schemathesis
+
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    checks = _checks()
+    session = requests.Session()
+    failures: dict[str, str] = {}
+    counts: dict[str, Counter] = {}
+    started = time.monotonic()
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        _send_valid(operation, session, checks["positive"], failures, counts)
+        examples = EXAMPLES.get(operation.path, OTHER_EXAMPLES)
+        modes = [schemathesis.GenerationMode.POSITIVE]
+        if len(operation.body):  # nothing to make invalid in a request without a body
+            modes.append(schemathesis.GenerationMode.NEGATIVE)
+        for mode in modes:
+            _fuzz(operation, mode, examples, session, checks[mode.value], failures, counts)
+    wait_idle(server.engine)
+    print(f"\nschemathesis: {time.monotonic() - started:.0f} s")
+    for key, statuses in counts.items():
+        print(f"  {key}: {dict(statuses)}")
+    for key, report in failures.items():
+        print(f"--- {key}\n{report[:3000]}")
+    assert not failures, list(failures)
