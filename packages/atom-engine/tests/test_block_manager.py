@@ -124,3 +124,36 @@ def test_scheduler_preempts_newest_when_blocks_run_out():
     assert batch.seqs == [old] and batch.num_preempted == 1
     assert list(sched.waiting) == [new] and new.num_computed_tokens == 0 and not new.block_table
     assert sched.num_preemptions == 1
+
+
+def _step(scheduler: Scheduler) -> dict[int, int]:
+    """One scheduled step, applied: sequence id -> tokens it computed."""
+    batch = scheduler.schedule()
+    for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
+        seq.num_computed_tokens += num
+        if seq.num_computed_tokens == len(seq):
+            seq.token_ids.append(7)  # sampled
+    return {seq.seq_id: num for seq, num in zip(batch.seqs, batch.num_tokens, strict=True)}
+
+
+def test_long_prefill_is_capped_only_while_requests_wait():
+    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64,
+                          long_prefill_token_threshold=16)  # fmt: skip
+    long = make_seq(list(range(200)))
+    scheduler.add(long)
+    assert _step(scheduler) == {long.seq_id: 64}  # alone: the whole budget
+    short = make_seq([1, 2, 3])
+    scheduler.add(short)
+    # With a request waiting, the long prefill takes 16 tokens and the short one starts beside it.
+    assert _step(scheduler) == {long.seq_id: 16, short.seq_id: 3}
+    # The short one decodes behind the long prefill, which stays capped while it does.
+    assert _step(scheduler) == {long.seq_id: 16, short.seq_id: 1}
+    scheduler.finish(short)
+    assert _step(scheduler) == {long.seq_id: 64}  # alone again: no cap
+    uncapped = Scheduler(BlockManager(64, 4, False), 8, 64, long_prefill_token_threshold=0)
+    long, short = make_seq(list(range(200))), make_seq([1, 2, 3])
+    uncapped.add(long)
+    _step(uncapped)
+    uncapped.add(short)
+    assert _step(uncapped) == {long.seq_id: 64}  # no cap: the short one waits behind it

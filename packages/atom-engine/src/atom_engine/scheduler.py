@@ -2,10 +2,10 @@
 
 Each step fills a token budget (`max_num_batched_tokens`): running sequences first (decodes, and
 prefills that were cut into chunks), then waiting ones in arrival order, their prompts chunked to
-fit. Prefill and decode share one step. While requests wait, one prefill takes at most
-`long_prefill_token_threshold` tokens of a step, so a long prompt cannot hold the whole budget
-step after step: the requests behind it are admitted beside its chunks (alone, it takes the whole
-budget). When the KV cache runs out of blocks, the most recently
+fit. Prefill and decode share one step. While other sequences want tokens (waiting, or running
+behind it), one prefill takes at most `long_prefill_token_threshold` tokens of a step, so a long
+prompt cannot hold the whole budget step after step: the requests behind it start and decode
+beside its chunks (alone, it takes the whole budget). When the KV cache runs out of blocks, the most recently
 arrived running sequence is preempted: its blocks are released and it goes back to the front of
 the queue to be recomputed (its prefix, likely still cached, makes that cheap).
 """
@@ -79,9 +79,11 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
-        # The most one prefill takes this step: capped while others wait for their turn.
-        cap = self.long_prefill_token_threshold if self.waiting else 0
-        cap = cap or budget
+        threshold = self.long_prefill_token_threshold or budget
+
+        def cap(num_waiting: int) -> int:
+            """The most one prefill takes this step: capped while others wait for a turn."""
+            return threshold if num_waiting else budget
 
         # 1. Running sequences, oldest first; preempt the newest when blocks run out. A sequence
         # whose last token is still on its way (async scheduling) and is its max_tokens-th waits:
@@ -90,7 +92,7 @@ class Scheduler:
         queue = [s for s in self.running if s.num_output_tokens < s.params.max_tokens]
         while queue and budget > 0:
             seq = queue.pop(0)
-            num = min(seq.num_uncomputed_tokens, budget, cap)
+            num = min(seq.num_uncomputed_tokens, budget, cap(len(self.waiting) + len(queue)))
             while not bm.can_allocate(seq, num):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
@@ -110,7 +112,7 @@ class Scheduler:
                 break  # blocks are short this step; do not admit new work
             seq = self.waiting[0]
             bm.match_prefix(seq)
-            num = min(seq.num_uncomputed_tokens, budget, cap)
+            num = min(seq.num_uncomputed_tokens, budget, cap(len(self.waiting) - 1))
             if not bm.can_allocate(seq, num):
                 # Give the matched prefix back: a waiting sequence holds no blocks.
                 bm.release(seq)
