@@ -34,9 +34,9 @@ DURATION_S = float(os.environ.get("ATOM_SOAK_SECONDS", "135"))  # ~3 min with lo
 NUM_CLIENTS = 12
 WARMUP_FRACTION = 0.25  # RSS is measured from here on (allocator pools and caches grown)
 # NOTE: the RSS after warm-up moved by -121 and -33 MiB at the end of two runs (2-core CPU, 264
-# and 59 requests): allocator pools shrink and grow by that much. A leak of 0.5 MiB per request
-# (a KV block is 0.7 MiB here; a prompt's logits 0.2 MiB) would pass this bound over ~200
-# requests only if nothing else were freed; the KV cache itself is allocated once, up front.
+# and 59 requests): allocator pools shrink and grow by that much. The KV cache is allocated once,
+# up front; a leak of half a KV block (0.35 MiB) or two tokens' logits per request would add
+# ~96 MiB over the ~270 requests of a run.
 RSS_GROWTH_BOUND_MB = 96
 MAX_BODY_BYTES = 64 << 10
 REQUEST_TIMEOUT_S = 240  # a request without an answer by then is lost
