@@ -18,8 +18,10 @@ import importlib.util
 import os
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 if importlib.util.find_spec("sglang") is None:
     # No SGLang in this environment: these tests belong to ci/host-sglang.sh's environment.
@@ -102,3 +104,78 @@ def sglang_runtime(sglang_plugins, tiny_llama):
         distributed_init_method=f"tcp://127.0.0.1:{port}",
     )  # fmt: skip
     initialize_model_parallel()
+
+
+class SglangBatches:
+    """A KV-cache pool of SGLang's (MHA or MLA, 512 slots, page size 1), its torch-native backend,
+    and `ForwardBatch`es over them, filled the way SGLang's scheduler fills them (one
+    request-to-token row per request, slot per token)."""
+
+    def __init__(self, kv_pool) -> None:
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        self.req_to_token = ReqToTokenPool(size=8, max_context_len=128, device="cpu",
+                                           enable_memory_saver=False)  # fmt: skip
+        self.kv = kv_pool
+        runner = SimpleNamespace(device="cpu", req_to_token_pool=self.req_to_token,
+                                 token_to_kv_pool=self.kv)  # fmt: skip
+        self.backend = TorchNativeAttnBackend(runner)
+        self.next_slot = 1  # slot 0 is SGLang's padding slot
+        self.lens: list[int] = []
+
+    def _slots(self, n: int) -> torch.Tensor:
+        slots = torch.arange(self.next_slot, self.next_slot + n, dtype=torch.int64)
+        self.next_slot += n
+        return slots
+
+    def extend(self, prompts: list[list[int]]):
+        from sglang.srt.model_executor import forward_batch_info as fbi
+
+        lens = [len(p) for p in prompts]
+        slots = self._slots(sum(lens))
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        for i, n in enumerate(lens):
+            self.req_to_token.req_to_token[i, :n] = slots[starts[i] : starts[i] + n].int()
+        self.lens = lens
+        no_prefix = torch.zeros(len(lens), dtype=torch.int64)
+        return fbi.ForwardBatch(
+            forward_mode=fbi.ForwardMode.EXTEND, batch_size=len(prompts),
+            input_ids=torch.tensor(sum(prompts, [])), req_pool_indices=torch.arange(len(lens)),
+            seq_lens=torch.tensor(lens), seq_lens_cpu=torch.tensor(lens), seq_lens_sum=sum(lens),
+            out_cache_loc=slots, positions=torch.cat([torch.arange(n) for n in lens]),
+            extend_seq_lens=torch.tensor(lens), extend_prefix_lens=no_prefix,
+            extend_start_loc=torch.tensor(starts), extend_seq_lens_cpu=lens,
+            extend_prefix_lens_cpu=[0] * len(lens), extend_num_tokens=sum(lens),
+            capture_hidden_mode=fbi.CaptureHiddenMode.NULL,
+        )  # fmt: skip
+
+    def decode(self, tokens: list[int]):
+        from sglang.srt.model_executor import forward_batch_info as fbi
+
+        slots = self._slots(len(tokens))
+        positions = torch.tensor(self.lens)
+        for i, n in enumerate(self.lens):
+            self.req_to_token.req_to_token[i, n] = int(slots[i])
+        self.lens = [n + 1 for n in self.lens]
+        return fbi.ForwardBatch(
+            forward_mode=fbi.ForwardMode.DECODE, batch_size=len(tokens),
+            input_ids=torch.tensor(tokens), req_pool_indices=torch.arange(len(tokens)),
+            seq_lens=torch.tensor(self.lens), seq_lens_cpu=torch.tensor(self.lens),
+            seq_lens_sum=sum(self.lens), out_cache_loc=slots, positions=positions,
+            capture_hidden_mode=fbi.CaptureHiddenMode.NULL,
+        )  # fmt: skip
+
+    def run(self, model, batch):
+        """One step as SGLang's model runner takes it: backend metadata, forward context."""
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        self.backend.init_forward_metadata(batch)
+        with forward_context(ForwardContext(attn_backend=self.backend), forward_batch=batch):
+            return model.forward(batch.input_ids, batch.positions, batch)
+
+
+@pytest.fixture(scope="session")
+def sglang_batches():
+    """`sglang_batches(kv_pool) -> SglangBatches` over that pool of SGLang's."""
+    return SglangBatches

@@ -17,6 +17,7 @@ from sglang.srt.runtime_context import get_parallel
 from torch import nn
 
 from atom_models.layers.attention import AttentionSpec
+from atom_models.layers.mla import MLAAttentionSpec
 
 
 class SglangAttention(nn.Module):
@@ -59,6 +60,13 @@ class SglangAttentionHost:
     def make_attention(self, spec: AttentionSpec) -> nn.Module:
         name = f"{self.prefix}.{spec.prefix}" if self.prefix else spec.prefix
         return SglangAttention(spec, name)
+
+    def make_mla_attention(self, spec: MLAAttentionSpec, kv_b_proj: nn.Module) -> nn.Module:
+        """DeepSeek-style latent attention: a RadixAttention over SGLang's MLA KV pool."""
+        from atom_sglang_plugin.mla import SglangMLAAttention
+
+        name = f"{self.prefix}.{spec.prefix}" if self.prefix else spec.prefix
+        return SglangMLAAttention(spec, kv_b_proj, name)
 
 
 class SglangTPGroup:
