@@ -8,6 +8,7 @@ most 4 sequences in a batch, so that no generated request costs more than ~96 de
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import Counter
@@ -66,13 +67,62 @@ def test_document_has_no_fastapi_defaults(server):
     assert set(paths["/health"]["get"]["responses"]) == {"200", "413", "500", "503"}
     assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert paths["/version"]["get"]["responses"]["200"]["content"]["application/json"]
+    # The request schemas carry the served model's ranges.
+    completion = schemas["CompletionRequest"]["properties"]
+    assert completion["n"]["maximum"] == 4 and completion["n"]["minimum"] == 1
+    assert completion["top_p"]["anyOf"][0] == {
+        "type": "number",
+        "exclusiveMinimum": 0,
+        "maximum": 1,
+    }
+    vocab = server.engine.engine.vocab_size
+    assert completion["stop_token_ids"]["anyOf"][0]["items"]["maximum"] == vocab - 1
+
+
+def _sse_response(text: str):
+    import requests
+    import schemathesis
+
+    request = requests.Request("POST", "http://x/v1/completions", data=b"{}").prepare()
+    return schemathesis.Response(
+        status_code=200,
+        headers={"content-type": ["text/event-stream; charset=utf-8"]},
+        content=text.encode(),
+        request=request,
+        elapsed=0.0,
+        verify=True,
+        message="OK",
+        encoding="utf-8",
+        http_version="1.1",
+    )
+
+
+def test_event_stream_events_are_checked(server):
+    """schemathesis reads the `text/event-stream` schema as one event's: chunks, error events
+    and [DONE] pass; anything else fails (so the live run below does check streams)."""
+    import schemathesis
+    from schemathesis.core.failures import FailureGroup
+    from schemathesis.specs.openapi.checks import response_schema_conformance
+
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    case = schema["/v1/completions"]["POST"].Case(body={"prompt": "hi", "stream": True})
+    chunk = {"id": "c", "object": "text_completion", "created": 1, "model": MODEL,
+             "choices": [{"index": 0, "text": "x"}]}  # fmt: skip
+    error = {"error": {"message": "m", "type": "InternalServerError", "param": None, "code": 500}}
+    good = f"data: {json.dumps(chunk)}\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n"
+    case.validate_response(_sse_response(good), checks=[response_schema_conformance])
+    for bad in ('{"id": "c", "choices": "x"}', "[DONE", '{"error": {"message": 5}}'):
+        with pytest.raises(FailureGroup):
+            response = _sse_response(f"data: {bad}\n\ndata: [DONE]\n\n")
+            case.validate_response(response, checks=[response_schema_conformance])
 
 
 # -- schemathesis -----------------------------------------------------------------------------
 
 # Generated requests per operation and mode; the generation endpoints get more. Measured on the
 # 2-core CPU: the whole run takes ~2 minutes (~90 s of requests).
-EXAMPLES = {"/v1/completions": 40, "/v1/chat/completions": 40}
+_NUM = int(os.environ.get("ATOM_SCHEMATHESIS_EXAMPLES", "25"))
+EXAMPLES = {"/v1/completions": _NUM, "/v1/chat/completions": _NUM}
 OTHER_EXAMPLES = 8
 
 

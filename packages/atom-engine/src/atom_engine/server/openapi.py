@@ -7,6 +7,11 @@ handlers return their responses themselves). `install_openapi` replaces each ope
 responses with what the server sends: its success bodies, and the OpenAI-style error body
 (`ErrorResponse`) for each status that can occur there.
 
+The request schemas (pydantic's, from the request models) also get the ranges the server
+checks, so that generated clients and fuzzers know them: sampling values, token ids within the
+served model's vocabulary, `n` up to its batch size. A value within them can still be refused
+(400) when it conflicts with another field or the prompt does not fit the context.
+
 A streamed response (`"stream": true`) is documented as `text/event-stream` whose `schema`
 describes one event, as OpenAPI 3.2's `itemSchema` does (tools such as schemathesis read it so
 in 3.1 documents): its `data` is a chunk, an error (the request failed after the stream began),
@@ -22,6 +27,12 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from atom_engine.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+)
 from atom_engine.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -166,6 +177,61 @@ def _responses() -> dict[tuple[str, str], dict[str, Any]]:
     }
 
 
+def _numbers(**bounds: float) -> dict[str, dict[str, float]]:
+    return {"integer": bounds, "number": bounds}
+
+
+def _request_bounds(state) -> dict[str, dict[str, dict[str, dict]]]:
+    """Request schema -> field -> JSON type -> the keywords bounding values of that type."""
+    max_len, vocab = state.engine.max_model_len, state.engine.engine.vocab_size
+    token_ids = {"integer": {"minimum": 0, "maximum": vocab - 1}}
+    logprobs = _numbers(minimum=0, maximum=MAX_LOGPROBS)
+    common = {
+        "n": _numbers(minimum=1, maximum=state.max_n),
+        "seed": _numbers(minimum=INT64_MIN, maximum=INT64_MAX),
+        "stop": {"string": {"minLength": 1}},
+        "temperature": _numbers(minimum=0),
+        "top_p": _numbers(exclusiveMinimum=0, maximum=1),
+        "top_k": _numbers(minimum=-1, maximum=INT64_MAX),
+        "min_p": _numbers(minimum=0, maximum=1),
+        "presence_penalty": _numbers(minimum=-2, maximum=2),
+        "frequency_penalty": _numbers(minimum=-2, maximum=2),
+        "repetition_penalty": _numbers(
+            minimum=1 / MAX_REPETITION_PENALTY, maximum=MAX_REPETITION_PENALTY
+        ),
+        "min_tokens": _numbers(minimum=0, maximum=max_len),
+        "stop_token_ids": token_ids,
+        "allowed_token_ids": {**token_ids, "array": {"minItems": 1}},
+        "prompt_logprobs": logprobs,
+    }
+    return {
+        "CompletionRequest": {
+            **common,
+            # 0 only with echo (scores the prompt)
+            "max_tokens": _numbers(minimum=0, maximum=max_len),
+            "logprobs": logprobs,
+            "prompt": {**token_ids, "string": {"minLength": 1}, "array": {"minItems": 1}},
+        },
+        "ChatCompletionRequest": {
+            **common,
+            "max_tokens": _numbers(minimum=1, maximum=max_len),
+            "max_completion_tokens": _numbers(minimum=1, maximum=max_len),
+            "top_logprobs": logprobs,
+            "messages": {"array": {"minItems": 1}},
+        },
+    }
+
+
+def _bound(schema: dict[str, Any], by_type: dict[str, dict]) -> None:
+    """Add `by_type[t]` to each (sub)schema of JSON type t: anyOf branches, array items."""
+    for branch in schema.get("anyOf", ()):
+        _bound(branch, by_type)
+    kind = schema.get("type")
+    schema.update(by_type.get(kind, {}))
+    if kind == "array" and isinstance(schema.get("items"), dict):
+        _bound(schema["items"], by_type)
+
+
 # FastAPI's schemas of its 422 body, which this server never sends.
 _UNUSED_SCHEMAS = ("HTTPValidationError", "ValidationError")
 
@@ -186,6 +252,13 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
         [(model, "serialization") for model in _RESPONSE_MODELS], ref_template=_REF
     )
     schemas.update(definitions["$defs"])
+    state = getattr(app.state, "atom", None)  # the ServerState of an app from build_app
+    if state is not None:
+        for name, fields in _request_bounds(state).items():
+            properties = schemas.get(name, {}).get("properties", {})
+            for field_name, by_type in fields.items():
+                if field_name in properties:
+                    _bound(properties[field_name], by_type)
     known = _responses()
     for path, item in document.get("paths", {}).items():
         for method, operation in item.items():
