@@ -3,7 +3,9 @@
 Models build `Attention(...)` layers; what computes inside them comes from the host that builds the
 model: ATOM's engine (paged KV cache + atom_kernels, the default `NativeAttentionHost`), vLLM (its
 attention layer) or SGLang (RadixAttention). A host implements `AttentionHost.make_attention` and
-installs itself with `attention_host(host)` around model construction.
+installs itself with `attention_host(host)` around model construction. Hosts that serve
+multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) also implement `make_mla_attention`
+(`atom_models.layers.mla`).
 """
 
 from __future__ import annotations
