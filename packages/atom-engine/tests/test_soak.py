@@ -242,6 +242,17 @@ async def _client_loop(server, index: int, deadline: float, tally: Tally) -> Non
                 tally.problem(name, f"{type(e).__name__}: {str(e)[:300]}")
 
 
+async def _health_loop(server, deadline: float, tally: Tally, latencies: list[float]) -> None:
+    """/health every half second: 200 throughout, however busy the engine."""
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        response = await asyncio.to_thread(http, "GET", server.url + "/health")
+        latencies.append(time.monotonic() - started)
+        if response.status_code != 200:
+            tally.problem("health", f"{response.status_code}: {response.text[:200]}")
+        await asyncio.sleep(0.5)
+
+
 def _metric(server, name: str) -> float:
     text = http("GET", server.url + "/metrics").text
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
@@ -263,6 +274,7 @@ def _percentile(values: list[float], q: float) -> float:
 def test_soak(server, capsys):
     tally = Tally()
     rss: dict[str, float] = {"start": _rss_mb()}
+    health: list[float] = []  # /health latencies, seconds
 
     async def run() -> None:
         started = time.monotonic()
@@ -271,6 +283,7 @@ def test_soak(server, capsys):
             asyncio.create_task(_client_loop(server, i, deadline, tally))
             for i in range(NUM_CLIENTS)
         ]
+        clients.append(asyncio.create_task(_health_loop(server, deadline, tally, health)))
         await asyncio.sleep(WARMUP_FRACTION * DURATION_S)
         rss["warm"] = _rss_mb()
         await asyncio.gather(*clients)
@@ -289,6 +302,8 @@ def test_soak(server, capsys):
         *(f"  {kind}: {count}" for kind, count in sorted(tally.outcomes.items())),
         f"  latency of good requests answered (s): p50 {_percentile(tally.latencies, 0.5):.2f}"
         f" p99 {_percentile(tally.latencies, 0.99):.2f} (n={len(tally.latencies)})",
+        f"  /health: {len(health)} checks, p50 {_percentile(health, 0.5) * 1e3:.0f} ms,"
+        f" max {max(health, default=float('nan')) * 1e3:.0f} ms",
         f"  RSS (MiB): start {rss['start']:.0f}, warm {rss['warm']:.0f}, end {rss['end']:.0f}"
         f" (growth after warm-up {rss['end'] - rss['warm']:+.0f}, bound {RSS_GROWTH_BOUND_MB})",
         f"  after: KV-cache usage {kv_usage}, requests running {running}",
