@@ -178,6 +178,12 @@ HOSTILE = [
     ("chat/completions", f'{{{_CHAT}, "stream": true, "prompt_logprobs": 1}}',
      "prompt_logprobs"),
     ("chat/completions", '{"messages": [{"role": "user", "content": 5}]}', "messages"),
+    # A template that renders a 200 MB prompt is refused before tokenizing it; one that renders
+    # nothing is an empty prompt.
+    ("chat/completions", f'{{{_CHAT}, "chat_template": "{{{{ messages[0].content * 10**8 }}}}"}}',
+     "messages"),
+    ("chat/completions", f'{{{_CHAT}, "chat_template": "{{{{ \'\'.__class__ }}}}"}}',
+     "messages"),
     ("chat/completions", '{"messages": "hi"}', "messages"),
 ]  # fmt: skip
 

@@ -32,11 +32,13 @@ def apply_chat_template(
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
     chat_template: str | None = None,
+    max_chars: int | None = None,
 ) -> list[int]:
     """Token ids of `messages` rendered by `chat_template` (a Jinja string), or by the tokenizer's
     own template when it is None.
 
-    Raises ValueError when there is no template or the template refuses the conversation.
+    Raises ValueError when there is no template, the template refuses the conversation, or the
+    rendered text is longer than `max_chars` (checked before it is tokenized).
     """
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template (use plain completions)")
@@ -53,14 +55,18 @@ def apply_chat_template(
     if chat_template is not None:
         kwargs["chat_template"] = chat_template
     try:
-        ids = tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
-            tokenize=True,
+            tokenize=False,
             **kwargs,
         )
     except Exception as e:  # jinja2 errors (raise_exception in templates), bad kwargs
         raise ValueError(f"the chat template failed: {e}") from None
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+    if max_chars is not None and len(text) > max_chars:
+        raise ValueError(
+            f"the conversation renders to {len(text)} characters: more tokens than the model's "
+            "context length (max_model_len)"
+        )
+    # What apply_chat_template(tokenize=True) does: the template writes the special tokens.
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -42,9 +42,12 @@ class EngineConfig:
         metadata=_help("longest prompt + completion in tokens (default: the model's context)"),
     )
     max_num_seqs: int = field(default=128, metadata=_help("most sequences in one step"))
-    max_num_batched_tokens: int = field(
-        default=2048,
-        metadata=_help("token budget of one step (decodes first, then chunked prefills)"),
+    max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata=_help(
+            "token budget of one step (decodes first, then chunked prefills; default: 2048 on a "
+            "GPU, 512 on the CPU, where it bounds how long a long prompt's step delays others)"
+        ),
     )
     long_prefill_token_threshold: int | None = field(
         default=None,
@@ -104,6 +107,12 @@ class EngineConfig:
             fail("max_model_len", "must be >= 1")
         if self.max_num_seqs < 1:
             fail("max_num_seqs", "must be >= 1")
+        if self.max_num_batched_tokens is None:
+            # NOTE: on the 2-core CI CPU a 1,500-token prompt in 2048-token steps stalled another
+            # stream for 100-114 s and a short request's first token for 102-118 s; in 512-token
+            # steps (cap 128) 17 s and 6 s (benchmarks/hol_cpu.py, results/hol-cpu.json).
+            cpu = self.resolved_device().type == "cpu"
+            self.max_num_batched_tokens = 512 if cpu else 2048
         if self.max_num_batched_tokens < 1:
             fail("max_num_batched_tokens", "must be >= 1")
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:

@@ -5,9 +5,9 @@ prefills that were cut into chunks), then waiting ones in arrival order, their p
 fit. Prefill and decode share one step. While other sequences want tokens (waiting, or running
 behind it), one prefill takes at most `long_prefill_token_threshold` tokens of a step, so a long
 prompt cannot hold the whole budget step after step: the requests behind it start and decode
-beside its chunks (alone, it takes the whole budget). When the KV cache runs out of blocks, the most recently
-arrived running sequence is preempted: its blocks are released and it goes back to the front of
-the queue to be recomputed (its prefix, likely still cached, makes that cheap).
+beside its chunks (alone, it takes the whole budget). When the KV cache runs out of blocks, the
+most recently arrived running sequence is preempted: its blocks are released and it goes back to
+the front of the queue to be recomputed (its prefix, likely still cached, makes that cheap).
 """
 
 from __future__ import annotations

@@ -116,5 +116,6 @@ class Preprocessor:
             continue_final_message,
             chat_template_kwargs,
             chat_template,
+            self.max_prompt_chars,
         )
         return {"prompt_token_ids": token_ids}, self._check(token_ids, params)

@@ -71,7 +71,8 @@ async def create_chat_completion(
 ):
     state.check_model(request.model)
     _refuse_unsupported(request)
-    max_tokens, names = request.max_tokens, {"logprobs": "top_logprobs"}
+    # Field names as a chat request spells them (the prompt is its messages).
+    max_tokens, names = request.max_tokens, {"logprobs": "top_logprobs", "prompt": "messages"}
     if request.max_completion_tokens is not None:
         max_tokens, names["max_tokens"] = request.max_completion_tokens, "max_completion_tokens"
     num_top = request.top_logprobs or 0
