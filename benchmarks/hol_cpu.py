@@ -30,6 +30,7 @@ from atom_engine.testing import http, serve
 CONFIGS = {  # name -> (max_num_batched_tokens, long_prefill_token_threshold)
     "budget-2048-no-cap": (2048, 0),
     "budget-2048-cap-512": (2048, 512),
+    "budget-512-no-cap": (512, 0),
     "budget-512-cap-128": (512, 128),
 }
 

@@ -2,12 +2,13 @@
 
 Each step fills a token budget (`max_num_batched_tokens`): running sequences first (decodes, and
 prefills that were cut into chunks), then waiting ones in arrival order, their prompts chunked to
-fit. Prefill and decode share one step. While other sequences want tokens (waiting, or running
-behind it), one prefill takes at most `long_prefill_token_threshold` tokens of a step, so a long
-prompt cannot hold the whole budget step after step: the requests behind it start and decode
-beside its chunks (alone, it takes the whole budget). When the KV cache runs out of blocks, the
-most recently arrived running sequence is preempted: its blocks are released and it goes back to
-the front of the queue to be recomputed (its prefix, likely still cached, makes that cheap).
+fit. Prefill and decode share one step. While other sequences run or wait, one prefill takes at
+most `long_prefill_token_threshold` tokens of a step, so a long prompt can neither hold the whole
+budget step after step nor stretch the others' steps: requests behind it start, and streams keep
+decoding, beside its chunks (alone, it takes the whole budget). When the KV cache runs out of
+blocks, the most recently arrived running sequence is preempted: its blocks are released and it
+goes back to the front of the queue to be recomputed (its prefix, likely still cached, makes that
+cheap).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold or budget
 
         def cap(num_waiting: int) -> int:
-            """The most one prefill takes this step: capped while others wait for a turn."""
+            """The most one prefill takes this step: capped while it shares the engine."""
             return threshold if num_waiting else budget
 
         # 1. Running sequences, oldest first; preempt the newest when blocks run out. A sequence
@@ -92,7 +93,8 @@ class Scheduler:
         queue = [s for s in self.running if s.num_output_tokens < s.params.max_tokens]
         while queue and budget > 0:
             seq = queue.pop(0)
-            num = min(seq.num_uncomputed_tokens, budget, cap(len(self.waiting) + len(queue)))
+            others = len(self.running) - 1 + len(self.waiting)
+            num = min(seq.num_uncomputed_tokens, budget, cap(others))
             while not bm.can_allocate(seq, num):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
@@ -112,7 +114,9 @@ class Scheduler:
                 break  # blocks are short this step; do not admit new work
             seq = self.waiting[0]
             bm.match_prefix(seq)
-            num = min(seq.num_uncomputed_tokens, budget, cap(len(self.waiting) - 1))
+            num = min(
+                seq.num_uncomputed_tokens, budget, cap(len(self.running) + len(self.waiting) - 1)
+            )
             if not bm.can_allocate(seq, num):
                 # Give the matched prefix back: a waiting sequence holds no blocks.
                 bm.release(seq)
