@@ -82,6 +82,7 @@ def _run_python(code: str, timeout: float = 300, **switches: str) -> dict:
     assert lines, f"child printed no JSON:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     result = json.loads(lines[-1])
     result["_stderr"] = proc.stderr
+    result["_stdout"] = proc.stdout  # vLLM's log handler writes to stdout
     return result
 
 

@@ -114,12 +114,34 @@ def test_summary_names_every_field(tiny_llama) -> None:
         assert part in summary
 
 
-def test_pipeline_parallel_is_refused(tiny_llama) -> None:
-    # The wrapper does not declare vLLM's SupportsPP, so vLLM refuses before ATOM is asked.
-    with pytest.raises(NotImplementedError, match="Pipeline parallelism is not supported"):
-        translate(tiny_llama, pipeline_parallel_size=2)
+def vllm_config(model: Path, **engine_args):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = {"dtype": "float32", "enforce_eager": True, **engine_args}
+    return EngineArgs(model=str(model), **args).create_engine_config()
 
 
-def test_refuses_prompt_embeds(tiny_llama) -> None:
-    with pytest.raises(ValueError, match="prompt embeddings.*ATOM_DISABLE_VLLM_PLUGIN=1"):
-        translate(tiny_llama, enable_prompt_embeds=True)
+@pytest.mark.parametrize(
+    ("engine_args", "reason"),
+    [
+        # The wrapper declares vLLM's SupportsPP, so vLLM's config check lets vLLM's own model
+        # (which the wrapper builds instead) take the pipeline stages.
+        ({"pipeline_parallel_size": 2}, "pipeline parallelism (pipeline_parallel_size=2)"),
+        ({"enable_prompt_embeds": True}, "prompt embeddings (enable_prompt_embeds=True)"),
+        ({"enable_lora": True}, "LoRA adapters (enable_lora=True)"),
+    ],
+)
+def test_unsupported_options_are_named_and_refused(tiny_llama, engine_args, reason) -> None:
+    from atom_vllm_plugin.config import unsupported_reason
+
+    config = vllm_config(tiny_llama, **engine_args)
+    assert unsupported_reason(config) == reason
+    # Building ATOM's model directly is refused; the wrapper never gets here (test_fallback.py).
+    with pytest.raises(ValueError, match="do not support .*ATOM_DISABLE_VLLM_PLUGIN=1"):
+        AtomVllmConfig.from_vllm_config(config)
+
+
+def test_supported_configuration_has_no_reason(tiny_llama) -> None:
+    from atom_vllm_plugin.config import unsupported_reason
+
+    assert unsupported_reason(vllm_config(tiny_llama)) is None

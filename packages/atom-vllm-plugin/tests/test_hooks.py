@@ -164,7 +164,9 @@ def test_switches_in_a_fresh_process(
     [
         ("0.32.0", True),
         ("0.32.0+cpu", True),
-        ("0.33.2rc1", True),
+        ("0.32.7rc1", True),
+        ("0.33.0", False),
+        ("0.33.2rc1", False),
         ("0.31.9", False),
         ("0.34.0", False),
         ("1.0.0", False),
@@ -178,7 +180,7 @@ def test_version_range(version: str, tested: bool, monkeypatch) -> None:
     if tested:
         assert problem is None
     else:
-        assert f"vLLM {version} is outside the range" in problem and "vllm>=0.32,<0.34" in problem
+        assert f"vLLM {version} is outside the range" in problem and "vllm>=0.32,<0.33" in problem
         monkeypatch.setenv("ATOM_VLLM_PLUGIN_ALLOW_UNTESTED", "1")
         assert compat.version_problem(version) is None
         assert "untested" in compat.untested_warning(version)
@@ -195,17 +197,65 @@ def test_installed_vllm_is_in_the_tested_range_recorded_in_metadata() -> None:
     assert not [r for r in requires if r.split(";")[0].strip().startswith("vllm")]
 
 
-def test_untested_version_steps_aside_with_a_log_line(run_python) -> None:
-    # A vLLM version outside the range makes both hooks step aside and say why.
-    code = """
-import json
-from atom_vllm_plugin import compat
-compat.installed_vllm_version = lambda: "0.99.0"
-import atom_vllm_plugin
+# Lines the plugin logged, at their level: held until vLLM configures its logging, or printed.
+CAPTURE_LOG = """
+import logging
 from atom_vllm_plugin import log
-print(json.dumps({"platform": atom_vllm_plugin.register_platform(),
-                  "pending": [line for _, line in log._pending]}))
+printed = []
+class Capture(logging.Handler):
+    def emit(self, record):
+        printed.append((record.levelname, record.getMessage().removeprefix("ATOM: ")))
+log.logger.addHandler(Capture())
+def logged():
+    return printed + [(logging.getLevelName(level), line) for level, line in log._pending]
+"""
+
+
+def test_untested_version_steps_aside_with_a_warning(run_python, smollm2_dir) -> None:
+    # A vLLM version outside the range (faked where the plugin reads it; vLLM itself reads the
+    # real metadata) makes both hooks step aside with a WARNING: vLLM's own platform, models and
+    # attention.
+    code = f"""
+from atom_vllm_plugin import compat
+compat.installed_vllm_version = lambda: "0.33.0"
+{CAPTURE_LOG}
+{PLATFORM_CHECK.format(model=str(smollm2_dir)).replace("print(json.dumps(", "checked = ((")}
+import atom_vllm_plugin
+from atom_models import supported_architectures
+atom_vllm_plugin.register()
+print(json.dumps({{
+    **checked,
+    "logged": logged(),
+    "platform_hook": atom_vllm_plugin.register_platform(),
+    "modules": sorted({{ModelRegistry.resolve_model_cls([arch], model_config)[0].__module__
+                        for arch in supported_architectures()}}),
+}}))
 """
     result = run_python(code)
-    assert result["platform"] is None
-    assert any("vLLM 0.99.0 is outside the range" in line for line in result["pending"])
+    assert result["platform_hook"] is None
+    assert result["platform"] == "vllm.platforms.cpu.CpuPlatform"
+    assert result["llama_cls"] == "vllm.model_executor.models.llama.LlamaForCausalLM"
+    assert result["attn_backend"] == "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+    # No architecture resolves to ATOM's wrapper: the plugin registered nothing.
+    assert all(m.startswith("vllm.model_executor.models.") for m in result["modules"])
+    expected = "vLLM 0.33.0 is outside the range this plugin was tested with (vllm>=0.32,<0.33)"
+    lines = [(level, line) for level, line in result["logged"] if expected in line]
+    assert lines and all(level == "WARNING" for level, _ in lines), result["logged"]
+    assert any(line.startswith("stepping aside") for _, line in lines)
+    assert any(line.startswith("not registering ATOM models") for _, line in lines)
+
+
+def test_disabled_switch_steps_aside_at_info(run_python) -> None:
+    # The user's own choice is not a warning.
+    code = f"""
+import json
+{CAPTURE_LOG}
+import atom_vllm_plugin
+atom_vllm_plugin.register_platform()
+atom_vllm_plugin.register()
+print(json.dumps({{"logged": logged()}}))
+"""
+    result = run_python(code, ATOM_DISABLE_VLLM_PLUGIN="1")
+    switch = "ATOM_DISABLE_VLLM_PLUGIN=1"
+    lines = [(level, line) for level, line in result["logged"] if switch in line]
+    assert len(lines) == 2 and all(level == "INFO" for level, _ in lines), result["logged"]

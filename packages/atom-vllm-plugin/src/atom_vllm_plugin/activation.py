@@ -33,6 +33,13 @@ def step_aside_reason() -> str | None:
     return version_problem()
 
 
+def log_step_aside(what: str, reason: str) -> None:
+    """Say that ATOM steps aside: INFO when the user asked for it (`ATOM_DISABLE_VLLM_PLUGIN=1`),
+    a WARNING otherwise (an untested vLLM, unknown hardware), so it is not missed in the log."""
+    log = info_once if reason == f"{DISABLE_PLUGIN}=1" else warning_once
+    log("%s: %s", what, reason)
+
+
 def detect_parent_platform() -> tuple[str | None, str]:
     """(vLLM's own platform class path for this hardware or None, how it was decided).
 
@@ -63,12 +70,12 @@ def platform_class_path() -> str | None:
     """
     reason = step_aside_reason()
     if reason is not None:
-        info_once("stepping aside, vLLM runs without ATOM: %s", reason)
+        log_step_aside("stepping aside, vLLM runs without ATOM", reason)
         return None
     parent, how = detect_parent_platform()
     atom = ATOM_PLATFORMS.get(parent or "")
     if atom is None:
-        info_once("stepping aside, no ATOM platform for this hardware: %s", how)
+        log_step_aside("stepping aside, no ATOM platform for this hardware", how)
         return None
     warning = untested_warning()
     if warning:
@@ -84,7 +91,7 @@ def register_models_and_backend() -> None:
     """
     reason = step_aside_reason()
     if reason is not None:
-        info_once("not registering ATOM models: %s", reason)
+        log_step_aside("not registering ATOM models (vLLM's own are used)", reason)
         return
     from vllm import ModelRegistry
 

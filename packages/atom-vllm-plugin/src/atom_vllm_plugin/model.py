@@ -5,6 +5,14 @@ vLLM's ModelRegistry maps every architecture atom-models implements to `AtomForC
 checkpoint through `load_weights`, and calls `forward` / `compute_logits` inside its own forward
 context; the atom-models model inside computes with vLLM's attention layers (and so, through
 ATOM's platform, ATOM's attention backend) and vLLM's tensor-parallel group.
+
+For a configuration ATOM does not support (a quantized checkpoint, pipeline parallelism, prompt
+embeddings, LoRA, a pooling runner; `config.unsupported_reason`), constructing the wrapper builds
+vLLM's own implementation of the architecture instead, with one WARNING line naming the reason: the
+registry override is per architecture, the decision per model, and the wrapper's `__new__` is the
+first point that sees the whole `VllmConfig` (vLLM's config checks only look at the class'
+declared interfaces, so the wrapper declares pipeline-parallel support for vLLM's class to
+provide).
 """
 
 from __future__ import annotations
@@ -13,16 +21,57 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from vllm.model_executor.models.interfaces import SupportsPP
 
-from atom_vllm_plugin.config import AtomVllmConfig
+from atom_vllm_plugin.config import AtomVllmConfig, unsupported_reason
 from atom_vllm_plugin.host import VllmAttentionHost, VllmTPGroup, share_attention_sinks
-from atom_vllm_plugin.log import info_once
+from atom_vllm_plugin.log import info_once, warning_once
 from atom_vllm_plugin.stats import counters
 
 
-class AtomForCausalLM(nn.Module):
+def vllm_model_class(vllm_config) -> type[nn.Module]:
+    """vLLM's own implementation of the checkpoint's architecture (what its registry maps the
+    architecture to without the plugin)."""
+    import importlib
+
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    model_config = vllm_config.model_config
+    candidates = [getattr(model_config, "_architecture", None)]
+    candidates += list(getattr(model_config.hf_config, "architectures", None) or [])
+    for arch in candidates:
+        if arch in _VLLM_MODELS:
+            module, name = _VLLM_MODELS[arch]
+            return getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
+    raise ValueError(f"vLLM has no implementation of {candidates} to fall back to")
+
+
+class AtomForCausalLM(nn.Module, SupportsPP):
     """vLLM's text-generation model contract, computed by the atom-models class for the
-    checkpoint's architecture (held as `self.model`)."""
+    checkpoint's architecture (held as `self.model`) -- or, for a configuration ATOM does not
+    support, vLLM's own model class (see `__new__`)."""
+
+    def __new__(cls, *, vllm_config, prefix: str = ""):
+        reason = unsupported_reason(vllm_config)
+        if reason is None:
+            return super().__new__(cls)
+        fallback = vllm_model_class(vllm_config)
+        warning_once(
+            "%s: ATOM does not support %s; vLLM's own %s.%s runs this model",
+            vllm_config.model_config.model,
+            reason,
+            fallback.__module__,
+            fallback.__qualname__,
+        )
+        counters.models_handed_back += 1
+        quant_config = getattr(vllm_config, "quant_config", None)
+        if quant_config is not None:
+            # What vLLM's initialize_model did with the registered class, for vLLM's own class.
+            from vllm.model_executor.model_loader.utils import configure_quant_config
+
+            configure_quant_config(quant_config, fallback)
+        # Not an instance of cls, so Python does not call AtomForCausalLM.__init__ on it.
+        return fallback(vllm_config=vllm_config, prefix=prefix)
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__()
@@ -51,6 +100,11 @@ class AtomForCausalLM(nn.Module):
             self.atom_config.summary(),
         )
 
+    def make_empty_intermediate_tensors(self, *args, **kwargs):
+        # Declared for vLLM's config check only: with pipeline parallelism `__new__` builds
+        # vLLM's own model, so this ATOM model is never a pipeline stage.
+        raise NotImplementedError("ATOM's vLLM models run on a single pipeline stage")
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, hidden]."""
         return self.model.model.embed_tokens(input_ids)
@@ -64,7 +118,7 @@ class AtomForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] (the whole step, flattened) -> hidden states [T, hidden]."""
         if intermediate_tensors is not None or inputs_embeds is not None:
-            # Refused at construction (AtomVllmConfig): pipeline parallelism, prompt embeddings.
+            # Handed to vLLM's own model at construction: pipeline parallelism, prompt embeddings.
             raise NotImplementedError("ATOM's vLLM models take token ids on a single PP stage")
         counters.model_forwards += 1
         return self.model(input_ids, positions)

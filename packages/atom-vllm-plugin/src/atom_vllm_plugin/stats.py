@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 @dataclass
 class Counters:
     models_built: int = 0  # AtomForCausalLM instances constructed
+    models_handed_back: int = 0  # configurations handed to vLLM's own model class instead
     model_forwards: int = 0  # AtomForCausalLM.forward calls
     attention_impls: int = 0  # AtomAttentionImpl instances constructed (one per layer)
     attention_forwards: int = 0  # AtomAttentionImpl.forward calls with metadata (all layers)
