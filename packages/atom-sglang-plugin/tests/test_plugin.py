@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from atom_sglang_plugin import activation, compat
+from atom_sglang_plugin import activation, compat, log
 
 
 def test_entry_point_discovered_by_sglang():
@@ -54,9 +54,42 @@ def test_wants_atom_only_for_the_atom_value():
         assert not activation.wants_atom(SimpleNamespace(model_impl=other))
 
 
-def test_version_check():
+def test_version_check(monkeypatch):
+    monkeypatch.delenv("ATOM_SGLANG_PLUGIN_ALLOW_UNTESTED", raising=False)
     assert compat.installed_sglang_version() == compat.TESTED_VERSION
-    assert compat.untested_warning() is None
-    assert compat.untested_warning("0.5.24") == (
-        "SGLang 0.5.24 is untested (sglang==0.5.23 was tested); running anyway"
+    assert compat.version_problem() is None and compat.untested_warning() is None
+    assert compat.version_problem("0.5.23+cu128") is None
+    assert compat.version_problem("0.5.24") == (
+        "SGLang 0.5.24 is not the version this plugin was tested with (sglang==0.5.23); "
+        "set ATOM_SGLANG_PLUGIN_ALLOW_UNTESTED=1 to run it anyway"
     )
+    monkeypatch.setenv("ATOM_SGLANG_PLUGIN_ALLOW_UNTESTED", "1")
+    assert compat.version_problem("0.5.24") is None
+    assert "untested" in compat.untested_warning("0.5.24")
+
+
+def test_untested_version_steps_aside_with_a_warning(monkeypatch, caplog):
+    # An SGLang version other than the tested one (faked where the plugin reads it) registers no
+    # hook and says so at WARNING.
+    import logging
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.delenv("ATOM_SGLANG_PLUGIN_ALLOW_UNTESTED", raising=False)
+    monkeypatch.setattr(compat, "installed_sglang_version", lambda: "0.5.24")
+    monkeypatch.setattr(activation, "_registered", False)
+    monkeypatch.setattr(log, "_logged", set())
+    before = list(HookRegistry._hooks.get(activation.HOOK_TARGET, []))
+    log.logger.addHandler(caplog.handler)  # whatever SGLang's logging config did to propagation
+    try:
+        with caplog.at_level(logging.INFO, logger="sglang.atom"):
+            activation.install_model_selection()
+    finally:
+        log.logger.removeHandler(caplog.handler)
+    assert list(HookRegistry._hooks.get(activation.HOOK_TARGET, [])) == before
+    assert activation._registered is False
+    lines = [r for r in caplog.records if "SGLang 0.5.24 is not the version" in r.getMessage()]
+    # (caplog may see the record twice: through propagation and the handler added above)
+    assert len({r.getMessage() for r in lines}) == 1
+    assert all(r.levelno == logging.WARNING for r in lines)
+    assert lines[0].getMessage().startswith("ATOM: stepping aside")

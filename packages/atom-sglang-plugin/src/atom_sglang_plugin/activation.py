@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from atom_sglang_plugin.compat import untested_warning
+from atom_sglang_plugin.compat import untested_warning, version_problem
 from atom_sglang_plugin.log import info_once, warning_once
 from atom_sglang_plugin.switches import DISABLE_PLUGIN, MODEL_IMPL, plugin_disabled
 
@@ -31,6 +31,10 @@ def install_model_selection() -> None:
         info_once("not registering ATOM models: %s=1", DISABLE_PLUGIN)
         return
     if _registered:
+        return
+    problem = version_problem()
+    if problem is not None:
+        warning_once("stepping aside, SGLang runs without ATOM: %s", problem)
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
