@@ -108,9 +108,11 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             fail("max_num_seqs", "must be >= 1")
         if self.max_num_batched_tokens is None:
-            # NOTE: on the 2-core CI CPU a 1,500-token prompt in 2048-token steps stalled another
-            # stream for 100-114 s and a short request's first token for 102-118 s; in 512-token
-            # steps (cap 128) 17 s and 6 s (benchmarks/hol_cpu.py, results/hol-cpu.json).
+            # NOTE: on this 2-core CPU (load ~3), while a 1,500-token prompt prefilled, 2048-token
+            # steps stalled a decoding stream 28.7 s and a short request's first token 29.4 s;
+            # 512-token steps with the long-prefill cap of 128: 1.2 s and 0.97 s, and the long
+            # prompt itself finished sooner (15.2 s against 29.9 s). Medians of 2 alternating
+            # rounds, benchmarks/hol_cpu.py -> benchmarks/results/hol-cpu.json.
             cpu = self.resolved_device().type == "cpu"
             self.max_num_batched_tokens = 512 if cpu else 2048
         if self.max_num_batched_tokens < 1:
