@@ -32,6 +32,9 @@ VLLM_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
+    # ATOM's attention on vLLM's CPU platform too (the plugin's default there is vLLM's own CPU
+    # attention): these tests exercise ATOM's backend; test_hooks checks the default.
+    "ATOM_VLLM_PLUGIN_CPU_ATTENTION": "1",
 }
 for _name, _value in VLLM_ENV.items():
     os.environ.setdefault(_name, _value)
@@ -60,7 +63,7 @@ def _python_env(**switches: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
     env.update(VLLM_ENV)
     env.update(switches)
-    return env
+    return {k: v for k, v in env.items() if v != ""}  # a switch given as "" is unset
 
 
 def _run_python(code: str, timeout: float = 300, **switches: str) -> dict:

@@ -141,6 +141,13 @@ def test_attention_backend_selection(smollm2_dir) -> None:
             id="plugin-disabled",
         ),
         pytest.param(
+            {"ATOM_VLLM_PLUGIN_CPU_ATTENTION": ""},  # unset: the plugin's default on a CPU
+            "atom_vllm_plugin.platforms.cpu.AtomCpuPlatform",
+            "atom_vllm_plugin.model",
+            "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend",
+            id="cpu-default",
+        ),
+        pytest.param(
             {"ATOM_DISABLE_VLLM_PLUGIN_ATTENTION": "1"},
             "atom_vllm_plugin.platforms.cpu.AtomCpuPlatform",
             "atom_vllm_plugin.model",
@@ -259,3 +266,35 @@ print(json.dumps({{"logged": logged()}}))
     switch = "ATOM_DISABLE_VLLM_PLUGIN=1"
     lines = [(level, line) for level, line in result["logged"] if switch in line]
     assert len(lines) == 2 and all(level == "INFO" for level, _ in lines), result["logged"]
+
+
+def test_cpu_platform_defaults_to_vllms_attention_with_a_log_line(run_python) -> None:
+    # Without ATOM_VLLM_PLUGIN_CPU_ATTENTION=1, vLLM's CPU attention; `--attention-backend ATOM`
+    # (the selected backend vLLM passes) still gives ATOM's.
+    code = f"""
+import json
+{CAPTURE_LOG}
+import torch
+import vllm.platforms
+from vllm.plugins import load_general_plugins
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.attention.selector import AttentionSelectorConfig
+platform = vllm.platforms.current_platform
+load_general_plugins()
+cfg = AttentionSelectorConfig(head_size=64, dtype=torch.float32, kv_cache_dtype="auto",
+                              block_size=None)
+print(json.dumps({{
+    "default": platform.get_attn_backend_cls(None, cfg),
+    "selected": platform.get_attn_backend_cls(AttentionBackendEnum["ATOM"], cfg),
+    "logged": logged(),
+}}))
+"""
+    result = run_python(code, ATOM_VLLM_PLUGIN_CPU_ATTENTION="")
+    assert result["default"] == "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+    assert result["selected"] == "atom_vllm_plugin.attention.backend.AtomAttentionBackend"
+    lines = [line for _, line in result["logged"] if line.startswith("attention backend")]
+    assert len(lines) == 2, result["logged"]
+    assert lines[0].startswith("attention backend CPUAttentionBackend (vLLM's) for head_size=64")
+    assert "the default on a CPU platform" in lines[0]
+    assert "ATOM_VLLM_PLUGIN_CPU_ATTENTION=1 or --attention-backend ATOM" in lines[0]
+    assert lines[1].startswith("attention backend ATOM (atom_kernels")

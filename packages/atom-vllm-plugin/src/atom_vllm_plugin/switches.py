@@ -7,6 +7,7 @@ import os
 DISABLE_PLUGIN = "ATOM_DISABLE_VLLM_PLUGIN"
 DISABLE_ATTENTION = "ATOM_DISABLE_VLLM_PLUGIN_ATTENTION"
 ALLOW_UNTESTED = "ATOM_VLLM_PLUGIN_ALLOW_UNTESTED"
+CPU_ATTENTION = "ATOM_VLLM_PLUGIN_CPU_ATTENTION"
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -28,3 +29,9 @@ def attention_disabled() -> bool:
 def untested_allowed() -> bool:
     """`ATOM_VLLM_PLUGIN_ALLOW_UNTESTED=1`: run on a vLLM version outside the tested range."""
     return is_set(ALLOW_UNTESTED)
+
+
+def cpu_attention_wanted() -> bool:
+    """`ATOM_VLLM_PLUGIN_CPU_ATTENTION=1`: ATOM's attention on a CPU platform too (the default
+    there is vLLM's own CPU attention, which is faster than ATOM's CPU path for now)."""
+    return is_set(CPU_ATTENTION)

@@ -11,7 +11,12 @@ from typing import Any
 
 from atom_vllm_plugin.attention import ATOM_BACKEND_NAME, ATOM_BACKEND_PATH
 from atom_vllm_plugin.log import flush_pending, info_once
-from atom_vllm_plugin.switches import DISABLE_ATTENTION, attention_disabled
+from atom_vllm_plugin.switches import (
+    CPU_ATTENTION,
+    DISABLE_ATTENTION,
+    attention_disabled,
+    cpu_attention_wanted,
+)
 
 
 def describe_layer(cfg: Any) -> str:
@@ -23,6 +28,12 @@ def describe_layer(cfg: Any) -> str:
         f"head_size={cfg.head_size} dtype={dtype} kv_cache_dtype={cfg.kv_cache_dtype or 'auto'}"
         f"{window}{sinks}"
     )
+
+
+CPU_DEFAULT_REASON = (
+    "the default on a CPU platform, where vLLM's CPU attention is faster than ATOM's; "
+    f"{CPU_ATTENTION}=1 or --attention-backend ATOM selects ATOM's"
+)
 
 
 class AtomPlatformMixin:
@@ -60,6 +71,8 @@ class AtomPlatformMixin:
         name = getattr(selected_backend, "name", None)
         if name is not None and name != ATOM_BACKEND_NAME:
             return f"the {name} attention backend was requested"
+        if name is None and cls.cpu_default_to_vllm_attention():
+            return CPU_DEFAULT_REASON
         from atom_vllm_plugin.attention.backend import AtomAttentionBackend
 
         # vLLM's own validation, on ATOM's declared capabilities. Fields a newer vLLM adds to the
@@ -71,6 +84,12 @@ class AtomPlatformMixin:
             device_capability=cls.get_device_capability(),  # type: ignore[attr-defined]
         )
         return "; ".join(reasons) if reasons else None
+
+    @classmethod
+    def cpu_default_to_vllm_attention(cls) -> bool:
+        """On a CPU platform vLLM's own attention is the default: ATOM's CPU attention (a
+        per-sequence loop) is slower than vLLM's CPU kernels for now. ATOM's stays selectable."""
+        return getattr(cls, "device_type", None) == "cpu" and not cpu_attention_wanted()
 
     @classmethod
     def log_warnings(cls) -> None:
