@@ -30,7 +30,7 @@ from atom_engine.server.async_engine import AsyncEngine
 from atom_engine.testing import http, serve, wait_idle
 
 MODEL = "smollm2-test"
-DURATION_S = float(os.environ.get("ATOM_SOAK_SECONDS", "135"))  # ~3 min with loading
+DURATION_S = float(os.environ.get("ATOM_SOAK_SECONDS", "240"))  # several minutes of load
 NUM_CLIENTS = 12
 WARMUP_FRACTION = 0.25  # RSS is measured from here on (allocator pools and caches grown)
 # NOTE: the RSS after warm-up moved by -121 and -33 MiB at the end of two runs (2-core CPU, 264
