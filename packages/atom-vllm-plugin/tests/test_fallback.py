@@ -5,6 +5,7 @@
   model is constructed (vLLM's `initialize_model`, as its model loader calls it, in bfloat16) and
   not run: the registry still answers ATOM's wrapper, and what gets built is vLLM's own
   `LlamaForCausalLM`, with the WARNING line naming the quantization;
+  Its attention layers get vLLM's own backend too (the platform knows the model was handed back);
 - prompt embeddings (`enable_prompt_embeds=True`): `vllm.LLM` runs end to end through vLLM's own
   model, on the same greedy tokens as with the plugin disabled, with the WARNING line.
 """
@@ -26,6 +27,10 @@ class Capture(logging.Handler):
 log.logger.addHandler(Capture())
 def logged():
     return printed + [(logging.getLevelName(level), line) for level, line in log._pending]
+def attention(model):
+    from vllm.model_executor.layers.attention import Attention
+    return sorted({type(m.impl).__module__ + "." + type(m.impl).__qualname__
+                   for m in model.modules() if isinstance(m, Attention)})
 """
 
 CONSTRUCT = """
@@ -50,6 +55,7 @@ from atom_vllm_plugin.stats import counters
 print(json.dumps({{
     "registered": registered.__module__ + "." + registered.__qualname__,
     "built": type(model).__module__ + "." + type(model).__qualname__,
+    "attention": attention(model),
     "quantization": config.model_config.quantization,
     "counters": counters.snapshot(),
     "logged": logged(),
@@ -63,17 +69,20 @@ llm = LLM(model={model!r}, dtype="float32", enforce_eager=True, max_model_len=25
 params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 prompts = [{{"prompt_token_ids": p}} for p in ([5, 6, 7, 8, 9], list(range(20, 60)))]
 outs = llm.generate(prompts, params)
-(built,) = llm.apply_model(lambda m: type(m).__module__ + "." + type(m).__qualname__)
+((built, impls),) = llm.apply_model(
+    lambda m: (type(m).__module__ + "." + type(m).__qualname__, attention(m)))
 from atom_vllm_plugin.stats import counters
 print(json.dumps({{
     "tokens": [list(o.outputs[0].token_ids) for o in outs],
     "built": built,
+    "attention": impls,
     "counters": counters.snapshot(),
     "logged": logged(),
 }}))
 """
 
 VLLM_LLAMA = "vllm.model_executor.models.llama.LlamaForCausalLM"
+CPU_ATTN_IMPL = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl"
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +132,8 @@ def test_quantized_checkpoint_builds_vllms_own_model(run_python, tiny_fp8_llama)
     # The registry maps the architecture to ATOM's wrapper; the wrapper built vLLM's own class.
     assert result["registered"] == "atom_vllm_plugin.model.AtomForCausalLM"
     assert result["built"] == VLLM_LLAMA
+    # vLLM's own model gets vLLM's own attention too (conftest asks for ATOM's on the CPU).
+    assert result["attention"] == [CPU_ATTN_IMPL]
     assert result["counters"]["models_built"] == 0
     assert result["counters"]["models_handed_back"] == 1
     lines = warnings_naming(result, "a quantized checkpoint (quantization='fp8')")
@@ -134,6 +145,7 @@ def test_prompt_embeds_run_through_vllms_own_model(run_python, tiny_llama) -> No
     atom = run_python(code)
     stock = run_python(code, ATOM_DISABLE_VLLM_PLUGIN="1")
     assert atom["built"] == stock["built"] == VLLM_LLAMA
+    assert atom["attention"] == stock["attention"] == [CPU_ATTN_IMPL]
     assert atom["tokens"] == stock["tokens"]
     assert atom["counters"]["models_built"] == 0 and atom["counters"]["model_forwards"] == 0
     assert atom["counters"]["models_handed_back"] == 1

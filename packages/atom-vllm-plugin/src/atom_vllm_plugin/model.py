@@ -24,6 +24,7 @@ from torch import nn
 from vllm.model_executor.models.interfaces import SupportsPP
 
 from atom_vllm_plugin.config import AtomVllmConfig, unsupported_reason
+from atom_vllm_plugin.handback import building_vllms_own_model
 from atom_vllm_plugin.host import VllmAttentionHost, VllmTPGroup, share_attention_sinks
 from atom_vllm_plugin.log import info_once, warning_once
 from atom_vllm_plugin.stats import counters
@@ -71,7 +72,8 @@ class AtomForCausalLM(nn.Module, SupportsPP):
 
             configure_quant_config(quant_config, fallback)
         # Not an instance of cls, so Python does not call AtomForCausalLM.__init__ on it.
-        return fallback(vllm_config=vllm_config, prefix=prefix)
+        with building_vllms_own_model(reason):  # its attention is vLLM's too
+            return fallback(vllm_config=vllm_config, prefix=prefix)
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__()

@@ -10,6 +10,7 @@ import inspect
 from typing import Any
 
 from atom_vllm_plugin.attention import ATOM_BACKEND_NAME, ATOM_BACKEND_PATH
+from atom_vllm_plugin.handback import handed_back_reason
 from atom_vllm_plugin.log import flush_pending, info_once
 from atom_vllm_plugin.switches import (
     CPU_ATTENTION,
@@ -68,6 +69,9 @@ class AtomPlatformMixin:
         """Why ATOM's backend does not take this layer, or None when it does."""
         if attention_disabled():
             return f"{DISABLE_ATTENTION}=1"
+        handed_back = handed_back_reason()
+        if handed_back is not None:
+            return f"the model is vLLM's own (ATOM does not support {handed_back})"
         name = getattr(selected_backend, "name", None)
         if name is not None and name != ATOM_BACKEND_NAME:
             return f"the {name} attention backend was requested"
