@@ -89,5 +89,27 @@ def check_scale(op: str, name: str, scale: object, ref: torch.Tensor) -> None:
         raise ValueError(f"{op}: {name} must be a float or a one-element tensor, got {scale!r}")
 
 
+def check_batch_layout(
+    op: str, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+) -> int:
+    """A paged batch's block_tables [B, M], seq_lens [B] and query_start_loc [B + 1]; B."""
+    check_tensor(op, "block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES)
+    check_tensor(op, "seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES)
+    check_tensor(op, "query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES)
+    num_seqs = block_tables.shape[0]
+    check_shape(op, "seq_lens", seq_lens, (num_seqs,), "(one per row of block_tables)")
+    check_shape(op, "query_start_loc", query_start_loc, (num_seqs + 1,), "(B + 1 offsets)")
+    return num_seqs
+
+
+def check_max_query_len(op: str, max_query_len: object) -> None:
+    if max_query_len is not None and (
+        not isinstance(max_query_len, int) or isinstance(max_query_len, bool) or max_query_len < 0
+    ):
+        raise ValueError(
+            f"{op}: max_query_len must be a non-negative int or None, got {max_query_len!r}"
+        )
+
+
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES

@@ -7,8 +7,9 @@ import torch
 
 from atom_kernels.ops._checks import (
     FLOAT_DTYPES,
-    INDEX_DTYPES,
+    check_batch_layout,
     check_dim,
+    check_max_query_len,
     check_same_device,
     check_shape,
     check_tensor,
@@ -53,12 +54,9 @@ def paged_attention(
     op = "paged_attention"
     check_tensor(op, "query", query, ndim=3, dtypes=FLOAT_DTYPES)
     check_paged_cache(op, key_cache, value_cache, k_scale, v_scale)
-    check_tensor(op, "block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES)
-    check_tensor(op, "seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES)
-    check_tensor(op, "query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES)
+    check_batch_layout(op, block_tables, seq_lens, query_start_loc)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, head_dim_v = key_cache.shape[2], value_cache.shape[3]
-    num_seqs = block_tables.shape[0]
     if not is_fp8(key_cache.dtype) and key_cache.dtype != query.dtype:
         raise ValueError(
             f"{op}: key_cache has dtype {key_cache.dtype}, expected {query.dtype} (query's dtype) "
@@ -70,8 +68,6 @@ def paged_attention(
             f"{op}: query has {num_heads} heads, not a multiple of key_cache's "
             f"{num_kv_heads} kv heads"
         )
-    check_shape(op, "seq_lens", seq_lens, (num_seqs,), "(one per row of block_tables)")
-    check_shape(op, "query_start_loc", query_start_loc, (num_seqs + 1,), "(B + 1 offsets)")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise ValueError(f"{op}: scale must be a float, got {scale!r}")
     if sliding_window is not None and (
@@ -87,12 +83,7 @@ def paged_attention(
     if sinks is not None:
         check_tensor(op, "sinks", sinks, ndim=1, dtypes=FLOAT_DTYPES)
         check_shape(op, "sinks", sinks, (num_heads,), "(one per query head)")
-    if max_query_len is not None and (
-        not isinstance(max_query_len, int) or isinstance(max_query_len, bool) or max_query_len < 0
-    ):
-        raise ValueError(
-            f"{op}: max_query_len must be a non-negative int or None, got {max_query_len!r}"
-        )
+    check_max_query_len(op, max_query_len)
     if out is not None:
         check_tensor(op, "out", out, ndim=3, dtypes=(query.dtype,))
         check_shape(op, "out", out, (num_tokens, num_heads, head_dim_v), "([T, H, Dv])")

@@ -13,7 +13,9 @@ import torch
 from atom_kernels.ops._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_batch_layout,
     check_dim,
+    check_max_query_len,
     check_same_device,
     check_shape,
     check_tensor,
@@ -98,20 +100,10 @@ def mla_paged_attention(
             f"{op}: kv_cache has dtype {kv_cache.dtype}, expected {q_latent.dtype} "
             "(q_latent's dtype)"
         )
-    check_tensor(op, "block_tables", block_tables, ndim=2, dtypes=INDEX_DTYPES)
-    check_tensor(op, "seq_lens", seq_lens, ndim=1, dtypes=INDEX_DTYPES)
-    check_tensor(op, "query_start_loc", query_start_loc, ndim=1, dtypes=INDEX_DTYPES)
-    num_seqs = block_tables.shape[0]
-    check_shape(op, "seq_lens", seq_lens, (num_seqs,), "(one per row of block_tables)")
-    check_shape(op, "query_start_loc", query_start_loc, (num_seqs + 1,), "(B + 1 offsets)")
+    check_batch_layout(op, block_tables, seq_lens, query_start_loc)
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise ValueError(f"{op}: scale must be a float, got {scale!r}")
-    if max_query_len is not None and (
-        not isinstance(max_query_len, int) or isinstance(max_query_len, bool) or max_query_len < 0
-    ):
-        raise ValueError(
-            f"{op}: max_query_len must be a non-negative int or None, got {max_query_len!r}"
-        )
+    check_max_query_len(op, max_query_len)
     if out is not None:
         check_tensor(op, "out", out, ndim=3, dtypes=(q_latent.dtype,))
         check_shape(op, "out", out, (num_tokens, num_heads, latent_dim), "([T, H, L])")
