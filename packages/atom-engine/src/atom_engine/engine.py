@@ -319,14 +319,15 @@ class LLMEngine:
             try:
                 outputs += self._postprocess(group, self.runner.run(group))
             except Exception as e:
-                logger.exception("request %s failed", request_id)
                 request = self.requests.get(request_id)
                 if request is not None:
-                    outputs.append(self._fail_request(request, f"{type(e).__name__}: {e}"))
+                    outputs.append(self._fail_request(request, e))
         return outputs
 
-    def _fail_request(self, request: Request, message: str) -> RequestOutput:
+    def _fail_request(self, request: Request, error: Exception) -> RequestOutput:
         """Finish a request with an error (its blocks are freed); its final output."""
+        logger.error("request %s failed", request.request_id, exc_info=error)
+        message = f"{type(error).__name__}: {error}"
         self.abort_request(request.request_id)
         for seq in request.seqs:
             seq.finish_reason = "error"
@@ -372,9 +373,8 @@ class LLMEngine:
             try:
                 generation_tokens += self._complete_seq(launch, token_ids, request, seq, now)
             except Exception as e:  # one request's failure (detokenizing, ...) is its own
-                logger.exception("post-processing request %s failed", request.request_id)
                 touched.pop(request.request_id, None)
-                failed.append(self._fail_request(request, f"{type(e).__name__}: {e}"))
+                failed.append(self._fail_request(request, e))
                 continue
             touched[request.request_id] = request
         self._generation_tokens += generation_tokens
@@ -416,9 +416,8 @@ class LLMEngine:
             try:
                 new_prompt, new_generated = self._postprocess_seq(request, seq, num, result, now)
             except Exception as e:  # one request's failure (detokenizing, ...) is its own
-                logger.exception("post-processing request %s failed", request.request_id)
                 touched.pop(request.request_id, None)
-                failed.append(self._fail_request(request, f"{type(e).__name__}: {e}"))
+                failed.append(self._fail_request(request, e))
                 continue
             prompt_tokens += new_prompt
             generation_tokens += new_generated
