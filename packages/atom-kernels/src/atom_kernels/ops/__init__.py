@@ -7,6 +7,13 @@ from atom_kernels.ops.linear import linear
 from atom_kernels.ops.mla import mla_cache_write, mla_paged_attention
 from atom_kernels.ops.moe import fused_moe, grouped_topk, topk_softmax, topk_then_softmax
 from atom_kernels.ops.norm import fused_add_rms_norm, rms_norm
+from atom_kernels.ops.quant import (
+    dequantize_fp8_block,
+    dequantize_mxfp4,
+    fp8_block_linear,
+    fp8_linear,
+    per_token_group_quant_fp8,
+)
 from atom_kernels.ops.rotary import rotary_embedding
 from atom_kernels.ops.sampling import (
     SamplerOutput,
@@ -19,6 +26,10 @@ __all__ = [
     "SamplerOutput",
     "apply_penalties",
     "apply_top_k_top_p_min_p",
+    "dequantize_fp8_block",
+    "dequantize_mxfp4",
+    "fp8_block_linear",
+    "fp8_linear",
     "fused_add_rms_norm",
     "fused_moe",
     "gelu_and_mul",
@@ -27,6 +38,7 @@ __all__ = [
     "mla_cache_write",
     "mla_paged_attention",
     "paged_attention",
+    "per_token_group_quant_fp8",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",

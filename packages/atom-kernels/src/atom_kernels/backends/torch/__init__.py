@@ -11,6 +11,7 @@ from atom_kernels.backends.torch import (  # noqa: F401  (imported to register t
     mla,
     moe,
     norm,
+    quant,
     rotary,
     sampling,
 )
