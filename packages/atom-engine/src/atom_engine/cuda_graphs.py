@@ -1,0 +1,154 @@
+"""CUDA graphs of the decode forward, one set per rank (each rank captures its own, collectives
+included)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from atom_models import set_forward_context
+from atom_models.native_attention import PagedAttentionMetadata
+
+if TYPE_CHECKING:
+    from atom_engine.model_runner import ModelRunner
+
+logger = logging.getLogger("atom_engine")
+
+
+def _aligned(count: int, per_16_bytes: int) -> int:
+    """count rounded up to a whole number of 16-byte lines (of per_16_bytes elements)."""
+    return -(-count // per_16_bytes) * per_16_bytes
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode forward at a ladder of batch sizes (padded to the next size).
+
+    Inputs live in one static buffer the graphs read; a step writes its batch into a pinned host
+    mirror, copies it over in one transfer and replays the smallest graph that holds the batch.
+    Padding rows write nowhere (slot -1) and attend one key. The token buffer starts with the
+    runner's `sampled` ids, so a graph's first kernel gathers every row's input id from it or from
+    the ids the host sent (`src`): a placeholder's id never goes through the host.
+    """
+
+    def __init__(self, runner: ModelRunner, max_sampled: int) -> None:
+        self.runner = runner
+        device = runner.device
+        max_bs = max(1, min(runner.config.max_num_seqs, 512))
+        self.sizes = sorted(
+            {b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs}
+        )
+        self.max_seq_len = runner.max_model_len
+        self.max_bs = max_bs
+        self.max_blocks = -(-self.max_seq_len // runner.block_size)
+        # Two static buffers (int64 token data; int32 lengths and block tables, the dtypes of the
+        # eager path), each with two pinned host mirrors used in turn (with launches overlapped,
+        # a step's copy may still be queued while the host prepares the next): a step is two
+        # host-to-device copies. tokens: [sampled | ids | src | positions | slots] (the host sends
+        # all but `sampled`); meta: [seq_lens | query_start_loc | block tables]
+        # Every section starts 16-byte aligned, as the eager path's fresh tensors do: Triton
+        # compiles a kernel variant per pointer alignment, and a misaligned block table made the
+        # first eager decode of a large batch compile one mid-run (0.7 s on an H100).
+        self.num_sampled = _aligned(max_sampled, 2)  # int64: 2 per 16 bytes
+        row = self._row = _aligned(max_bs, 2)
+        self._lens, self._starts = _aligned(max_bs, 4), _aligned(max_bs + 1, 4)  # int32
+        self._tables_at = self._lens + self._starts
+        self.tokens = torch.zeros(self.num_sampled + 4 * row, dtype=torch.long, device=device)
+        meta_numel = self._tables_at + max_bs * self.max_blocks
+        self.meta = torch.zeros(meta_numel, dtype=torch.int32, device=device)
+        self.tokens_host = [torch.zeros(4 * row, dtype=torch.long).pin_memory() for _ in "ab"]
+        self.meta_host = [torch.zeros(meta_numel, dtype=torch.int32).pin_memory() for _ in "ab"]
+        self._turn = 0
+        head, sent = self.tokens.split([self.num_sampled, 4 * row])
+        self.sampled = head[:max_sampled]
+        self.input_ids, self.src, self.positions, self.slot_mapping = (
+            t[:max_bs] for t in sent.split(row)
+        )
+        lens, starts, tables = self.meta.split([self._lens, self._starts, max_bs * self.max_blocks])
+        self.seq_lens, self.query_start_loc = lens[:max_bs], starts[: max_bs + 1]
+        self.block_tables = tables.view(max_bs, self.max_blocks)
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.src.copy_(torch.arange(self.num_sampled, self.num_sampled + max_bs, device=device))
+        self.query_start_loc.copy_(torch.arange(max_bs + 1, device=device))
+        for host in self.meta_host:
+            host.numpy()[self._lens : self._lens + max_bs + 1] = np.arange(max_bs + 1)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._capture()
+
+    def _metadata(self, bs: int) -> PagedAttentionMetadata:
+        return PagedAttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            block_tables=self.block_tables[:bs],
+            seq_lens=self.seq_lens[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+        )
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        ids = self.tokens[self.src[:bs]]  # the host's ids, or the last launch's sampled ones
+        return self.runner.model(ids, self.positions[:bs])
+
+    @torch.no_grad()
+    def _capture(self) -> None:
+        pool = None
+        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
+            with set_forward_context(self._metadata(bs)):
+                self._forward(bs)  # warm-up (autotune, allocs)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(bs)
+            pool = graph.pool()
+            self.graphs[bs] = (graph, out)
+        torch.cuda.synchronize()
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def fits(self, query_lens: list[int]) -> bool:
+        return len(query_lens) <= self.sizes[-1] and all(q == 1 for q in query_lens)
+
+    def run(
+        self,
+        ids: list[int],
+        positions: list[int],
+        seq_lens: list[int],
+        tables,
+        gathers: list[tuple[int, int]],
+    ) -> torch.Tensor:
+        bs = len(ids)
+        size = next(b for b in self.sizes if b >= bs)
+        block_size, max_bs = self.runner.block_size, self.max_bs
+        tokens_host, meta_host = self.tokens_host[self._turn], self.meta_host[self._turn]
+        self._turn ^= 1
+        tokens, meta = tokens_host.numpy(), meta_host.numpy()
+        pos = np.asarray(positions, dtype=np.int64)
+        width = max(len(t) for t in tables)
+        table = np.zeros((size, width), dtype=np.int64)  # padding rows: block 0
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+        blocks = table[np.arange(bs), pos // block_size]
+        row = self._row
+        ids_, src, pos_, slots = (tokens[i * row : i * row + size] for i in range(4))
+        ids_[:] = 0
+        ids_[:bs] = ids
+        src[:] = self.num_sampled + np.arange(size)  # row i reads ids[i] ...
+        for row, sampled_row in gathers:  # ... or a sampled id
+            src[row] = sampled_row
+        pos_[:] = 0
+        pos_[:bs] = pos
+        slots[:] = -1  # padding rows write nowhere
+        slots[:bs] = blocks * block_size + pos % block_size
+        meta[:size] = 1  # and attend one key
+        meta[:bs] = seq_lens
+        tables_np = meta[self._tables_at :].reshape(max_bs, self.max_blocks)
+        tables_np[:size, :width] = table
+        # The vectors, and only the table rows this step reads.
+        self.tokens[self.num_sampled :].copy_(tokens_host, non_blocking=True)
+        end = self._tables_at + size * self.max_blocks
+        self.meta[:end].copy_(meta_host[:end], non_blocking=True)
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[:bs]
