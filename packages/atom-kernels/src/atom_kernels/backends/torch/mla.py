@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from atom_kernels.backends.torch.cache import dequantize_from_cache, quantize_to_cache_dtype
 from atom_kernels.registry import register_op
 
 
@@ -14,14 +15,19 @@ def mla_cache_write(
     k_pe: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scale: float | torch.Tensor | None = None,
 ) -> None:
     block_size, latent_dim = kv_cache.shape[1], kv_c.shape[1]
     slots = slot_mapping.long()
     keep = slots >= 0
     slots = slots[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[blocks, offsets, :latent_dim] = kv_c[keep].to(kv_cache.dtype)
-    kv_cache[blocks, offsets, latent_dim:] = k_pe[keep].to(kv_cache.dtype)
+    kv_cache[blocks, offsets, :latent_dim] = quantize_to_cache_dtype(
+        kv_c[keep], kv_cache.dtype, kv_scale
+    )
+    kv_cache[blocks, offsets, latent_dim:] = quantize_to_cache_dtype(
+        k_pe[keep], kv_cache.dtype, kv_scale
+    )
 
 
 @register_op("mla_paged_attention", "torch")
@@ -35,6 +41,7 @@ def mla_paged_attention(
     scale: float,
     out: torch.Tensor | None,
     max_query_len: int | None = None,  # a launch hint; the reference needs none
+    kv_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     # T = query tokens, H = heads, L = latent dim, S = the sequence's cached tokens
     num_tokens, num_heads, latent_dim = q_latent.shape
@@ -54,7 +61,8 @@ def mla_paged_attention(
                 f"{seq_len}; the new tokens must already be in the cache"
             )
         block_ids = block_tables[b, : -(-seq_len // block_size)].long()
-        tokens = kv_cache[block_ids].flatten(0, 1)[:seq_len].float()  # [S, L + R]
+        tokens = kv_cache[block_ids].flatten(0, 1)[:seq_len]
+        tokens = dequantize_from_cache(tokens, kv_scale)  # [S, L + R] fp32
         latent, rope = tokens[:, :latent_dim], tokens[:, latent_dim:]
         q_l = q_latent[q_start:q_end].float()  # [q_len, H, L]
         q_r = q_pe[q_start:q_end].float()  # [q_len, H, R]

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from atom_kernels.backends.triton.attention import MAX_SPLITS
-from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_sms
+from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_sms, scale_args
 from atom_kernels.backends.triton.mla_decode import mla_decode_kernel, mla_decode_reduce_kernel
 from atom_kernels.backends.triton.mla_prefill import mla_prefill_kernel
 
@@ -113,6 +113,7 @@ def mla_paged_attention(
     scale: float,
     out: torch.Tensor | None,
     *,
+    kv_scale: float | torch.Tensor | None = None,
     max_query_len: int | None = None,
     num_splits: int | None = None,
     min_split_len: int | None = None,
@@ -138,6 +139,7 @@ def mla_paged_attention(
     block_l, block_r = next_pow2(latent_dim, 16), next_pow2(rope_dim, 16)
     # fp32 inputs keep fp32 dots (no TF32); 16-bit inputs ignore the setting.
     precision = "ieee" if q_latent.dtype == torch.float32 else "tf32"
+    kv_scale_ptr, kv_scale_f, kv_scale_is_ptr = scale_args(kv_scale, seq_lens)
     strides = (
         *q_latent.stride(),
         *q_pe.stride(),
@@ -163,7 +165,10 @@ def mla_paged_attention(
             latent_dim,
             rope_dim,
             float(scale),
+            kv_scale_ptr,
+            kv_scale_f,
             *strides,
+            KV_SCALE_IS_PTR=kv_scale_is_ptr,
             PRECISION=precision,
             HEAVY_FIRST=config.prefill_heavy_first,
             BLOCK_SIZE=block_size,
@@ -214,7 +219,10 @@ def mla_paged_attention(
         min_split_len,
         num_splits,
         float(scale),
+        kv_scale_ptr,
+        kv_scale_f,
         *strides,
+        KV_SCALE_IS_PTR=kv_scale_is_ptr,
         SINGLE_SPLIT=num_splits == 1,
         PRECISION=precision,
         BLOCK_SIZE=block_size,

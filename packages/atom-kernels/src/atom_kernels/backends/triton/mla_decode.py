@@ -20,7 +20,7 @@ them, one chunk of the latent dim per program (a whole [splits, 512] fp32 tile w
 import triton
 import triton.language as tl
 
-from atom_kernels.backends.triton.attention_common import LOG2E
+from atom_kernels.backends.triton.attention_common import LOG2E, load_scale
 from atom_kernels.backends.triton.attention_decode import _split_len
 from atom_kernels.backends.triton.mla_prefill import attend_latent_tiles
 
@@ -45,6 +45,8 @@ def mla_decode_kernel(
     min_split_len,
     num_splits,
     scale,
+    kv_scale_ptr,
+    kv_scale,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -58,6 +60,7 @@ def mla_decode_kernel(
     stride_oh,
     stride_od,
     stride_bt,
+    KV_SCALE_IS_PTR: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -98,7 +101,8 @@ def mla_decode_kernel(
         other=0.0,
     )  # [BLOCK_H, BLOCK_R]
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    qk_scale = scale * LOG2E
+    kv_scale = load_scale(kv_scale_ptr, kv_scale, KV_SCALE_IS_PTR)  # 1.0 unless fp8
+    qk_scale = scale * kv_scale * LOG2E
 
     m_i = tl.zeros([BLOCK_H], tl.float32) + float("-inf")
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -118,6 +122,7 @@ def mla_decode_kernel(
         BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R,
     )  # fmt: skip
 
+    acc = acc * kv_scale  # the values' scale (linear: partials merge unchanged)
     l_mask = head_mask[:, None] & (offs_l < latent_dim)[None, :]
     if SINGLE_SPLIT or seq_len <= split_len:  # one split: finish the rows here
         o_ptrs = out_ptr + q_row64 * stride_ot + heads[:, None] * stride_oh

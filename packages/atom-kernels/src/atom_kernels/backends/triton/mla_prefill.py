@@ -20,7 +20,7 @@ diagonal of the tile's rows run with it.
 import triton
 import triton.language as tl
 
-from atom_kernels.backends.triton.attention_common import LOG2E, softmax_step
+from atom_kernels.backends.triton.attention_common import LOG2E, load_scale, softmax_step
 from atom_kernels.backends.triton.attention_prefill import _pages
 
 
@@ -68,7 +68,8 @@ def attend_latent_tiles(
     """Online softmax of q / q_pe [M, *] over the latent cache's KV tiles [tile_lo, tile_hi)
     (tile_lo a multiple of BLOCK_N), c serving as key (with k_pe) and value. MASKED: the causal
     mask (q_pos [M], each row's position) and tokens past seq_len read as 0; otherwise every row
-    sees every token of the tiles. Shared with the decode kernel."""
+    sees every token of the tiles. fp8 entries are converted (exactly) to q's dtype; their scale
+    is applied by the caller (in qk_scale and on the output). Shared with the decode kernel."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
@@ -87,6 +88,8 @@ def attend_latent_tiles(
         else:
             c = tl.load(c_ptrs, mask=l_mask, other=0.0)
             k_pe = tl.load(pe_ptrs, mask=r_mask, other=0.0)
+        c = c.to(q.dtype)
+        k_pe = k_pe.to(q.dtype)
         s = tl.dot(q, tl.trans(c), input_precision=PRECISION)
         s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
         s = s * qk_scale
@@ -114,6 +117,8 @@ def mla_prefill_kernel(
     latent_dim,
     rope_dim,
     scale,
+    kv_scale_ptr,
+    kv_scale,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -127,6 +132,7 @@ def mla_prefill_kernel(
     stride_oh,
     stride_od,
     stride_bt,
+    KV_SCALE_IS_PTR: tl.constexpr,
     PRECISION: tl.constexpr,
     HEAVY_FIRST: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -182,7 +188,8 @@ def mla_prefill_kernel(
         other=0.0,
     )  # [BLOCK_M, BLOCK_R]
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    qk_scale = scale * LOG2E
+    kv_scale = load_scale(kv_scale_ptr, kv_scale, KV_SCALE_IS_PTR)  # 1.0 unless fp8
+    qk_scale = scale * kv_scale * LOG2E
 
     m_i = tl.zeros([BLOCK_M], tl.float32) + float("-inf")
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -207,4 +214,4 @@ def mla_prefill_kernel(
     o_ptrs = (
         out_ptr + (q_rows * stride_ot + heads * stride_oh)[:, None] + offs_l[None, :] * stride_od
     )
-    tl.store(o_ptrs, acc / l_i[:, None], mask=pair_mask[:, None] & l_mask)
+    tl.store(o_ptrs, acc * (kv_scale / l_i)[:, None], mask=pair_mask[:, None] & l_mask)
