@@ -82,3 +82,48 @@ def transposed_copy(t: torch.Tensor) -> torch.Tensor:
     if t.dim() < 2:
         return strided_copy(t)
     return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+# --- quantized weights (kernel and model tests quantize random weights with these) ------------
+
+_E2M1_POSITIVE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def quantize_fp8_block(
+    weight: torch.Tensor, block_size: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., N, K] float -> (float8_e4m3fn [..., N, K], float32 weight_scale_inv
+    [..., ceil(N / bn), ceil(K / bk)]): each block scaled so its max |w| maps to 448 (edge blocks
+    may be partial)."""
+    bn, bk = block_size
+    *lead, n, k = weight.shape
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.nn.functional.pad(weight.float(), (0, cols * bk - k, 0, rows * bn - n))
+    blocks = padded.view(*lead, rows, bn, cols, bk)
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / 448.0  # [..., rows, cols]
+    q = (blocks / scale[..., :, None, :, None]).clamp(-448.0, 448.0)
+    q = q.view(*lead, rows * bn, cols * bk)[..., :n, :k]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+
+
+def quantize_fp8_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., N, K] float -> (float8_e4m3fn [..., N, K], float32 scale [..., N]) per row."""
+    scale = weight.float().abs().amax(dim=-1).clamp(min=1e-12) / 448.0
+    q = (weight.float() / scale[..., None]).clamp(-448.0, 448.0)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., N, K] float (K a multiple of 32) -> (uint8 [..., N, K / 2], two e2m1 codes a
+    byte, low nibble first; uint8 e8m0 scales [..., N, K / 32]): each block of 32 scaled by the
+    smallest power of two that brings its max |w| to <= 6, values rounded to the nearest e2m1."""
+    *lead, n, k = weight.shape
+    groups = weight.float().reshape(*lead, n, k // 32, 32)
+    amax = groups.abs().amax(dim=-1).clamp(min=2.0**-126)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)  # [..., N, G]
+    scaled = groups / torch.exp2(exponent)[..., None]
+    grid = torch.tensor(_E2M1_POSITIVE, device=weight.device)
+    codes = (scaled.abs()[..., None] - grid).abs().argmin(dim=-1)  # nearest magnitude, 0..7
+    codes = (codes + 8 * (scaled < 0)).to(torch.uint8).view(*lead, n, k)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.contiguous(), (exponent + 127).to(torch.uint8)

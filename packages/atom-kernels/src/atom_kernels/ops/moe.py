@@ -19,9 +19,16 @@ from atom_kernels.ops._checks import (
     check_shape,
     check_tensor,
 )
+from atom_kernels.ops.quant import (
+    FP8_DTYPE,
+    MXFP4_BLOCK,
+    check_block_scale,
+    check_block_size,
+)
 from atom_kernels.registry import get_op
 
 ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
+QUANT_METHODS = ("fp8_block", "fp8_channel", "mxfp4")
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 
@@ -134,6 +141,10 @@ def fused_moe(
     gate_up_interleaved: bool = False,
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
+    quant: str | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_size: tuple[int, int] | list[int] | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden_states[t]).
 
@@ -148,20 +159,47 @@ def fused_moe(
     - "swiglu_oai" (GPT-OSS): g = min(gate, limit), u = clamp(up, -limit, limit),
       (u + 1) * g * sigmoid(alpha * g).
 
+    Quantized experts (``quant``; biases stay in hidden_states' dtype):
+
+    - "fp8_block": w13 float8_e4m3fn [E, 2I, H] with w13_scale float32
+      [E, ceil(2I / bn), ceil(H / bk)], w2 float8_e4m3fn [E, H, I] with w2_scale
+      [E, ceil(H / bn), ceil(I / bk)]; block_size (bn, bk).
+    - "fp8_channel": the same weights, scales per output row: w13_scale [E, 2I], w2_scale [E, H].
+    - "mxfp4": w13 uint8 [E, 2I, H / 2] (two e2m1 values a byte along H, low nibble first) with
+      w13_scale uint8 e8m0 [E, 2I, H / 32]; w2 uint8 [E, H, I / 2] with w2_scale [E, H, I / 32].
+
+    The torch backend computes exactly the dequantized model (each routed expert's weights
+    dequantized in float32 and cast to hidden_states' dtype); the Triton kernels dequantize the
+    weight tiles in their K loops (weight-only: activations stay in hidden_states' dtype).
+
     Returns [T, H] in hidden_states' dtype (activation and weighted sum in fp32).
     """
     op = "fused_moe"
     check_tensor(op, "hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES)
-    check_tensor(op, "w13", w13, ndim=3, dtypes=FLOAT_DTYPES)
-    check_tensor(op, "w2", w2, ndim=3, dtypes=FLOAT_DTYPES)
-    check_same_dtype(op, "hidden_states", hidden_states, w13=w13, w2=w2)
     num_tokens, hidden_size = hidden_states.shape
-    num_experts = w13.shape[0]
-    check_dim(op, "w13", w13, 2, hidden_size, "(its last dim is the hidden size)")
-    if w13.shape[1] % 2:
-        raise ValueError(f"{op}: w13 has shape {tuple(w13.shape)}; its dim 1 (2I) must be even")
-    intermediate_size = w13.shape[1] // 2
-    check_shape(op, "w2", w2, (num_experts, hidden_size, intermediate_size), "([E, H, I])")
+    num_experts = w13.shape[0] if isinstance(w13, torch.Tensor) and w13.dim() else 0
+    if quant is None:
+        for name, value in (
+            ("w13_scale", w13_scale),
+            ("w2_scale", w2_scale),
+            ("block_size", block_size),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"{op}: {name} is given but quant is None; pass quant= one of {QUANT_METHODS}"
+                )
+        check_tensor(op, "w13", w13, ndim=3, dtypes=FLOAT_DTYPES)
+        check_tensor(op, "w2", w2, ndim=3, dtypes=FLOAT_DTYPES)
+        check_same_dtype(op, "hidden_states", hidden_states, w13=w13, w2=w2)
+        check_dim(op, "w13", w13, 2, hidden_size, "(its last dim is the hidden size)")
+        if w13.shape[1] % 2:
+            raise ValueError(f"{op}: w13 has shape {tuple(w13.shape)}; its dim 1 (2I) must be even")
+        intermediate_size = w13.shape[1] // 2
+        check_shape(op, "w2", w2, (num_experts, hidden_size, intermediate_size), "([E, H, I])")
+    else:
+        intermediate_size = _check_quant_experts(
+            op, quant, hidden_size, w13, w2, w13_scale, w2_scale, block_size
+        )
     check_tensor(op, "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor(op, "topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES)
     check_dim(op, "topk_ids", topk_ids, 0, num_tokens, "(one row per token)")
@@ -184,9 +222,21 @@ def fused_moe(
         topk_ids=topk_ids,
         w13_bias=w13_bias,
         w2_bias=w2_bias,
+        w13_scale=w13_scale,
+        w2_scale=w2_scale,
     )
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    # Quantized calls only pass the quantization keywords, so a backend without them still
+    # serves the unquantized op.
+    extra = {}
+    if quant is not None:
+        extra = dict(
+            quant=quant,
+            w13_scale=w13_scale,
+            w2_scale=w2_scale,
+            block_size=None if block_size is None else tuple(block_size),
+        )
     return get_op(op, hidden_states.device)(
         hidden_states,
         w13,
@@ -199,4 +249,79 @@ def fused_moe(
         bool(gate_up_interleaved),
         float(swiglu_alpha),
         float(swiglu_limit),
+        **extra,
     )
+
+
+def _check_quant_experts(
+    op: str,
+    quant: object,
+    hidden_size: int,
+    w13: object,
+    w2: object,
+    w13_scale: object,
+    w2_scale: object,
+    block_size: object,
+) -> int:
+    """The quantized expert weights and their scales (see ``fused_moe``); returns I."""
+    if quant not in QUANT_METHODS:
+        raise ValueError(f"{op}: quant must be None or one of {QUANT_METHODS}, got {quant!r}")
+    if quant != "fp8_block" and block_size is not None:
+        raise ValueError(
+            f"{op}: block_size is only for quant='fp8_block', got {block_size!r} "
+            f"with quant={quant!r}"
+        )
+    for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if scale is None:
+            raise ValueError(f"{op}: quant={quant!r} needs {name}")
+    weight_dtypes = (torch.uint8,) if quant == "mxfp4" else (FP8_DTYPE,)
+    check_tensor(op, "w13", w13, ndim=3, dtypes=weight_dtypes)
+    check_tensor(op, "w2", w2, ndim=3, dtypes=weight_dtypes)
+    num_experts = w13.shape[0]
+    if w13.shape[1] % 2:
+        raise ValueError(f"{op}: w13 has shape {tuple(w13.shape)}; its dim 1 (2I) must be even")
+    inter_size = w13.shape[1] // 2
+    if quant == "mxfp4":
+        for name, size in (("hidden size H", hidden_size), ("intermediate size I", inter_size)):
+            if size % MXFP4_BLOCK:
+                raise ValueError(
+                    f"{op}: quant='mxfp4' needs the {name} to be a multiple of "
+                    f"{MXFP4_BLOCK}, got {size}"
+                )
+        check_shape(
+            op,
+            "w13",
+            w13,
+            (num_experts, 2 * inter_size, hidden_size // 2),
+            "([E, 2I, H / 2]: two e2m1 values a byte along the hidden size)",
+        )
+        check_shape(
+            op,
+            "w2",
+            w2,
+            (num_experts, hidden_size, inter_size // 2),
+            "([E, H, I / 2]: two e2m1 values a byte along the intermediate size)",
+        )
+        for name, scale, weight in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)):
+            check_tensor(op, name, scale, ndim=3, dtypes=(torch.uint8,))
+            grid = (*weight.shape[:2], weight.shape[2] * 2 // MXFP4_BLOCK)
+            check_shape(
+                op,
+                name,
+                scale,
+                grid,
+                f"(one e8m0 scale per {MXFP4_BLOCK} values of "
+                f"the unpacked weight {tuple(weight.shape[:2])} x {grid[2] * 32})",
+            )
+        return inter_size
+    check_dim(op, "w13", w13, 2, hidden_size, "(its last dim is the hidden size)")
+    check_shape(op, "w2", w2, (num_experts, hidden_size, inter_size), "([E, H, I])")
+    if quant == "fp8_block":
+        block = check_block_size(op, block_size)
+        check_block_scale(op, "w13_scale", w13_scale, w13, block, "w13")
+        check_block_scale(op, "w2_scale", w2_scale, w2, block, "w2")
+    else:  # fp8_channel
+        for name, scale, weight in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)):
+            check_tensor(op, name, scale, ndim=2, dtypes=(torch.float32,))
+            check_shape(op, name, scale, tuple(weight.shape[:2]), "(one scale per output row)")
+    return inter_size

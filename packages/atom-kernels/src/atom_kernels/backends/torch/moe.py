@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from atom_kernels.backends.torch.quant import (
+    dequantize_fp8_block,
+    dequantize_fp8_channel,
+    mxfp4_weight,
+)
 from atom_kernels.registry import register_op
 
 
@@ -75,6 +80,21 @@ def _activate(
     return (up + 1) * gate * torch.sigmoid(alpha * gate)
 
 
+def _dequantize(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    quant: str,
+    block_size: tuple[int, int] | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """One expert's quantized weight (see ``atom_kernels.fused_moe``) -> [N, K] in dtype."""
+    if quant == "fp8_block":
+        return dequantize_fp8_block(weight, scale, block_size, dtype)
+    if quant == "fp8_channel":
+        return dequantize_fp8_channel(weight, scale, dtype)
+    return mxfp4_weight(weight, scale, dtype)
+
+
 @register_op("fused_moe", "torch")
 def fused_moe(
     hidden_states: torch.Tensor,
@@ -88,6 +108,10 @@ def fused_moe(
     gate_up_interleaved: bool,
     swiglu_alpha: float,
     swiglu_limit: float,
+    quant: str | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     # T = tokens, K = experts per token, H = hidden size
     num_tokens, top_k = topk_ids.shape
@@ -106,8 +130,12 @@ def fused_moe(
         pairs = order[start : start + count]
         start += count
         x = hidden_states[pairs // top_k]  # [n, H] gather
-        gate_up = F.linear(x, w13[expert], None if w13_bias is None else w13_bias[expert])
+        w13_e, w2_e = w13[expert], w2[expert]
+        if quant is not None:  # the dequantized model: only the routed experts, one at a time
+            w13_e = _dequantize(w13_e, w13_scale[expert], quant, block_size, x.dtype)
+            w2_e = _dequantize(w2_e, w2_scale[expert], quant, block_size, x.dtype)
+        gate_up = F.linear(x, w13_e, None if w13_bias is None else w13_bias[expert])
         act = _activate(gate_up, activation, gate_up_interleaved, swiglu_alpha, swiglu_limit)
-        y = F.linear(act.to(x.dtype), w2[expert], None if w2_bias is None else w2_bias[expert])
+        y = F.linear(act.to(x.dtype), w2_e, None if w2_bias is None else w2_bias[expert])
         pair_out[pairs] = y.float() * weight_of[pairs, None]  # [n, H] scatter
     return pair_out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
