@@ -65,7 +65,8 @@ class VllmAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
     ) -> torch.Tensor:
         # q [T, H*D], k / v [T, Hk*D] -> [T, H*D]
-        if sinks is not None:  # [H]: vLLM's backend already holds them (the same storage)
+        # [H]: vLLM's backend already holds them (the same storage); data_ptr is not traceable
+        if sinks is not None and not torch.compiler.is_compiling():
             assert self.sinks is not None and sinks.data_ptr() == self.sinks.data_ptr(), (
                 f"{self.attn.layer_name}: the model's sinks are not the tensor vLLM's layer holds"
             )

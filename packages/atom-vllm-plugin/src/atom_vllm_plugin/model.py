@@ -13,6 +13,11 @@ registry override is per architecture, the decision per model, and the wrapper's
 first point that sees the whole `VllmConfig` (vLLM's config checks only look at the class'
 declared interfaces, so the wrapper declares pipeline-parallel support for vLLM's class to
 provide).
+
+The wrapper is compiled with vLLM's `support_torch_compile` where vLLM captures CUDA graphs: its
+piecewise graphs (prefill and mixed steps) exist only for a compiled model, split at vLLM's
+attention ops (see `attention.graphs`). On a CPU platform it stays eager unless
+ATOM_VLLM_PLUGIN_COMPILE=1 (vLLM's CPU compile of ATOM's model has not been measured yet).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.model_executor.models.interfaces import SupportsPP
 
 from atom_vllm_plugin.config import AtomVllmConfig, unsupported_reason
@@ -28,6 +34,7 @@ from atom_vllm_plugin.handback import building_vllms_own_model
 from atom_vllm_plugin.host import VllmAttentionHost, VllmTPGroup, share_attention_sinks
 from atom_vllm_plugin.log import info_once, warning_once
 from atom_vllm_plugin.stats import counters
+from atom_vllm_plugin.switches import compile_wanted
 
 
 def vllm_model_class(vllm_config) -> type[nn.Module]:
@@ -47,6 +54,25 @@ def vllm_model_class(vllm_config) -> type[nn.Module]:
     raise ValueError(f"vLLM has no implementation of {candidates} to fall back to")
 
 
+def compile_enabled(vllm_config) -> bool:
+    """Whether vLLM compiles ATOM's model (when its compilation mode compiles at all): by default
+    on the platforms with CUDA graphs (CUDA, ROCm), where piecewise graphs need a compiled model."""
+    from vllm.platforms import current_platform
+
+    return compile_wanted(default=current_platform.support_static_graph_mode())
+
+
+# One dynamic token dim shared by the inputs, as vLLM's own decoder models declare it (the
+# annotations are strings here, so vLLM could not infer the dims from them).
+@support_torch_compile(
+    dynamic_arg_dims={
+        "input_ids": {0: "b"},
+        "positions": {0: "b"},
+        "intermediate_tensors": {0: "b"},
+        "inputs_embeds": {0: "b"},
+    },
+    enable_if=compile_enabled,
+)
 class AtomForCausalLM(nn.Module, SupportsPP):
     """vLLM's text-generation model contract, computed by the atom-models class for the
     checkpoint's architecture (held as `self.model`) -- or, for a configuration ATOM does not
@@ -122,7 +148,8 @@ class AtomForCausalLM(nn.Module, SupportsPP):
         if intermediate_tensors is not None or inputs_embeds is not None:
             # Handed to vLLM's own model at construction: pipeline parallelism, prompt embeddings.
             raise NotImplementedError("ATOM's vLLM models take token ids on a single PP stage")
-        counters.model_forwards += 1
+        if not torch.compiler.is_compiling():  # counted in eager runs only (tests)
+            counters.model_forwards += 1
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

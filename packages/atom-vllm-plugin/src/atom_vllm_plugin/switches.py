@@ -8,8 +8,10 @@ DISABLE_PLUGIN = "ATOM_DISABLE_VLLM_PLUGIN"
 DISABLE_ATTENTION = "ATOM_DISABLE_VLLM_PLUGIN_ATTENTION"
 ALLOW_UNTESTED = "ATOM_VLLM_PLUGIN_ALLOW_UNTESTED"
 CPU_ATTENTION = "ATOM_VLLM_PLUGIN_CPU_ATTENTION"
+COMPILE = "ATOM_VLLM_PLUGIN_COMPILE"
 
 _TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
 
 
 def is_set(name: str) -> bool:
@@ -35,3 +37,14 @@ def cpu_attention_wanted() -> bool:
     """`ATOM_VLLM_PLUGIN_CPU_ATTENTION=1`: ATOM's attention on a CPU platform too (the default
     there is vLLM's own CPU attention, which is faster than ATOM's CPU path for now)."""
     return is_set(CPU_ATTENTION)
+
+
+def compile_wanted(default: bool) -> bool:
+    """`ATOM_VLLM_PLUGIN_COMPILE`: 1 compiles ATOM's model with vLLM's torch.compile on any
+    platform, 0 never; unset: `default` (where vLLM captures CUDA graphs, see `model`)."""
+    value = os.environ.get(COMPILE, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    return default

@@ -14,7 +14,7 @@ which attends over the cache: cached prefix and new tokens of a mixed prefill/de
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -29,7 +29,7 @@ from vllm.v1.attention.backend import (
 )
 
 import atom_kernels
-from atom_vllm_plugin.attention import ATOM_BACKEND_NAME
+from atom_vllm_plugin.attention import ATOM_BACKEND_NAME, graphs
 from atom_vllm_plugin.stats import counters
 
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
@@ -107,18 +107,26 @@ class AtomAttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32, tokens in the cache after this step (prefix + new)
     block_table: torch.Tensor  # [B, M] int32, kernel-block ids
     slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token (-1: padding)
+    # One query row per sequence and no padding row: the kernel may skip its prefill path.
+    decode_only: bool = False
 
 
 class AtomAttentionMetadataBuilder(AttentionMetadataBuilder[AtomAttentionMetadata]):
-    # NOTE: no CUDA-graph capture of attention is declared. atom_kernels' Triton kernels read no
-    # metadata on the host (ATOM's own engine captures its decodes with them), but capture inside
-    # vLLM, with vLLM's padded batches, has not been run: vLLM's CUDA builds cannot be installed
-    # where this plugin is tested. The torch reference kernel reads seq_lens on the host and can
-    # never be captured.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    """The step's metadata as views of vLLM's persistent input buffers (see `graphs`)."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        """ALWAYS where the kernels this backend runs on the model's device are capture-safe
+        (atom_kernels' Triton ops: any mixed batch, no host read), NEVER otherwise (the torch
+        reference reads the batch layout on the host). vLLM keeps its default cudagraph mode
+        with ALWAYS, and drops to piecewise graphs around eager attention with NEVER."""
+        device = vllm_config.device_config.device
+        if graphs.capture_unsafe_reason(device) is None:
+            return AttentionCGSupport.ALWAYS
+        return AttentionCGSupport.NEVER
 
     def build(
         self,
@@ -130,6 +138,8 @@ class AtomAttentionMetadataBuilder(AttentionMetadataBuilder[AtomAttentionMetadat
         if md.causal is not True:
             raise NotImplementedError("ATOM attention computes causal decoder attention only")
         num_reqs = md.num_reqs
+        # Slices from offset 0 of vLLM's persistent buffers: the same addresses every step, so a
+        # graph captured with these tensors reads what the runner writes before each replay.
         return AtomAttentionMetadata(
             num_actual_tokens=md.num_actual_tokens,
             max_query_len=md.max_query_len,
@@ -138,7 +148,20 @@ class AtomAttentionMetadataBuilder(AttentionMetadataBuilder[AtomAttentionMetadat
             seq_lens=md.seq_lens[:num_reqs],
             block_table=md.block_table_tensor[:num_reqs],
             slot_mapping=md.slot_mapping,
+            decode_only=md.max_query_len == 1 and md.num_actual_tokens == num_reqs,
         )
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> AtomAttentionMetadata:
+        """The metadata a FULL graph is captured with. A FULL graph is replayed for every batch
+        of its size; when vLLM's mode puts mixed batches in FULL graphs too, the graph must not
+        have skipped the prefill kernel because its dummy batch was all decodes."""
+        metadata = self.build(0, common_attn_metadata)
+        mode = self.vllm_config.compilation_config.cudagraph_mode
+        if metadata.decode_only and not graphs.full_graphs_are_decode_only(mode):
+            metadata = replace(metadata, decode_only=False)
+        return metadata
 
 
 def split_kv_cache(
@@ -263,5 +286,6 @@ class AtomAttentionImpl(AttentionImpl[AtomAttentionMetadata]):
             k_scale=k_scale,
             v_scale=v_scale,
             out=output[:num_tokens],
+            max_query_len=1 if md.decode_only else None,
         )
         return output
