@@ -35,10 +35,11 @@ import atom_vllm_plugin.model
 from atom_vllm_plugin.platforms.cuda import AtomCudaPlatform
 from vllm.platforms.interface import DeviceCapability
 
-AtomCudaPlatform.get_device_capability = classmethod(lambda cls, device_id=0: DeviceCapability(9, 0))
+H100 = DeviceCapability(9, 0)
+AtomCudaPlatform.get_device_capability = classmethod(lambda cls, device_id=0: H100)
 platforms._current_platform = AtomCudaPlatform()
 
-from vllm.config import CUDAGraphMode, set_current_vllm_config
+from vllm.config import set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.layers.attention import Attention
