@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# KV-cache dtypes besides "auto" (the model's dtype); fp8 caches carry per-tensor scales.
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def _help(text: str) -> dict:
@@ -71,6 +73,13 @@ class EngineConfig:
     num_kv_blocks: int | None = field(
         default=None, metadata=_help("override the number of KV-cache blocks")
     )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_help(
+            "auto (the model's dtype) or fp8 / fp8_e4m3 (float8_e4m3fn with per-tensor k/v "
+            "scales: the checkpoint's, else 1.0; half the bytes of a bf16 cache per token)"
+        ),
+    )
     load_format: str = field(
         default="auto",
         metadata=_help(
@@ -90,6 +99,30 @@ class EngineConfig:
             "schedule step N+1 while the device runs step N (default: on for CUDA, off on the "
             "CPU); requests with log-probs or penalties run their steps without overlap"
         ),
+    )
+
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "ranks the model is split over, one worker process per rank (one GPU each; "
+            "gloo processes on the CPU)",
+            "aliases": ["-tp"],
+        },
+    )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata=_help(
+            "MoE models: give each tensor-parallel rank whole experts instead of a slice of "
+            "every expert (attention and shared experts stay tensor-parallel)"
+        ),
+    )
+    data_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "independent engine replicas (each with its own tensor-parallel ranks and "
+            "KV cache) behind one server, requests balanced by load",
+            "aliases": ["-dp"],
+        },
     )
 
     def __post_init__(self) -> None:
@@ -129,6 +162,12 @@ class EngineConfig:
             fail("load_format", "must be auto or dummy")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             fail("num_kv_blocks", "must be >= 1")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            fail("kv_cache_dtype", f"must be one of auto, {', '.join(KV_CACHE_DTYPES)}")
+        if self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", "must be >= 1")
+        if self.data_parallel_size < 1:
+            fail("data_parallel_size", "must be >= 1")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -143,6 +182,9 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def resolved_kv_cache_dtype(self) -> torch.dtype:
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype) or self.resolved_dtype()
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

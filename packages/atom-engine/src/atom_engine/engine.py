@@ -14,6 +14,7 @@ synchronously.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,12 +25,14 @@ import torch
 from atom_engine.block_manager import BlockManager
 from atom_engine.config import EngineConfig
 from atom_engine.detokenizer import IncrementalDetokenizer
-from atom_engine.model_runner import Launch, ModelRunner, TopLogprobs
+from atom_engine.model_runner import Launch, TopLogprobs
 from atom_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from atom_engine.parallel import check_parallel, rank_device
 from atom_engine.sampling_params import InvalidRequest, SamplingParams
 from atom_engine.scheduler import ScheduledBatch, Scheduler
 from atom_engine.sequence import PLACEHOLDER, Sequence
 from atom_engine.tokenizer import eos_token_ids, load_tokenizer
+from atom_engine.workers import WorkerError, start_runner
 from atom_models import load_config
 
 logger = logging.getLogger("atom_engine")
@@ -82,7 +85,10 @@ def resolve_model(model: str | None) -> str:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """One engine: the scheduler, and the model runner of rank 0 (with its tensor-parallel
+    workers). `dp_rank` places a data-parallel replica on its own devices."""
+
+    def __init__(self, config: EngineConfig, dp_rank: int = 0) -> None:
         self.config = config
         self.model_path = resolve_model(config.model)
         self.hf_config = load_config(self.model_path)
@@ -98,8 +104,13 @@ class LLMEngine:
             logger.warning(
                 "max_model_len %d exceeds the model's context %d", self.max_model_len, context
             )
+        check_parallel(config, self.hf_config)
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, self.model_path, self.hf_config, self.max_model_len)
+        device = rank_device(config, 0, dp_rank)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            self.runner = start_runner(
+                config, self.model_path, self.hf_config, self.max_model_len, dp_rank
+            )
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -126,6 +137,10 @@ class LLMEngine:
     @classmethod
     def from_args(cls, **kwargs) -> LLMEngine:
         return cls(EngineConfig(**kwargs))
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (idempotent; a no-op with one rank)."""
+        self.runner.shutdown()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -300,7 +315,10 @@ class LLMEngine:
 
     def _run_isolated(self, batch: ScheduledBatch, error: Exception) -> list[RequestOutput]:
         """Run a failed step's requests one by one (their blocks are allocated and nothing was
-        computed); a request whose own run fails is finished with an error."""
+        computed); a request whose own run fails is finished with an error. A tensor-parallel
+        rank's failure is the engine's, not a request's: WorkerError propagates."""
+        if isinstance(error, WorkerError):
+            raise error
         logger.warning(
             "a step of %d sequences failed (%s: %s); running its requests one at a time",
             len(batch.seqs),
@@ -318,6 +336,8 @@ class LLMEngine:
         for request_id, group in groups.items():
             try:
                 outputs += self._postprocess(group, self.runner.run(group))
+            except WorkerError:
+                raise
             except Exception as e:
                 request = self.requests.get(request_id)
                 if request is not None:

@@ -7,12 +7,20 @@ every sequence whose scheduled tokens reached its end, and the prompt log-probs 
 once, the sampled ids staying on the device (`sampled`) with a copy to pinned host memory on the
 way. A sequence sampled by the previous launch carries a placeholder as its last token; its input
 id is gathered on the device from that launch's `sampled` row, so the host never waits for it.
+
+With tensor parallelism every rank runs a ModelRunner over its shard of the model and its own KV
+cache. Rank 0's (in the engine) turns each scheduled batch into flat `StepInputs`, hands them to the
+other ranks (`workers`) and runs the same forward; the model's collectives keep the ranks in step.
+Every rank computes the (gathered) logits of the same rows; only rank 0 samples, and a launch's
+sampled ids are broadcast to the other ranks' `sampled` so their next placeholder gathers agree.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +29,7 @@ from atom_engine.config import EngineConfig
 from atom_engine.cuda_graphs import DecodeGraphs
 from atom_engine.scheduler import ScheduledBatch
 from atom_engine.sequence import PLACEHOLDER, Sequence
+from atom_engine.step_inputs import OP_LAUNCH, OP_RUN, StepInputs
 from atom_models import load_model, set_forward_context
 from atom_models.native_attention import (
     PagedAttentionMetadata,
@@ -28,6 +37,10 @@ from atom_models.native_attention import (
     kv_cache_bytes_per_token,
     release_kv_cache,
 )
+
+if TYPE_CHECKING:
+    from atom_engine.parallel import EngineTPGroup
+    from atom_engine.workers import WorkerGroup
 
 logger = logging.getLogger("atom_engine")
 
@@ -71,21 +84,43 @@ class RunOutput:
 
 
 class ModelRunner:
+    """One rank's model and KV cache. `tp` is the engine's tensor-parallel group (None: one
+    rank; its device is `device`, by default the config's); `workers`, on rank 0 only, carries
+    each step to the other ranks."""
+
     def __init__(
-        self, config: EngineConfig, model_path: str, hf_config, max_model_len: int
+        self,
+        config: EngineConfig,
+        model_path: str,
+        hf_config,
+        max_model_len: int,
+        tp: EngineTPGroup | None = None,
+        workers: WorkerGroup | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.device = config.resolved_device()
+        self.tp, self.workers = tp, workers
+        self.rank = tp.rank if tp is not None else 0
+        self.device = tp.device if tp is not None else device or config.resolved_device()
         self.dtype = config.resolved_dtype()
+        self.kv_cache_dtype = config.resolved_kv_cache_dtype()  # the model's, or fp8
         self.block_size = config.block_size
         self.model = load_model(
-            model_path, dtype=self.dtype, device=self.device, load_format=config.load_format
+            model_path,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=config.load_format,
+            tp=tp,
         )
         self.vocab_size = hf_config.vocab_size
         self.hidden_size = hf_config.hidden_size
         self.num_blocks = self._num_kv_blocks()
-        bind_kv_cache(self.model, self.num_blocks, self.block_size, self.dtype, self.device)
+        if tp is not None:  # every rank's cache holds the same blocks: the smallest fits all
+            self.num_blocks = tp.min(self.num_blocks)
+        bind_kv_cache(
+            self.model, self.num_blocks, self.block_size, self.kv_cache_dtype, self.device
+        )
         # Sampled ids of the last launch (device) and two pinned host mirrors (a launch writes one
         # while the previous launch's is read). In the graphs' token buffer when there are graphs.
         max_sampled = max(1, config.max_num_seqs)
@@ -102,14 +137,22 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warm_up_sampling()
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens fit, %d bytes per token, %.2f GiB) on %s",
+            "KV cache: %d blocks of %d tokens (%d tokens fit, %d bytes per token, %.2f GiB, %s) "
+            "on %s"
+            + (f" (tensor-parallel rank {self.rank} of {tp.size})" if tp is not None else ""),
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.block_size,
-            kv_cache_bytes_per_token(self.model, self.dtype),
+            kv_cache_bytes_per_token(self.model, self.kv_cache_dtype),
             self.num_blocks * self._block_bytes() / GiB,
+            str(self.kv_cache_dtype).removeprefix("torch."),
             self.device,
         )
+
+    def shutdown(self) -> None:
+        """Stop the other ranks' processes (idempotent)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     @torch.no_grad()
     def _warm_up_sampling(self) -> None:
@@ -132,7 +175,7 @@ class ModelRunner:
     def _block_bytes(self) -> int:
         """One block of every layer's cache, from the layers' own cache specs (K and V per
         head for standard attention, latent + rope key for MLA)."""
-        return kv_cache_bytes_per_token(self.model, self.dtype) * self.block_size
+        return kv_cache_bytes_per_token(self.model, self.kv_cache_dtype) * self.block_size
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -156,7 +199,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = self.config.max_num_batched_tokens
         blocks = -(-num_tokens // self.block_size)
-        bind_kv_cache(self.model, blocks, self.block_size, self.dtype, self.device)
+        bind_kv_cache(self.model, blocks, self.block_size, self.kv_cache_dtype, self.device)
         md = PagedAttentionMetadata.build(
             [num_tokens], [num_tokens], [list(range(blocks))], self.block_size, self.device
         )
@@ -183,53 +226,65 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def _forward(
+    def _prepare(
         self, batch: ScheduledBatch, prev: Launch | None = None
-    ) -> tuple[torch.Tensor, list[int], list[Sequence], list[tuple[Sequence, int, int]]]:
-        """Queue the batch's forward; (hidden [T, hidden], rows to sample, their sequences,
-        prompt-logprob ranges (seq, first row, count)). Placeholder inputs (the last token of a
-        sequence that `prev` sampled) are gathered on the device from `sampled`."""
-        ids: list[int] = []
-        positions: list[int] = []
-        seq_lens, query_lens, tables = [], [], []
-        gathers: list[tuple[int, int]] = []  # (input row, row of `sampled`)
-        sample_rows: list[int] = []  # row of the last token of each sequence to sample
+    ) -> tuple[StepInputs, list[Sequence], list[Sequence]]:
+        """The batch as flat StepInputs; also the sequences to sample (one per sample row) and
+        those with prompt log-probs (one per prompt row range). Placeholder inputs (the last
+        token of a sequence that `prev` sampled) are gathered on the device from `sampled`."""
+        inputs = StepInputs([], [], [], [], [], [], [])
+        ids = inputs.ids
         sample_seqs: list[Sequence] = []
-        prompt_rows: list[tuple[Sequence, int, int]] = []  # (seq, first row, count)
+        prompt_seqs: list[Sequence] = []
         for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
             start = seq.num_computed_tokens
             end = start + num
             row = len(ids)
             ids += seq.token_ids[start:end]
             if ids[-1] == PLACEHOLDER:  # only ever the last token, sampled by `prev`
-                gathers.append((row + num - 1, prev.rows[seq.seq_id]))
-            positions += range(start, end)
-            seq_lens.append(end)
-            query_lens.append(num)
-            tables.append(seq.block_table)
+                inputs.gathers.append((row + num - 1, prev.rows[seq.seq_id]))
+            inputs.seq_lens.append(end)
+            inputs.query_lens.append(num)
+            inputs.tables.append(seq.block_table)
             if end == len(seq):
-                sample_rows.append(row + num - 1)
+                inputs.sample_rows.append(row + num - 1)
                 sample_seqs.append(seq)
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 count = min(end, seq.num_prompt_tokens - 1) - start
-                prompt_rows.append((seq, row, count))
+                inputs.prompt_rows.append((row, count))
+                prompt_seqs.append(seq)
+        return inputs, sample_seqs, prompt_seqs
 
-        if self.graphs is not None and self.graphs.fits(query_lens):
-            hidden = self.graphs.run(ids, positions, seq_lens, tables, gathers)
-        else:
-            md = PagedAttentionMetadata.build(
-                seq_lens, query_lens, tables, self.block_size, self.device
+    def _execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Queue the forward of a step; hidden states [T, hidden]."""
+        positions = inputs.positions()
+        if self.graphs is not None and self.graphs.fits(inputs.query_lens):
+            return self.graphs.run(
+                inputs.ids, positions, inputs.seq_lens, inputs.tables, inputs.gathers
             )
-            input_ids = _to_device(ids, torch.long, self.device)
-            if gathers:
-                rows, src = zip(*gathers, strict=True)
-                input_ids[_to_device(list(rows), torch.long, self.device)] = self.sampled[
-                    _to_device(list(src), torch.long, self.device)
-                ]
-            pos = _to_device(positions, torch.long, self.device)
-            with set_forward_context(md):
-                hidden = self.model(input_ids, pos)  # [T, hidden]
-        return hidden, sample_rows, sample_seqs, prompt_rows
+        md = PagedAttentionMetadata.build(
+            inputs.seq_lens, inputs.query_lens, inputs.tables, self.block_size, self.device
+        )
+        input_ids = _to_device(inputs.ids, torch.long, self.device)
+        if inputs.gathers:
+            rows, src = zip(*inputs.gathers, strict=True)
+            input_ids[_to_device(list(rows), torch.long, self.device)] = self.sampled[
+                _to_device(list(src), torch.long, self.device)
+            ]
+        pos = _to_device(positions, torch.long, self.device)
+        with set_forward_context(md):
+            return self.model(input_ids, pos)  # [T, hidden]
+
+    def _logits(self, hidden: torch.Tensor, inputs: StepInputs, op: int) -> list[torch.Tensor]:
+        """The logits every rank computes for a step (the LM head gathers them over the ranks):
+        the sampled rows' [B, V], then (for a `run`) each prompt-logprob range's [count, V]."""
+        out = []
+        if inputs.sample_rows:
+            out.append(self._sample_logits(hidden, inputs.sample_rows))
+        if op == OP_RUN:
+            for row, count in inputs.prompt_rows:
+                out.append(self.model.compute_logits(hidden[row : row + count]))
+        return out
 
     def _sample_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if rows == list(range(rows[0], rows[0] + len(rows))):  # decodes: one contiguous slice
@@ -238,21 +293,37 @@ class ModelRunner:
             picked = hidden[_to_device(rows, torch.long, self.device)]
         return self.model.compute_logits(picked)  # [B, V] in the model's dtype
 
+    def _hand_off(self, op: int, inputs: StepInputs) -> None:
+        """Send the step to the other ranks (rank 0 of a tensor-parallel engine)."""
+        if self.workers is not None:
+            self.workers.send(inputs.pack(op))
+
+    @torch.no_grad()
+    def follow(self, op: int, inputs: StepInputs) -> None:
+        """A rank other than 0: its part of rank 0's `run` or `launch` of these inputs (the same
+        forward and logits, so the collectives meet; then the launch's sampled ids)."""
+        hidden = self._execute(inputs)
+        self._logits(hidden, inputs, op)
+        if op == OP_LAUNCH and inputs.sample_rows:
+            self.tp.broadcast(self.sampled[: len(inputs.sample_rows)], 0)
+
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> RunOutput:
         """Run one step and wait for it (every sampling feature; no placeholder inputs)."""
-        hidden, sample_rows, sample_seqs, prompt_rows = self._forward(batch)
-        out = RunOutput(sampled={}, prompt_logprobs={})
-        if sample_seqs:
-            logits = self._sample_logits(hidden, sample_rows).float()
-            out.sampled = self._sample(sample_seqs, logits)
-        for seq, row, count in prompt_rows:
-            logits = self.model.compute_logits(hidden[row : row + count]).float()
-            start = seq.num_computed_tokens
-            targets = seq.token_ids[start + 1 : start + 1 + count]
-            out.prompt_logprobs[seq.seq_id] = self._logprobs_of(
-                logits, targets, seq.params.prompt_logprobs
-            )
+        inputs, sample_seqs, prompt_seqs = self._prepare(batch)
+        self._hand_off(OP_RUN, inputs)
+        with self._in_step():
+            hidden = self._execute(inputs)
+            logits = self._logits(hidden, inputs, OP_RUN)  # the last collective of the step
+            out = RunOutput(sampled={}, prompt_logprobs={})
+            if sample_seqs:
+                out.sampled = self._sample(sample_seqs, logits.pop(0).float())
+            for seq, (_, count), rows in zip(prompt_seqs, inputs.prompt_rows, logits, strict=True):
+                start = seq.num_computed_tokens
+                targets = seq.token_ids[start + 1 : start + 1 + count]
+                out.prompt_logprobs[seq.seq_id] = self._logprobs_of(
+                    rows.float(), targets, seq.params.prompt_logprobs
+                )
         return out
 
     @torch.no_grad()
@@ -263,15 +334,20 @@ class ModelRunner:
         or penalties: the engine runs those through `run`). The sampled ids land in `sampled`
         (read by the next launch's placeholder gathers) and, once `ready`, in `host`.
         """
-        hidden, sample_rows, sample_seqs, _ = self._forward(batch, prev)
+        inputs, sample_seqs, _ = self._prepare(batch, prev)
+        self._hand_off(OP_LAUNCH, inputs)
         host = self._sampled_host[self._launches % 2]
         self._launches += 1
         n = len(sample_seqs)
         ready = None
-        if n:
-            logits = self._sample_logits(hidden, sample_rows)
-            self.sampled[:n] = self._sample_on_device(sample_seqs, logits)
-            host[:n].copy_(self.sampled[:n], non_blocking=True)
+        with self._in_step():
+            hidden = self._execute(inputs)
+            if n:
+                (logits,) = self._logits(hidden, inputs, OP_LAUNCH)
+                self.sampled[:n] = self._sample_on_device(sample_seqs, logits)
+                if self.tp is not None:  # the other ranks' next placeholder gathers read them
+                    self.tp.broadcast(self.sampled[:n], 0)
+                host[:n].copy_(self.sampled[:n], non_blocking=True)
         if self.device.type == "cuda":  # also with nothing sampled: the input copies are done
             ready = torch.cuda.Event()
             ready.record()
@@ -282,6 +358,20 @@ class ModelRunner:
             host=host[:n],
             ready=ready,
         )
+
+    @contextlib.contextmanager
+    def _in_step(self):
+        """Around the part of a step the other ranks run too: with tensor parallelism a failure
+        there leaves the ranks out of step (a collective one side never reaches), so it is
+        fatal (`WorkerError`), not one request's error."""
+        if self.workers is None:
+            yield
+            return
+        try:
+            yield
+        except Exception as e:
+            self.workers.fail(e)
+            raise self.workers.error from e
 
     def _sample_on_device(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """Sampled ids [B] on the device, without a host sync on the paths that need none

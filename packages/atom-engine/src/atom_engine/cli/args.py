@@ -42,9 +42,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
             default = field.default_factory()
         help_text = field.metadata.get("help", "")
+        names = [_flag(field.name), *field.metadata.get("aliases", ())]  # -tp, -dp as in vLLM
         if kind is bool:
             group.add_argument(
-                _flag(field.name),
+                *names,
                 action=argparse.BooleanOptionalAction,
                 default=default,
                 help=help_text if default is None else f"{help_text} (default: {on_off(default)})",
@@ -52,7 +53,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         else:
             shown = "" if default is None else " (default: %(default)s)"
             group.add_argument(
-                _flag(field.name),
+                *names,
                 type=kind,
                 default=default,
                 dest=field.name,

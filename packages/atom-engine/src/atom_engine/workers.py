@@ -1,0 +1,315 @@
+"""Tensor-parallel worker processes: ranks 1..N-1 of an engine, and rank 0's handle on them.
+
+Workers are spawned (never forked: CUDA must not be initialised in a forked child). Each builds its
+shard of the model and its KV cache (`ModelRunner` over the engine's `EngineTPGroup`), then follows
+rank 0 step by step: rank 0 writes each step's `StepInputs`, packed as one int64 array, to a pipe
+per worker (NOTE: 23 us a write, 44 us a round trip on this 2-core CPU, against 380 us for a gloo
+broadcast of the same bytes; benchmarks/tp_handoff.py measures the whole hand-off).
+
+Lifecycle: a worker that dies is seen at once by rank 0's monitor thread (its process sentinel),
+which logs the rank and its error, ends the other workers and calls the engine's `on_death` hooks
+(the server exits non-zero); the next step raises `WorkerError`. A worker ends itself when rank 0's
+pipe closes or its parent process is gone, and ignores SIGINT (Ctrl-C reaches the whole process
+group; rank 0 decides). `shutdown` stops every worker; the processes are daemonic and a finalizer
+kills them if the engine is dropped without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from atom_engine.config import EngineConfig
+from atom_engine.parallel import EngineTPGroup, make_store, rank_device
+from atom_engine.step_inputs import OP_SHUTDOWN, StepInputs, shutdown_message
+
+logger = logging.getLogger("atom_engine")
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel rank failed: the engine cannot go on (every later step raises it)."""
+
+
+class WorkerGroup:
+    """Rank 0's handle on ranks 1..N-1 of one engine (replica `dp_rank`)."""
+
+    def __init__(
+        self, config: EngineConfig, model_path: str, max_model_len: int, dp_rank: int = 0
+    ) -> None:
+        self.size = config.tensor_parallel_size
+        self.dp_rank = dp_rank
+        self.store = make_store(0, self.size)
+        self.on_death: list[Callable[[WorkerError], None]] = []
+        self._error: WorkerError | None = None
+        self._closing = False
+        self._lock = threading.Lock()
+        ctx = mp.get_context("spawn")
+        self.procs: list[mp.process.BaseProcess] = []
+        self._steps: list[mp.connection.Connection] = []
+        self._status: list[mp.connection.Connection] = []
+        for rank in range(1, self.size):
+            steps_r, steps_w = ctx.Pipe(duplex=False)
+            status_r, status_w = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=worker_main,
+                args=(rank, config, model_path, max_model_len, self.store.port, dp_rank),
+                kwargs=dict(steps=steps_r, status=status_w),
+                name=f"atom-tp{rank}" + (f"-dp{dp_rank}" if dp_rank else ""),
+                daemon=True,
+            )
+            proc.start()
+            steps_r.close()
+            status_w.close()
+            self.procs.append(proc)
+            self._steps.append(steps_w)
+            self._status.append(status_r)
+        self._finalizer = weakref.finalize(self, _kill, list(self.procs))
+        self._wait_for_hello()
+        self._monitor = threading.Thread(target=self._watch, name="atom-tp-monitor", daemon=True)
+        self._monitor.start()
+
+    # -- start-up ------------------------------------------------------------------------------
+
+    def _wait_for_hello(self) -> None:
+        """Wait until every worker has started (imports done, about to connect), so a worker that
+        fails to start is reported rather than waited for in the connection."""
+        pending = dict(enumerate(self._status, start=1))
+        while pending:
+            sentinels = {self.procs[rank - 1].sentinel: rank for rank in pending}
+            ready = mp.connection.wait([*pending.values(), *sentinels])
+            for item in ready:
+                rank, text = sentinels.get(item), ""
+                if rank is None:
+                    rank = next(r for r, conn in pending.items() if conn is item)
+                    kind, text = _read_status(item)
+                    if kind == "hello":
+                        del pending[rank]
+                        continue
+                self._record_death(rank, text or "")
+                self.shutdown()
+                raise self._error
+
+    # -- the monitor -----------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs, start=1)}
+        while sentinels:
+            ready = mp.connection.wait(list(sentinels))
+            for sentinel in ready:
+                rank = sentinels.pop(sentinel)
+                if self._closing:
+                    continue
+                self._record_death(rank)
+                self.kill()
+                for hook in list(self.on_death):
+                    try:
+                        hook(self._error)
+                    except Exception:
+                        logger.exception("an on_death hook failed")
+                return
+
+    def _record_death(self, rank: int, text: str = "") -> None:
+        proc = self.procs[rank - 1]
+        proc.join(1.0)
+        conn = self._status[rank - 1]
+        while True:  # the last message a worker sent is its error, if it had one
+            kind, message = _read_status(conn)
+            if kind is None:
+                break
+            if kind == "error":
+                text = message
+        where = f" of data-parallel replica {self.dp_rank}" if self.dp_rank else ""
+        summary = (
+            f"tensor-parallel worker rank {rank}{where} (pid {proc.pid}) exited with code "
+            f"{proc.exitcode}"
+        )
+        logger.error("%s%s", summary, f":\n{text}" if text else "")
+        last = text.strip().splitlines()[-1] if text.strip() else "no error message"
+        with self._lock:
+            if self._error is None:
+                self._error = WorkerError(f"{summary} ({last})")
+
+    # -- rank 0's side of a step -------------------------------------------------------------
+
+    @property
+    def error(self) -> WorkerError | None:
+        return self._error
+
+    def check(self, wait: float = 0.0) -> None:
+        """Raise WorkerError if a worker has died (waiting up to `wait` s for one that is dying)."""
+        deadline = time.monotonic() + wait
+        while self._error is None:
+            for rank, proc in enumerate(self.procs, start=1):
+                if not proc.is_alive() and not self._closing:
+                    self._record_death(rank)
+                    break
+            if self._error is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if self._error is not None:
+            raise self._error
+
+    def send(self, message: bytes) -> None:
+        """Hand one step (`StepInputs.pack`) to every worker."""
+        if self._error is not None:
+            raise self._error
+        try:
+            for conn in self._steps:
+                conn.send_bytes(message)
+        except OSError as e:  # a closed pipe: the worker is gone
+            self.check(wait=2.0)
+            self.fail(e)
+            raise self._error from e
+
+    def fail(self, error: BaseException) -> None:
+        """The ranks are out of step (rank 0 failed inside a step): end the workers."""
+        if self._error is None and not self._closing:
+            try:  # a worker's own death explains it better, if that is what happened
+                self.check(wait=1.0)
+            except WorkerError:
+                pass
+        with self._lock:
+            if self._error is None:
+                self._error = WorkerError(
+                    f"rank 0 failed inside a tensor-parallel step ({type(error).__name__}: "
+                    f"{error}); the ranks are out of step"
+                )
+                logger.error("%s", self._error)
+        self.kill()
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    def kill(self) -> None:
+        self._closing = True
+        _kill(self.procs)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop every worker: a shutdown message, then SIGTERM / SIGKILL for what is left."""
+        self._closing = True
+        if self._error is None:
+            for conn in self._steps:
+                try:
+                    conn.send_bytes(shutdown_message())
+                except OSError:
+                    pass
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        _kill(self.procs)
+        for conn in self._steps + self._status:
+            conn.close()
+        self._finalizer.detach()
+
+
+def _read_status(conn) -> tuple[str | None, str | None]:
+    try:
+        if conn.poll():
+            return conn.recv()
+    except (EOFError, OSError):
+        pass
+    return None, None
+
+
+def _kill(procs) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this worker when rank 0's process is gone (it may be inside a collective that would
+    otherwise wait for rank 0 forever)."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def worker_main(
+    rank: int,
+    config: EngineConfig,
+    model_path: str,
+    max_model_len: int,
+    port: int,
+    dp_rank: int,
+    *,
+    steps,
+    status,
+) -> None:
+    """A worker process: build rank `rank`'s runner, then follow rank 0's steps."""
+    from atom_engine.model_runner import ModelRunner
+    from atom_models import load_config
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    logging.basicConfig(
+        level=logging.WARNING,
+        format=f"%(asctime)s %(levelname)s %(name)s [tp rank {rank}]: %(message)s",
+    )
+    try:
+        hf_config = load_config(model_path)
+        device = rank_device(config, rank, dp_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        status.send(("hello", None))
+        store = make_store(rank, config.tensor_parallel_size, port)
+        tp = EngineTPGroup(
+            store, rank, config.tensor_parallel_size, device, config.enable_expert_parallel
+        )
+        torch.manual_seed(config.seed)
+        runner = ModelRunner(config, model_path, hf_config, max_model_len, tp)
+        while True:
+            try:
+                data = steps.recv_bytes()
+            except (EOFError, OSError):  # rank 0 is gone
+                break
+            op, inputs = StepInputs.unpack(data)
+            if op == OP_SHUTDOWN:
+                break
+            runner.follow(op, inputs)
+    except BaseException:
+        try:
+            status.send(("error", traceback.format_exc()))
+        finally:
+            os._exit(1)
+    # NOTE: a gloo rank sometimes aborted at interpreter exit (SIGABRT from a joinable C++ thread
+    # destroyed by static destructors; tp_worker.py): leave without running them.
+    os._exit(0)
+
+
+def start_runner(
+    config: EngineConfig, model_path: str, hf_config, max_model_len: int, dp_rank: int = 0
+):
+    """Rank 0's ModelRunner of an engine (replica `dp_rank`), with its worker processes when
+    tensor_parallel_size > 1."""
+    from atom_engine.model_runner import ModelRunner
+
+    device = rank_device(config, 0, dp_rank)
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(config, model_path, hf_config, max_model_len, device=device)
+    workers = WorkerGroup(config, model_path, max_model_len, dp_rank)
+    try:
+        tp = EngineTPGroup(workers.store, 0, workers.size, device, config.enable_expert_parallel)
+        return ModelRunner(config, model_path, hf_config, max_model_len, tp, workers)
+    except BaseException as e:
+        try:
+            workers.check(wait=10.0)  # a worker's own failure says more than the collective's
+        except WorkerError as worker_error:
+            raise worker_error from e
+        finally:
+            workers.shutdown()
+        raise
