@@ -16,6 +16,11 @@ from torch import nn
 
 from atom_models.distributed import TensorParallelGroup, tp_group
 from atom_models.layers.attention import AttentionHost, attention_host
+from atom_models.quantization import (
+    parse_quant_config,
+    process_weights_after_loading,
+    quantize_model,
+)
 from atom_models.registry import get_model_class
 from atom_models.weights import iter_safetensors
 
@@ -102,7 +107,11 @@ def build_model(
     tp: TensorParallelGroup | None = None,
     host: AttentionHost | None = None,
 ) -> nn.Module:
-    """Construct the ATOM model for `hf_config` with uninitialized weights on `device`."""
+    """Construct the ATOM model for `hf_config` with uninitialized weights on `device`.
+
+    A quantized checkpoint's layers (its config's `quantization_config`) are built quantized;
+    an unsupported or malformed quantization_config is a ValueError naming it.
+    """
     cls = get_model_class(getattr(hf_config, "architectures", None))
     with contextlib.ExitStack() as stack:
         if tp is not None:
@@ -111,18 +120,34 @@ def build_model(
             stack.enter_context(attention_host(host))
         stack.enter_context(torch.device("meta"))
         model = cls(hf_config)
+        quantize_model(model, parse_quant_config(hf_config), dtype)
     return materialize(model, device, dtype).eval()
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights (N(0, 0.02), norms 1) for benchmarks of real shapes without a checkpoint."""
+    """Random weights (N(0, 0.02), norms 1) for benchmarks of real shapes without a checkpoint.
+
+    Quantized weights get values of the same size: N(0, 1) in FP8 (random bytes in MXFP4) times
+    scales of 0.02 (2^-7).
+    """
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            kind = getattr(p, "quant_kind", "weight")
             if "norm" in name:
                 p.fill_(1.0)
+            elif p.dtype == torch.float8_e4m3fn:
+                p.copy_(torch.randn(p.shape, generator=gen, device=p.device).to(p.dtype))
+            elif p.dtype == torch.uint8:  # MXFP4 blocks, e8m0 scales
+                if getattr(p, "packing", 1) == 2:
+                    p.copy_(torch.randint(0, 256, p.shape, generator=gen, device=p.device))
+                else:
+                    p.fill_(127 - 7)
+            elif kind != "weight":
+                p.fill_(0.02)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+    process_weights_after_loading(model)
 
 
 def load_model(

@@ -79,3 +79,83 @@ def transformers_gguf_model(path: str | Path):
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
     return model.eval()
+
+
+# -- quantized checkpoints, written by the tests from an unquantized one ------------------------
+
+FP8_MAX = 448.0
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int]):
+    """w [N, K] -> (float8_e4m3fn [N, K], fp32 scale_inv [ceil(N/bn), ceil(K/bk)]) with
+    w ~= q * scale_inv per block (partial edge blocks included)."""
+    bn, bk = block
+    n, k = w.shape
+    gn, gk = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(gn * bn, gk * bk)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(gn, bn, gk, bk)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(gn * bn, gk * bk)[:n, :k].contiguous(), scale.float()
+
+
+def fp8_channel_quantize(w: torch.Tensor):
+    """w [N, K] -> (float8_e4m3fn [N, K], fp32 scale [N, 1]) (compressed-tensors' layout)."""
+    scale = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_tensor_quantize(w: torch.Tensor):
+    """w -> (float8_e4m3fn, fp32 scale of shape [1])."""
+    scale = (w.float().abs().amax().clamp(min=1e-12) / FP8_MAX).reshape(1)
+    return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def mxfp4_quantize(w: torch.Tensor):
+    """w [..., K] (K a multiple of 32) -> (uint8 blocks [..., K/32, 16], uint8 e8m0 scales
+    [..., K/32]): each group of 32 scaled by a power of two so its largest value fits e2m1's 6,
+    rounded to the nearest e2m1 value, two values a byte (low nibble first)."""
+    groups = w.float().reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
+    amax = groups.abs().amax(dim=-1).clamp(min=2.0**-126)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exp)[..., None]
+    grid = torch.tensor(_E2M1)
+    index = (scaled.abs()[..., None] - grid).abs().argmin(dim=-1)
+    codes = index + 8 * (scaled < 0).long()
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return packed, (exp + 127).to(torch.uint8)
+
+
+def write_quantized_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    quantization_config: dict,
+    quantize,
+    select=lambda name, tensor: name.endswith("_proj.weight") and tensor.dim() == 2,
+) -> Path:
+    """Copy the checkpoint `src` to `dst` with `quantize(name, tensor) -> {name: tensor}` applied
+    to the tensors `select(name, tensor)` picks, and `quantization_config` in config.json."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name not in (
+            "config.json",
+            "model.safetensors.index.json",
+        ):
+            shutil.copy(f, dst / f.name)
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, tensor in load_file(f).items():
+            out.update(quantize(name, tensor) if select(name, tensor) else {name: tensor})
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    return dst

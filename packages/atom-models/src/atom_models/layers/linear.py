@@ -4,6 +4,17 @@ Each layer creates its parameters at their per-rank size and attaches a `weight_
 this rank's slice out of the full checkpoint tensor. Packed layers (QKV, gate/up) take a `shard_id`
 naming which checkpoint tensor is being loaded and record the ids they expect in
 `param.shard_ids`, so the generic loader can tell when a packed parameter is complete.
+
+How a layer computes is its `quant_method` (`atom_models.quantization`): unquantized by default;
+a quantized checkpoint swaps in a method that replaces `weight` with its quantized form and adds
+scale parameters. One loader serves them all: it knows which rows (output features) and columns
+(input features) of each checkpoint tensor belong to this rank, and a parameter's `quant_kind`
+says how its rows and columns relate to the weight's:
+
+    "weight"         the weight itself (or a packed form of it: `param.packing` columns a value)
+    "block_scale"    one value per [bn, bk] weight block (`param.block`)
+    "channel_scale"  one value per output row
+    "tensor_scale"   one value per checkpoint tensor (one per shard of a packed layer)
 """
 
 from __future__ import annotations
@@ -11,7 +22,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import atom_kernels
 from atom_models.distributed import divide, get_tp_group
 
 
@@ -22,15 +32,32 @@ def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> 
         )
 
 
-def _full_shape(param: nn.Parameter, rows: int, cols: int | None = None) -> tuple[int, ...]:
-    """The unsharded checkpoint shape of a weight ([rows, cols]) or bias ([rows])."""
-    return (rows,) if param.dim() == 1 else (rows, cols if cols is not None else param.shape[1])
-
-
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     """Copy a replicated (unsharded) tensor into `param`."""
     _check_shape(loaded, tuple(param.shape), "weight")
     param.data.copy_(loaded)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class UnquantizedLinearMethod:
+    """The weight in the activation dtype: `atom_kernels.linear`."""
+
+    def create_weights(self, layer: LinearBase) -> None:
+        pass
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        pass
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        import atom_kernels
+
+        return atom_kernels.linear(x, layer.weight, bias)
+
+
+UNQUANTIZED = UnquantizedLinearMethod()
 
 
 class LinearBase(nn.Module):
@@ -40,6 +67,8 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp = get_tp_group()
         self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
+        self.input_size, self.output_size = input_size, output_size  # this rank's
+        self.quant_method = UNQUANTIZED
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -48,16 +77,80 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args) -> None:
-        raise NotImplementedError
+    # -- geometry: which part of a checkpoint tensor this rank holds ---------------------------
+
+    def row_plan(self, shard_id) -> tuple[int, int, int, int]:
+        """(offset in this rank's rows, offset in the checkpoint tensor's rows, rows, rows of the
+        whole checkpoint tensor) for the checkpoint tensor of `shard_id`."""
+        return 0, 0, self.output_size, self.output_size
+
+    def col_plan(self) -> tuple[int, int, int]:
+        """(offset in the checkpoint tensor's columns, columns, columns of the whole tensor)."""
+        return 0, self.input_size, self.input_size
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        kind = getattr(param, "quant_kind", "weight")
+        what = "weight" if shard_id is None else f"shard {shard_id}"
+        if kind == "tensor_scale":
+            if loaded.numel() != 1:
+                raise ValueError(
+                    f"{what} scale: checkpoint tensor has shape {tuple(loaded.shape)}, expected "
+                    "one value (a per-tensor scale)"
+                )
+            ids = getattr(param, "shard_ids", [None])
+            param.data[ids.index(shard_id) if shard_id in ids else 0] = loaded.reshape(())
+            return
+        dst, src, rows, full_rows = self.row_plan(shard_id)
+        row_div, col_div = getattr(param, "block", (1, 1)) if kind == "block_scale" else (1, 1)
+        if kind == "weight" and param.dim() == 2:
+            col_div = getattr(param, "packing", 1)
+        dst, src, rows, full_rows = self._in_units(
+            (dst, src, rows, full_rows), row_div, param.shape[0], f"{what} rows"
+        )
+        if param.dim() == 1 or kind == "channel_scale":  # bias or per-channel scale
+            if kind == "channel_scale" and loaded.dim() == 2 and loaded.shape[1] == 1:
+                loaded = loaded.reshape(-1)
+            _check_shape(loaded, (full_rows,), what)
+            param.data.narrow(0, dst, rows).copy_(loaded.narrow(0, src, rows))
+            return
+        col_src, cols, full_cols = self.col_plan()
+        _, col_src, cols, full_cols = self._in_units(
+            (0, col_src, cols, full_cols), col_div, param.shape[1], f"{what} columns"
+        )
+        _check_shape(loaded, (full_rows, full_cols), what)
+        piece = loaded.narrow(0, src, rows).narrow(1, col_src, cols)
+        param.data.narrow(0, dst, rows).copy_(piece)
+
+    @staticmethod
+    def _in_units(plan: tuple[int, int, int, int], div: int, local: int, what: str):
+        """A (dst, src, count, full) plan in weight rows/columns -> in units of `div` of them
+        (weight blocks, packed values). Only a tensor's last unit may be partial."""
+        dst, src, count, full = plan
+        if div == 1:
+            return plan
+        partial = count % div != 0
+        if (
+            dst % div
+            or src % div
+            or (partial and (src + count != full or _cdiv(dst + count, div) != local))
+        ):
+            raise ValueError(
+                f"{what}: this rank's slice (rows/columns {src}..{src + count} of {full}, at "
+                f"{dst}) does not fall on the quantization blocks of {div}; the tensor-parallel "
+                "size must split the layer at block boundaries"
+            )
+        return dst // div, src // div, _cdiv(count, div), _cdiv(full, div)
+
+    # -- compute -------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return atom_kernels.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        default_weight_loader(param, loaded)
+    pass
 
 
 class ColumnParallelLinear(LinearBase):
@@ -67,10 +160,9 @@ class ColumnParallelLinear(LinearBase):
         self.total_output_size = output_size
         super().__init__(input_size, divide(output_size, get_tp_group().size), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        _check_shape(loaded, _full_shape(param, self.total_output_size), "column-parallel")
-        size = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
+    def row_plan(self, shard_id) -> tuple[int, int, int, int]:
+        size = self.output_size
+        return 0, self.tp_rank * size, size, self.total_output_size
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -83,11 +175,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if bias:
             self.bias.shard_ids = list(range(len(output_sizes)))
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def row_plan(self, shard_id) -> tuple[int, int, int, int]:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(
+                f"merged shard id must be in 0..{len(self.output_sizes) - 1}, got {shard_id!r}"
+            )
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        _check_shape(loaded, _full_shape(param, self.output_sizes[shard_id]), f"shard {shard_id}")
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+        return offset, self.tp_rank * size, size, self.output_sizes[shard_id]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -119,22 +214,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         if bias:
             self.bias.shard_ids = ["q", "k", "v"]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def row_plan(self, shard_id) -> tuple[int, int, int, int]:
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
-        total_heads = self.num_heads * self.tp_size
         total_kv_heads = self.num_kv_heads * self.tp_size // self.num_kv_head_replicas
-        rows = (total_heads if shard_id == "q" else total_kv_heads) * self.head_size
-        _check_shape(loaded, _full_shape(param, rows), f"{shard_id} projection")
         if shard_id == "q":
-            offset, size, index = 0, q_size, self.tp_rank
-        elif shard_id in ("k", "v"):
+            return 0, self.tp_rank * q_size, q_size, q_size * self.tp_size
+        if shard_id in ("k", "v"):
             offset = q_size if shard_id == "k" else q_size + kv_size
-            size, index = kv_size, self.tp_rank // self.num_kv_head_replicas
-        else:
-            raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
-        piece = loaded.narrow(0, index * size, size)
-        param.data.narrow(0, offset, size).copy_(piece)
+            index = self.tp_rank // self.num_kv_head_replicas
+            return offset, index * kv_size, kv_size, total_kv_heads * self.head_size
+        raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q_size = self.num_heads * self.head_size
@@ -151,17 +241,13 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(input_size, get_tp_group().size), output_size, bias)
         self.reduce_results = reduce_results
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if param.dim() == 1:  # the bias is not split
-            default_weight_loader(param, loaded)
-            return
-        size = param.shape[1]
-        _check_shape(loaded, (param.shape[0], size * self.tp_size), "row-parallel")
-        param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
+    def col_plan(self) -> tuple[int, int, int]:
+        size = self.input_size
+        return self.tp_rank * size, size, size * self.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction (rank 0 only, then summed).
-        y = atom_kernels.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1 and self.reduce_results:
             y = self.tp.all_reduce(y)
         return y

@@ -31,6 +31,22 @@ from atom_models.distributed import divide, get_tp_group
 ShardId = tuple[int, str]  # (global expert id, "w1" | "w3" | "w2")
 
 
+class UnquantizedMoEMethod:
+    """Experts in the activation dtype."""
+
+    def create_weights(self, layer: FusedMoE) -> None:
+        pass
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        pass
+
+    def kernel_args(self, layer: FusedMoE) -> dict:
+        return {}
+
+
+UNQUANTIZED_MOE = UnquantizedMoEMethod()
+
+
 def fused_moe_mapping(
     num_experts: int,
     *,
@@ -53,12 +69,19 @@ def fused_moe_mapping(
             ("gate_up_proj_bias", "w13_bias"),
             ("down_proj", "w2_weight"),
             ("down_proj_bias", "w2_bias"),
+            # MXFP4 (GPT-OSS): e2m1 blocks and their e8m0 scales
+            ("gate_up_proj_blocks", "w13_weight"),
+            ("gate_up_proj_scales", "w13_weight_scale"),
+            ("down_proj_blocks", "w2_weight"),
+            ("down_proj_scales", "w2_weight_scale"),
         )
     }
     for expert in range(num_experts):
         for name, param, shard in ((gate, "w13", "w1"), (up, "w13", "w3"), (down, "w2", "w2")):
-            key = f"{checkpoint_prefix}.{expert}.{name}.weight"
-            mapping[key] = (f"{param_prefix}.{param}_weight", (expert, shard))
+            # the weight, and the scales of a quantized checkpoint
+            for suffix in ("weight", "weight_scale_inv", "weight_scale", "input_scale"):
+                key = f"{checkpoint_prefix}.{expert}.{name}.{suffix}"
+                mapping[key] = (f"{param_prefix}.{param}_{suffix}", (expert, shard))
     return mapping
 
 
@@ -86,6 +109,11 @@ class FusedMoE(nn.Module):
             raise ValueError(f"FusedMoE: activation {activation!r} is not one of {ACTIVATIONS}")
         self.tp = get_tp_group()
         self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
+        if getattr(self.tp, "enable_expert_parallel", False) and self.tp.size > 1:
+            # Expert parallelism over the host's tensor-parallel ranks: each holds whole experts
+            # (the intermediate dim is not split) and the same all-reduce sums their outputs.
+            ep_rank, ep_size = self.tp.rank, self.tp.size
+            self.tp_rank, self.tp_size = 0, 1
         self.ep_rank, self.ep_size = ep_rank, ep_size
         self.total_num_experts = num_experts
         self.num_experts = divide(num_experts, ep_size, "number of experts")  # this rank's
@@ -98,6 +126,7 @@ class FusedMoE(nn.Module):
         self.checkpoint_transposed = checkpoint_transposed
         self.checkpoint_interleaved = checkpoint_interleaved
         self.reduce_results = reduce_results
+        self.quant_method = UNQUANTIZED_MOE
 
         experts = range(self.expert_start, self.expert_start + self.num_experts)
         w13_shards = [(e, s) for e in experts for s in ("w1", "w3")]
@@ -123,18 +152,40 @@ class FusedMoE(nn.Module):
         return param
 
     # -- loading -------------------------------------------------------------------------------
+    #
+    # A parameter's rows and columns may be units of several weight rows and columns: a block
+    # scale (`param.block` = [bn, bk]) or a packed weight (`param.packing` values per column).
+    # `quant_kind` "tensor_scale" holds one value per checkpoint tensor ([E, 2] for w13: gate,
+    # up; [E, 1] for w2).
 
     def _local(self, expert: int) -> int | None:
         local = expert - self.expert_start
         return local if 0 <= local < self.num_experts else None
 
-    def _tp_slice(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return t.narrow(dim, self.tp_rank * self.intermediate_size, self.intermediate_size)
+    @staticmethod
+    def _units(param: nn.Parameter) -> tuple[int, int]:
+        if getattr(param, "quant_kind", "weight") == "block_scale":
+            return param.block
+        return 1, getattr(param, "packing", 1)
+
+    def _tp_slice(self, t: torch.Tensor, dim: int, div: int = 1, what: str = "") -> torch.Tensor:
+        """This rank's part of the intermediate dim `dim` of `t`, in units of `div` values."""
+        size = self.intermediate_size
+        if div > 1 and (size % div and self.tp_size > 1):
+            raise ValueError(
+                f"{what}: the expert intermediate size per rank ({size}) is not a multiple of "
+                f"the quantization unit {div}; use a tensor-parallel size that splits it on units"
+            )
+        return t.narrow(dim, self.tp_rank * size // div, -(-size // div))
 
     def _stacked(self, param: nn.Parameter, loaded: torch.Tensor, full: tuple[int, ...]):
         """A 3-D weight (or 2-D bias) of every expert, `full` = [E, out, in] -> this rank's
         experts, [E_local, out, in]."""
-        transposed = param.dim() == 3 and self.checkpoint_transposed
+        if loaded.dim() == 4 and param.dim() == 3:  # MXFP4 blocks [E, out, in / 32, 16]
+            loaded = loaded.flatten(2)
+        transposed = param.dim() == 3 and getattr(
+            param, "checkpoint_transposed", self.checkpoint_transposed
+        )
         expected = (full[0], full[2], full[1]) if transposed else full
         if tuple(loaded.shape) != expected:
             layout = " ([E, in, out], transposed)" if transposed else ""
@@ -146,23 +197,59 @@ class FusedMoE(nn.Module):
             loaded = loaded.transpose(1, 2)
         return loaded.narrow(0, self.expert_start, self.num_experts)
 
+    def _full(self, param: nn.Parameter, rows: int, cols: int) -> tuple[int, ...]:
+        """The checkpoint shape of one expert's tensor of `rows` x `cols` weight values."""
+        row_div, col_div = self._units(param)
+        return (-(-rows // row_div), -(-cols // col_div))[: param.dim() - 1]
+
+    def _tensor_scale(self, param, loaded, shard_id, index: int) -> set[ShardId]:
+        if shard_id is None or loaded.numel() != 1:
+            raise ValueError(
+                f"per-tensor expert scale: expected one value per expert tensor, got shape "
+                f"{tuple(loaded.shape)}"
+            )
+        local = self._local(shard_id[0])
+        if local is not None:
+            param.data[local, index] = loaded.reshape(())
+        return {shard_id} if local is not None else set()
+
     def w13_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None = None
     ) -> set[ShardId]:
-        full_rows = 2 * self.total_intermediate_size
+        row_div, _ = self._units(param)
+        if getattr(param, "quant_kind", "weight") == "tensor_scale":
+            return self._tensor_scale(param, loaded, shard_id, 0 if shard_id[1] == "w1" else 1)
         if shard_id is None:  # every expert's gate and up at once
-            full = (self.total_num_experts, full_rows, self.hidden_size)[: param.dim()]
+            full = (
+                self.total_num_experts,
+                *self._full(param, 2 * self.total_intermediate_size, self.hidden_size),
+            )
             loaded = self._stacked(param, loaded, full)
             if self.checkpoint_interleaved:
+                if row_div != 1:
+                    raise ValueError("interleaved gate/up rows cannot carry block scales")
                 gate, up = loaded[:, 0::2], loaded[:, 1::2]
             else:
+                if self.total_intermediate_size % row_div:
+                    raise ValueError(
+                        f"stacked experts: intermediate size {self.total_intermediate_size} is "
+                        f"not a multiple of the weight block {row_div}"
+                    )
                 gate, up = loaded.chunk(2, dim=1)
-            param.data.copy_(torch.cat((self._tp_slice(gate, 1), self._tp_slice(up, 1)), dim=1))
+            what = "experts' gate/up"
+            param.data.copy_(
+                torch.cat(
+                    (self._tp_slice(gate, 1, row_div, what), self._tp_slice(up, 1, row_div, what)),
+                    dim=1,
+                )
+            )
             return set(param.shard_ids)
         expert, which = shard_id
         if which not in ("w1", "w3"):
             raise ValueError(f"w13 shard id must be (expert, 'w1' | 'w3'), got {shard_id!r}")
-        expected = (self.total_intermediate_size, self.hidden_size)[: param.dim() - 1]
+        expected = self._full(param, self.total_intermediate_size, self.hidden_size)
+        if getattr(param, "quant_kind", "weight") == "channel_scale" and loaded.dim() == 2:
+            loaded = loaded.reshape(-1)
         if tuple(loaded.shape) != expected:
             raise ValueError(
                 f"expert {expert} {which}: checkpoint tensor has shape {tuple(loaded.shape)}, "
@@ -171,23 +258,43 @@ class FusedMoE(nn.Module):
         local = self._local(expert)
         if local is None:
             return set()  # another expert-parallel rank's expert
-        offset = 0 if which == "w1" else self.intermediate_size
-        param.data[local].narrow(0, offset, self.intermediate_size).copy_(self._tp_slice(loaded, 0))
+        if row_div > 1 and self.total_intermediate_size % row_div:
+            raise ValueError(
+                f"expert {expert} {which}: intermediate size {self.total_intermediate_size} is "
+                f"not a multiple of the weight block {row_div}, so gate and up cannot share "
+                "one block grid"
+            )
+        rows = -(-self.intermediate_size // row_div)
+        offset = 0 if which == "w1" else rows
+        piece = self._tp_slice(loaded, 0, row_div, f"expert {expert} {which}")
+        param.data[local].narrow(0, offset, rows).copy_(piece)
         return {shard_id}
 
     def w2_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None = None
     ) -> set[ShardId]:
-        is_bias = param.dim() == 2  # [E, H], not split: added once, by tp rank 0
+        kind = getattr(param, "quant_kind", "weight")
+        if kind == "tensor_scale":
+            return self._tensor_scale(param, loaded, shard_id, 0)
+        _, col_div = self._units(param)
+        # A bias [E, H] or per-row scale [E, H] is not split (the bias is added by rank 0 only).
+        rows_only = param.dim() == 2
         if shard_id is None:
-            full = (self.total_num_experts, self.hidden_size, self.total_intermediate_size)
-            loaded = self._stacked(param, loaded, full[: param.dim()])
-            param.data.copy_(loaded if is_bias else self._tp_slice(loaded, 2))
+            full = (
+                self.total_num_experts,
+                *self._full(param, self.hidden_size, self.total_intermediate_size),
+            )
+            loaded = self._stacked(param, loaded, full)
+            param.data.copy_(
+                loaded if rows_only else self._tp_slice(loaded, 2, col_div, "experts' down")
+            )
             return set(param.shard_ids)
         expert, which = shard_id
         if which != "w2":
             raise ValueError(f"w2 shard id must be (expert, 'w2'), got {shard_id!r}")
-        expected = (self.hidden_size, self.total_intermediate_size)[: param.dim() - 1]
+        expected = self._full(param, self.hidden_size, self.total_intermediate_size)
+        if kind == "channel_scale" and loaded.dim() == 2:
+            loaded = loaded.reshape(-1)
         if tuple(loaded.shape) != expected:
             raise ValueError(
                 f"expert {expert} w2: checkpoint tensor has shape {tuple(loaded.shape)}, "
@@ -196,7 +303,8 @@ class FusedMoE(nn.Module):
         local = self._local(expert)
         if local is None:
             return set()
-        param.data[local].copy_(loaded if is_bias else self._tp_slice(loaded, 1))
+        piece = loaded if rows_only else self._tp_slice(loaded, 1, col_div, f"expert {expert} w2")
+        param.data[local].copy_(piece)
         return {shard_id}
 
     # -- compute -------------------------------------------------------------------------------
@@ -221,7 +329,10 @@ class FusedMoE(nn.Module):
             w2_bias=self.w2_bias if self.tp_rank == 0 else None,
             swiglu_alpha=self.swiglu_alpha,
             swiglu_limit=self.swiglu_limit,
+            **self.quant_method.kernel_args(self),
         )
-        if self.reduce_results and self.tp_size > 1:
+        # NOTE: with expert parallelism an all-to-all dispatch of the tokens to their experts'
+        # ranks would replace this all-reduce (a later optimisation; this is its seam).
+        if self.reduce_results and self.tp.size > 1:
             out = self.tp.all_reduce(out)
         return out

@@ -5,6 +5,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from atom_models.quantization import process_weights_after_loading
 from atom_models.weights import load_weights
 
 
@@ -23,4 +24,6 @@ class CausalLMBase(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint tensors by name; returns the parameter names that were loaded."""
-        return load_weights(self, weights)
+        loaded = load_weights(self, weights)
+        process_weights_after_loading(self)
+        return loaded

@@ -105,17 +105,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
     model_cls = GptOssModel
 
     def __init__(self, config) -> None:
-        quant = getattr(config, "quantization_config", None) or {}
-        method = (
-            quant.get("quant_method")
-            if isinstance(quant, dict)
-            else getattr(quant, "quant_method", None)
-        )
-        if method is not None:
-            raise ValueError(
-                f"GptOssForCausalLM: {method!r}-quantized checkpoints are not supported yet; "
-                "use a bf16 checkpoint (experts stored as gate_up_proj / down_proj tensors)"
-            )
         super().__init__(config)
         self.packed_modules_mapping = {
             **fused_moe_mapping(config.num_local_experts),
