@@ -262,20 +262,23 @@ def paged_attention(
     mutates_args=(),
     schema="(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
     "str activation, Tensor? w13_bias, Tensor? w2_bias, bool gate_up_interleaved, "
-    "float swiglu_alpha, float swiglu_limit) -> Tensor",
+    "float swiglu_alpha, float swiglu_limit, str? quant=None, Tensor? w13_scale=None, "
+    "Tensor? w2_scale=None, int[]? block_size=None) -> Tensor",
 )
 def fused_moe(
     hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
-    gate_up_interleaved, swiglu_alpha, swiglu_limit,
+    gate_up_interleaved, swiglu_alpha, swiglu_limit, quant=None, w13_scale=None,
+    w2_scale=None, block_size=None,
 ):  # fmt: skip
     return moe.fused_moe(
         hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
-        gate_up_interleaved, swiglu_alpha, swiglu_limit,
+        gate_up_interleaved, swiglu_alpha, swiglu_limit, quant=quant, w13_scale=w13_scale,
+        w2_scale=w2_scale, block_size=None if block_size is None else tuple(block_size),
     )  # fmt: skip
 
 
 @fused_moe.register_fake
-def _(hidden_states, *rest):
+def _(hidden_states, *rest, **quant):
     return _new_like(hidden_states)
 
 

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_sms
+from atom_kernels.backends.triton.quant import e2m1_to_f32, e8m0_to_f32
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -52,6 +53,9 @@ except ImportError:  # pragma: no cover - older triton: the pointer loads only
     TensorDescriptor = None
 
 _ACTIVATIONS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}
+# Quantized experts: the kernels' QUANT constexpr (fp8_block and fp8_channel share the FP8 path:
+# a per-channel scale is a block scale with 1-row blocks and a K stride of 0).
+_QUANT = {None: 0, "fp8_block": 1, "fp8_channel": 1, "mxfp4": 2}
 # Up to this many pairs the align step is one single-program Triton kernel (one launch: decode);
 # above it, a stable radix sort and one kernel (``_align_sort``), a few launches, noise next to
 # the GEMMs. A config's "align" key overrides ("kernel", "sort", "hist": per-chunk histograms
@@ -311,14 +315,42 @@ def _block_expert(
 
 
 @triton.jit
+def _weight_tile(
+    w_ptr, s_ptr, expert, rows, ks, mask,
+    stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_n, group_k,
+    QUANT: tl.constexpr,
+):  # fmt: skip
+    """A [K, N] float32 tile of ``expert``'s quantized weight: rows ``rows`` [N] (output features)
+    at inputs ``ks`` [K], dequantized as the torch reference does (value times scale in float32).
+
+    QUANT 1 (FP8): scale[row // group_n, k // group_k] (per channel: group_n 1, stride_sk 0).
+    QUANT 2 (MXFP4): the weight packed two e2m1 codes a byte along K (low nibble first),
+    scale[row, k // 32] an e8m0 exponent (group_n 1, group_k 32)."""
+    e = expert.to(tl.int64)
+    w_rows = w_ptr + e * stride_we + rows[None, :].to(tl.int64) * stride_wn
+    s_ptrs = (
+        s_ptr + e * stride_se + (rows[None, :] // group_n).to(tl.int64) * stride_sn
+        + (ks[:, None] // group_k) * stride_sk
+    )  # fmt: skip
+    if QUANT == 2:
+        packed = tl.load(w_rows + (ks[:, None] // 2) * stride_wk, mask=mask, other=0)
+        codes = (packed.to(tl.int32) >> ((ks[:, None] % 2) * 4)) & 0xF
+        return e2m1_to_f32(codes) * e8m0_to_f32(tl.load(s_ptrs, mask=mask, other=127))
+    w = tl.load(w_rows + ks[:, None] * stride_wk, mask=mask, other=0.0).to(tl.float32)
+    return w * tl.load(s_ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _gemm1_tile(
     x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, sorted_ptr, topk_weights_ptr,
     expert, row0, first, count, pid_n,
     hidden_size, inter_size, top_k,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_be, stride_bn, stride_om,
     stride_tw, alpha, limit,
+    s_ptr, stride_se, stride_sn, stride_sk, group_n, group_k,
     ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr, PER_PAIR: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+    QUANT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] output tile of GEMM 1: rows ``row0`` on (sorted: ``first`` of the
@@ -327,7 +359,8 @@ def _gemm1_tile(
     TMA: the weight tiles come through ``w_desc`` (a descriptor over W13 as [E * 2I, H], blocks
     [BLOCK_N, BLOCK_K], gate and up halves not interleaved): a column tile past I reads the up
     half or the next expert (finite, never stored), past the last expert TMA fills zeros. WS asks
-    Triton to warp-specialize the loop (loads and MMAs in separate warps)."""
+    Triton to warp-specialize the loop (loads and MMAs in separate warps). QUANT > 0: the weight
+    tiles are dequantized in the loop (``_weight_tile``; no TMA)."""
     offs_m = tl.arange(0, BLOCK_M)
     if PER_PAIR:
         row_valid = offs_m == 0
@@ -365,8 +398,19 @@ def _gemm1_tile(
         for k0 in range(0, hidden_size, BLOCK_K):
             k_valid = k0 + offs_k < hidden_size
             x = tl.load(x_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            wg = tl.load(wg_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+            w_mask = k_valid[:, None] & col_valid[None, :]
+            if QUANT == 0:
+                wg = tl.load(wg_ptrs, mask=w_mask, other=0.0)
+                wu = tl.load(wu_ptrs, mask=w_mask, other=0.0)
+            else:
+                wg = _weight_tile(
+                    w_ptr, s_ptr, expert, gate_rows, k0 + offs_k, w_mask, stride_we, stride_wn,
+                    stride_wh, stride_se, stride_sn, stride_sk, group_n, group_k, QUANT,
+                ).to(x.dtype)  # fmt: skip
+                wu = _weight_tile(
+                    w_ptr, s_ptr, expert, up_rows, k0 + offs_k, w_mask, stride_we, stride_wn,
+                    stride_wh, stride_se, stride_sn, stride_sk, group_n, group_k, QUANT,
+                ).to(x.dtype)  # fmt: skip
             acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
             x_ptrs += BLOCK_K * stride_xh
@@ -427,6 +471,12 @@ def _gemm1_kernel(
     stride_tw,
     alpha,
     limit,
+    s_ptr,  # weight scales (QUANT > 0; see _weight_tile) or dummy
+    stride_se,
+    stride_sn,
+    stride_sk,
+    group_n,
+    group_k,
     ACTIVATION: tl.constexpr,  # 0 silu, 1 gelu (erf), 2 swiglu_oai
     INTERLEAVED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -434,6 +484,7 @@ def _gemm1_kernel(
     PER_PAIR: tl.constexpr,
     TMA: tl.constexpr,
     WS: tl.constexpr,
+    QUANT: tl.constexpr,  # 0 none, 1 FP8, 2 MXFP4
     BLOCK_M: tl.constexpr,
     REMAINDER_M: tl.constexpr,  # 0, or the rows of an expert's last tile when they fit it
     BLOCK_N: tl.constexpr,
@@ -455,16 +506,16 @@ def _gemm1_kernel(
         x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, sorted_ptr, topk_weights_ptr,
         expert, row0, first, count, pid_n, hidden_size, inter_size, top_k,
         stride_xt, stride_xh, stride_we, stride_wn, stride_wh, stride_be, stride_bn, stride_om,
-        stride_tw, alpha, limit,
+        stride_tw, alpha, limit, s_ptr, stride_se, stride_sn, stride_sk, group_n, group_k,
     )  # fmt: skip
     # An expert's last block with at most REMAINDER_M pairs left runs a REMAINDER_M-row tile
     # (Triton compiles both branches); its padding rows past REMAINDER_M are never touched.
     if REMAINDER_M > 0 and count - first <= REMAINDER_M:
         _gemm1_tile(*args, ACTIVATION, INTERLEAVED, HAS_BIAS, PRECISION, PER_PAIR, TMA, WS,
-                    REMAINDER_M, BLOCK_N, BLOCK_K)  # fmt: skip
+                    QUANT, REMAINDER_M, BLOCK_N, BLOCK_K)  # fmt: skip
     else:
         _gemm1_tile(*args, ACTIVATION, INTERLEAVED, HAS_BIAS, PRECISION, PER_PAIR, TMA, WS,
-                    BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+                    QUANT, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 @triton.jit
@@ -472,8 +523,9 @@ def _gemm2_tile(
     a_ptr, w_ptr, w_desc, bias_ptr, topk_weights_ptr, out_ptr, sorted_ptr,
     expert, row0, first, count, pid_n, hidden_size, inter_size, top_k,
     stride_am, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_tw, stride_om,
+    s_ptr, stride_se, stride_sn, stride_sk, group_n, group_k,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, ATOMIC: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_N] tile of GEMM 2 over the padded rows ``row0`` on, weighted by each
@@ -505,7 +557,14 @@ def _gemm2_tile(
         for k0 in range(0, inter_size, BLOCK_K):
             k_valid = k0 + offs_k < inter_size
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+            w_mask = k_valid[:, None] & col_valid[None, :]
+            if QUANT == 0:
+                w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            else:
+                w = _weight_tile(
+                    w_ptr, s_ptr, expert, cols, k0 + offs_k, w_mask, stride_we, stride_wn,
+                    stride_wk, stride_se, stride_sn, stride_sk, group_n, group_k, QUANT,
+                ).to(a.dtype)  # fmt: skip
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
@@ -549,11 +608,18 @@ def _gemm2_kernel(
     stride_bn,
     stride_tw,
     stride_om,
+    s_ptr,  # weight scales (QUANT > 0; see _weight_tile) or dummy
+    stride_se,
+    stride_sn,
+    stride_sk,
+    group_n,
+    group_k,
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     ATOMIC: tl.constexpr,
     TMA: tl.constexpr,
     WS: tl.constexpr,
+    QUANT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     REMAINDER_M: tl.constexpr,  # as GEMM 1's (both walk the same tiles)
     BLOCK_N: tl.constexpr,
@@ -568,11 +634,13 @@ def _gemm2_kernel(
         a_ptr, w_ptr, w_desc, bias_ptr, topk_weights_ptr, out_ptr, sorted_ptr,
         expert, pid_m * BLOCK_M, first, count, pid_n, hidden_size, inter_size, top_k,
         stride_am, stride_we, stride_wn, stride_wk, stride_be, stride_bn, stride_tw, stride_om,
+        s_ptr, stride_se, stride_sn, stride_sk, group_n, group_k,
     )  # fmt: skip
     if REMAINDER_M > 0 and count - first <= REMAINDER_M:
-        _gemm2_tile(*args, HAS_BIAS, PRECISION, ATOMIC, TMA, WS, REMAINDER_M, BLOCK_N, BLOCK_K)
+        _gemm2_tile(*args, HAS_BIAS, PRECISION, ATOMIC, TMA, WS, QUANT, REMAINDER_M, BLOCK_N,
+                    BLOCK_K)  # fmt: skip
     else:
-        _gemm2_tile(*args, HAS_BIAS, PRECISION, ATOMIC, TMA, WS, BLOCK_M, BLOCK_N, BLOCK_K)
+        _gemm2_tile(*args, HAS_BIAS, PRECISION, ATOMIC, TMA, WS, QUANT, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -594,8 +662,15 @@ def _gemm2_token_kernel(
     stride_bn,
     stride_tw,
     stride_ot,
+    s_ptr,  # weight scales (QUANT > 0; see _weight_tile) or dummy
+    stride_se,
+    stride_sn,
+    stride_sk,
+    group_n,
+    group_k,
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -618,13 +693,20 @@ def _gemm2_token_kernel(
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         a_ptrs = a_ptr + pair * stride_am + ks[None, :] + offs_m[:, None] * 0
         a = tl.load(a_ptrs, mask=(offs_m[:, None] == 0) & k_valid[None, :], other=0.0)
-        w_ptrs = (
-            w_ptr
-            + expert * stride_we
-            + ks[:, None] * stride_wk
-            + cols[None, :].to(tl.int64) * stride_wn
-        )  # [K, N]
-        w = tl.load(w_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+        w_mask = k_valid[:, None] & col_valid[None, :]
+        if QUANT == 0:
+            w_ptrs = (
+                w_ptr
+                + expert * stride_we
+                + ks[:, None] * stride_wk
+                + cols[None, :].to(tl.int64) * stride_wn
+            )  # [K, N]
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        else:
+            w = _weight_tile(
+                w_ptr, s_ptr, expert, cols, ks, w_mask, stride_we, stride_wn, stride_wk,
+                stride_se, stride_sn, stride_sk, group_n, group_k, QUANT,
+            ).to(a.dtype)  # fmt: skip
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     if HAS_BIAS:  # sum_k w_k * b2[e_k]
         for slot in range(0, top_k):
@@ -656,9 +738,16 @@ def _gemm2_pair_kernel(
     stride_bn,
     stride_tw,
     stride_om,
+    s_ptr,  # weight scales (QUANT > 0; see _weight_tile) or dummy
+    stride_se,
+    stride_sn,
+    stride_sk,
+    group_n,
+    group_k,
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     ATOMIC: tl.constexpr,
+    QUANT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -681,7 +770,14 @@ def _gemm2_pair_kernel(
     for k0 in range(0, inter_size, BLOCK_K):
         k_valid = k0 + offs_k < inter_size
         a = tl.load(a_ptrs, mask=(offs_m[:, None] == 0) & k_valid[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+        w_mask = k_valid[:, None] & col_valid[None, :]
+        if QUANT == 0:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        else:
+            w = _weight_tile(
+                w_ptr, s_ptr, expert, cols, k0 + offs_k, w_mask, stride_we, stride_wn, stride_wk,
+                stride_se, stride_sn, stride_sk, group_n, group_k, QUANT,
+            ).to(a.dtype)  # fmt: skip
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
@@ -831,6 +927,23 @@ def _weight_descriptors(config: dict, w13: torch.Tensor, w2: torch.Tensor, inter
     )
 
 
+def _scale_args(
+    quant: str | None,
+    scale: torch.Tensor | None,
+    block_size: tuple[int, int] | None,
+    weight: torch.Tensor,
+) -> tuple:
+    """A weight's scale as kernel arguments (pointer, strides over expert / row / K group,
+    group_n, group_k; see ``_weight_tile``); the weight itself and zeros when not quantized."""
+    if quant is None:
+        return (weight, 0, 0, 0, 1, 1)
+    if quant == "fp8_block":
+        return (scale, *scale.stride(), *block_size)
+    if quant == "fp8_channel":  # [E, N]: 1-row blocks, one K group
+        return (scale, scale.stride(0), scale.stride(1), 0, 1, 1)
+    return (scale, *scale.stride(), 1, 32)  # mxfp4: [E, N, K / 32]
+
+
 def _split_group(cfg: dict, num_row_blocks: int) -> tuple[dict, int]:
     """(launch config, group_m): GROUP_M travels as a runtime argument (no recompile per value);
     without one, all row blocks form one group (column tile by column tile)."""
@@ -853,9 +966,15 @@ def fused_moe(
     swiglu_limit: float,
     align_kernel_max_pairs: int = ALIGN_KERNEL_MAX_PAIRS,
     config: dict | None = None,
+    *,
+    quant: str | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block_size: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """See ``atom_kernels.fused_moe``. hidden_states [T, H] -> [T, H] in its dtype. ``config``
-    overrides ``_configs`` (tuning, tests)."""
+    overrides ``_configs`` (tuning, tests). Quantized experts (``quant``) are dequantized tile by
+    tile in the GEMMs' K loops (weight-only: the activations stay in hidden_states' dtype)."""
     num_tokens, hidden_size = hidden_states.shape
     top_k = topk_ids.shape[1]
     num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
@@ -884,7 +1003,9 @@ def fused_moe(
         raise ValueError(f"combine={combine!r}: expected one of {COMBINE_MODES} ('token' needs "
                          "the per-pair path)")  # fmt: skip
     remainder_m = 0 if per_pair else config.get("remainder_m", 0)
-    descriptors = _weight_descriptors(config, w13, w2, gate_up_interleaved)
+    s13_args = _scale_args(quant, w13_scale, block_size, w13)
+    s2_args = _scale_args(quant, w2_scale, block_size, w2)
+    descriptors = None if quant else _weight_descriptors(config, w13, w2, gate_up_interleaved)
     tma = descriptors is not None
     w13_desc, w2_desc = descriptors if tma else (w13, w2)
     # NOTE: Triton 3.6's warp specialization fails to compile ("PassManager::run failed") on
@@ -936,10 +1057,11 @@ def fused_moe(
         num_row_blocks, group1, num_experts, hidden_size, inter_size, top_k,
         hidden_states.stride(0), hidden_states.stride(1),
         w13.stride(0), w13.stride(1), w13.stride(2), *bias13_strides, activated.stride(0),
-        weights.stride(0), float(swiglu_alpha), float(swiglu_limit),
+        weights.stride(0), float(swiglu_alpha), float(swiglu_limit), *s13_args,
         ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=bool(gate_up_interleaved),
         HAS_BIAS=w13_bias is not None, PRECISION=precision, PER_PAIR=per_pair, TMA=tma,
-        WS=warp_specialize, REMAINDER_M=remainder_m, BLOCK_E=block_e, **gemm1,
+        WS=warp_specialize, QUANT=_QUANT[quant], REMAINDER_M=remainder_m, BLOCK_E=block_e,
+        **gemm1,
     )  # fmt: skip
 
     out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)  # [T, H]
@@ -949,8 +1071,8 @@ def fused_moe(
         _gemm2_token_kernel[(num_tokens, triton.cdiv(hidden_size, gemm2["BLOCK_N"]))](
             activated, w2, b2, ids, weights, out, hidden_size, inter_size, top_k,
             activated.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *bias2_strides,
-            weights.stride(0), out.stride(0),
-            HAS_BIAS=w2_bias is not None, PRECISION=precision, **gemm2,
+            weights.stride(0), out.stride(0), *s2_args,
+            HAS_BIAS=w2_bias is not None, PRECISION=precision, QUANT=_QUANT[quant], **gemm2,
         )  # fmt: skip
         return out
     if per_pair:
@@ -962,9 +1084,9 @@ def fused_moe(
         _gemm2_pair_kernel[(num_pairs, triton.cdiv(hidden_size, gemm2["BLOCK_N"]))](
             activated, w2, b2, ids, weights, dest, hidden_size, inter_size, top_k,
             activated.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *bias2_strides,
-            weights.stride(0), dest.stride(0),
+            weights.stride(0), dest.stride(0), *s2_args,
             HAS_BIAS=w2_bias is not None, PRECISION=precision, ATOMIC=combine == "atomic",
-            **gemm2,
+            QUANT=_QUANT[quant], **gemm2,
         )  # fmt: skip
         if combine == "atomic":
             return out.copy_(summed)
@@ -988,9 +1110,10 @@ def fused_moe(
         activated, w2, w2_desc, b2, weights, dest, sorted_ids, counts, ends,
         num_row_blocks, group2, num_experts, hidden_size, inter_size, top_k,
         activated.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *bias2_strides,
-        weights.stride(0), dest.stride(0),
+        weights.stride(0), dest.stride(0), *s2_args,
         HAS_BIAS=w2_bias is not None, PRECISION=precision, ATOMIC=atomic, TMA=tma,
-        WS=warp_specialize, REMAINDER_M=remainder_m, BLOCK_E=block_e, **gemm2,
+        WS=warp_specialize, QUANT=_QUANT[quant], REMAINDER_M=remainder_m, BLOCK_E=block_e,
+        **gemm2,
     )  # fmt: skip
     if atomic:
         return out.copy_(summed)

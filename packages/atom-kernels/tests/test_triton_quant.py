@@ -1,0 +1,300 @@
+"""Triton quantized ops against the torch reference: activation quantization and dequantization
+bit for bit; the w8a8 GEMMs against a reference that quantizes activations the same way (tight)
+and against the dequantized model (loose); fused_moe with FP8 / MXFP4 experts (weights dequantized
+in the K loop) against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom_kernels.backends.torch import moe as moe_reference
+from atom_kernels.backends.torch import quant as reference
+from atom_kernels.testing import (
+    assert_close,
+    assert_equal,
+    quantize_fp8_block,
+    quantize_fp8_channel,
+    quantize_mxfp4,
+    strided_copy,
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (atol, rtol) of the w8a8 GEMMs against the same quantized operands multiplied in float64: both
+# accumulate exact products in float32 (in another order); the output is rounded to its dtype.
+W8A8_TOLERANCES = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+# (atol, rtol) against the dequantized model (x unquantized): the activations' fp8 rounding (3
+# mantissa bits: up to 2^-4 relative per element) moves unit-variance outputs by ~0.03 (std);
+# the largest error measured (the emulated w8a8 in float64 against the dequantized model, x and
+# outputs ~N(0, 1), K = 80..4096, 128x128 and smaller blocks, 5 seeds) was 0.115.
+DEQUANT_TOLERANCES = (0.15, 0.05)
+
+
+@pytest.fixture(scope="module")
+def quant(triton_backend):
+    from atom_kernels.backends.triton import quant, quant_custom_ops
+
+    return quant, quant_custom_ops
+
+
+def _randn(*shape, seed, device, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device)
+
+
+# --- activation quantization and dequantization: bit for bit -----------------------------------
+
+
+@pytest.mark.parametrize(("rows", "k", "group_size"), [(3, 256, 128), (5, 100, 32), (2, 7, 16)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_token_group_quant_fp8(triton_backend, quant, rows, k, group_size, dtype):
+    device = triton_backend.device
+    x = _randn(rows, k, seed=k, device=device, scale=3.0).to(dtype)
+    x[0, :group_size] = 0  # an all-zero group
+    x_q, x_s = quant[1].per_token_group_quant_fp8(x, group_size)
+    q_ref, s_ref = reference.per_token_group_quant_fp8(x, group_size)
+    assert x_q.dtype == torch.float8_e4m3fn and x_s.shape == s_ref.shape
+    assert_equal(x_s, s_ref, name="x_s")
+    assert_equal(x_q.float(), q_ref.float(), name="x_q")
+    # a strided x (every other column of a wider buffer)
+    x_q, x_s = quant[0].per_token_group_quant_fp8(strided_copy(x), group_size)
+    assert_equal(x_q.float(), q_ref.float(), name="x_q (strided x)")
+
+
+def test_static_quant_fp8(triton_backend, quant):
+    x = _randn(4, 50, seed=1, device=triton_backend.device, scale=10.0)
+    scale = torch.tensor(0.02, device=x.device)  # saturates: |x| / 0.02 > 448 for |x| > 8.96
+    expected = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert_equal(quant[0].static_quant_fp8(x, scale).float(), expected.float())
+
+
+@pytest.mark.parametrize(("shape", "block"), [((72, 80), (32, 64)), ((2, 40, 48), (16, 16))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_fp8_block(triton_backend, quant, shape, block, dtype):
+    w, s = quantize_fp8_block(_randn(*shape, seed=2, device=triton_backend.device), block)
+    s = s * torch.rand(s.shape, generator=torch.Generator().manual_seed(3)).to(s.device)
+    out = quant[1].dequantize_fp8_block(w, s, list(block), dtype)
+    assert_equal(out, reference.dequantize_fp8_block(w, s, block, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantize_mxfp4(triton_backend, quant, dtype):
+    g = torch.Generator().manual_seed(4)
+    blocks = torch.randint(0, 256, (2, 5, 3, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(115, 135, (2, 5, 3), dtype=torch.uint8, generator=g)
+    blocks, scales = blocks.to(triton_backend.device), scales.to(triton_backend.device)
+    out = quant[1].dequantize_mxfp4(blocks, scales, dtype)
+    assert out.shape == (2, 5, 96)
+    assert_equal(out, reference.dequantize_mxfp4(blocks, scales, dtype))
+
+
+# --- the w8a8 GEMMs ------------------------------------------------------------------------------
+
+
+def _w8a8_expected(x_q, x_s, group_k, w, w_scale_full, bias, dtype):
+    """x_q * its group scales times the dequantized weight, in float64, cast to dtype."""
+    k = x_q.shape[-1]
+    x_deq = x_q.double() * x_s.double().repeat_interleave(group_k, dim=-1)[:, :k]
+    out = x_deq @ (w.double() * w_scale_full.double()).T
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(dtype)
+
+
+# (M, N, K, block): partial blocks in N and K; K tiles of 32 inside 64- and 128-wide groups
+LINEAR_CASES = [(5, 72, 80, (32, 64)), (1, 48, 96, (16, 32)), (17, 40, 200, (32, 128))]
+
+
+@pytest.mark.parametrize(("rows", "n", "k", "block"), LINEAR_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_block_linear(triton_backend, quant, rows, n, k, block, dtype):
+    device = triton_backend.device
+    w_float = _randn(n, k, seed=n + k, device=device, scale=k**-0.5)
+    w, s = quantize_fp8_block(w_float, block)
+    x = _randn(rows, k, seed=rows, device=device).to(dtype)
+    bias = _randn(n, seed=9, device=device).to(dtype) if rows > 1 else None
+    out = quant[1].fp8_block_linear(x, w, s, list(block), bias)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    x_q, x_s = reference.per_token_group_quant_fp8(x, block[1])
+    full_scale = reference.expand_block_scale(s, w.shape, block)
+    expected = _w8a8_expected(x_q, x_s, block[1], w, full_scale, bias, dtype)
+    atol, rtol = W8A8_TOLERANCES[dtype]
+    assert_close(out, expected, atol=atol, rtol=rtol, name="fp8_block_linear vs w8a8 reference")
+    dequantized = reference.fp8_block_linear(x.float(), w, s, block, None)
+    if bias is not None:
+        dequantized = dequantized + bias.float()
+    assert_close(out.float(), dequantized, atol=DEQUANT_TOLERANCES[0], rtol=DEQUANT_TOLERANCES[1],
+                 name="fp8_block_linear vs the dequantized model")  # fmt: skip
+
+
+def test_fp8_block_linear_leading_dims_and_odd_block(triton_backend, quant):
+    device = triton_backend.device
+    w, s = quantize_fp8_block(_randn(24, 48, seed=5, device=device, scale=0.15), (8, 24))
+    x = _randn(2, 3, 48, seed=6, device=device).to(torch.bfloat16)
+    out = quant[0].fp8_block_linear(x, w, s, (8, 24), None)
+    assert out.shape == (2, 3, 24)
+    # 24 columns a group: no power-of-two K tile >= 16 divides it -> the dequantized model
+    assert_equal(out, reference.fp8_block_linear(x, w, s, (8, 24), None))
+    w, s = quantize_fp8_block(_randn(24, 64, seed=7, device=device, scale=0.125), (16, 32))
+    x = _randn(2, 3, 64, seed=8, device=device)
+    out = quant[0].fp8_block_linear(x, w, s, (16, 32), None)
+    expected = quant[0].fp8_block_linear(x.view(6, 64), w, s, (16, 32), None)
+    assert out.shape == (2, 3, 24)
+    assert_equal(out.view(6, 24), expected)
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(5, 40, 72), (1, 16, 32), (9, 33, 100)])
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_linear(triton_backend, quant, rows, n, k, static, dtype):
+    device = triton_backend.device
+    w, w_s = quantize_fp8_channel(_randn(n, k, seed=n * k, device=device, scale=k**-0.5))
+    x = _randn(rows, k, seed=rows + k, device=device).to(dtype)
+    bias = _randn(n, seed=10, device=device).to(dtype)
+    if static:
+        input_scale = (x.float().abs().max() / 448.0 * 1.25).reshape(())
+        x_q = (x.float() / input_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        x_s = input_scale.reshape(1, 1).expand(rows, 1)
+    else:
+        input_scale = None
+        x_q, x_s = reference.per_token_group_quant_fp8(x, k)
+    out = quant[1].fp8_linear(x, w, w_s, input_scale, bias)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    expected = _w8a8_expected(x_q, x_s, k, w, w_s[:, None].expand(n, k), bias, dtype)
+    atol, rtol = W8A8_TOLERANCES[dtype]
+    assert_close(out, expected, atol=atol, rtol=rtol, name="fp8_linear vs w8a8 reference")
+    dequantized = reference.fp8_linear(x.float(), w, w_s, None, bias.float())
+    assert_close(out.float(), dequantized, atol=DEQUANT_TOLERANCES[0], rtol=DEQUANT_TOLERANCES[1],
+                 name="fp8_linear vs the dequantized model")  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 64])
+def test_fp8_linear_scaled_mm_agrees_with_the_triton_gemm(triton_backend, quant, rows):
+    """On an FP8 GPU bf16 goes through torch._scaled_mm; the Triton w8a8 GEMM (fp16 output takes
+    it) must give the same numbers within the output rounding."""
+    mod = quant[0]
+    if not mod.has_fp8_mma(triton_backend.device):
+        pytest.skip("no FP8 MMA on this GPU")
+    w, w_s = quantize_fp8_channel(_randn(256, 512, seed=11, device="cuda", scale=512**-0.5))
+    x = _randn(rows, 512, seed=12, device="cuda")
+    assert mod._scaled_mm_takes(x.bfloat16(), w)
+    out = mod.fp8_linear(x.bfloat16(), w, w_s, None, None)
+    triton_out = mod.fp8_linear(x.half(), w, w_s, None, None)
+    assert_close(out.float(), triton_out.float(), atol=2e-2, rtol=1.6e-2)
+
+
+# --- fused_moe with quantized experts ---------------------------------------------------------
+
+
+# (atol, rtol): as test_triton_moe.py's (both sides run the GEMMs on the same dequantized weights
+# in the input dtype; summation order and the per-pair rounding differ).
+MOE_TOLERANCES = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (5e-3, 5e-3),
+    torch.bfloat16: (3e-2, 3e-2),
+}
+
+
+def _experts(quant, num_experts, hidden, inter, device, seed, block=(16, 32)):
+    """(w13, w2, w13_scale, w2_scale, block_size) quantized from random weights."""
+    w13 = _randn(num_experts, 2 * inter, hidden, seed=seed, device=device, scale=2 * hidden**-0.5)
+    w2 = _randn(num_experts, hidden, inter, seed=seed + 1, device=device, scale=inter**-0.5)
+    if quant == "fp8_block":
+        (q13, s13), (q2, s2) = quantize_fp8_block(w13, block), quantize_fp8_block(w2, block)
+        return q13, q2, s13, s2, block
+    if quant == "fp8_channel":
+        (q13, s13), (q2, s2) = quantize_fp8_channel(w13), quantize_fp8_channel(w2)
+        return q13, q2, s13, s2, None
+    (q13, s13), (q2, s2) = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    return q13, q2, s13, s2, None
+
+
+def _check_moe(triton_backend, x, experts, weights, ids, quant, activation="silu", b13=None,
+               b2=None, config=None):  # fmt: skip
+    from atom_kernels.backends.triton import moe
+
+    q13, q2, s13, s2, block = experts
+    args = (x, q13, q2, weights, ids, activation, b13, b2, False, 1.702, 7.0)
+    qargs = dict(quant=quant, w13_scale=s13, w2_scale=s2, block_size=block)
+    if config is None:
+        out = triton_backend.custom_ops.fused_moe(*args, **qargs)
+    else:
+        out = moe.fused_moe(*args, config=config, **qargs)
+    expected = moe_reference.fused_moe(*args, **qargs)
+    atol, rtol = MOE_TOLERANCES[x.dtype]
+    assert_close(out, expected, atol=atol, rtol=rtol, name=f"fused_moe({quant}, {activation})")
+
+
+QUANTS = ["fp8_block", "fp8_channel", "mxfp4"]
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("num_tokens", [2, 9])  # the per-pair path (4 pairs) and the sorted one
+def test_fused_moe_quantized(triton_backend, quant, num_tokens):
+    device = triton_backend.device
+    experts = _experts(quant, 4, 64, 32, device, seed=13)
+    x = _randn(num_tokens, 64, seed=14, device=device).to(torch.bfloat16)
+    logits = _randn(num_tokens, 4, seed=15, device=device)
+    weights, ids = torch.softmax(logits, dim=-1).topk(2, dim=-1)
+    _check_moe(triton_backend, x, experts, weights, ids.int(), quant)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize(
+    ("activation", "dtype"), [("gelu", torch.float16), ("swiglu_oai", torch.float32)]
+)
+def test_fused_moe_quantized_activations_biases(triton_backend, quant, activation, dtype):
+    device = triton_backend.device
+    experts = _experts(quant, 4, 32, 32, device, seed=16)
+    x = _randn(5, 32, seed=17, device=device).to(dtype)
+    weights, ids = torch.softmax(_randn(5, 4, seed=18, device=device), dim=-1).topk(2, dim=-1)
+    b13 = _randn(4, 64, seed=19, device=device).to(dtype)
+    b2 = _randn(4, 32, seed=20, device=device).to(dtype)
+    _check_moe(triton_backend, x, experts, weights, ids.int(), quant, activation, b13, b2)
+
+
+@pytest.mark.parametrize("combine", ["token", "atomic"])
+def test_fused_moe_quantized_per_pair_combines(triton_backend, combine):
+    """The per-pair path's other GEMM 2 kernels (per token over its experts; fp32 atomics), with
+    block-FP8 experts whose blocks split H = 48 and I = 40 unevenly (partial scale blocks)."""
+    device = triton_backend.device
+    experts = _experts("fp8_block", 3, 48, 40, device, seed=21, block=(32, 32))
+    x = _randn(2, 48, seed=22, device=device).to(torch.bfloat16)
+    weights, ids = torch.softmax(_randn(2, 3, seed=23, device=device), dim=-1).topk(2, dim=-1)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, GROUP_M=1)
+    config = {"per_pair": True, "combine": combine, "gemm1": cfg, "gemm2": cfg}
+    _check_moe(triton_backend, x, experts, weights, ids.int(), "fp8_block", config=config)
+
+
+def test_custom_ops_opcheck(triton_backend, quant):
+    """Schemas and fake implementations (torch.library.opcheck), as test_triton_custom_ops.py's."""
+    device = triton_backend.device
+    ops = torch.ops.atom
+    w, s = quantize_fp8_block(_randn(40, 64, seed=24, device=device), (16, 32))
+    w_c, s_c = quantize_fp8_channel(_randn(40, 64, seed=25, device=device))
+    x = _randn(3, 64, seed=26, device=device).to(torch.bfloat16)
+    blocks = torch.randint(0, 256, (2, 3, 16), dtype=torch.uint8).to(device)
+    scales = torch.randint(120, 130, (2, 3), dtype=torch.uint8).to(device)
+    experts = _experts("mxfp4", 2, 32, 32, device, seed=27)
+    weights = torch.full((3, 1), 1.0, device=device)
+    ids = torch.tensor([[1], [0], [1]], dtype=torch.int32, device=device)
+    cases = [
+        (ops.triton_dequantize_fp8_block, (w, s, [16, 32], torch.bfloat16)),
+        (ops.triton_dequantize_mxfp4, (blocks, scales, torch.float32)),
+        (ops.triton_per_token_group_quant_fp8, (x, 32)),
+        (ops.triton_fp8_block_linear, (x, w, s, [16, 32], None)),
+        (ops.triton_fp8_linear, (x, w_c, s_c, torch.tensor(0.01, device=device), None)),
+        (ops.triton_fused_moe, (x[:, :32], experts[0], experts[1], weights, ids, "silu", None,
+                                None, False, 1.702, 7.0, "mxfp4", experts[2], experts[3], None)),
+    ]  # fmt: skip
+    for op, args in cases:
+        # NOTE (torch 2.15): test_schema compares the inputs before and after the call with ops
+        # that have no float8 CPU kernel ("mul_cpu_reduced_float"): fake tensors only for those.
+        has_fp8 = any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args)
+        utils = ("test_faketensor",) if has_fp8 else ("test_schema", "test_faketensor")
+        torch.library.opcheck(op, args, test_utils=utils)
