@@ -10,9 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DeepseekV3Config, Glm4MoeConfig, GptOssConfig, LlamaConfig, Qwen3Config
+from transformers import (
+    DeepseekV3Config,
+    Glm4MoeConfig,
+    GptOssConfig,
+    LlamaConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from atom_models import load_model
+from atom_models.testing import (
+    fp8_block_quantize,
+    fp8_tensor_quantize,
+    mxfp4_quantize,
+    write_quantized_checkpoint,
+)
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 
@@ -122,6 +135,11 @@ def free_port() -> int:
 )
 def test_tp2_matches_tp1(config, make_checkpoint, paged_session, tmp_path):
     path, _ = make_checkpoint(config)
+    run_tp2_and_compare(path, paged_session, tmp_path)
+
+
+def run_tp2_and_compare(path, paged_session, tmp_path, atol: float = 1e-4) -> None:
+    """Logits of two gloo ranks (each checking its own shards) equal one process's."""
     gen = torch.Generator().manual_seed(3)
     batch = [torch.randint(0, 211, (n,), generator=gen).tolist() for n in (9, 4, 15)]
     torch.save(batch, tmp_path / "prompts.pt")
@@ -159,4 +177,96 @@ def test_tp2_matches_tp1(config, make_checkpoint, paged_session, tmp_path):
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got.shape == expected.shape
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(got, expected, atol=atol, rtol=0)
+
+
+def _block_fp8(block):
+    def quantize(name, tensor):
+        q, scale_inv = fp8_block_quantize(tensor, block)
+        return {name: q, name.replace(".weight", ".weight_scale_inv"): scale_inv}
+
+    return quantize
+
+
+def _mxfp4(name, tensor):
+    blocks, scales = mxfp4_quantize(tensor.transpose(1, 2))  # [E, out, in / 32, 16]
+    return {f"{name}_blocks": blocks, f"{name}_scales": scales}
+
+
+def _fp8_tensor(name, tensor):
+    q, scale = fp8_tensor_quantize(tensor)
+    return {name: q, name.replace(".weight", ".weight_scale"): scale}
+
+
+FP8_TENSOR_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "config_groups": {
+        "g": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True},
+            "input_activations": {
+                "num_bits": 8,
+                "type": "float",
+                "strategy": "token",
+                "dynamic": True,
+            },
+        }
+    },
+    "ignore": ["lm_head"],
+}
+
+QUANTIZED = {
+    # Block FP8 over attention, dense and expert layers: the scale grids split with the weights
+    # (q/k/v and gate/up rows, o_proj and down_proj columns, expert intermediate rows/columns).
+    "qwen3-moe-fp8-block": (
+        lambda: Qwen3MoeConfig(
+            **MOE_BASE,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+        ),
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 32]},
+        _block_fp8((16, 32)),
+        lambda n, t: n.endswith("_proj.weight"),
+    ),
+    # MXFP4 experts: packed values and e8m0 scales split along the intermediate dim.
+    "gpt-oss-mxfp4": (
+        lambda: GptOssConfig(
+            **MOE_BASE, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2
+        ),
+        {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]},
+        _mxfp4,
+        lambda n, t: n.endswith(("experts.gate_up_proj", "experts.down_proj")),
+    ),
+    # Per-tensor FP8: one scale per q/k/v and gate/up checkpoint tensor in a fused layer.
+    "llama-fp8-tensor": (
+        lambda: LlamaConfig(
+            vocab_size=211,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        FP8_TENSOR_CONFIG,
+        _fp8_tensor,
+        lambda n, t: n.endswith("_proj.weight"),
+    ),
+}
+
+
+# Two more rank processes each (~30-100 s on a busy 2-core machine): one in the default suite.
+SLOW_QUANTIZED = ("gpt-oss-mxfp4", "llama-fp8-tensor")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_QUANTIZED else n for n in QUANTIZED],
+)
+def test_tp2_quantized_matches_tp1(name, make_checkpoint, paged_session, tmp_path):
+    make_config, quant_config, quantize, select = QUANTIZED[name]
+    src, _ = make_checkpoint(make_config())
+    path = write_quantized_checkpoint(src, tmp_path / "quantized", quant_config, quantize, select)
+    run_tp2_and_compare(path, paged_session, tmp_path, atol=2e-4)

@@ -19,6 +19,13 @@ from atom_models.native_mla import NativeMLAAttention, set_mla_mode
 from atom_models.weights import iter_safetensors
 
 
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (float8 tensors have no torch.equal on CPU)."""
+    if a.dtype.itemsize == 1:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(a, b)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
@@ -43,14 +50,24 @@ def main() -> None:
         q_rows = full["model.layers.0.self_attn.q_proj.weight"][
             args.rank * heads : (args.rank + 1) * heads
         ]
-        assert torch.equal(attn.qkv_proj.weight[:heads], q_rows), "q shard is not this rank's"
+        assert same(attn.qkv_proj.weight[:heads], q_rows), "q shard is not this rank's"
+        scale = getattr(attn.qkv_proj, "weight_scale_inv", None)
+        if scale is not None:  # block FP8: the scale grid's rows split with the weight's
+            rows = heads // scale.block[0]
+            q_scale = full["model.layers.0.self_attn.q_proj.weight_scale_inv"]
+            assert same(scale[:rows], q_scale[args.rank * rows : (args.rank + 1) * rows])
     else:  # MLA: kv_b_proj split by heads
         rows = attn.kv_b_proj.weight.shape[0]
         kv_b = full["model.layers.0.self_attn.kv_b_proj.weight"]
         assert torch.equal(attn.kv_b_proj.weight, kv_b[args.rank * rows : (args.rank + 1) * rows])
     o_cols = attn.o_proj.weight.shape[1]
     o_full = full["model.layers.0.self_attn.o_proj.weight"]
-    assert torch.equal(attn.o_proj.weight, o_full[:, args.rank * o_cols : (args.rank + 1) * o_cols])
+    assert same(attn.o_proj.weight, o_full[:, args.rank * o_cols : (args.rank + 1) * o_cols])
+    scale = getattr(attn.o_proj, "weight_scale_inv", None)
+    if scale is not None:  # block FP8: the scale grid's columns split with the weight's
+        cols = o_cols // scale.block[1]
+        o_scale = full["model.layers.0.self_attn.o_proj.weight_scale_inv"]
+        assert same(scale, o_scale[:, args.rank * cols : (args.rank + 1) * cols])
 
     batch = torch.load(args.prompts)
     block_size, tables, next_block = 4, [], 0
