@@ -251,3 +251,34 @@ def test_cpu_platform_keeps_the_model_eager(smollm2_dir, monkeypatch) -> None:
     assert not compile_enabled(cfg)
     monkeypatch.setenv("ATOM_VLLM_PLUGIN_COMPILE", "1")
     assert compile_enabled(cfg)
+
+
+GENERATE = r"""
+import gc, json
+from vllm import LLM, SamplingParams
+from vllm.v1.worker.gpu.cudagraph_utils import has_compiled_submodule
+
+params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8, 9], list(range(100, 140)), [42] * 3)]
+out = {}
+for name, eager in (("eager", True), ("compiled", False)):
+    llm = LLM(model=MODEL, dtype="float32", enforce_eager=eager, max_model_len=512, seed=0)
+    tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    (compiled,) = llm.apply_model(has_compiled_submodule)
+    out[name] = {"tokens": tokens, "compiled": compiled}
+    del llm
+    gc.collect()
+print(json.dumps(out))
+"""
+
+
+def test_compiled_model_generates_the_same_tokens(run_python, smollm2_dir) -> None:
+    """vLLM's torch.compile traces ATOM's model (Dynamo over atom-models, vLLM's attention op as
+    the split point) and the compiled model greedily generates what the eager one does. On this
+    CPU with ATOM_VLLM_PLUGIN_COMPILE=1 and Dynamo's eager backend (VLLM_CPU_CI_ENV=1), the
+    tracing GPUs get by default, without Inductor's code generation."""
+    code = f"MODEL = {str(smollm2_dir)!r}\n" + GENERATE
+    run = run_python(code, timeout=900, ATOM_VLLM_PLUGIN_COMPILE="1", VLLM_CPU_CI_ENV="1")
+    assert not run["eager"]["compiled"]
+    assert run["compiled"]["compiled"]
+    assert run["compiled"]["tokens"] == run["eager"]["tokens"]
