@@ -138,9 +138,10 @@ class LLMEngine:
     def from_args(cls, **kwargs) -> LLMEngine:
         return cls(EngineConfig(**kwargs))
 
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes (idempotent; a no-op with one rank)."""
-        self.runner.shutdown()
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the tensor-parallel worker processes (idempotent; a no-op with one rank).
+        `graceful=False` kills them (another thread may be inside a step)."""
+        self.runner.shutdown(graceful)
 
     # -- requests -----------------------------------------------------------------------------
 

@@ -149,10 +149,13 @@ class ModelRunner:
             self.device,
         )
 
-    def shutdown(self) -> None:
-        """Stop the other ranks' processes (idempotent)."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the other ranks' processes (idempotent); kill them unless `graceful`."""
         if self.workers is not None:
-            self.workers.shutdown()
+            if graceful:
+                self.workers.shutdown()
+            else:
+                self.workers.kill()
 
     @torch.no_grad()
     def _warm_up_sampling(self) -> None:

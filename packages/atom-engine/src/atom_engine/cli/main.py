@@ -15,8 +15,7 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 def _serve(args: argparse.Namespace) -> int:
     from atom_engine.server.api_server import run_server
 
-    run_server(args)
-    return 0
+    return run_server(args)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
+import threading
 from pathlib import Path
 
 import uvicorn
@@ -26,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atom_engine import __version__
 from atom_engine.server.async_engine import AsyncEngine
+from atom_engine.server.data_parallel import DataParallelEngine
 from atom_engine.server.metrics import ServerMetrics
 from atom_engine.server.middleware import BodySizeLimit, CatchAll
 from atom_engine.server.openapi import install_openapi
@@ -208,8 +211,9 @@ class _DrainingServer(uvicorn.Server):
             timer.cancel()
 
 
-def run_server(args) -> None:
-    """`atom serve`: load the engine, then serve until interrupted."""
+def run_server(args) -> int:
+    """`atom serve`: load the engine, then serve until interrupted; the exit status (1 when the
+    engine failed: a tensor-parallel worker died)."""
     from atom_engine.cli.args import engine_config_from_args
 
     if args.drain_timeout < 0:
@@ -219,7 +223,10 @@ def run_server(args) -> None:
             f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}"
         )
     config = engine_config_from_args(args)
-    engine = AsyncEngine.from_config(config)
+    if config.data_parallel_size > 1:
+        engine = DataParallelEngine.from_config(config)
+    else:
+        engine = AsyncEngine.from_config(config)
     name = args.served_model_name or args.model or Path(engine.model_path).stem
     try:
         app = build_app(
@@ -240,7 +247,22 @@ def run_server(args) -> None:
             # a backstop: the drain timer fails what is left first
             timeout_graceful_shutdown=args.drain_timeout + 2.0,
         )
-        _DrainingServer(uvicorn_config, engine, args.drain_timeout).run()
+        server = _DrainingServer(uvicorn_config, engine, args.drain_timeout)
+
+        def on_fatal(error: BaseException) -> None:
+            logger.critical("the engine cannot go on, shutting the server down: %s", error)
+            server.should_exit = True
+            # A backstop: a rank stuck in a collective (NCCL) must not hold the process.
+            timer = threading.Timer(args.drain_timeout + 10.0, os._exit, args=(1,))
+            timer.daemon = True
+            timer.start()
+
+        engine.add_fatal_hook(on_fatal)
+        server.run()
     finally:
         # The engine thread may be inside a long step: do not wait for it (it is a daemon).
         engine.shutdown(timeout=1.0)
+    if engine.fatal_error is not None:
+        logger.error("exiting: %s", engine.fatal_error)
+        return 1
+    return 0

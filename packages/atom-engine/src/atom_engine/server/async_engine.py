@@ -7,7 +7,9 @@ otherwise. Each request's outputs go back to the loop that added it through its 
 filled with `loop.call_soon_threadsafe`. A request the engine fails (its step raised because of
 it: `RequestOutput.error`) ends with RequestFailed, and only it; a step that fails beyond that
 (a bug outside any one request) fails the requests in flight, which are aborted so their KV
-blocks return, and the loop goes on.
+blocks return, and the loop goes on. A tensor-parallel worker's death (or a step that leaves the
+ranks out of step) is fatal: the engine stops, its requests end with the error and the `on_fatal`
+hooks run (`atom serve` exits non-zero).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from atom_engine.config import EngineConfig
 from atom_engine.engine import EngineStats, LLMEngine
 from atom_engine.outputs import RequestOutput
 from atom_engine.sampling_params import SamplingParams
+from atom_engine.workers import WorkerError
 
 logger = logging.getLogger("atom_engine.server")
 
@@ -85,6 +88,11 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._stopped = False
         self._stats = engine.stats()
+        self.fatal_error: BaseException | None = None
+        self._fatal_hooks: list[Callable[[BaseException], None]] = []
+        workers = getattr(engine.runner, "workers", None)
+        if workers is not None:  # a worker's death is seen by its monitor thread
+            workers.on_death.append(self._fatal)
         self._thread = threading.Thread(target=self._run, name="atom-engine", daemon=True)
         self._thread.start()
 
@@ -170,16 +178,43 @@ class AsyncEngine:
         """The engine's statistics as of its last step (a snapshot; never blocks)."""
         return self._stats
 
+    def add_fatal_hook(self, hook: Callable[[BaseException], None]) -> None:
+        """Call `hook(error)` (from any thread) when the engine cannot go on."""
+        self._fatal_hooks.append(hook)
+        if self.fatal_error is not None:
+            hook(self.fatal_error)
+
+    def _fatal(self, error: BaseException) -> None:
+        with self._cond:
+            if self.fatal_error is not None:
+                return
+            self.fatal_error = error
+            self._stopped = True
+            self._cond.notify()
+        for hook in list(self._fatal_hooks):
+            try:
+                hook(error)
+            except Exception:
+                logger.exception("a fatal-error hook failed")
+
     def shutdown(self, timeout: float = 30.0) -> None:
         with self._cond:
             self._stopped = True
             self._cond.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        # The tensor-parallel workers: stopped in order when the engine thread is done, killed
+        # when it is still inside a step.
+        self.engine.shutdown(graceful=not self._thread.is_alive())
 
     # -- the engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        device = self.engine.runner.device
+        if device.type == "cuda":  # the current device is per thread (replicas on other GPUs)
+            import torch
+
+            torch.cuda.set_device(device)
         while True:
             idle = not self.engine.has_unfinished_requests()
             with self._cond:
@@ -190,7 +225,10 @@ class AsyncEngine:
             for command in commands:
                 self._apply(command)
             if stopped:
-                self._fail_all(RequestAborted("the engine is shutting down"))
+                reason = "the engine is shutting down"
+                if self.fatal_error is not None:
+                    reason = f"the engine failed: {self.fatal_error}"
+                self._fail_all(RequestAborted(reason))
                 return
             if self.engine.has_unfinished_requests():
                 self._step()
@@ -232,6 +270,10 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except WorkerError as e:
+            logger.error("the engine cannot go on: %s", e)
+            self._fatal(e)
+            return
         except Exception as e:
             # The step's requests cannot be told apart from here: fail every request in flight
             # (aborting frees their blocks) and keep serving new ones.
