@@ -2,7 +2,9 @@
 
 The host (ATOM's engine, vLLM, SGLang) owns its communicator; layers only need rank, size,
 all-reduce and all-gather. `TPGroup` wraps a `torch.distributed` process group; a host with its own
-communicator (vLLM's custom all-reduce, say) passes any object with the same four members.
+communicator (vLLM's custom all-reduce, say) passes any object with the same four members. A group
+with `enable_expert_parallel = True` gives MoE layers built over it expert parallelism: each rank
+holds whole experts instead of a slice of every expert (`FusedMoE`).
 """
 
 from __future__ import annotations

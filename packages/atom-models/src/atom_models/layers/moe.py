@@ -8,7 +8,8 @@ H = hidden size, I = expert intermediate size / tp_size):
 
 Like vLLM, tensor parallelism splits the intermediate dim (each rank computes a partial sum of
 every expert's output, then one all-reduce) and expert parallelism gives each rank a contiguous
-range of whole experts (`ep_rank` / `ep_size`; only the weights it owns are loaded).
+range of whole experts (`ep_rank` / `ep_size`, or the host group's `enable_expert_parallel`: the
+tensor-parallel ranks become the expert-parallel ones; only the weights it owns are loaded).
 
 Checkpoints come in two layouts, both accepted:
 - per expert (as published): `experts.{e}.gate_proj.weight` [I, H] (Mixtral: `w1`, `w3`, `w2`)
