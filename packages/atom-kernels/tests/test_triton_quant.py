@@ -298,3 +298,43 @@ def test_custom_ops_opcheck(triton_backend, quant):
         has_fp8 = any(isinstance(a, torch.Tensor) and a.dtype == torch.float8_e4m3fn for a in args)
         utils = ("test_faketensor",) if has_fp8 else ("test_schema", "test_faketensor")
         torch.library.opcheck(op, args, test_utils=utils)
+
+
+# --- real layer shapes on a GPU -------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize(("n", "k"), [(576, 7168), (7168, 2048)])  # DeepSeek-V3 kv_a, o_proj
+def test_fp8_block_linear_gpu_real_sizes(triton_backend, quant, rows, n, k):
+    w, s = quantize_fp8_block(_randn(n, k, seed=28, device="cuda", scale=k**-0.5), (128, 128))
+    x = _randn(rows, k, seed=29, device="cuda").to(torch.bfloat16)
+    out = quant[0].fp8_block_linear(x, w, s, (128, 128), None)
+    x_q, x_s = reference.per_token_group_quant_fp8(x, 128)
+    w_scale = reference.expand_block_scale(s, w.shape, (128, 128))
+    expected = _w8a8_expected(x_q, x_s, 128, w, w_scale, None, torch.bfloat16)
+    assert_close(out, expected, atol=2e-2, rtol=1.6e-2, name="fp8_block_linear (GPU)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 16, 512])
+@pytest.mark.parametrize(
+    ("quant_name", "shape"),
+    [("fp8_block", (16, 4, 2048, 768)), ("fp8_channel", (16, 4, 2048, 768)),
+     ("mxfp4", (8, 4, 2880, 2880))],  # Qwen3-30B-A3B-FP8 layer (16 of its 128 experts), GPT-OSS
+)  # fmt: skip
+def test_fused_moe_quantized_gpu_real_sizes(triton_backend, quant_name, shape, num_tokens):
+    num_experts, top_k, hidden, inter = shape
+    block = (128, 128)
+    experts = _experts(quant_name, num_experts, hidden, inter, "cuda", seed=30, block=block)
+    x = _randn(num_tokens, hidden, seed=31, device="cuda").to(torch.bfloat16)
+    logits = _randn(num_tokens, num_experts, seed=32, device="cuda")
+    weights, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+    from atom_kernels.backends.triton import moe
+
+    q13, q2, s13, s2, block_size = experts
+    args = (x, q13, q2, weights, ids.int(), "silu", None, None, False, 1.702, 7.0)
+    qargs = dict(quant=quant_name, w13_scale=s13, w2_scale=s2, block_size=block_size)
+    out = moe.fused_moe(*args, **qargs)
+    expected = moe_reference.fused_moe(*args, **qargs)
+    assert_close(out, expected, atol=5e-2, rtol=5e-2, name=f"fused_moe({quant_name}, GPU)")

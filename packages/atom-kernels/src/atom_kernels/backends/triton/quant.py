@@ -80,7 +80,8 @@ def _group_quant_kernel(
         for c in range(start, end, BLOCK):
             x = tl.load(x_row + c + offs, mask=c + offs < end, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0), eps) / 448.0
+        # div_rn: IEEE division, as torch's (Triton's "/" may be approximate on a GPU)
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), eps), 448.0)
         tl.store(s_ptr + row * stride_sm + group, scale)
     for c in range(start, end, BLOCK):
         mask = c + offs < end
