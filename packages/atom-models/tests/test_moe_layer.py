@@ -173,6 +173,32 @@ def test_expert_parallel_ranks_own_their_experts(layout):
     torch.testing.assert_close(partial[0] + partial[1], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_expert_parallel_over_the_hosts_group(bias):
+    """A host group with `enable_expert_parallel`: each of its ranks holds whole experts (the
+    intermediate dim not split), every rank adds its own experts' down biases, and the outputs sum
+    (the layer's all-reduce, left to the test here) to the unsplit layer's."""
+    tensors = expert_tensors(seed=6, bias=bias)
+    tensors_in = stacked(tensors) if bias else tensors
+    full = Block(bias=bias)
+    full.load(tensors_in)
+    x, weights, ids = routing(seed=7)
+    partial = []
+    for rank in range(2):
+        group = Rank(rank, 2)
+        group.enable_expert_parallel = True
+        block = Block(group, bias=bias)
+        block.load(tensors_in)
+        experts = block.mlp.experts
+        assert (experts.ep_rank, experts.ep_size, experts.tp_size) == (rank, 2, 1)
+        assert experts.w13_weight.shape == (E // 2, 2 * N, H)
+        owned = slice(rank * E // 2, (rank + 1) * E // 2)
+        torch.testing.assert_close(experts.w2_weight, full.mlp.experts.w2_weight[owned])
+        partial.append(experts(x, weights, ids))
+    expected = full.mlp.experts(x, weights, ids)
+    torch.testing.assert_close(partial[0] + partial[1], expected, atol=1e-5, rtol=1e-5)
+
+
 def test_checkpoint_errors_name_the_expert():
     tensors = expert_tensors()
     del tensors["mlp.experts.5.up_proj.weight"]
