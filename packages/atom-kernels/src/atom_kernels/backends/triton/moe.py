@@ -36,6 +36,11 @@ through host-built tensor descriptors instead of pointer arithmetic, and (option
 warps the MMAs). The
 activations stay pointer loads (GEMM 1 gathers token rows). Interleaved gate/up weights (GPT-OSS)
 and weights that break TMA's alignment rules fall back to pointer loads.
+
+Quantized experts (``quant``: "fp8_block", "fp8_channel", "mxfp4"): every GEMM dequantizes its
+weight tiles in the K loop (``_weight_tile``: FP8 value times its block / row float32 scale, or
+e2m1 nibbles times the e8m0 scale of their 32-value block), then multiplies in the activation
+dtype: weight-only, the numbers of the torch reference's dequantized experts. No TMA for them.
 """
 
 from __future__ import annotations
