@@ -147,6 +147,48 @@ def test_block_fp8_partial_edge_blocks(tiny_checkpoint, greedy_reference, tmp_pa
     assert atom_greedy(dst) == hf_greedy_all(ref, greedy_reference)
 
 
+def test_block_fp8_deepseek_v3(tiny_checkpoint, greedy_reference, tmp_path):
+    """DeepSeek-V3 in block FP8: MLA projections (kv_a_proj_with_mqa's 40 rows end in a partial
+    block of 16, like the real 576 in 128), kv_b_proj dequantized for the absorbed attention,
+    routed and shared experts. Reference: the test's own dequantization, unquantized."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(
+        **TINY,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_attention_heads=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+    )
+    src, _ = tiny_checkpoint(config, seed=4)
+    block = (16, 16)
+    dequantized = {}
+
+    def quantize(name, tensor):
+        q, scale_inv = fp8_block_quantize(tensor, block)
+        grid = scale_inv.repeat_interleave(16, 0).repeat_interleave(16, 1)
+        dequantized[name] = q.float() * grid[: q.shape[0], : q.shape[1]]
+        return {name: q, name.replace(".weight", ".weight_scale_inv"): scale_inv}
+
+    def select(name, tensor):  # every projection, kv_a_proj_with_mqa included
+        return tensor.dim() == 2 and "proj" in name.split(".")[-2]
+
+    dst = write_quantized_checkpoint(src, tmp_path / "fp8", fp8_config(block), quantize, select)
+    ref_dir = with_weights(src, tmp_path / "ref", dequantized)
+    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    assert atom_greedy(dst) == hf_greedy_all(ref, greedy_reference)
+
+
 def test_block_fp8_keeps_weights_quantized_and_honours_modules_to_not_convert(
     tiny_checkpoint, tmp_path
 ):
