@@ -5,7 +5,9 @@ The runner allocates the cache (`bind_kv_cache`), then sets a `PagedAttentionMet
 mapping, then attends over the cache (cached prefix + new tokens). Every layer kind that owns a
 paged cache (`NativeAttention` here, the latent cache of `NativeMLAAttention`) is a
 `NativeCacheLayer`: it says how many bytes a token costs it and binds its own cache, so the runner
-sizes blocks without knowing the layer kinds.
+sizes blocks without knowing the layer kinds. The cache dtype is the model's or fp8
+(`float8_e4m3fn`): an fp8 cache stores x / scale and every read multiplies back, with the layer's
+per-tensor `k_scale` / `v_scale` (1.0, or the checkpoint's, handed over by `set_kv_scale`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import atom_kernels
 from atom_models.forward_context import get_forward_context
 from atom_models.layers.attention import AttentionSpec
 from atom_models.layers.mla import MLAAttentionSpec
+
+KV_CACHE_FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
 @dataclass
@@ -83,6 +87,11 @@ class NativeCacheLayer(nn.Module):
     """A native attention layer that owns a paged cache (`spec.layer_idx` orders them)."""
 
     spec: AttentionSpec | MLAAttentionSpec
+    kv_scales: dict[str, float]  # "k" / "v" -> per-tensor fp8 cache scale
+
+    def set_kv_scale(self, which: str, value: float) -> None:
+        """The checkpoint's per-tensor scale of the K ("k") or V ("v") cache."""
+        self.kv_scales[which] = value
 
     def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         raise NotImplementedError
@@ -93,7 +102,6 @@ class NativeCacheLayer(nn.Module):
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        kv_scale: float | None,
     ) -> tuple[torch.Tensor, ...]:
         """Allocate (zeroed) and keep this layer's cache; returns its tensors."""
         raise NotImplementedError
@@ -108,18 +116,20 @@ class NativeAttention(NativeCacheLayer):
         self.spec = spec
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hk, D]
         self.v_cache: torch.Tensor | None = None
-        self.k_scale: float | None = None  # fp8 caches only
+        self.kv_scales = {"k": 1.0, "v": 1.0}
+        self.k_scale: float | None = None  # the scales the kernels get: fp8 caches only
         self.v_scale: float | None = None
 
     def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.spec.num_kv_heads * self.spec.head_size * dtype.itemsize
 
-    def bind_cache(self, num_blocks, block_size, dtype, device, kv_scale):
+    def bind_cache(self, num_blocks, block_size, dtype, device):
         shape = (num_blocks, block_size, self.spec.num_kv_heads, self.spec.head_size)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        if dtype == torch.float8_e4m3fn:
-            self.k_scale = self.v_scale = kv_scale
+        is_fp8 = dtype in KV_CACHE_FP8_DTYPES
+        self.k_scale = self.kv_scales["k"] if is_fp8 else None
+        self.v_scale = self.kv_scales["v"] if is_fp8 else None
         return self.k_cache, self.v_cache
 
     def release_cache(self) -> None:
@@ -191,14 +201,12 @@ def bind_kv_cache(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
-    kv_scale: float | None = None,
 ) -> list[tuple[torch.Tensor, ...]]:
     """Allocate a paged cache for every attention layer and bind it to the layer: (K, V) for
-    standard attention, (latent,) for MLA."""
-    if dtype == torch.float8_e4m3fn and kv_scale is None:
-        raise ValueError("an fp8 KV cache needs kv_scale (per-tensor scale of K and V)")
+    standard attention, (latent,) for MLA. `dtype`: the model's, or float8_e4m3fn (each layer
+    then quantizes with its own per-tensor scales)."""
     return [
-        layer.bind_cache(num_blocks, block_size, dtype, device, kv_scale)
+        layer.bind_cache(num_blocks, block_size, dtype, device)
         for layer in native_attention_layers(model)
     ]
 

@@ -25,7 +25,11 @@ from torch import nn
 import atom_kernels
 from atom_models.forward_context import get_forward_context
 from atom_models.layers.mla import MLAAttentionSpec
-from atom_models.native_attention import NativeCacheLayer, PagedAttentionMetadata
+from atom_models.native_attention import (
+    KV_CACHE_FP8_DTYPES,
+    NativeCacheLayer,
+    PagedAttentionMetadata,
+)
 
 MODES = ("auto", "absorbed", "expanded")
 
@@ -37,6 +41,8 @@ class NativeMLAAttention(NativeCacheLayer):
         # Held, not registered: kv_b_proj is the attention module's (and its checkpoint name).
         self._kv_b_proj = (kv_b_proj,)
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, block_size, L + R]
+        self.kv_scales = {"k": 1.0, "v": 1.0}  # an fp8 latent cache uses "k" (vLLM's convention)
+        self.kv_scale: float | None = None  # the scale the kernels get: fp8 caches only
         self.mode = "auto"
 
     @property
@@ -48,11 +54,10 @@ class NativeMLAAttention(NativeCacheLayer):
     def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         return self.spec.cache_size * dtype.itemsize
 
-    def bind_cache(self, num_blocks, block_size, dtype, device, kv_scale):
-        if dtype.itemsize == 1:
-            raise ValueError("an fp8 MLA latent cache is not supported yet; use the model dtype")
+    def bind_cache(self, num_blocks, block_size, dtype, device):
         shape = (num_blocks, block_size, self.spec.cache_size)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_scale = self.kv_scales["k"] if dtype in KV_CACHE_FP8_DTYPES else None
         return (self.kv_cache,)
 
     def release_cache(self) -> None:
@@ -83,7 +88,9 @@ class NativeMLAAttention(NativeCacheLayer):
             )
         if self.mode not in MODES:
             raise ValueError(f"MLA mode must be one of {MODES}, got {self.mode!r}")
-        atom_kernels.mla_cache_write(kv_c, k_pe, self.kv_cache, md.slot_mapping)
+        atom_kernels.mla_cache_write(
+            kv_c, k_pe, self.kv_cache, md.slot_mapping, kv_scale=self.kv_scale
+        )
         if self.mode == "auto" and md.max_query_len > 1 and md.query_lens_cpu is not None:
             if 1 in md.query_lens_cpu:
                 return self._split(q_nope, q_pe, md).reshape(q_nope.shape[0], -1)
@@ -121,6 +128,7 @@ class NativeMLAAttention(NativeCacheLayer):
             md.seq_lens,
             md.query_start_loc,
             self.spec.scale,
+            kv_scale=self.kv_scale,
             max_query_len=md.max_query_len,
         )  # [T, H, L]
         return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
@@ -136,6 +144,8 @@ class NativeMLAAttention(NativeCacheLayer):
         max_blocks = -(-md.max_seq_len // block_size)
         blocks = md.block_tables[:, :max_blocks].reshape(-1).long()  # [N] N = B * max_blocks
         latent = self.kv_cache[blocks]  # [N, block_size, L + R]
+        if self.kv_scale is not None:  # an fp8 cache: dequantized for the up-projection
+            latent = (latent.float() * self.kv_scale).to(q_nope.dtype)
         c, k_pe = latent.split([spec.kv_lora_rank, r], dim=-1)
         kv = self.kv_b_proj(c.reshape(-1, spec.kv_lora_rank))  # [N * block_size, H * (Dn + Dv)]
         kv = kv.view(-1, block_size, num_heads, dn + dv)

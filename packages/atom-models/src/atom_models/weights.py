@@ -3,6 +3,9 @@
 One generic loader walks the checkpoint: a tensor whose name contains a key of the model's
 `packed_modules_mapping` goes to the fused parameter with its shard id; any other goes to the
 parameter of the same name. Each parameter's own `weight_loader` cuts its tensor-parallel slice.
+A parameter marked `optional` may be absent from the checkpoint (it keeps its `default`); the
+KV-cache scales of the attention layers are optional, and found under every name checkpoints
+give them (see `_kv_scale_aliases`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ def load_weights(
     *,
     strict: bool = True,
 ) -> set[str]:
-    """Load `(checkpoint name, tensor)` pairs into `model`; returns the loaded parameter names.
+    """Load `(checkpoint name, tensor)` pairs into `model`; returns the loaded parameter names
+    (optional parameters the checkpoint lacks included: they hold their default).
 
     With `strict`, a checkpoint tensor that matches no parameter, or a parameter (or a shard of a
     packed parameter) that no tensor filled, raises `CheckpointMismatchError` naming them.
@@ -39,12 +43,16 @@ def load_weights(
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
     mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    aliases = _kv_scale_aliases(params)
     loaded_shards: dict[str, set] = {}
     unexpected: list[str] = []
     for name, tensor in weights:
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
-        param_name, shard_id = _target(name, mapping)
+        if name in aliases:
+            param_name, shard_id = aliases[name], None
+        else:
+            param_name, shard_id = _target(name, mapping)
         param = params.get(param_name)
         if param is None:
             unexpected.append(name)
@@ -61,6 +69,11 @@ def load_weights(
         loaded_shards.setdefault(param_name, set()).update(
             {shard_id} if filled is None else filled
         )
+    for param_name, param in params.items():
+        if getattr(param, "optional", False) and param_name not in loaded_shards:
+            with torch.no_grad():
+                param.fill_(param.default)
+            loaded_shards[param_name] = {None}  # filled with its default
     loaded = set(loaded_shards)
     if strict:
         missing = []
@@ -74,6 +87,23 @@ def load_weights(
         if missing or unexpected:
             raise CheckpointMismatchError(_mismatch_message(missing, unexpected))
     return loaded
+
+
+def _kv_scale_aliases(params: dict[str, nn.Parameter]) -> dict[str, str]:
+    """Checkpoint names of the attention layers' KV-cache scales -> their parameters.
+
+    For a layer `<attn>.attn` (the parameter `<attn>.attn.k_scale`), the scale is also found as
+    `<attn>.k_scale` (compressed-tensors `kv_cache_scheme`, ModelOpt) and
+    `<attn>.k_proj.output_scale` (older exports); the same for v.
+    """
+    aliases = {}
+    for param_name in params:
+        layer, _, leaf = param_name.rpartition(".")
+        if leaf in ("k_scale", "v_scale") and getattr(params[param_name], "optional", False):
+            parent = layer.rpartition(".")[0]
+            aliases[f"{parent}.{leaf}"] = param_name
+            aliases[f"{parent}.{leaf[0]}_proj.output_scale"] = param_name
+    return aliases
 
 
 def _target(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str, Any]:

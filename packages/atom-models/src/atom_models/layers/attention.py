@@ -6,11 +6,17 @@ attention layer) or SGLang (RadixAttention). A host implements `AttentionHost.ma
 installs itself with `attention_host(host)` around model construction. Hosts that serve
 multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) also implement `make_mla_attention`
 (`atom_models.layers.mla`).
+
+Each attention layer also holds the per-tensor scales of an fp8 KV cache, `k_scale` / `v_scale`
+(optional parameters: 1.0 unless the checkpoint gives them). Loading one hands its value to the
+host's module (`impl.set_kv_scale("k" | "v", value)`), which uses it when its cache is fp8.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -71,6 +77,33 @@ def layer_index(prefix: str) -> int:
     raise ValueError(f"cannot find a layer index in attention prefix {prefix!r}")
 
 
+def kv_scale_parameter(layer: nn.Module, which: str) -> nn.Parameter:
+    """An optional per-tensor KV-cache scale of `layer` (`which`: "k" or "v"), default 1.0.
+
+    Its weight loader takes a one-element checkpoint tensor, checks it, and passes the value on
+    to `layer.impl.set_kv_scale(which, value)` when the host's module has that method.
+    """
+    param = nn.Parameter(torch.empty(()), requires_grad=False)
+    param.optional = True  # atom_models.weights: not missing when the checkpoint lacks it
+    param.default = 1.0
+    param.weight_loader = functools.partial(_load_kv_scale, layer, which)
+    return param
+
+
+def _load_kv_scale(layer: nn.Module, which: str, param: nn.Parameter, loaded: torch.Tensor):
+    if loaded.numel() != 1:
+        raise ValueError(
+            f"{which}_scale must be one per-tensor value, got shape {tuple(loaded.shape)}"
+        )
+    value = float(loaded.detach().float().reshape(()))
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{which}_scale must be a positive finite number, got {value}")
+    param.data.fill_(value)
+    set_kv_scale = getattr(layer.impl, "set_kv_scale", None)
+    if set_kv_scale is not None:
+        set_kv_scale(which, value)
+
+
 class Attention(nn.Module):
     """Attention over this step's tokens (q, k, v already projected and rotated)."""
 
@@ -98,6 +131,8 @@ class Attention(nn.Module):
             soft_cap=soft_cap,
             has_sinks=has_sinks,
         )
+        self.k_scale = kv_scale_parameter(self, "k")  # fp8 KV cache only
+        self.v_scale = kv_scale_parameter(self, "v")
         self.impl = get_attention_host().make_attention(self.spec)
 
     def forward(

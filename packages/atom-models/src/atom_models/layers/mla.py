@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from atom_models.layers.attention import get_attention_host, layer_index
+from atom_models.layers.attention import get_attention_host, kv_scale_parameter, layer_index
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,13 @@ class MLAAttention(nn.Module):
                 f"attention host {type(host).__name__} cannot build multi-head latent attention "
                 "(DeepSeek-V2/V3, Kimi-K2): it has no make_mla_attention"
             )
+        # An fp8 latent cache has one scale, k_scale (vLLM's convention); v_scale is accepted
+        # from checkpoints that carry it, and unused.
+        self.k_scale = kv_scale_parameter(self, "k")
+        self.v_scale = kv_scale_parameter(self, "v")
+        # Hosts read kv_b_proj's weight (absorbed into the query and output): a quantized
+        # checkpoint's is dequantized to the model dtype after loading.
+        kv_b_proj.dense_weight_required = True
         self.impl = host.make_mla_attention(self.spec, kv_b_proj)
 
     def forward(
