@@ -4,9 +4,8 @@ ranks as one int64 array (`pack` / `unpack`: a few KB at batch 64, no pickling).
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
-
-import numpy as np
 
 # What a worker does with a step (the first word of a packed message).
 OP_SHUTDOWN, OP_RUN, OP_LAUNCH = 0, 1, 2
@@ -33,51 +32,40 @@ class StepInputs:
         return out
 
     def pack(self, op: int) -> bytes:
-        table_lens = [len(t) for t in self.tables]
-        header = [
-            op,
-            len(self.ids),
-            len(self.seq_lens),
-            len(self.gathers),
-            len(self.sample_rows),
-            len(self.prompt_rows),
-        ]
-        parts = [
-            header,
-            self.ids,
-            self.seq_lens,
-            self.query_lens,
-            table_lens,
-            [b for t in self.tables for b in t],
-            [x for g in self.gathers for x in g],
-            self.sample_rows,
-            [x for p in self.prompt_rows for x in p],
-        ]
-        return np.fromiter(
-            (x for part in parts for x in part), dtype=np.int64, count=sum(map(len, parts))
-        ).tobytes()
+        header = [op, len(self.ids), len(self.seq_lens), len(self.gathers)]
+        flat = header + [len(self.sample_rows), len(self.prompt_rows)]
+        # NOTE: list extends and one array() conversion, all in C: 1.6x faster than
+        # np.fromiter over a generator at batch 64 (this CPU, loaded).
+        flat += self.ids
+        flat += self.seq_lens
+        flat += self.query_lens
+        flat += [len(t) for t in self.tables]
+        for table in self.tables:
+            flat += table
+        for gather in self.gathers:
+            flat += gather
+        flat += self.sample_rows
+        for rows in self.prompt_rows:
+            flat += rows
+        return array("q", flat).tobytes()
 
     @staticmethod
     def unpack(data: bytes) -> tuple[int, StepInputs | None]:
-        words = np.frombuffer(data, dtype=np.int64)
-        op, num_tokens, num_seqs, num_gathers, num_sampled, num_prompt = words[:_HEADER].tolist()
+        packed = array("q")
+        packed.frombytes(data)
+        words = packed.tolist()
+        op, num_tokens, num_seqs, num_gathers, num_sampled, num_prompt = words[:_HEADER]
         if op == OP_SHUTDOWN:
             return op, None
         at = _HEADER
 
         def take(n: int) -> list[int]:
             nonlocal at
-            out = words[at : at + n].tolist()
             at += n
-            return out
+            return words[at - n : at]
 
         ids, seq_lens, query_lens = take(num_tokens), take(num_seqs), take(num_seqs)
-        table_lens = take(num_seqs)
-        flat = take(sum(table_lens))
-        tables, start = [], 0
-        for n in table_lens:
-            tables.append(flat[start : start + n])
-            start += n
+        tables = [take(n) for n in take(num_seqs)]
         gathers = take(2 * num_gathers)
         sample_rows = take(num_sampled)
         prompt = take(2 * num_prompt)
@@ -94,4 +82,4 @@ class StepInputs:
 
 
 def shutdown_message() -> bytes:
-    return np.array([OP_SHUTDOWN] + [0] * (_HEADER - 1), dtype=np.int64).tobytes()
+    return array("q", [OP_SHUTDOWN] + [0] * (_HEADER - 1)).tobytes()

@@ -1,0 +1,202 @@
+"""`atom serve` over several ranks and replicas: `--tensor-parallel-size 2` and
+`--data-parallel-size 2` answer concurrent openai-client requests with the greedy text of one
+process; a killed worker ends the server non-zero, naming its rank; the data-parallel front spreads
+requests by load and sums the replicas' statistics."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+from transformers import LlamaConfig
+
+from atom_engine import LLM, SamplingParams
+from atom_engine.engine import EngineStats
+from atom_engine.server.data_parallel import DataParallelEngine
+from atom_engine.testing import http
+
+ATOM = str(Path(sys.executable).parent / "atom")  # the [project.scripts] entry point
+PROMPTS = ["Once upon a time", "def fibonacci(n):", "1, 2, 3,", "The capital of France is"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint) -> Path:
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    path, _ = tiny_checkpoint(config)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve(path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    server = subprocess.Popen(
+        [ATOM, "serve", "--model", str(path), "--port", str(port), "--device", "cpu",
+         "--num-kv-blocks", "64", "--uvicorn-log-level", "warning", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if server.poll() is not None:
+            pytest.fail(f"the server exited with {server.returncode}:\n{server.stdout.read()}")
+        assert time.monotonic() < deadline, "the server did not start"
+        try:
+            if http("GET", url + "/health").status_code == 200:
+                return server, url
+        except OSError:
+            pass
+        time.sleep(0.5)
+
+
+def _stop(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The engine's spawned workers among `pid`'s children."""
+    out = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+        if int(ppid) == pid and state != "Z" and b"spawn_main" in cmdline:
+            out.append(int(proc.name))
+    return out
+
+
+@pytest.mark.slow  # two servers' start-up on a busy 2-core CPU
+@pytest.mark.parametrize("flags", [("-tp", "2"), ("--data-parallel-size", "2")], ids=["tp2", "dp2"])
+def test_serve_answers_concurrent_requests_like_one_process(checkpoint, flags):
+    with LLM(str(checkpoint), num_kv_blocks=64) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    server, url = _serve(checkpoint, *flags)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+
+        def complete(prompt: str) -> str:
+            return (
+                client.completions.create(
+                    model=str(checkpoint),
+                    prompt=prompt,
+                    max_tokens=24,
+                    temperature=0.0,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                .choices[0]
+                .text
+            )
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(complete, PROMPTS * 2))
+        assert got == expected * 2
+        metrics = http("GET", url + "/metrics").text
+        blocks = 64 * (2 if "--data-parallel-size" in flags else 1)
+        assert f"atom:num_kv_blocks {blocks}" in metrics.replace(".0\n", "\n")
+    finally:
+        _stop(server)
+    assert _workers_of(server.pid) == []
+
+
+@pytest.mark.slow  # a server's start-up with a worker on a busy 2-core CPU
+def test_killing_a_worker_ends_the_server_naming_its_rank(checkpoint):
+    server, url = _serve(checkpoint, "--tensor-parallel-size", "2")
+    try:
+        (worker,) = _workers_of(server.pid)
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        server.wait(timeout=60)
+        # NOTE: a bound against hanging, with room for a busy 2-core CPU; not a speed claim.
+        assert time.monotonic() - killed < 30
+        output = server.stdout.read()
+        assert server.returncode != 0, output
+        assert f"tensor-parallel worker rank 1 (pid {worker}) exited with code -9" in output
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+class _FakeReplica:
+    """What DataParallelEngine needs of an AsyncEngine: requests end when `finish` is called."""
+
+    def __init__(self, blocks: int) -> None:
+        self.engine = self.tokenizer = None
+        self.max_model_len, self.model_path = 64, "m"
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.done: dict[str, asyncio.Event] = {}
+        self.blocks = blocks
+
+    async def add_request(self, request_id, prompt, params):
+        self.added.append(request_id)
+        self.done[request_id] = asyncio.Event()
+
+        async def outputs():
+            await self.done[request_id].wait()
+            yield request_id
+
+        return outputs()
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.added), num_waiting=1, kv_cache_usage=0.5,
+            prefix_cache_hit_rate=0.0, num_preemptions=0, prompt_tokens=0,
+            generation_tokens=10, prompt_throughput=0.0, generation_throughput=1.0,
+            num_kv_blocks=self.blocks, block_size=16,
+        )  # fmt: skip
+
+
+def test_data_parallel_front_balances_by_load_and_sums_stats():
+    async def main() -> None:
+        a, b = _FakeReplica(100), _FakeReplica(300)
+        front = DataParallelEngine([a, b])
+        streams = {i: await front.add_request(str(i), "p", None) for i in range(3)}
+        assert (a.added, b.added) == (["0", "2"], ["1"])  # least loaded first, ties to replica 0
+        a.done["0"].set()
+        assert [x async for x in streams[0]] == ["0"]
+        front.abort("2")  # aborted without being read: its slot frees too
+        assert a.aborted == ["2"] and front.load() == [0, 1]
+        await front.add_request("3", "p", None)
+        assert a.added[-1] == "3"
+        stats = front.stats()
+        assert stats.num_kv_blocks == 400 and stats.num_running == 4 and stats.num_waiting == 2
+        assert stats.kv_cache_usage == 0.5 and stats.generation_tokens == 20
+
+    asyncio.run(main())

@@ -1,0 +1,201 @@
+"""The engine over several ranks on the CPU (gloo, 2 processes): `tensor_parallel_size=2` gives
+the greedy tokens of one rank, with prefix caching and preemption; expert parallelism too; a dead
+worker fails the engine naming its rank; invalid splits fail at start naming the numbers; and no
+process is left behind (the last test)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from transformers import Glm4MoeConfig, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+from atom_engine import LLM, EngineConfig, SamplingParams
+from atom_engine.parallel import check_parallel
+from atom_engine.step_inputs import OP_LAUNCH, OP_RUN, StepInputs, shutdown_message
+from atom_engine.workers import WorkerError
+
+BASE = dict(
+    vocab_size=49152,  # the bundled tokenizer's, saved beside the weights
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+MOE = dict(head_dim=16, num_key_value_heads=2, intermediate_size=96, moe_intermediate_size=32)
+
+CONFIGS = {
+    "llama-mha": lambda: LlamaConfig(**BASE, intermediate_size=96, num_key_value_heads=4),
+    # One KV head, replicated on both ranks.
+    "llama-gqa": lambda: LlamaConfig(**BASE, intermediate_size=96, num_key_value_heads=1),
+    "qwen3": lambda: Qwen3Config(**BASE, intermediate_size=96, num_key_value_heads=2, head_dim=16),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **BASE, **MOE, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True
+    ),
+    # Routed experts + a tensor-parallel shared expert, dense layer 0.
+    "glm4_moe": lambda: Glm4MoeConfig(
+        **BASE,
+        **MOE,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        use_qk_norm=True,
+    ),
+}
+
+# Prompts with a shared prefix of 3 blocks, generated twice (the second round's prefixes come from
+# the cache), and a cache too small for the four sequences at once (preemption by recompute).
+PREFIX = "The quick brown fox jumps over the lazy dog while the cat sleeps. "
+PROMPTS = [PREFIX + "Once upon a time", PREFIX + "def fibonacci(n):", "1, 2, 3,", PREFIX + "Hi"]
+ENGINE = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=64, enforce_eager=True)
+
+
+def generate(path: Path, **engine_args) -> tuple[list[list[int]], object]:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LLM(str(path), **ENGINE, **engine_args) as llm:
+        tokens = []
+        for _ in range(2):
+            outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+            tokens += [o.outputs[0].token_ids for o in outputs]
+        return tokens, llm.engine.stats()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint):
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name], _ = tiny_checkpoint(CONFIGS[name]())
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("name", "tp_args"),
+    [
+        # The overlapped (async) path too: a launch's sampled ids reach the worker's gathers.
+        ("llama-gqa", dict(async_scheduling=True)),
+        # Slow: a worker's start-up is ~1-2 minutes on a loaded 2-core CPU (FusedMoE's expert
+        # split is also checked in process by test_moe_layer.py).
+        pytest.param("qwen3_moe", dict(enable_expert_parallel=True), marks=pytest.mark.slow),
+        pytest.param("llama-mha", {}, marks=pytest.mark.slow),
+        pytest.param("qwen3", {}, marks=pytest.mark.slow),
+        pytest.param("qwen3_moe", {}, marks=pytest.mark.slow),
+        pytest.param("glm4_moe", {}, marks=pytest.mark.slow),
+        pytest.param("glm4_moe", dict(enable_expert_parallel=True), marks=pytest.mark.slow),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "-".join(k for k in v if v[k]) or "tp",
+)
+def test_tp2_greedy_matches_tp1(checkpoint, name, tp_args):
+    path = checkpoint(name)
+    expected, one = generate(path)
+    got, two = generate(path, tensor_parallel_size=2, **tp_args)
+    assert got == expected
+    for stats in (one, two):
+        assert stats.num_preemptions > 0, "the cache was meant to be too small for the batch"
+        assert stats.prefix_cache_hit_rate > 0, "the shared prefix was meant to hit the cache"
+
+
+def test_dead_worker_fails_the_engine_naming_its_rank(checkpoint):
+    llm = LLM(str(checkpoint("llama-gqa")), tensor_parallel_size=2, **ENGINE)
+    try:
+        (worker,) = llm.engine.runner.workers.procs
+        os.kill(worker.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=4), use_tqdm=False)
+        assert time.monotonic() - start < 10
+        with pytest.raises(WorkerError):  # and every later step
+            llm.generate("again", SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_step_inputs_round_trip():
+    inputs = StepInputs(
+        ids=[5, -1, 7, 8, 9],
+        seq_lens=[12, 3],
+        query_lens=[2, 3],
+        tables=[[4, 0, 9], [2]],
+        gathers=[(1, 0)],
+        sample_rows=[1, 4],
+        prompt_rows=[(2, 2)],
+    )
+    for op in (OP_RUN, OP_LAUNCH):
+        assert StepInputs.unpack(inputs.pack(op)) == (op, inputs)
+    assert inputs.positions() == [10, 11, 0, 1, 2]
+    assert StepInputs.unpack(shutdown_message())[1] is None
+
+
+class _Config:  # only the fields check_parallel reads
+    def __init__(self, **fields) -> None:
+        self.__dict__.update(fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "args", "message"),
+    [
+        (dict(num_attention_heads=9, num_key_value_heads=3), dict(tensor_parallel_size=2),
+         "tensor_parallel_size 2 does not divide the model's number of attention heads 9"),
+        (dict(num_attention_heads=8, num_key_value_heads=3), dict(tensor_parallel_size=4),
+         "tensor_parallel_size 4 is not a multiple of the model's 3 KV heads"),
+        (dict(num_attention_heads=8, num_key_value_heads=6), dict(tensor_parallel_size=4),
+         "tensor_parallel_size 4 does not divide the model's number of KV heads 6"),
+        (dict(num_attention_heads=8, num_key_value_heads=8), dict(enable_expert_parallel=True),
+         "enable_expert_parallel needs a mixture-of-experts model; llama has no experts"),
+        (dict(num_attention_heads=8, num_key_value_heads=8, num_experts=6),
+         dict(tensor_parallel_size=4, enable_expert_parallel=True),
+         "tensor_parallel_size 4 does not divide the model's number of routed experts 6"),
+        (dict(num_attention_heads=8, num_key_value_heads=8, num_experts=8,
+              moe_intermediate_size=30), dict(tensor_parallel_size=4),
+         "does not divide the model's expert intermediate size 30 .or enable_expert_parallel"),
+        (dict(num_attention_heads=8, num_key_value_heads=8), dict(
+            device="cuda", tensor_parallel_size=2, data_parallel_size=2),
+         "tensor_parallel_size 2 x data_parallel_size 2 = 4 ranks need 4 GPUs"),
+    ],
+)  # fmt: skip
+def test_invalid_splits_fail_at_start_naming_the_numbers(fields, args, message, monkeypatch):
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    hf_config = _Config(model_type="llama", intermediate_size=64, **fields)
+    with pytest.raises(ValueError, match=message):
+        check_parallel(EngineConfig(**args), hf_config)
+
+
+def test_the_bundled_smollm2_cannot_split_over_two_ranks():
+    """SmolLM2-135M has 9 attention heads and 3 KV heads: it fails before any process starts."""
+    with pytest.raises(ValueError, match="number of attention heads 9"):
+        LLM(tensor_parallel_size=2)
+
+
+def _workers_of(pid: int) -> list[int]:
+    """Live child processes of `pid` started by multiprocessing's spawn (the engine's workers;
+    not its resource tracker)."""
+    out = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+        if int(ppid) == pid and state != "Z" and b"spawn_main" in cmdline:
+            out.append(int(proc.name))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_no_process_left_behind():
+    """Run last in this file: every worker the tests above started has ended."""
+    deadline = time.monotonic() + 10
+    while _workers_of(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _workers_of(os.getpid()) == []
