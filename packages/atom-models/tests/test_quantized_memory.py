@@ -1,0 +1,120 @@
+"""Loading a quantized checkpoint keeps it quantized: no copy in the activation dtype.
+
+A block-FP8 Llama of ~180 MB is loaded in bf16 in a fresh process, which samples its private
+(anonymous) resident memory every millisecond. The peak growth must stay below the quantized size
+plus one decoder layer in bf16 (the issue's bound); a bf16 copy of the weights would be twice the
+quantized size. File-backed pages of the memory-mapped checkpoint are the page cache, shared and
+reclaimable, and are reported separately (VmHWM counts them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig
+
+H, INTER, LAYERS, VOCAB = 1024, 8192, 6, 512
+LINEARS = {
+    "self_attn.q_proj": (H, H),
+    "self_attn.k_proj": (H, H),
+    "self_attn.v_proj": (H, H),
+    "self_attn.o_proj": (H, H),
+    "mlp.gate_proj": (INTER, H),
+    "mlp.up_proj": (INTER, H),
+    "mlp.down_proj": (H, INTER),
+}
+
+MEASURE = r"""
+import json, sys, threading, time
+import torch
+from atom_models import load_model
+
+def kib(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+load_model(sys.argv[2], dtype=torch.bfloat16)  # warm-up: imports and first-op initialization
+peak, done = [0], threading.Event()
+
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], kib("RssAnon"))
+        time.sleep(0.001)
+
+base = kib("RssAnon")
+thread = threading.Thread(target=sample)
+thread.start()
+model = load_model(sys.argv[1], dtype=torch.bfloat16)
+done.set()
+thread.join()
+peak[0] = max(peak[0], kib("RssAnon"))
+dtypes = sorted({str(p.dtype) for p in model.parameters()})
+print(json.dumps({"base": base, "peak": peak[0], "hwm": kib("VmHWM"), "dtypes": dtypes}))
+"""
+
+
+def write_fp8_llama(path, layers: int, hidden: int, inter: int) -> int:
+    """A block-FP8 Llama checkpoint (random values); returns its size in bytes."""
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ).to_dict()
+    config["architectures"] = ["LlamaForCausalLM"]
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(VOCAB, hidden, generator=gen).bfloat16(),
+        "lm_head.weight": torch.randn(VOCAB, hidden, generator=gen).bfloat16(),
+        "model.norm.weight": torch.ones(hidden).bfloat16(),
+    }
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}."
+        for name, (rows, cols) in LINEARS.items():
+            rows = inter if rows == INTER else hidden
+            cols = inter if cols == INTER else hidden
+            weight = torch.randn(rows, cols, generator=gen).to(torch.float8_e4m3fn)
+            tensors[f"{prefix}{name}.weight"] = weight
+            grid = (math.ceil(rows / 128), math.ceil(cols / 128))
+            tensors[f"{prefix}{name}.weight_scale_inv"] = torch.full(grid, 0.01)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"{prefix}{norm}.weight"] = torch.ones(hidden).bfloat16()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def test_fp8_load_peak_is_quantized_size_plus_one_layer(tmp_path):
+    size = write_fp8_llama(tmp_path / "big", LAYERS, H, INTER)
+    write_fp8_llama(tmp_path / "warmup", 1, 256, 512)
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(tmp_path / "big"), str(tmp_path / "warmup")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "torch.float8_e4m3fn" in result["dtypes"]
+    layer_bf16 = sum(r * c for r, c in LINEARS.values()) * 2
+    growth = result["peak"] - result["base"]
+    print(
+        f"quantized {size / 2**20:.0f} MiB, one layer in bf16 {layer_bf16 / 2**20:.0f} MiB, "
+        f"peak private growth {growth / 2**20:.0f} MiB (VmHWM {result['hwm'] / 2**20:.0f} MiB)"
+    )
+    assert growth < size + layer_bf16, (growth, size, layer_bf16)
