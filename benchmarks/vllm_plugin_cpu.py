@@ -242,7 +242,8 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["stock", "atom"], choices=list(CONFIGS))
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--prompts-per-concurrency", type=int, default=8,
-                        help="num_prompts = this x concurrency, at least 16")  # fmt: skip
+                        help="num_prompts: this x concurrency, >= --min-prompts")  # fmt: skip
+    parser.add_argument("--min-prompts", type=int, default=16)
     parser.add_argument("--enforce-eager", action="store_true",
                         help="--enforce-eager for every server (default: vLLM's)")  # fmt: skip
     parser.add_argument("--max-load", type=float, default=None,
@@ -271,7 +272,8 @@ def main() -> None:
             "ignore_eos": True,
             "concurrency": args.concurrency,
             "num_prompts": {
-                str(c): max(16, args.prompts_per_concurrency * c) for c in args.concurrency
+                str(c): max(args.min_prompts, args.prompts_per_concurrency * c)
+                for c in args.concurrency
             },
         },  # fmt: skip
         "server_args": ["--dtype", "float32", "--max-model-len", "512", "--seed", "0", *extra],
