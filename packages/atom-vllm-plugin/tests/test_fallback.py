@@ -1,18 +1,20 @@
 """Configurations ATOM does not support run through vLLM's own implementation, with one WARNING.
 
-- a quantized checkpoint (a tiny Llama whose config.json carries an fp8 `quantization_config`):
-  vLLM's CPU build refuses fp8 in float32 and crashes computing in bfloat16 on this CPU, so the
-  model is constructed (vLLM's `initialize_model`, as its model loader calls it, in bfloat16) and
-  not run: the registry still answers ATOM's wrapper, and what gets built is vLLM's own
-  `LlamaForCausalLM`, with the WARNING line naming the quantization;
-  Its attention layers get vLLM's own backend too (the platform knows the model was handed back);
+- quantization ATOM does not load: a tiny Llama quantized by the test to compressed-tensors INT8
+  (W8A8, as llm-compressor writes it; ATOM loads FP8 only), and vLLM's online quantization of an
+  unquantized checkpoint (`quantization="fp8"`). vLLM's CPU INT8 kernels crash on this CPU and
+  its FP8 path needs bfloat16, which crashes it too, so the model is constructed (vLLM's
+  `initialize_model`, as its model loader calls it) and not run: the registry still answers
+  ATOM's wrapper, and what gets built is vLLM's own `LlamaForCausalLM`, with the WARNING line
+  naming the quantization and why ATOM refuses it. Its attention layers get vLLM's own backend
+  too (the platform knows the model was handed back). Quantization ATOM loads runs on ATOM's
+  model: `test_quantized.py`;
 - prompt embeddings (`enable_prompt_embeds=True`): `vllm.LLM` runs end to end through vLLM's own
   model, on the same greedy tokens as with the plugin disabled, with the WARNING line.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -42,8 +44,8 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.model_loader.utils import initialize_model
 from vllm.utils.network_utils import get_open_port
 
-config = EngineArgs(model={model!r}, dtype="bfloat16", enforce_eager=True,
-                    max_model_len=256).create_engine_config()
+config = EngineArgs(model={model!r}, dtype={dtype!r}, quantization={quantization!r},
+                    enforce_eager=True, max_model_len=256).create_engine_config()
 registered, _ = ModelRegistry.resolve_model_cls(["LlamaForCausalLM"], config.model_config)
 with set_current_vllm_config(config):
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
@@ -101,16 +103,33 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_fp8_llama(tiny_llama, tmp_path_factory) -> Path:
-    """The tiny Llama declared as an fp8 checkpoint (vLLM quantizes its weights on load)."""
-    path = tmp_path_factory.mktemp("tiny-llama-fp8")
-    for item in tiny_llama.iterdir():
-        (path / item.name).symlink_to(item)
-    (path / "config.json").unlink()
-    config = json.loads((tiny_llama / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+def tiny_int8_llama(tiny_llama, tmp_path_factory) -> Path:
+    """The tiny Llama in compressed-tensors INT8 W8A8 (per-channel int8 weights, dynamic
+    per-token int8 activations): a format vLLM loads and ATOM does not."""
+    import torch
+
+    from atom_models.testing import write_quantized_checkpoint
+
+    def quantize(name, tensor):
+        scale = tensor.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        q = (tensor / scale).round().clamp(-128, 127).to(torch.int8)
+        return {name: q, name.replace(".weight", ".weight_scale"): scale}
+
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True}
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**int8, "strategy": "channel", "dynamic": False},
+                "input_activations": {**int8, "strategy": "token", "dynamic": True},
+            }
+        },
+    }
+    path = tmp_path_factory.mktemp("tiny-llama-int8")
+    return write_quantized_checkpoint(tiny_llama, path, config, quantize)
 
 
 def warnings_naming(result: dict, reason: str) -> list[str]:
@@ -126,9 +145,27 @@ def warnings_naming(result: dict, reason: str) -> list[str]:
     return printed + held
 
 
-def test_quantized_checkpoint_builds_vllms_own_model(run_python, tiny_fp8_llama) -> None:
-    result = run_python(CAPTURE + CONSTRUCT.format(model=str(tiny_fp8_llama)))
-    assert result["quantization"] == "fp8"
+# checkpoint fixture, dtype, --quantization -> vLLM's quantization, the reason in the WARNING
+UNSUPPORTED_QUANTIZATION = {
+    "compressed-tensors-int8": (
+        "tiny_int8_llama", "float32", None, "compressed-tensors",
+        "a quantized checkpoint (quantization='compressed-tensors': quantization_config "
+        "(compressed-tensors): format 'int-quantized' is not supported (only float-quantized FP8)",
+    ),
+    "online-fp8": (
+        "tiny_llama", "bfloat16", "fp8", "fp8",
+        "online quantization (quantization='fp8' of an unquantized checkpoint)",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", UNSUPPORTED_QUANTIZATION)
+def test_unsupported_quantization_builds_vllms_own_model(request, run_python, case) -> None:
+    fixture, dtype, quantization, resolved, reason = UNSUPPORTED_QUANTIZATION[case]
+    model = str(request.getfixturevalue(fixture))
+    code = CONSTRUCT.format(model=model, dtype=dtype, quantization=quantization)
+    result = run_python(CAPTURE + code)
+    assert result["quantization"] == resolved
     # The registry maps the architecture to ATOM's wrapper; the wrapper built vLLM's own class.
     assert result["registered"] == "atom_vllm_plugin.model.AtomForCausalLM"
     assert result["built"] == VLLM_LLAMA
@@ -136,7 +173,7 @@ def test_quantized_checkpoint_builds_vllms_own_model(run_python, tiny_fp8_llama)
     assert result["attention"] == [CPU_ATTN_IMPL]
     assert result["counters"]["models_built"] == 0
     assert result["counters"]["models_handed_back"] == 1
-    lines = warnings_naming(result, "a quantized checkpoint (quantization='fp8')")
+    lines = warnings_naming(result, reason)
     assert len(lines) == 1 and VLLM_LLAMA in lines[0], result["logged"]
 
 

@@ -73,12 +73,9 @@ def unsupported_reason(vllm_config: Any) -> str | None:
     pp = vllm_config.parallel_config.pipeline_parallel_size
     if pp != 1:
         return f"pipeline parallelism (pipeline_parallel_size={pp})"
-    hf_quant = getattr(model.hf_config, "quantization_config", None)
-    if model.quantization is not None or hf_quant is not None:
-        method = model.quantization
-        if method is None and isinstance(hf_quant, dict):
-            method = hf_quant.get("quant_method")
-        return f"a quantized checkpoint (quantization={method!r})"
+    quantization = quantization_unsupported(model)
+    if quantization is not None:
+        return quantization
     if getattr(model, "enable_prompt_embeds", False):
         return "prompt embeddings (enable_prompt_embeds=True)"
     if getattr(vllm_config, "lora_config", None) is not None:
@@ -87,6 +84,34 @@ def unsupported_reason(vllm_config: Any) -> str | None:
     convert = getattr(model, "convert_type", "none")
     if runner != "generate" or convert != "none":
         return f"a non-generative runner (runner={runner}, convert={convert})"
+    return None
+
+
+def quantization_unsupported(model_config: Any) -> str | None:
+    """Why ATOM's model cannot run this checkpoint's quantization, or None when it can.
+
+    ATOM runs a quantized checkpoint when atom-models loads its `quantization_config` (FP8 block /
+    per-tensor / per-channel, compressed-tensors FP8, ModelOpt FP8, MXFP4 experts): `build_model`
+    builds ATOM's quantized layers from the checkpoint's own config, so the quant_config vLLM
+    built from it (`VllmConfig.quant_config`) is never used. Quantization ATOM does not load,
+    and vLLM's online quantization of an unquantized checkpoint (`--quantization fp8` on bf16
+    weights), go to vLLM's own model.
+    """
+    from atom_models.quantization import parse_quant_config, quantization_config_of
+
+    raw = quantization_config_of(model_config.hf_config)
+    if raw is None:
+        if model_config.quantization is not None:
+            return (
+                f"online quantization (quantization={model_config.quantization!r} of an "
+                "unquantized checkpoint)"
+            )
+        return None
+    try:
+        parse_quant_config(model_config.hf_config)
+    except ValueError as error:
+        method = raw.get("quant_method", model_config.quantization)
+        return f"a quantized checkpoint (quantization={method!r}: {error})"
     return None
 
 
