@@ -331,3 +331,75 @@ def test_unsupported_quantization_fails_at_load_naming_it(name, tiny_checkpoint,
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         LLM(str(src), dtype="float32", device="cpu")
+
+
+def test_atom_serve_answers_from_an_fp8_checkpoint(tiny_checkpoint, tmp_path):
+    """The real `atom serve --model <fp8 dir>` process answers with the engine's own greedy text."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from atom_engine.testing import http
+
+    src, _ = tiny_checkpoint(BLOCK_FP8["qwen3"][0](), seed=7)
+    dst = write_quantized_checkpoint(
+        src, tmp_path / "fp8", fp8_config((32, 32)), block_fp8((32, 32))
+    )
+    expected = (
+        LLM(str(dst), dtype="float32", device="cpu")
+        .generate(
+            ["The capital of France is"],
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        )[0]
+        .outputs[0]
+        .text
+    )
+    atom = str(Path(sys.executable).parent / "atom")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            atom,
+            "serve",
+            "--model",
+            str(dst),
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--served-model-name",
+            "fp8",
+        ],  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "atom serve did not start"
+            try:
+                if http("GET", f"{base}/health").status_code == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        body = {
+            "model": "fp8",
+            "prompt": "The capital of France is",
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        response = http("POST", f"{base}/v1/completions", json.dumps(body).encode())
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == expected
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
