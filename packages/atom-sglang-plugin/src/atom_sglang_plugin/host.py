@@ -5,7 +5,10 @@ atom-models asks its host for each attention layer (`AttentionHost.make_attentio
 that is SGLang's own `RadixAttention`, so SGLang's KV-cache pools, radix cache and the attention
 backend SGLang selected (`--attention-backend`) all apply unchanged. The step's `ForwardBatch`
 reaches the layers through SGLang's own current-batch scope (`set_forward_batch`), which the
-wrapper opens around each forward, never through the atom-models forward signatures.
+wrapper opens around each forward, never through the atom-models forward signatures. SGLang's
+`--kv-cache-dtype` sizes its pools and reaches its backends unchanged; the checkpoint's per-tensor
+k/v scales go to each RadixAttention's `k_scale` / `v_scale` (see `apply_kv_scales`), where
+SGLang's own models put them and its backends read them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class SglangAttention(nn.Module):
         if spec.has_sinks:
             # Sinks reach SGLang's backends as a per-call kwarg that only some backends accept.
             raise NotImplementedError(f"{prefix}: attention sinks are not wired to SGLang yet")
+        self.kv_scales: dict[str, float] = {}  # the checkpoint's, "k" / "v"
         self.attn = RadixAttention(
             num_heads=spec.num_heads,
             head_dim=spec.head_size,
@@ -41,11 +45,30 @@ class SglangAttention(nn.Module):
             prefix=prefix,
         )
 
+    def set_kv_scale(self, which: str, value: float) -> None:
+        """The checkpoint's per-tensor KV-cache scale ("k" or "v"), for `apply_kv_scales`."""
+        self.kv_scales[which] = value
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
     ) -> torch.Tensor:
         # q [T, H*D], k / v [T, Hk*D] -> [T, H*D]
         return self.attn(q, k, v, get_forward_batch())
+
+
+def apply_kv_scales(model: nn.Module, device: torch.device) -> int:
+    """After loading: set each RadixAttention's `k_scale` / `v_scale` (a float32 tensor on
+    `device`) and `k_scale_float` / `v_scale_float` to the checkpoint's scales, as SGLang's
+    kv-cache quant method does for its own models. Returns how many scales were set."""
+    count = 0
+    for module in model.modules():
+        for which, value in getattr(module, "kv_scales", {}).items():
+            attn = getattr(module, "attn", None)
+            if isinstance(attn, RadixAttention):
+                setattr(attn, f"{which}_scale", torch.tensor(value, device=device))
+                setattr(attn, f"{which}_scale_float", value)
+                count += 1
+    return count
 
 
 class SglangAttentionHost:

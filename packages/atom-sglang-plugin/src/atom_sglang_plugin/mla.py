@@ -26,6 +26,7 @@ class SglangMLAAttention(nn.Module):
         self.spec = spec
         # Held, not registered: kv_b_proj is the attention module's (and its checkpoint name).
         self._kv_b_proj = (kv_b_proj,)
+        self.kv_scales: dict[str, float] = {}  # the checkpoint's (host.apply_kv_scales)
         self.attn = RadixAttention(
             num_heads=spec.num_heads,
             head_dim=spec.kv_lora_rank + spec.qk_rope_head_dim,
@@ -35,6 +36,9 @@ class SglangMLAAttention(nn.Module):
             v_head_dim=spec.kv_lora_rank,
             prefix=prefix,
         )
+
+    def set_kv_scale(self, which: str, value: float) -> None:
+        self.kv_scales[which] = value
 
     def forward(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor

@@ -21,7 +21,7 @@ from sglang.srt.runtime_context import get_server_args
 from torch import nn
 
 from atom_sglang_plugin.config import AtomSglangConfig
-from atom_sglang_plugin.host import SglangAttentionHost, SglangTPGroup
+from atom_sglang_plugin.host import SglangAttentionHost, SglangTPGroup, apply_kv_scales
 from atom_sglang_plugin.log import info_once
 
 
@@ -99,4 +99,5 @@ class AtomForCausalLM(nn.Module):
         strict loader raises `CheckpointMismatchError` naming what is missing or unexpected).
         Returns the loaded parameter names as SGLang sees them (under `model.`)."""
         loaded = self.model.load_weights(weights)
+        apply_kv_scales(self.model, self.lm_head.weight.device)
         return {f"model.{name}" for name in loaded}
