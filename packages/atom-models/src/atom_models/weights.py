@@ -44,6 +44,7 @@ def load_weights(
     mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     aliases = _kv_scale_aliases(params)
+    index = _mapping_index(mapping)
     loaded_shards: dict[str, set] = {}
     unexpected: list[str] = []
     for name, tensor in weights:
@@ -52,7 +53,7 @@ def load_weights(
         if name in aliases:
             param_name, shard_id = aliases[name], None
         else:
-            param_name, shard_id = _target(name, mapping)
+            param_name, shard_id = _target(name, index)
         param = params.get(param_name)
         if param is None:
             unexpected.append(name)
@@ -106,17 +107,32 @@ def _kv_scale_aliases(params: dict[str, nn.Parameter]) -> dict[str, str]:
     return aliases
 
 
-def _target(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
+def _target(name: str, index: dict[str, tuple[int, str, Any]]) -> tuple[str, Any]:
     """The parameter a checkpoint tensor loads into, and its shard id (None: not packed).
 
     A mapping key matches whole dotted components of the name, in its middle or at its end
-    (`experts.0.w1.weight`, `experts.gate_up_proj`); the first matching key wins.
+    (`experts.0.w1.weight`, `experts.gate_up_proj`); the first matching key (in the mapping's
+    order) wins. `index` is `_mapping_index(mapping)`: the name's spans of components are looked
+    up, never the mapping scanned (a DeepSeek-V3 mapping has thousands of expert keys and its
+    checkpoint ~10^5 tensors).
     """
-    dotted = f"{name}."
-    for ckpt_part, (param_part, shard_id) in mapping.items():
-        if f".{ckpt_part}." in dotted:
-            return dotted.replace(f".{ckpt_part}.", f".{param_part}.")[:-1], shard_id
-    return name, None
+    parts = name.split(".")
+    best = None  # (order, start, end)
+    for start in range(1, len(parts)):  # a key never starts the name
+        for end in range(start + 1, len(parts) + 1):
+            hit = index.get(".".join(parts[start:end]))
+            if hit is not None and (best is None or hit[0] < best[0]):
+                best = (hit[0], start, end)
+    if best is None:
+        return name, None
+    order, start, end = best
+    _, param_part, shard_id = index[".".join(parts[start:end])]
+    return ".".join([*parts[:start], param_part, *parts[end:]]), shard_id
+
+
+def _mapping_index(mapping: dict[str, tuple[str, Any]]) -> dict[str, tuple[int, str, Any]]:
+    """key -> (its order in the mapping, param part, shard id)."""
+    return {key: (order, *value) for order, (key, value) in enumerate(mapping.items())}
 
 
 def _mismatch_message(missing: list[str], unexpected: list[str]) -> str:
