@@ -254,13 +254,13 @@ def test_mxfp4_gpt_oss_matches_transformers(tiny_checkpoint, greedy_reference, t
     assert atom_greedy(dst) == hf_greedy_all(ref, greedy_reference)
 
 
-@pytest.mark.parametrize("strategy", ["tensor", "channel"])
-def test_compressed_tensors_fp8_matches_dequantized_checkpoint(
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "modelopt"])
+def test_per_tensor_and_per_channel_fp8_match_dequantized_checkpoint(
     strategy, tiny_checkpoint, greedy_reference, tmp_path
 ):
     config = LlamaConfig(**TINY, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
     src, _ = tiny_checkpoint(config, seed=9)
-    quantizer = fp8_tensor_quantize if strategy == "tensor" else fp8_channel_quantize
+    quantizer = fp8_channel_quantize if strategy == "channel" else fp8_tensor_quantize
     dequantized: dict[str, torch.Tensor] = {}
 
     def quantize(name, tensor):
@@ -269,7 +269,7 @@ def test_compressed_tensors_fp8_matches_dequantized_checkpoint(
             q.float() * scale.reshape(-1, 1) if scale.numel() > 1 else q.float() * scale
         )
         out = {name: q, name.replace(".weight", ".weight_scale"): scale}
-        if strategy == "tensor":  # static per-tensor activations
+        if strategy != "channel":  # static per-tensor activations
             out[name.replace(".weight", ".input_scale")] = torch.tensor([0.05])
         return out
 
@@ -296,6 +296,12 @@ def test_compressed_tensors_fp8_matches_dequantized_checkpoint(
         },
         "ignore": ["lm_head"],
     }
+    if strategy == "modelopt":  # NVIDIA ModelOpt FP8: per-tensor weights, static activations
+        quant_config = {
+            "quant_method": "modelopt",
+            "quant_algo": "FP8",
+            "exclude_modules": ["lm_head"],
+        }
     dst = write_quantized_checkpoint(src, tmp_path / "ct", quant_config, quantize)
     # The reference: the same numbers, stored unquantized.
     ref_dir = with_weights(src, tmp_path / "ref", dequantized)
