@@ -21,6 +21,7 @@ from atom_kernels.ops.sampling import (
     apply_top_k_top_p_min_p,
     sample,
 )
+from atom_kernels.ops.spec_decode import rejection_sample
 
 __all__ = [
     "SamplerOutput",
@@ -39,6 +40,7 @@ __all__ = [
     "mla_paged_attention",
     "paged_attention",
     "per_token_group_quant_fp8",
+    "rejection_sample",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",

@@ -14,4 +14,5 @@ from atom_kernels.backends.torch import (  # noqa: F401  (imported to register t
     quant,
     rotary,
     sampling,
+    spec_decode,
 )
