@@ -10,19 +10,25 @@ object's `get_supported_act_dtypes`. So:
   same with the plugin as without it; ATOM never sees the model. In bfloat16 vLLM accepts them;
 - compressed-tensors FP8 is accepted in float32.
 
+For GPT-OSS vLLM also renames the method, in place, in the HF config its model gets ("mxfp4" ->
+"gpt_oss_mxfp4"); atom-models reads that name as mxfp4.
+
 Where vLLM accepts it, ATOM's model runs the checkpoint with ATOM's quantized layers, built from the
-checkpoint's own config (vLLM's quant_config object is left unused): `vllm.LLM` on a tiny Llama
-quantized by the test (block FP8 [32, 64] in bfloat16; compressed-tensors FP8 per-channel in
-float32) holds float8_e4m3fn weights -- the checkpoint's own bytes -- with their scales inside
-ATOM's model, no vLLM quantization method, and gives the same greedy tokens as ATOM's engine
-(`atom_engine.LLM`) on the same checkpoint and dtype. (vLLM's own FP8 path cannot be the reference
-here: bfloat16 compute crashes vLLM's CPU kernels on these machines, see conftest.)
+checkpoint's own config (vLLM's quant_config object is left unused): `vllm.LLM` on tiny checkpoints
+quantized by the test -- a Llama in block FP8 ([32, 64] blocks, bfloat16) and in
+compressed-tensors FP8 per-channel (float32), a GPT-OSS with MXFP4 experts (bfloat16) -- holds the
+checkpoint's own quantized bytes (float8_e4m3fn weights; e2m1 / e8m0 experts in uint8) with their
+scales inside ATOM's model, no vLLM quantization method, and gives the same greedy tokens as ATOM's
+engine (`atom_engine.LLM`) on the same checkpoint and dtype. (vLLM's own quantized paths cannot be
+the reference here: bfloat16 compute crashes vLLM's CPU kernels on these machines, see conftest.)
 
 Quantization ATOM does not load still goes to vLLM's own model: `test_fallback.py`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -53,8 +59,10 @@ def inspect(wrapper):
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     model = wrapper.model
     ckpt = load_file({model!r} + "/model.safetensors")
-    attn = model.model.layers[0].self_attn
-    q, k, v = (ckpt[f"model.layers.0.self_attn.{{n}}_proj.weight"] for n in "qkv")
+    params = dict(model.named_parameters())
+    def as_is(name, names):
+        packed = torch.cat([ckpt[n] for n in names]).reshape(params[name].shape)
+        return bool(torch.equal(params[name].view(torch.uint8), packed.view(torch.uint8)))
     return {{
         "wrapper": type(wrapper).__module__ + "." + type(wrapper).__qualname__,
         "inner": type(model).__module__ + "." + type(model).__qualname__,
@@ -67,9 +75,7 @@ def inspect(wrapper):
                                                QuantizeMethodBase)}}),
         "attention": sorted({{type(m.impl).__qualname__ for m in wrapper.modules()
                               if isinstance(m, Attention)}}),
-        # the checkpoint's FP8 bytes, packed q|k|v, are what ATOM's qkv_proj holds
-        "qkv_bytes_equal": bool(torch.equal(attn.qkv_proj.weight.view(torch.uint8),
-                                            torch.cat([q, k, v]).view(torch.uint8))),
+        "loaded_as_is": {{n: as_is(n, names) for n, names in {loaded_as_is!r}.items()}},
     }}
 
 (info,) = llm.apply_model(inspect)
@@ -110,25 +116,29 @@ print(json.dumps({{"results": results, "platform": type(current_platform).__name
 """
 
 
-# -- checkpoints ---------------------------------------------------------------------------------
+# -- checkpoints (tiny random ones saved by transformers, quantized here) ----------------------
+
+LLAMA = dict(
+    vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+)  # fmt: skip
+GPT_OSS = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+    num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+)  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> Path:
+def tiny_llama(tmp: Path) -> Path:
     from transformers import LlamaConfig
 
     from atom_models.testing import save_random_checkpoint
 
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-    )  # fmt: skip
-    save_random_checkpoint(config, path, seed=7)
-    return path
+    save_random_checkpoint(LlamaConfig(**LLAMA), tmp / "llama", seed=7)
+    return tmp / "llama"
 
 
-def block_fp8_checkpoint(src: Path, dst: Path) -> Path:
+def block_fp8_checkpoint(tmp: Path) -> Path:
     """DeepSeek-V3 / Qwen3-FP8 layout: float8_e4m3fn weights, fp32 `weight_scale_inv` per block."""
     from atom_models.testing import fp8_block_quantize, write_quantized_checkpoint
 
@@ -138,10 +148,10 @@ def block_fp8_checkpoint(src: Path, dst: Path) -> Path:
 
     config = {"quant_method": "fp8", "activation_scheme": "dynamic",
               "weight_block_size": list(BLOCK)}  # fmt: skip
-    return write_quantized_checkpoint(src, dst, config, quantize)
+    return write_quantized_checkpoint(tiny_llama(tmp), tmp / "fp8-block", config, quantize)
 
 
-def compressed_fp8_checkpoint(src: Path, dst: Path) -> Path:
+def compressed_fp8_checkpoint(tmp: Path) -> Path:
     """llm-compressor's FP8 per-channel weights, dynamic per-token activations (FP8_DYNAMIC)."""
     from atom_models.testing import fp8_channel_quantize, write_quantized_checkpoint
 
@@ -162,7 +172,7 @@ def compressed_fp8_checkpoint(src: Path, dst: Path) -> Path:
             }
         },
     }
-    return write_quantized_checkpoint(src, dst, config, quantize)
+    return write_quantized_checkpoint(tiny_llama(tmp), tmp / "compressed-fp8", config, quantize)
 
 
 def mxfp4_gpt_oss_checkpoint(tmp: Path) -> Path:
@@ -175,14 +185,10 @@ def mxfp4_gpt_oss_checkpoint(tmp: Path) -> Path:
         write_quantized_checkpoint,
     )
 
-    config = GptOssConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-    )  # fmt: skip
-    save_random_checkpoint(config, tmp / "gpt-oss", seed=5)
+    save_random_checkpoint(GptOssConfig(**GPT_OSS), tmp / "gpt-oss", seed=5)
 
     def quantize(name, tensor):
+        # Published GPT-OSS: experts [E, in, out] in bf16; MXFP4 blocks are [E, out, in / 32, 16].
         base = name.removesuffix("_proj")
         blocks, scales = mxfp4_quantize(tensor.transpose(1, 2))
         return {f"{base}_proj_blocks": blocks, f"{base}_proj_scales": scales}
@@ -200,59 +206,101 @@ def mxfp4_gpt_oss_checkpoint(tmp: Path) -> Path:
 
 # -- where vLLM accepts the method: ATOM's quantized layers ------------------------------------
 
-# name -> (checkpoint writer, a dtype vLLM accepts the method in, the weight scale's name and
-# grid, the quantization vLLM resolves and the quant_config class it builds for it)
+
+@dataclass(frozen=True)
+class Case:
+    write: Callable[[Path], Path]  # tmp dir -> checkpoint
+    dtype: str  # one vLLM accepts the method in
+    quantization: str  # what vLLM resolves the method to
+    quant_config: str  # the class of the quant_config vLLM builds for it
+    # an ATOM parameter -> the checkpoint tensors it holds, as they are (packed along dim 0)
+    loaded_as_is: dict[str, list[str]]
+
+
+QKV = {"model.layers.0.self_attn.qkv_proj.weight":
+       [f"model.layers.0.self_attn.{n}_proj.weight" for n in "qkv"]}  # fmt: skip
 CASES = {
-    "fp8-block": (
-        block_fp8_checkpoint, "bfloat16", "weight_scale_inv", "block", "fp8", "Fp8Config"
+    "fp8-block": Case(block_fp8_checkpoint, "bfloat16", "fp8", "Fp8Config", QKV),
+    "compressed-tensors-fp8-channel": Case(
+        compressed_fp8_checkpoint, "float32", "compressed-tensors", "CompressedTensorsConfig", QKV
     ),
-    "compressed-tensors-fp8-channel": (
-        compressed_fp8_checkpoint, "float32", "weight_scale", "row",
-        "compressed-tensors", "CompressedTensorsConfig",
+    # vLLM renames GPT-OSS's "mxfp4" to "gpt_oss_mxfp4" in the HF config it hands the model.
+    "mxfp4-gpt-oss": Case(
+        mxfp4_gpt_oss_checkpoint, "bfloat16", "gpt_oss_mxfp4", "GptOssMxfp4Config",
+        {"model.layers.0.mlp.experts.w2_weight": ["model.layers.0.mlp.experts.down_proj_blocks"],
+         "model.layers.0.mlp.experts.w2_weight_scale":
+             ["model.layers.0.mlp.experts.down_proj_scales"]},
     ),
 }  # fmt: skip
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def quantized_run(request, tiny_llama, tmp_path_factory, run_python) -> dict:
-    write, dtype, scale_name, grid, quantization, quant_config = CASES[request.param]
-    path = write(tiny_llama, tmp_path_factory.mktemp(request.param))
-    common = dict(model=str(path), dtype=dtype, max_tokens=MAX_TOKENS, prompts=PROMPTS)
-    vllm = run_python(VLLM_RUN.format(**common), timeout=600)
+def quantized_run(request, tmp_path_factory, run_python) -> dict:
+    case = CASES[request.param]
+    path = case.write(tmp_path_factory.mktemp(request.param))
+    common = dict(model=str(path), dtype=case.dtype, max_tokens=MAX_TOKENS, prompts=PROMPTS)
+    vllm = run_python(VLLM_RUN.format(**common, loaded_as_is=case.loaded_as_is), timeout=600)
     engine = run_python(ENGINE_RUN.format(**common), timeout=600)
-    return {
-        "vllm": vllm, "engine": engine, "dtype": dtype, "scale": scale_name, "grid": grid,
-        "vllm_quant": [quantization, quant_config],
-    }  # fmt: skip
+    return {"name": request.param, "case": case, "vllm": vllm, "engine": engine}
+
+
+def check_fp8_linears(run: dict, scale_name: str) -> list[str]:
+    """Every linear layer of the Llama: FP8 weight, its fp32 scales, ATOM's FP8 method."""
+    params = run["params"]
+    for layer in range(LLAMA["num_hidden_layers"]):
+        for linear in LINEARS:
+            name = f"model.layers.{layer}.{linear}"
+            dtype, (n, k) = params[f"{name}.weight"]
+            assert dtype == "float8_e4m3fn", name
+            assert run["methods"][name] == "Fp8LinearMethod", name
+            scale_dtype, scale_shape = params[f"{name}.{scale_name}"]
+            assert scale_dtype == "float32", name
+            if scale_name == "weight_scale_inv":  # one per [32, 64] block
+                assert scale_shape == [-(-n // BLOCK[0]), -(-k // BLOCK[1])], name
+            else:  # one per output channel
+                assert scale_shape == [n], name
+    return ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+
+
+def check_mxfp4_experts(run: dict) -> list[str]:
+    """Every expert layer of the GPT-OSS: e2m1 pairs and e8m0 scales (uint8), ATOM's MXFP4
+    method; attention and router unquantized."""
+    params = run["params"]
+    e, h, i = GPT_OSS["num_local_experts"], GPT_OSS["hidden_size"], GPT_OSS["intermediate_size"]
+    for layer in range(GPT_OSS["num_hidden_layers"]):
+        name = f"model.layers.{layer}.mlp.experts"
+        assert run["methods"][name] == "Mxfp4MoEMethod", name
+        assert params[f"{name}.w13_weight"] == ["uint8", [e, 2 * i, h // 2]]
+        assert params[f"{name}.w2_weight"] == ["uint8", [e, h, i // 2]]
+        assert params[f"{name}.w13_weight_scale"] == ["uint8", [e, 2 * i, h // 32]]
+        assert params[f"{name}.w2_weight_scale"] == ["uint8", [e, h, i // 32]]
+        for unquantized in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.router"):
+            name = f"model.layers.{layer}.{unquantized}"
+            assert run["methods"][name] == "UnquantizedLinearMethod", name
+    layer = "model.layers.0"
+    return ["model.embed_tokens.weight", "lm_head.weight", f"{layer}.mlp.router.weight",
+            f"{layer}.self_attn.qkv_proj.weight", f"{layer}.self_attn.sinks"]  # fmt: skip
 
 
 def test_vllm_runs_atoms_quantized_layers(quantized_run) -> None:
-    run, dtype = quantized_run["vllm"], quantized_run["dtype"]
+    run, case = quantized_run["vllm"], quantized_run["case"]
     assert run["wrapper"] == "atom_vllm_plugin.model.AtomForCausalLM"
-    assert run["inner"] == "atom_models.models.llama.LlamaForCausalLM"
+    assert run["inner"].startswith("atom_models.models.")
     assert run["counters"]["models_built"] == 1 and run["counters"]["models_handed_back"] == 0
     assert run["counters"]["model_forwards"] >= MAX_TOKENS
     assert run["attention"] == ["AtomAttentionImpl"]
     assert not [m for level, m in run["logged"] if level == "WARNING"], run["logged"]
-    params = run["params"]
-    for layer in range(2):
-        for linear in LINEARS:
-            name = f"model.layers.{layer}.{linear}"
-            dtype_w, (n, k) = params[f"{name}.weight"]
-            assert dtype_w == "float8_e4m3fn", name
-            assert run["methods"][name] == "Fp8LinearMethod", name
-            scale_dtype, scale_shape = params[f"{name}.{quantized_run['scale']}"]
-            assert scale_dtype == "float32", name
-            if quantized_run["grid"] == "block":
-                assert scale_shape == [-(-n // BLOCK[0]), -(-k // BLOCK[1])], name
-            else:
-                assert scale_shape == [n], name
-    assert run["qkv_bytes_equal"]  # the checkpoint's FP8 values, loaded as they are
-    # Embeddings, the LM head and the norms stay in the activation dtype.
-    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-                 "model.layers.0.input_layernorm.weight"):  # fmt: skip
-        assert params[name][0] == dtype, name
+    if quantized_run["name"] == "mxfp4-gpt-oss":
+        unquantized = check_mxfp4_experts(run)
+    else:
+        scale = "weight_scale_inv" if case.quantization == "fp8" else "weight_scale"
+        unquantized = check_fp8_linears(run, scale)
+    # Embeddings, the LM head, norms (and router, attention for GPT-OSS) in the activation dtype.
+    for name in unquantized + ["model.layers.0.input_layernorm.weight"]:
+        assert run["params"][name][0] == case.dtype, name
+    # The checkpoint's quantized bytes, loaded as they are.
+    assert run["loaded_as_is"] == {name: True for name in case.loaded_as_is}
     # vLLM built its own quant_config from the checkpoint; no layer of the model uses it.
     assert run["vllm_methods"] == []
 
@@ -264,17 +312,17 @@ def test_greedy_tokens_match_atoms_engine(quantized_run) -> None:
 
 
 def test_vllm_builds_its_own_quant_config_for_the_method(quantized_run) -> None:
-    run = quantized_run["vllm"]
-    assert [run["quantization"], run["quant_config"]] == quantized_run["vllm_quant"]
+    run, case = quantized_run["vllm"], quantized_run["case"]
+    assert [run["quantization"], run["quant_config"]] == [case.quantization, case.quant_config]
 
 
 # -- where vLLM refuses the method: its own error, before any model is built ------------------
 
 
-def test_vllm_refuses_fp8_and_mxfp4_in_float32(tiny_llama, tmp_path, run_python) -> None:
-    fp8 = str(block_fp8_checkpoint(tiny_llama, tmp_path / "fp8"))
+def test_vllm_refuses_fp8_and_mxfp4_in_float32(tmp_path, run_python) -> None:
+    fp8 = str(block_fp8_checkpoint(tmp_path))
     mxfp4 = str(mxfp4_gpt_oss_checkpoint(tmp_path))
-    compressed = str(compressed_fp8_checkpoint(tiny_llama, tmp_path / "compressed"))
+    compressed = str(compressed_fp8_checkpoint(tmp_path))
     code = RESOLVE.format(models=[fp8, mxfp4, compressed])
     atom = run_python(code)
     stock = run_python(code, ATOM_DISABLE_VLLM_PLUGIN="1")

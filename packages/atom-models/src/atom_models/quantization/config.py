@@ -226,4 +226,7 @@ _PARSERS = {
     "compressed_tensors": _parse_compressed_tensors,
     "modelopt": _parse_modelopt,
     "mxfp4": _parse_mxfp4,
+    # vLLM renames GPT-OSS's "mxfp4" in the HF config it hands its models (in place, while it
+    # resolves its config: GptOssForCausalLMConfig), so ATOM's models under vLLM read this name.
+    "gpt_oss_mxfp4": _parse_mxfp4,
 }
