@@ -258,10 +258,10 @@ import gc, json
 from vllm import LLM, SamplingParams
 from vllm.v1.worker.gpu.cudagraph_utils import has_compiled_submodule
 
-params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8, 9], list(range(100, 140)), [42] * 3)]
 out = {}
-for name, eager in (("eager", True), ("compiled", False)):
+for name, eager in RUNS:
     llm = LLM(model=MODEL, dtype="float32", enforce_eager=eager, max_model_len=512, seed=0)
     tokens = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
     (compiled,) = llm.apply_model(has_compiled_submodule)
@@ -272,13 +272,50 @@ print(json.dumps(out))
 """
 
 
+def generate(run_python, model_dir, runs, max_tokens=12, **switches) -> dict:
+    code = f"MODEL, RUNS, MAX_TOKENS = {str(model_dir)!r}, {runs!r}, {max_tokens}\n" + GENERATE
+    return run_python(code, timeout=900, **switches)
+
+
 def test_compiled_model_generates_the_same_tokens(run_python, smollm2_dir) -> None:
     """vLLM's torch.compile traces ATOM's model (Dynamo over atom-models, vLLM's attention op as
     the split point) and the compiled model greedily generates what the eager one does. On this
     CPU with ATOM_VLLM_PLUGIN_COMPILE=1 and Dynamo's eager backend (VLLM_CPU_CI_ENV=1), the
     tracing GPUs get by default, without Inductor's code generation."""
-    code = f"MODEL = {str(smollm2_dir)!r}\n" + GENERATE
-    run = run_python(code, timeout=900, ATOM_VLLM_PLUGIN_COMPILE="1", VLLM_CPU_CI_ENV="1")
+    runs = [("eager", True), ("compiled", False)]
+    run = generate(run_python, smollm2_dir, runs, ATOM_VLLM_PLUGIN_COMPILE="1", VLLM_CPU_CI_ENV="1")
     assert not run["eager"]["compiled"]
     assert run["compiled"]["compiled"]
     assert run["compiled"]["tokens"] == run["eager"]["tokens"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, smollm2_dir):
+    from transformers import AutoTokenizer, LlamaConfig
+
+    from atom_models.testing import save_random_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny-llama-graphs")
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    save_random_checkpoint(config, path, seed=1, tokenizer=tokenizer)
+    return path
+
+
+def test_compiled_model_on_triton_kernels(run_python, tiny_llama) -> None:
+    """The GPU path of the same tracing: atom_kernels' Triton ops (interpreted on this CPU) enter
+    vLLM's compiled graph as ATOM's custom ops with their fake implementations, ATOM's Triton
+    attention runs at vLLM's split points, and the tokens equal the torch reference's, eager."""
+    reference = generate(run_python, tiny_llama, [("eager", True)], max_tokens=6)
+    triton = generate(
+        run_python, tiny_llama, [("compiled", False)], max_tokens=6,
+        ATOM_KERNEL_BACKEND="triton", TRITON_INTERPRET="1", ATOM_VLLM_PLUGIN_COMPILE="1",
+        VLLM_CPU_CI_ENV="1",
+    )  # fmt: skip
+    assert triton["compiled"]["compiled"]
+    assert "ATOM (atom_kernels triton kernels)" in triton["_stdout"] + triton["_stderr"]
+    assert triton["compiled"]["tokens"] == reference["eager"]["tokens"]
