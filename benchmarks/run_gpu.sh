@@ -3,12 +3,16 @@
 #   bash benchmarks/run_gpu.sh tests kernels moe decode     # phase 1
 #   bash benchmarks/run_gpu.sh throughput serve         # phase 2
 #   bash benchmarks/run_gpu.sh tune-linear tune-decode tune-moe   # tile sweeps
-# GPU_TESTS=<paths> limits the tests phase to some test files.
+#   bash benchmarks/run_gpu.sh tests quant                 # quantized GEMM / MoE, MLA decode
+# GPU_TESTS=<paths> limits the tests phase to some test files; GPU_TESTS_EXITFIRST=0 runs them all
+# past a failure (no -x). RUN_BUDGET_S=<s>: the quant phase gets what is left of that many seconds
+# since the start (a device call's limit), 270 s without it.
 # Needs the wheels the GPU image lacks in .whl (../shared/device/fetch-wheels.sh) and the bundled
 # tokenizer in .bench_assets/tokenizer (for the serving benchmark's text prompts).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
+START=$(date +%s)
 mkdir -p "$OUT"
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
@@ -23,10 +27,19 @@ for phase in "$@"; do
     echo "=== $phase ($(date +%T))"
     case $phase in
     tests)
-        ATOM_REQUIRE_GPU=1 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -x \
-            --junitxml="$OUT/gpu-tests.xml" --ignore=packages/atom-vllm-plugin \
-            --ignore=packages/atom-sglang-plugin ${GPU_TESTS:-packages} 2>&1 | tail -40 \
-            | tee "$OUT/gpu-tests.log" ;;
+        exitfirst=-x
+        [ "${GPU_TESTS_EXITFIRST:-1}" = 0 ] && exitfirst=
+        ATOM_REQUIRE_GPU=1 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider $exitfirst \
+            -rfE --junitxml="$OUT/gpu-tests.xml" --ignore=packages/atom-vllm-plugin \
+            --ignore=packages/atom-sglang-plugin ${GPU_TESTS:-packages} 2>&1 \
+            | tee "$OUT/gpu-tests.log" | tail -60 ;;
+    quant)
+        left=270
+        [ -n "${RUN_BUDGET_S:-}" ] && left=$(( RUN_BUDGET_S - ($(date +%s) - START) ))
+        echo "quant: ${left} s left"
+        [ "$left" -lt 20 ] && { echo "quant: skipped, no time left"; continue; }
+        timeout "$left" python3 benchmarks/quant_kernels.py --out "$OUT/quant-kernels.json" 2>&1 \
+            | tee "$OUT/quant-kernels.log" | grep -v '^{' | tail -150 ;;
     kernels)
         timeout 240 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -40 ;;
     tune-linear)

@@ -116,3 +116,29 @@ def test_mla_paged_attention_fp8(triton_backend, dtype, num_splits, scale_as_ten
         *args, None, kv_scale=scale_arg
     )
     assert_close(traced, expected, atol=atol, rtol=rtol, name="fp8 mla (custom op)")
+
+
+# --- real sizes on a GPU ----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads", [16, 128])  # DeepSeek-V3 over TP 8, one rank
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_gpu_fp8_real_sizes(triton_backend, num_heads, decode_only):
+    """DeepSeek-V3's latent (L 512, R 64, page 16) in an fp8 cache with a tensor scale: decodes
+    from 300 to 8K tokens (split and unsplit) with, or without (the decode-only launch,
+    max_query_len 1), a prefill over a cached prefix."""
+    seqs = [(8192, 1), (4096, 1), (1000, 1), (300, 1)]
+    if not decode_only:
+        seqs.append((3000, 700))
+    kv_scale = 0.02
+    args = _fp8_batch((num_heads, 512, 64, 16), seqs, torch.bfloat16, "cuda", kv_scale, seed=7)
+    if decode_only:  # exactly one query row per sequence
+        args = (args[0][: len(seqs)], args[1][: len(seqs)], *args[2:])
+    scale = torch.tensor([kv_scale], device="cuda")
+    out = triton_backend.mla_attention.mla_paged_attention(
+        *args, None, kv_scale=scale, max_query_len=1 if decode_only else None
+    )
+    expected = reference.mla_paged_attention(*args, None, kv_scale=kv_scale)
+    atol, rtol = TOLERANCES[torch.bfloat16]
+    assert_close(out, expected, atol=atol, rtol=rtol, name=f"fp8 mla {num_heads} heads (GPU)")

@@ -1,0 +1,517 @@
+"""Quantized-weight kernels and the MLA decode at DeepSeek-V3 / GPT-OSS-120B shapes, against the
+roofline measured in the same run (issue 17, item 3).
+
+Run on a GPU from the repo root:
+
+    export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
+    python benchmarks/quant_kernels.py --out $OUT/quant-kernels.json
+
+Groups (``--only``, comma-separated; this order, JSON rewritten after each so a cut-off run keeps
+what it measured):
+
+- ``gemm``: block-FP8 GEMM (``fp8_block_linear``: per-token-group activation quant + the w8a8
+  Triton GEMM, 128 x 128 weight blocks; and the GEMM alone on pre-quantized activations) at the
+  DeepSeek-V3 projection shapes, M = 1, 16, 4096 tokens, against ``torch._scaled_mm`` per-tensor
+  FP8 (activations already FP8: the GEMM alone), ATOM's ``fp8_linear`` (per-token quant +
+  row-wise ``_scaled_mm``) and bf16 cuBLAS (``F.linear``) on the same shapes.
+- ``group_quant``: ``per_token_group_quant_fp8`` (group 128) alone, against the torch reference.
+- ``mla``: ``mla_paged_attention`` decode over the latent cache (L 512 + R 64, page 16), 128 heads
+  (one rank) and 16 (TP 8), batch 1 / 32 / 128, context 1K / 4K, bf16 and fp8 cache.
+- ``moe``: ``fused_moe`` at a DeepSeek-V3 layer (256 experts, top-8, H 7168, I 2048; fp8 block
+  128 x 128, fp8 per channel, bf16) and a GPT-OSS-120B layer (128 experts, top-4, H 2880, I 2880,
+  swiglu_oai, interleaved gate/up, biases; MXFP4, bf16), random routing (softmax top-k of random
+  logits).
+
+Timing (as benchmarks/kernels.py): every op runs as a CUDA graph, ``ms_cold`` with the L2
+flushed before each call (GPU time alone; what the rates come from), ``ms_graph`` with a warm L2
+(``do_bench_cudagraph`` median). The roofline of a row is the larger of its bytes over the
+measured copy bandwidth and its FLOPs over the measured matmul rate of the dtype the tensor cores
+multiply (FP8 for the w8a8 GEMMs and ``_scaled_mm``; bf16 for cuBLAS, the weight-only fused MoE
+(it dequantizes weight tiles to bf16) and MLA); ``of_roofline`` = roofline time / measured time,
+``bound`` says which term set it. Bytes are what the op must move at least: weights (the experts
+hit) and their scales in their stored format, activations in and out once, the KV cache once.
+
+M = tokens (rows of x), N = output features, K = input features, T = tokens, E = experts,
+top-k = experts per token, H = hidden size, I = expert intermediate size, B = sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+
+from kernels import cold_graph_ms, measure_roofline
+
+BLOCK = (128, 128)  # DeepSeek-V3's weight block (N, K)
+GEMM_SHAPES = {  # DeepSeek-V3 projections, name: (N, K)
+    "q_a_proj": (1536, 7168),
+    "q_b_proj": (24576, 1536),
+    "kv_a_proj_with_mqa": (576, 7168),
+    "o_proj": (7168, 16384),
+    "shared_gate_up": (4096, 7168),
+    "shared_down": (7168, 2048),
+}
+GEMM_ROWS = (1, 16, 4096)
+GROUP_QUANT_SHAPES = ((1, 7168), (16, 7168), (4096, 7168), (16384, 7168), (4096, 16384))
+MOE_SHAPES = {  # name: (E, top-k, H, I, formats, GPT-OSS layer: swiglu_oai, interleaved, biases)
+    "deepseek-v3": (256, 8, 7168, 2048, ("fp8_block", "fp8_channel", "bf16"), False),
+    "gpt-oss-120b": (128, 4, 2880, 2880, ("mxfp4", "bf16"), True),
+}
+MOE_TOKENS = (1, 16, 64, 1024)
+MLA_LATENT, MLA_ROPE, MLA_PAGE = 512, 64, 16
+MLA_HEADS = (128, 16)
+MLA_BATCHES = (1, 32, 128)
+MLA_CONTEXTS = (1024, 4096)
+DEVICE = "cuda"  # "cpu" under --smoke-cpu
+
+
+# --- pure helpers (no torch) ---------------------------------------------------------------------
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def gemm_bytes(rows: int, n: int, k: int, impl: str) -> float:
+    """Least bytes a linear of x [rows, K] bf16 by W [N, K] moves: W in its format (+ its scales),
+    x read and y [rows, N] bf16 written once (x already FP8 for the GEMM-only rows)."""
+    if impl == "bf16_linear":
+        weight = 2 * n * k
+    elif impl.startswith("fp8_block"):
+        weight = n * k + 4 * cdiv(n, BLOCK[0]) * cdiv(k, BLOCK[1])
+    elif impl == "scaled_mm_tensor":  # one scale
+        weight = n * k + 4
+    else:  # per-channel FP8
+        weight = n * k + 4 * n
+    x_bytes = rows * k * (1 if impl in ("fp8_block_gemm", "scaled_mm_tensor") else 2)
+    return float(weight + x_bytes + 2 * rows * n)
+
+
+def moe_bytes(
+    experts_hit: int, tokens: int, hidden: int, inter: int, fmt: str, biases: bool
+) -> float:
+    """Least bytes of a fused MoE: the weights of the experts hit (w13 [2I, H], w2 [H, I]) in
+    their format with their scales (and bf16 biases), x [T, H] read and out [T, H] written."""
+    values = 3 * hidden * inter
+    if fmt == "bf16":
+        weight = 2 * values
+    elif fmt == "fp8_block":
+        weight = values + 4 * (
+            cdiv(2 * inter, BLOCK[0]) * cdiv(hidden, BLOCK[1])
+            + cdiv(hidden, BLOCK[0]) * cdiv(inter, BLOCK[1])
+        )
+    elif fmt == "fp8_channel":
+        weight = values + 4 * (2 * inter + hidden)
+    elif fmt == "mxfp4":
+        weight = values // 2 + values // 32  # e2m1 nibbles + one e8m0 byte per 32 values
+    else:
+        raise ValueError(fmt)
+    if biases:
+        weight += 2 * (2 * inter + hidden)
+    return float(experts_hit * weight + 2 * 2 * tokens * hidden)
+
+
+def moe_flops(tokens: int, top_k: int, hidden: int, inter: int) -> float:
+    return 2.0 * tokens * top_k * 3 * hidden * inter
+
+
+def mla_bytes(batch: int, context: int, heads: int, cache_itemsize: int) -> float:
+    """The latent cache (L + R a token) read once, q [B, H, L + R] read, out [B, H, L] written."""
+    cache = batch * context * (MLA_LATENT + MLA_ROPE) * cache_itemsize
+    return float(cache + 2 * batch * heads * (2 * MLA_LATENT + MLA_ROPE))
+
+
+def mla_flops(batch: int, context: int, heads: int) -> float:
+    """Scores over L + R and the weighted sum over L, per head and cache token."""
+    return 2.0 * batch * context * heads * (2 * MLA_LATENT + MLA_ROPE)
+
+
+def roofline(nbytes: float, flops: float, copy_gbps: float, peak_tflops: float) -> dict:
+    """{"roofline_ms", "bound"}: the larger of bytes / bandwidth and FLOPs / peak rate."""
+    mem_ms = nbytes / (copy_gbps * 1e9) * 1e3
+    mma_ms = flops / (peak_tflops * 1e12) * 1e3
+    return {"roofline_ms": max(mem_ms, mma_ms), "bound": "bytes" if mem_ms >= mma_ms else "flops"}
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table of result rows."""
+    head = ("group", "shape", "impl", "ms_cold", "ms_graph", "rate", "of_roofline", "bound")
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in rows:
+        unit_value = (
+            f"{r['TFLOPs']:.1f} TFLOP/s" if r["bound"] == "flops" else f"{r['GBps']:.0f} GB/s"
+        )
+        lines.append(
+            " | ".join(
+                (
+                    r["group"], r["shape"], r["impl"], f"{r['ms_cold']:.4f}",
+                    "-" if r.get("ms_graph") is None else f"{r['ms_graph']:.4f}",
+                    unit_value, f"{100 * r['of_roofline']:.0f}%", r["bound"],
+                )
+            )
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
+# --- timing and the roofline ----------------------------------------------------------------------
+
+
+class Bench:
+    """Times ops (CUDA graphs, cold and warm L2) and turns them into result rows."""
+
+    def __init__(self, torch, roofline_numbers: dict):
+        self.torch = torch
+        self.roof = roofline_numbers
+        self.rows: list[dict] = []
+
+    def time(self, fn: Callable[[], object]) -> tuple[float, float]:
+        from triton.testing import do_bench_cudagraph
+
+        if DEVICE == "cpu":  # --smoke-cpu: the wiring, not a time
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3, None
+        self.torch.cuda.synchronize()
+        cold = cold_graph_ms(fn)
+        warm = float(do_bench_cudagraph(fn, rep=20, return_mode="median"))
+        return cold, warm
+
+    def add(self, group: str, shape: str, impl: str, fn, nbytes: float, flops: float,
+            peak: str, **extra) -> dict:  # fmt: skip
+        """Time ``fn`` and record a row; ``peak``: "fp8" or "bf16" (the matmul rate it meets)."""
+        try:
+            ms_cold, ms_graph = self.time(fn)
+        except Exception as exc:  # one failing op must not lose the rest of the run
+            print(f"FAILED {group} {shape} {impl}: {type(exc).__name__}: {exc}", flush=True)
+            row = {"group": group, "shape": shape, "impl": impl, "error": repr(exc)[:500]}
+            self.rows.append(row)
+            return row
+        peak_tflops = self.roof["fp8_matmul_TFLOPs" if peak == "fp8" else "matmul_TFLOPs"]
+        roof = roofline(nbytes, flops, self.roof["copy_GBps"], peak_tflops)
+        ms = max(ms_cold, 1e-6)
+        row = {
+            "group": group, "shape": shape, "impl": impl, "ms_cold": ms_cold,
+            "ms_graph": ms_graph, "bytes": nbytes, "flops": flops,
+            "GBps": nbytes / ms / 1e6, "TFLOPs": flops / ms / 1e9, "peak": peak,
+            **roof, "of_roofline": roof["roofline_ms"] / ms, **extra,
+        }  # fmt: skip
+        print(json.dumps(row), flush=True)
+        self.rows.append(row)
+        return row
+
+
+def measure_fp8_matmul(torch) -> dict:
+    """torch._scaled_mm per-tensor FP8 8192^3 (bf16 out): the FP8 matmul rate."""
+    from triton.testing import do_bench
+
+    n = 8192
+    a = torch.randn(n, n, device=DEVICE).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=DEVICE).to(torch.float8_e4m3fn).t()  # column-major operand
+    one = torch.ones((), device=DEVICE)
+    ms = do_bench(
+        lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+        warmup=10, rep=200, return_mode="median",
+    )  # fmt: skip
+    return {"fp8_matmul_TFLOPs": 2 * n**3 / (ms / 1e3) / 1e12, "fp8_matmul_ms": ms}
+
+
+# --- groups ---------------------------------------------------------------------------------------
+
+
+def _gemm_cases(torch, x, w_bf16, w_fp8, w_block_s, w_chan_s) -> dict:
+    """impl: (callable, the matmul rate it meets) for one x [M, K] and one weight [N, K]."""
+    import torch.nn.functional as F
+
+    from atom_kernels.backends.triton import quant
+
+    x_q, x_s = quant.per_token_group_quant_fp8(x, BLOCK[1])
+    x_t = x.to(torch.float8_e4m3fn)  # per-tensor, scale 1: the GEMM alone
+    w_t = w_fp8.t()  # [K, N] column-major: what cuBLASLt takes
+    one = torch.ones((), device=DEVICE)
+    block_k = quant.block_k_for(BLOCK[1], DEVICE == "cpu")  # interpreted: 32
+    bf16 = torch.bfloat16
+    return {
+        "fp8_block_linear": (
+            lambda: quant.fp8_block_linear(x, w_fp8, w_block_s, BLOCK, None), "fp8"),
+        "fp8_block_gemm": (
+            lambda: quant.w8a8_gemm(
+                x_q, x_s, w_fp8, w_block_s, BLOCK[0], BLOCK[1], block_k, None, bf16), "fp8"),
+        "scaled_mm_tensor": (
+            lambda: torch._scaled_mm(x_t, w_t, scale_a=one, scale_b=one, out_dtype=bf16), "fp8"),
+        "fp8_linear_channel": (lambda: quant.fp8_linear(x, w_fp8, w_chan_s, None, None), "fp8"),
+        "bf16_linear": (lambda: F.linear(x, w_bf16), "bf16"),
+    }  # fmt: skip
+
+
+def bench_gemm(torch, bench: Bench) -> None:
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    for name, (n, k) in GEMM_SHAPES.items():
+        w_bf16 = (torch.randn(n, k, generator=g, device=DEVICE) * k**-0.5).to(torch.bfloat16)
+        w_fp8 = (w_bf16.float() * 64).to(torch.float8_e4m3fn)  # values in the normal FP8 range
+        w_block_s = torch.full((cdiv(n, BLOCK[0]), cdiv(k, BLOCK[1])), 1 / 64, device=DEVICE)
+        w_chan_s = torch.full((n,), 1 / 64, device=DEVICE)
+        for rows in GEMM_ROWS:
+            x = torch.randn(rows, k, generator=g, device=DEVICE).to(torch.bfloat16)
+            cases = _gemm_cases(torch, x, w_bf16, w_fp8, w_block_s, w_chan_s)
+            shape = f"{name} M={rows} N={n} K={k}"
+            flops = 2.0 * rows * n * k
+            for impl, (fn, peak) in cases.items():
+                bench.add("gemm", shape, impl, fn, gemm_bytes(rows, n, k, impl), flops, peak)
+        torch.cuda.empty_cache()
+
+
+def bench_group_quant(torch, bench: Bench) -> None:
+    from atom_kernels.backends.torch import quant as reference
+    from atom_kernels.backends.triton import quant
+
+    for rows, k in GROUP_QUANT_SHAPES:
+        x = torch.randn(rows, k, device=DEVICE).to(torch.bfloat16)
+        groups = cdiv(k, BLOCK[1])
+        nbytes = float(rows * k * (2 + 1) + 4 * rows * groups)  # x read, x_q and x_s written
+        shape = f"M={rows} K={k} group={BLOCK[1]}"
+        for impl, fn in (
+            ("triton", lambda x=x: quant.per_token_group_quant_fp8(x, BLOCK[1])),
+            ("torch", lambda x=x: reference.per_token_group_quant_fp8(x, BLOCK[1])),
+        ):
+            bench.add("group_quant", shape, impl, fn, nbytes, 0.0, "bf16")
+
+
+def _moe_weights(torch, num_experts: int, hidden: int, inter: int, fmt: str, g):
+    """(w13, w2, w13_scale, w2_scale) of ``fmt``, random, built expert by expert (no fp32 copy
+    of the whole layer)."""
+    fp8 = torch.float8_e4m3fn
+    shapes = ((num_experts, 2 * inter, hidden), (num_experts, hidden, inter))
+    if fmt == "bf16":
+        ws = [torch.empty(s, dtype=torch.bfloat16, device=DEVICE) for s in shapes]
+        for w in ws:
+            w.normal_(0.0, 0.02, generator=g)
+        return ws[0], ws[1], None, None
+    if fmt == "mxfp4":
+        blocks = [
+            torch.randint(0, 256, (*s[:2], s[2] // 2), dtype=torch.uint8, device=DEVICE,
+                          generator=g) for s in shapes
+        ]  # fmt: skip
+        scales = [
+            torch.randint(118, 124, (*s[:2], s[2] // 32), dtype=torch.uint8, device=DEVICE,
+                          generator=g) for s in shapes
+        ]  # fmt: skip
+        return blocks[0], blocks[1], scales[0], scales[1]
+    ws = []
+    for s in shapes:
+        w = torch.empty(s, dtype=fp8, device=DEVICE)
+        for e in range(num_experts):
+            w[e].copy_(torch.randn(s[1:], device=DEVICE, generator=g))
+        ws.append(w)
+    if fmt == "fp8_block":
+        scales = [
+            torch.full((num_experts, cdiv(s[1], BLOCK[0]), cdiv(s[2], BLOCK[1])), 0.02,
+                       device=DEVICE) for s in shapes
+        ]  # fmt: skip
+    else:  # fp8_channel
+        scales = [torch.full(s[:2], 0.02, device=DEVICE) for s in shapes]
+    return ws[0], ws[1], scales[0], scales[1]
+
+
+def bench_moe(torch, bench: Bench, tokens_list: tuple[int, ...], max_experts: int | None) -> None:
+    from atom_kernels.backends.triton import moe
+
+    for name, (num_experts, top_k, hidden, inter, formats, oai) in MOE_SHAPES.items():
+        if max_experts is not None and num_experts > max_experts:
+            print(f"{name}: {max_experts} of its {num_experts} experts (--moe-max-experts)")
+            num_experts = max_experts
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+        activation = "swiglu_oai" if oai else "silu"
+        b13 = b2 = None
+        if oai:
+            b13 = (torch.randn(num_experts, 2 * inter, device=DEVICE) * 0.02).to(torch.bfloat16)
+            b2 = (torch.randn(num_experts, hidden, device=DEVICE) * 0.02).to(torch.bfloat16)
+        routing = {}
+        for tokens in tokens_list:
+            x = torch.randn(tokens, hidden, generator=g, device=DEVICE).to(torch.bfloat16)
+            logits = torch.randn(tokens, num_experts, generator=g, device=DEVICE)
+            weights, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+            routing[tokens] = (x, weights, ids.int(), int(ids.unique().numel()))
+        for fmt in formats:
+            t0 = time.perf_counter()
+            w13, w2, s13, s2 = _moe_weights(torch, num_experts, hidden, inter, fmt, g)
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            print(f"{name} {fmt}: weights built in {time.perf_counter() - t0:.1f} s", flush=True)
+            quant_kw = {}
+            if fmt != "bf16":
+                quant_kw = dict(quant=fmt, w13_scale=s13, w2_scale=s2,
+                                block_size=BLOCK if fmt == "fp8_block" else None)  # fmt: skip
+            for tokens, (x, weights, ids, hit) in routing.items():
+                args = (x, w13, w2, weights, ids, activation, b13, b2, oai, 1.702, 7.0)
+
+                def fn(args=args, quant_kw=quant_kw):
+                    return moe.fused_moe(*args, **quant_kw)
+
+                shape = f"{name} E={num_experts} top{top_k} H={hidden} I={inter} T={tokens}"
+                nbytes = moe_bytes(hit, tokens, hidden, inter, fmt, oai)
+                flops = moe_flops(tokens, top_k, hidden, inter)
+                bench.add("moe", shape, fmt, fn, nbytes, flops, "bf16", experts_hit=hit)
+            del w13, w2, s13, s2
+            torch.cuda.empty_cache()
+
+
+def bench_mla(torch, bench: Bench) -> None:
+    from atom_kernels.backends.triton import mla_attention
+
+    scale = (128 + MLA_ROPE) ** -0.5  # DeepSeek-V3's qk_nope 128 + qk_rope 64
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    for batch in MLA_BATCHES:
+        for context in MLA_CONTEXTS:
+            blocks_per_seq = cdiv(context, MLA_PAGE)
+            num_blocks = batch * blocks_per_seq
+            perm = torch.randperm(num_blocks, device=DEVICE, generator=g).int()
+            block_tables = perm.view(batch, blocks_per_seq).contiguous()
+            seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+            qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+            cache_bf16 = torch.randn(
+                num_blocks, MLA_PAGE, MLA_LATENT + MLA_ROPE, generator=g, device=DEVICE
+            ).to(torch.bfloat16)
+            caches = {
+                "bf16": (cache_bf16, None),
+                "fp8": (cache_bf16.to(torch.float8_e4m3fn), torch.ones(1, device=DEVICE)),
+            }
+            for heads in MLA_HEADS:
+                q = torch.randn(batch, heads, MLA_LATENT + MLA_ROPE, generator=g, device=DEVICE)
+                q = q.to(torch.bfloat16)
+                q_latent, q_pe = q[..., :MLA_LATENT], q[..., MLA_LATENT:]
+                out = torch.empty(batch, heads, MLA_LATENT, dtype=torch.bfloat16, device=DEVICE)
+                for cache_name, (cache, kv_scale) in caches.items():
+
+                    def fn(cache=cache, kv_scale=kv_scale, q_latent=q_latent, q_pe=q_pe,
+                           out=out, tables=block_tables, lens=seq_lens, qsl=qsl):  # fmt: skip
+                        return mla_attention.mla_paged_attention(
+                            q_latent, q_pe, cache, tables, lens, qsl, scale, out,
+                            kv_scale=kv_scale, max_query_len=1,
+                        )  # fmt: skip
+
+                    shape = f"decode H={heads} B={batch} ctx={context}"
+                    nbytes = mla_bytes(batch, context, heads, cache.element_size())
+                    flops = mla_flops(batch, context, heads)
+                    bench.add("mla", shape, f"{cache_name} cache", fn, nbytes, flops, "bf16")
+            del caches, cache_bf16
+            torch.cuda.empty_cache()
+
+
+def _shrink_for_smoke() -> None:
+    """Tiny shapes on the CPU (the interpreter), same code paths."""
+    global DEVICE, GEMM_SHAPES, GEMM_ROWS, GROUP_QUANT_SHAPES, MOE_SHAPES, MOE_TOKENS
+    global MLA_HEADS, MLA_BATCHES, MLA_CONTEXTS
+    DEVICE = "cpu"
+    GEMM_SHAPES = {"tiny": (192, 256), "tiny_edge": (64, 384)}
+    GEMM_ROWS = (1, 5)
+    GROUP_QUANT_SHAPES = ((3, 256),)
+    MOE_SHAPES = {
+        "deepseek-tiny": (8, 2, 256, 128, ("fp8_block", "fp8_channel", "bf16"), False),
+        "gpt-oss-tiny": (8, 2, 64, 64, ("mxfp4", "bf16"), True),
+    }
+    MOE_TOKENS = (1, 5)
+    MLA_HEADS, MLA_BATCHES, MLA_CONTEXTS = (16,), (2,), (40,)
+
+
+# --- main -----------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="path of the JSON results file")
+    parser.add_argument("--only", default="", help="comma-separated: gemm,group_quant,mla,moe")
+    parser.add_argument(
+        "--moe-tokens", default="", help=f"comma-separated T (default {MOE_TOKENS})"
+    )
+    parser.add_argument(
+        "--moe-max-experts", type=int, default=None,
+        help="fewer experts of the same shape (memory / time); the JSON says so",
+    )  # fmt: skip
+    parser.add_argument(
+        "--smoke-cpu", action="store_true",
+        help="tiny shapes on the CPU under TRITON_INTERPRET=1, each op run once: checks the "
+        "script's wiring, measures nothing",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    groups = [g for g in args.only.split(",") if g] or ["gemm", "group_quant", "mla", "moe"]
+    unknown = set(groups) - {"gemm", "group_quant", "mla", "moe"}
+    if unknown:
+        parser.error(f"unknown groups {sorted(unknown)}")
+
+    if args.smoke_cpu:
+        _shrink_for_smoke()
+    import torch
+
+    if args.smoke_cpu:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--smoke-cpu needs TRITON_INTERPRET=1 in the environment")
+    elif not torch.cuda.is_available():
+        raise SystemExit(
+            "benchmarks/quant_kernels.py needs a CUDA GPU (FP8 tensor cores: compute capability "
+            ">= 8.9); none is visible here (--smoke-cpu checks the wiring on the CPU)"
+        )
+    elif torch.cuda.get_device_capability() < (8, 9) or torch.version.hip is not None:
+        raise SystemExit("benchmarks/quant_kernels.py needs an NVIDIA GPU with FP8 (sm_89+)")
+    import triton
+
+    torch.manual_seed(0)
+    if args.smoke_cpu:
+        roof = {"copy_GBps": 1.0, "matmul_TFLOPs": 1.0, "fp8_matmul_TFLOPs": 1.0}
+    else:
+        roof = measure_roofline(torch)
+        roof.update(measure_fp8_matmul(torch))
+    print(json.dumps(roof), flush=True)
+    bench = Bench(torch, roof)
+    report = {
+        "benchmark": "quant_kernels",
+        "device": "cpu (smoke)" if args.smoke_cpu else torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "cuda": torch.version.cuda,
+            "python": platform.python_version(),
+        },  # fmt: skip
+        "roofline": roof,
+        "notes": {
+            "timing": "CUDA graphs; ms_cold: L2 flushed before each call (rates use it); "
+            "ms_graph: warm L2",
+            "roofline": "max(bytes / copy_GBps, flops / matmul rate of the dtype multiplied: "
+            "fp8_matmul_TFLOPs for w8a8 / _scaled_mm, matmul_TFLOPs (bf16) otherwise)",
+            "moe_max_experts": args.moe_max_experts,
+        },
+        "results": bench.rows,
+    }
+    moe_tokens = tuple(int(t) for t in args.moe_tokens.split(",") if t) or MOE_TOKENS
+    runners = {
+        "gemm": lambda: bench_gemm(torch, bench),
+        "group_quant": lambda: bench_group_quant(torch, bench),
+        "mla": lambda: bench_mla(torch, bench),
+        "moe": lambda: bench_moe(torch, bench, moe_tokens, args.moe_max_experts),
+    }
+    for group in groups:
+        t0 = time.perf_counter()
+        try:
+            runners[group]()
+        except Exception as exc:  # keep the other groups
+            print(f"FAILED group {group}: {type(exc).__name__}: {exc}", flush=True)
+            report.setdefault("errors", {})[group] = repr(exc)[:1000]
+        report.setdefault("group_seconds", {})[group] = round(time.perf_counter() - t0, 1)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+    print(
+        f"{report['device']}  torch {torch.__version__}  triton {triton.__version__}\n"
+        f"roofline: copy {roof['copy_GBps']:.0f} GB/s, bf16 matmul {roof['matmul_TFLOPs']:.0f} "
+        f"TFLOP/s, fp8 matmul {roof['fp8_matmul_TFLOPs']:.0f} TFLOP/s"
+    )
+    print(format_table([r for r in bench.rows if "error" not in r]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

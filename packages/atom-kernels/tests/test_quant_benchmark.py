@@ -1,0 +1,68 @@
+"""The pure helpers of benchmarks/quant_kernels.py (the benchmark itself needs a GPU): the bytes
+and FLOPs each row is held to, and the roofline's bound."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
+PATH = BENCHMARKS / "quant_kernels.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCHMARKS))  # it imports benchmarks/kernels.py as `kernels`
+    spec = importlib.util.spec_from_file_location("atom_benchmarks_quant_kernels", PATH)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_gemm_bytes(bench):
+    # kv_a_proj_with_mqa: 576 x 7168, a partial last N block (576 = 4.5 x 128)
+    n, k = 576, 7168
+    scales = 4 * 5 * 56
+    assert bench.gemm_bytes(1, n, k, "fp8_block_linear") == n * k + scales + 2 * k + 2 * n
+    assert bench.gemm_bytes(16, n, k, "fp8_block_gemm") == n * k + scales + 16 * k + 32 * n
+    assert bench.gemm_bytes(1, n, k, "bf16_linear") == 2 * n * k + 2 * k + 2 * n
+    assert bench.gemm_bytes(1, n, k, "scaled_mm_tensor") == n * k + 4 + k + 2 * n
+    assert bench.gemm_bytes(1, n, k, "fp8_linear_channel") == n * k + 4 * n + 2 * k + 2 * n
+
+
+def test_moe_bytes_and_flops(bench):
+    h, i = 2880, 2880
+    values = 3 * h * i
+    mxfp4 = values // 2 + values // 32 + 2 * (2 * i + h)  # nibbles, e8m0 scales, bf16 biases
+    assert bench.moe_bytes(3, 1, h, i, "mxfp4", True) == 3 * mxfp4 + 4 * h
+    assert bench.moe_bytes(2, 4, h, i, "bf16", False) == 2 * 2 * values + 16 * h
+    # DeepSeek-V3 fp8 block: w13 [4096, 7168] -> 32 x 56 scales, w2 [7168, 2048] -> 56 x 16
+    fp8 = 3 * 7168 * 2048 + 4 * (32 * 56 + 56 * 16)
+    assert bench.moe_bytes(1, 1, 7168, 2048, "fp8_block", False) == fp8 + 4 * 7168
+    assert bench.moe_flops(2, 8, 7168, 2048) == 2 * 2 * 8 * 3 * 7168 * 2048
+    with pytest.raises(ValueError):
+        bench.moe_bytes(1, 1, h, i, "int4", False)
+
+
+def test_roofline_takes_the_larger_term(bench):
+    # 3 GB at 3000 GB/s = 1 ms against 100 TFLOP at 1000 TFLOP/s = 100 ms
+    assert bench.roofline(3e9, 1e14, 3000.0, 1000.0) == {"roofline_ms": 100.0, "bound": "flops"}
+    assert bench.roofline(3e9, 1e11, 3000.0, 1000.0) == {"roofline_ms": 1.0, "bound": "bytes"}
+    assert bench.mla_bytes(2, 10, 16, 1) == 2 * 10 * 576 + 2 * 2 * 16 * (1024 + 64)
+
+
+def test_refuses_without_a_gpu_clearly():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    out = subprocess.run(
+        [sys.executable, str(PATH), "--out", "/dev/null"], capture_output=True, text=True
+    )
+    assert out.returncode == 1
+    assert "needs a CUDA GPU" in out.stderr
