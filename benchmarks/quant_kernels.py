@@ -21,6 +21,8 @@ what it measured):
   128 x 128, fp8 per channel, bf16) and a GPT-OSS-120B layer (128 experts, top-4, H 2880, I 2880,
   swiglu_oai, interleaved gate/up, biases; MXFP4, bf16), random routing (softmax top-k of random
   logits).
+- ``gemm_tiles``: the w8a8 kernel alone under other tiles (``W8A8_TILES``) at the GEMM shapes: the
+  evidence for its tile choice (programs per SM at small M, tile size at M = 4096).
 
 Timing (as benchmarks/kernels.py): every op runs as a CUDA graph, ``ms_cold`` with the L2
 flushed before each call (GPU time alone; what the rates come from), ``ms_graph`` with a warm L2
@@ -57,6 +59,10 @@ GEMM_SHAPES = {  # DeepSeek-V3 projections, name: (N, K)
     "shared_down": (7168, 2048),
 }
 GEMM_ROWS = (1, 16, 4096)
+W8A8_TILES = {  # gemm_tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages) by M; w8a8_gemm's own first
+    "small": ((16, 128, 4, 3), (16, 64, 4, 4), (16, 32, 4, 4)),
+    "large": ((64, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 4, 4)),
+}
 GROUP_QUANT_SHAPES = ((1, 7168), (16, 7168), (4096, 7168), (16384, 7168), (4096, 16384))
 MOE_SHAPES = {  # name: (E, top-k, H, I, formats, GPT-OSS layer: swiglu_oai, interleaved, biases)
     "deepseek-v3": (256, 8, 7168, 2048, ("fp8_block", "fp8_channel", "bf16"), False),
@@ -68,6 +74,7 @@ MLA_HEADS = (128, 16)
 MLA_BATCHES = (1, 32, 128)
 MLA_CONTEXTS = (1024, 4096)
 DEVICE = "cuda"  # "cpu" under --smoke-cpu
+GROUPS = ("gemm", "group_quant", "mla", "moe", "gemm_tiles")  # the order they run in
 
 
 # --- pure helpers (no torch) ---------------------------------------------------------------------
@@ -169,7 +176,7 @@ class Bench:
         self.roof = roofline_numbers
         self.rows: list[dict] = []
 
-    def time(self, fn: Callable[[], object]) -> tuple[float, float]:
+    def time(self, fn: Callable[[], object], warm: bool = True) -> tuple[float, float | None]:
         from triton.testing import do_bench_cudagraph
 
         if DEVICE == "cpu":  # --smoke-cpu: the wiring, not a time
@@ -178,14 +185,16 @@ class Bench:
             return (time.perf_counter() - start) * 1e3, None
         self.torch.cuda.synchronize()
         cold = cold_graph_ms(fn)
-        warm = float(do_bench_cudagraph(fn, rep=20, return_mode="median"))
-        return cold, warm
+        if not warm:
+            return cold, None
+        return cold, float(do_bench_cudagraph(fn, rep=20, return_mode="median"))
 
     def add(self, group: str, shape: str, impl: str, fn, nbytes: float, flops: float,
-            peak: str, **extra) -> dict:  # fmt: skip
-        """Time ``fn`` and record a row; ``peak``: "fp8" or "bf16" (the matmul rate it meets)."""
+            peak: str, warm: bool = True, **extra) -> dict:  # fmt: skip
+        """Time ``fn`` and record a row; ``peak``: "fp8" or "bf16" (the matmul rate it meets);
+        ``warm``: also the warm-L2 graph time."""
         try:
-            ms_cold, ms_graph = self.time(fn)
+            ms_cold, ms_graph = self.time(fn, warm)
         except Exception as exc:  # one failing op must not lose the rest of the run
             print(f"FAILED {group} {shape} {impl}: {type(exc).__name__}: {exc}", flush=True)
             row = {"group": group, "shape": shape, "impl": impl, "error": repr(exc)[:500]}
@@ -262,6 +271,41 @@ def bench_gemm(torch, bench: Bench) -> None:
             flops = 2.0 * rows * n * k
             for impl, (fn, peak) in cases.items():
                 bench.add("gemm", shape, impl, fn, gemm_bytes(rows, n, k, impl), flops, peak)
+        torch.cuda.empty_cache()
+
+
+def bench_gemm_tiles(torch, bench: Bench) -> None:
+    """The w8a8 kernel under other tiles than w8a8_gemm's (W8A8_TILES; cold L2 only): what a
+    narrower N tile (more programs at small M) or a larger one (at M = 4096) would give."""
+    from atom_kernels.backends.triton import quant
+
+    block_k = quant.block_k_for(BLOCK[1], DEVICE == "cpu")
+    for name, (n, k) in GEMM_SHAPES.items():
+        w = torch.randn(n, k, device=DEVICE).to(torch.float8_e4m3fn)
+        w_s = torch.full((cdiv(n, BLOCK[0]), cdiv(k, BLOCK[1])), 1 / 64, device=DEVICE)
+        for rows in GEMM_ROWS:
+            x = torch.randn(rows, k, device=DEVICE).to(torch.bfloat16)
+            x_q, x_s = quant.per_token_group_quant_fp8(x, BLOCK[1])
+            out = torch.empty(rows, n, dtype=torch.bfloat16, device=DEVICE)
+            for tiles in W8A8_TILES["small" if rows <= 16 else "large"]:
+                bm, bn, warps, stages = tiles
+                grid = (cdiv(rows, bm), cdiv(n, bn))
+
+                def fn(x_q=x_q, x_s=x_s, w=w, w_s=w_s, out=out, grid=grid, tiles=tiles):
+                    bm, bn, warps, stages = tiles
+                    quant._w8a8_kernel[grid](
+                        x_q, x_s, w, w_s, out, out, x_q.shape[0], w.shape[0], x_q.shape[1],
+                        BLOCK[0], BLOCK[1], x_q.stride(0), x_s.stride(0), x_s.stride(1),
+                        w.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0),
+                        HAS_BIAS=False, UPCAST=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k,
+                        num_warps=warps, num_stages=stages,
+                    )  # fmt: skip
+
+                shape = f"{name} M={rows} N={n} K={k}"
+                impl = f"w8a8 {bm}x{bn}x{block_k} w{warps} s{stages} ({grid[0] * grid[1]} programs)"
+                nbytes = gemm_bytes(rows, n, k, "fp8_block_gemm")
+                bench.add("gemm_tiles", shape, impl, fn, nbytes, 2.0 * rows * n * k, "fp8",
+                          warm=False)  # fmt: skip
         torch.cuda.empty_cache()
 
 
@@ -404,17 +448,18 @@ def bench_mla(torch, bench: Bench) -> None:
 
 def _shrink_for_smoke() -> None:
     """Tiny shapes on the CPU (the interpreter), same code paths."""
-    global DEVICE, GEMM_SHAPES, GEMM_ROWS, GROUP_QUANT_SHAPES, MOE_SHAPES, MOE_TOKENS
+    global DEVICE, GEMM_SHAPES, GEMM_ROWS, GROUP_QUANT_SHAPES, MOE_SHAPES, MOE_TOKENS, W8A8_TILES
     global MLA_HEADS, MLA_BATCHES, MLA_CONTEXTS
     DEVICE = "cpu"
     GEMM_SHAPES = {"tiny": (192, 256), "tiny_edge": (64, 384)}
-    GEMM_ROWS = (1, 5)
+    GEMM_ROWS = (1, 5, 17)
     GROUP_QUANT_SHAPES = ((3, 256),)
     MOE_SHAPES = {
         "deepseek-tiny": (8, 2, 256, 128, ("fp8_block", "fp8_channel", "bf16"), False),
         "gpt-oss-tiny": (8, 2, 64, 64, ("mxfp4", "bf16"), True),
     }
     MOE_TOKENS = (1, 5)
+    W8A8_TILES = {"small": ((16, 32, 4, 1),), "large": ((16, 64, 4, 1),)}
     MLA_HEADS, MLA_BATCHES, MLA_CONTEXTS = (16,), (2,), (40,)
 
 
@@ -424,7 +469,9 @@ def _shrink_for_smoke() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="path of the JSON results file")
-    parser.add_argument("--only", default="", help="comma-separated: gemm,group_quant,mla,moe")
+    parser.add_argument(
+        "--only", default="", help=f"comma-separated, of {','.join(GROUPS)} (default: all)"
+    )
     parser.add_argument(
         "--moe-tokens", default="", help=f"comma-separated T (default {MOE_TOKENS})"
     )
@@ -438,8 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         "script's wiring, measures nothing",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    groups = [g for g in args.only.split(",") if g] or ["gemm", "group_quant", "mla", "moe"]
-    unknown = set(groups) - {"gemm", "group_quant", "mla", "moe"}
+    groups = [g for g in args.only.split(",") if g] or list(GROUPS)
+    unknown = set(groups) - set(GROUPS)
     if unknown:
         parser.error(f"unknown groups {sorted(unknown)}")
 
@@ -493,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         "group_quant": lambda: bench_group_quant(torch, bench),
         "mla": lambda: bench_mla(torch, bench),
         "moe": lambda: bench_moe(torch, bench, moe_tokens, args.moe_max_experts),
+        "gemm_tiles": lambda: bench_gemm_tiles(torch, bench),
     }
     for group in groups:
         t0 = time.perf_counter()
