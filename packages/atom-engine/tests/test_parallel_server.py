@@ -59,11 +59,14 @@ def _serve(path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
         text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    # NOTE: a bound against hanging; a start with a worker took ~100 s at load 15 on 2 cores.
+    deadline = time.monotonic() + 600
     while True:
         if server.poll() is not None:
             pytest.fail(f"the server exited with {server.returncode}:\n{server.stdout.read()}")
-        assert time.monotonic() < deadline, "the server did not start"
+        if time.monotonic() > deadline:
+            _stop(server)
+            pytest.fail("the server did not start")
         try:
             if http("GET", url + "/health").status_code == 200:
                 return server, url

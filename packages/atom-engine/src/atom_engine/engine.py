@@ -18,17 +18,18 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from atom_engine.block_manager import BlockManager
 from atom_engine.config import EngineConfig
 from atom_engine.detokenizer import IncrementalDetokenizer
-from atom_engine.model_runner import Launch, TopLogprobs
+from atom_engine.intake import Request, check_request, prompt_of, resolve_model
+from atom_engine.model_runner import Launch
 from atom_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from atom_engine.parallel import check_parallel, rank_device
-from atom_engine.sampling_params import InvalidRequest, SamplingParams
+from atom_engine.sampler import TopLogprobs
+from atom_engine.sampling_params import SamplingParams
 from atom_engine.scheduler import ScheduledBatch, Scheduler
 from atom_engine.sequence import PLACEHOLDER, Sequence
 from atom_engine.tokenizer import eos_token_ids, load_tokenizer
@@ -36,21 +37,6 @@ from atom_engine.workers import WorkerError, start_runner
 from atom_models import load_config
 
 logger = logging.getLogger("atom_engine")
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    metrics: RequestMetrics
-    prompt_logprobs: list | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
 
 
 @dataclass
@@ -68,20 +54,6 @@ class EngineStats:
     block_size: int
     finished_requests: int = 0
     window: float = field(default=10.0, repr=False)
-
-
-def resolve_model(model: str | None) -> str:
-    if model is None:
-        from atom_models.bundled import smollm2_gguf_path
-
-        return str(smollm2_gguf_path())
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ValueError(
-            f"model {model!r} not found: ATOM loads a local Hugging Face checkpoint directory or a "
-            ".gguf file (no downloads)"
-        )
-    return str(path)
 
 
 class LLMEngine:
@@ -159,7 +131,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
-        text, token_ids = self._prompt_of(prompt)
+        text, token_ids = prompt_of(prompt, None if self.tokenizer is None else self.tokenize)
         self.check_request(token_ids, params)
         params.all_stop_token_ids = set(params.stop_token_ids) | (
             set() if params.ignore_eos else self.eos_token_ids
@@ -192,67 +164,15 @@ class LLMEngine:
             self.scheduler.add(seq)
         self.requests[request_id] = request
 
-    def _prompt_of(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt: a string, token ids, or a dict with "prompt" and / or
-        "prompt_token_ids" (both: the ids are used and the text is kept for the outputs)."""
-        text = None
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text = prompt.get("prompt")
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set)")
-            return prompt, self.tokenize(prompt)
-        return text, list(prompt)
-
     @property
     def vocab_size(self) -> int:
         return self.runner.vocab_size
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError when a request can never run: token ids outside the vocabulary, a
-        prompt too long for the context or the KV cache. Fills params' per-model defaults
-        (max_tokens, top_k past the vocabulary). Reads only what never changes after start-up,
-        so the server calls it from any thread before the request reaches the engine."""
-        vocab = self.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(
-                f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}", "prompt"
-            )
-        params.check_vocab(vocab)
-        if params.top_k >= vocab:
-            params.top_k = 0  # every token is in the top k
-        if not token_ids:
-            raise InvalidRequest("the prompt is empty (0 tokens)", "prompt")
-        n = len(token_ids)
-        if n >= self.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens, but the model's context length (max_model_len) is "
-                f"{self.max_model_len}; it leaves no room to generate",
-                "prompt",
-            )
-        total = self.block_manager.num_blocks * self.block_manager.block_size
-        if params.max_tokens is None:  # as many as fit
-            params.max_tokens = max(1, min(self.max_model_len, total) - n)
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: {n} + "
-                f"{params.max_tokens} exceeds the context length (max_model_len) "
-                f"{self.max_model_len}",
-                "max_tokens",
-            )
-        if n + params.max_tokens > total:
-            raise InvalidRequest(
-                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) needs more than "
-                f"the whole KV cache ({total} tokens)",
-                "max_tokens",
-            )
+        """Raise ValueError when a request can never run (`intake.check_request`); fills
+        params' per-model defaults. The server calls it from any thread."""
+        kv_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        check_request(token_ids, params, self.vocab_size, self.max_model_len, kv_tokens)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; True if it was still known."""

@@ -27,6 +27,7 @@ import torch
 import atom_kernels
 from atom_engine.config import EngineConfig
 from atom_engine.cuda_graphs import DecodeGraphs
+from atom_engine.sampler import Sampler, TopLogprobs, to_device
 from atom_engine.scheduler import ScheduledBatch
 from atom_engine.sequence import PLACEHOLDER, Sequence
 from atom_engine.step_inputs import OP_LAUNCH, OP_RUN, StepInputs
@@ -45,17 +46,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("atom_engine")
 
 GiB = 1 << 30
-
-
-@dataclass
-class TopLogprobs:
-    """Log-probs of one position: the actual token's, and the top-N (ids and values)."""
-
-    token_id: int
-    logprob: float
-    top_ids: list[int]
-    top_logprobs: list[float]
-    rank: int
 
 
 @dataclass
@@ -113,6 +103,7 @@ class ModelRunner:
             load_format=config.load_format,
             tp=tp,
         )
+        self.sampler = Sampler(self.device)
         self.vocab_size = hf_config.vocab_size
         self.hidden_size = hf_config.hidden_size
         self.num_blocks = self._num_kv_blocks()
@@ -268,13 +259,13 @@ class ModelRunner:
         md = PagedAttentionMetadata.build(
             inputs.seq_lens, inputs.query_lens, inputs.tables, self.block_size, self.device
         )
-        input_ids = _to_device(inputs.ids, torch.long, self.device)
+        input_ids = to_device(inputs.ids, torch.long, self.device)
         if inputs.gathers:
             rows, src = zip(*inputs.gathers, strict=True)
-            input_ids[_to_device(list(rows), torch.long, self.device)] = self.sampled[
-                _to_device(list(src), torch.long, self.device)
+            input_ids[to_device(list(rows), torch.long, self.device)] = self.sampled[
+                to_device(list(src), torch.long, self.device)
             ]
-        pos = _to_device(positions, torch.long, self.device)
+        pos = to_device(positions, torch.long, self.device)
         with set_forward_context(md):
             return self.model(input_ids, pos)  # [T, hidden]
 
@@ -293,7 +284,7 @@ class ModelRunner:
         if rows == list(range(rows[0], rows[0] + len(rows))):  # decodes: one contiguous slice
             picked = hidden[rows[0] : rows[0] + len(rows)]
         else:
-            picked = hidden[_to_device(rows, torch.long, self.device)]
+            picked = hidden[to_device(rows, torch.long, self.device)]
         return self.model.compute_logits(picked)  # [B, V] in the model's dtype
 
     def _hand_off(self, op: int, inputs: StepInputs) -> None:
@@ -320,11 +311,11 @@ class ModelRunner:
             logits = self._logits(hidden, inputs, OP_RUN)  # the last collective of the step
             out = RunOutput(sampled={}, prompt_logprobs={})
             if sample_seqs:
-                out.sampled = self._sample(sample_seqs, logits.pop(0).float())
+                out.sampled = self.sampler.sample(sample_seqs, logits.pop(0).float())
             for seq, (_, count), rows in zip(prompt_seqs, inputs.prompt_rows, logits, strict=True):
                 start = seq.num_computed_tokens
                 targets = seq.token_ids[start + 1 : start + 1 + count]
-                out.prompt_logprobs[seq.seq_id] = self._logprobs_of(
+                out.prompt_logprobs[seq.seq_id] = self.sampler.logprobs_of(
                     rows.float(), targets, seq.params.prompt_logprobs
                 )
         return out
@@ -347,7 +338,7 @@ class ModelRunner:
             hidden = self._execute(inputs)
             if n:
                 (logits,) = self._logits(hidden, inputs, OP_LAUNCH)
-                self.sampled[:n] = self._sample_on_device(sample_seqs, logits)
+                self.sampled[:n] = self.sampler.sample_on_device(sample_seqs, logits)
                 if self.tp is not None:  # the other ranks' next placeholder gathers read them
                     self.tp.broadcast(self.sampled[:n], 0)
                 host[:n].copy_(self.sampled[:n], non_blocking=True)
@@ -375,141 +366,3 @@ class ModelRunner:
         except Exception as e:
             self.workers.fail(e)
             raise self.workers.error from e
-
-    def _sample_on_device(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """Sampled ids [B] on the device, without a host sync on the paths that need none
-        (greedy; temperature with or without seeds; min_tokens masks and top-k / top-p / min-p
-        filters read their flags on the host and may wait for the device)."""
-        logits = self._mask_logits(seqs, logits)
-        if all(s.params.is_greedy for s in seqs):
-            # The argmax of 16-bit logits is that of their (exact) fp32 copies, ties included.
-            return logits.argmax(dim=-1)
-        return self._draw(seqs, logits).token_ids
-
-    @staticmethod
-    def _mask_logits(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """Logits with what a row may not sample set to -inf (a copy when any): tokens outside
-        its allowed_token_ids, and its stop tokens while it is short of min_tokens."""
-        masked = logits
-        for i, s in enumerate(seqs):
-            allowed = s.params.allowed_token_ids
-            stops = s.params.all_stop_token_ids
-            short = s.num_output_tokens < s.params.min_tokens and bool(stops)
-            if allowed is None and not short:
-                continue
-            if masked is logits:
-                masked = logits.clone()
-            if allowed is not None:
-                keep = torch.full_like(masked[i], float("-inf"))
-                index = torch.tensor(allowed, dtype=torch.long, device=logits.device)
-                keep[index] = 0.0
-                masked[i] += keep
-            if short:
-                masked[i, list(stops)] = float("-inf")
-        return masked
-
-    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, num_logprobs: int = 0):
-        """atom_kernels.sample over the sequences' parameters; filters no row uses are off."""
-        params = [s.params for s in seqs]
-
-        def column(values, dtype):
-            return _to_device(values, dtype, self.device)
-
-        def optional(values, on, dtype):  # None when no row uses the filter
-            return column(values, dtype) if any(on(v) for v in values) else None
-
-        generators = [s.generator for s in seqs]
-        return atom_kernels.sample(
-            logits,
-            column([p.temperature for p in params], torch.float32),
-            optional([p.top_k for p in params], lambda k: k > 0, torch.int64),
-            optional([p.top_p for p in params], lambda p: p < 1.0, torch.float32),
-            optional([p.min_p for p in params], lambda p: p > 0.0, torch.float32),
-            generators=generators if any(g is not None for g in generators) else None,
-            num_logprobs=num_logprobs,
-        )
-
-    def _sample(
-        self, seqs: list[Sequence], logits: torch.Tensor
-    ) -> dict[int, tuple[int, TopLogprobs | None]]:
-        params = [s.params for s in seqs]
-        if all(
-            p.is_greedy
-            and p.logprobs is None
-            and not p.has_penalties
-            and p.min_tokens == 0
-            and p.allowed_token_ids is None
-            for p in params
-        ):
-            # NOTE: the common greedy batch needs one argmax kernel and one sync; the sampler's
-            # general path adds a log-softmax over the vocabulary and host syncs on its flags.
-            token_ids = logits.argmax(dim=-1).tolist()
-            return {s.seq_id: (t, None) for s, t in zip(seqs, token_ids, strict=True)}
-        device = logits.device
-        raw_logits = logits
-        if any(s.params.has_penalties for s in seqs):
-            logits = self._apply_penalties(seqs, logits)
-        logits = self._mask_logits(seqs, logits)
-        num_logprobs = max((p.logprobs or 0) for p in params)
-        result = self._draw(seqs, logits, num_logprobs)
-        token_ids = result.token_ids.tolist()
-        sampled: dict[int, tuple[int, TopLogprobs | None]] = {}
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        info = dict.fromkeys(range(len(seqs)))
-        if want:
-            # Log-probs of the raw logits (vLLM's default), with the chosen token's rank.
-            logprobs = torch.log_softmax(raw_logits[want], dim=-1)
-            chosen = torch.tensor([token_ids[i] for i in want], device=device)
-            chosen_lp = logprobs.gather(1, chosen[:, None])
-            ranks = (logprobs > chosen_lp).sum(dim=1) + 1
-            top_lp, top_ids = result.top_logprobs[want], result.top_token_ids[want]
-            for j, i in enumerate(want):
-                n = params[i].logprobs
-                info[i] = TopLogprobs(
-                    token_id=token_ids[i],
-                    logprob=chosen_lp[j, 0].item(),
-                    top_ids=top_ids[j, :n].tolist(),
-                    top_logprobs=top_lp[j, :n].tolist(),
-                    rank=int(ranks[j]),
-                )
-        for i, s in enumerate(seqs):
-            sampled[s.seq_id] = (token_ids[i], info[i])
-        return sampled
-
-    def _apply_penalties(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        device = logits.device
-
-        def padded(rows: list[list[int]]) -> torch.Tensor:
-            width = max(1, max(len(r) for r in rows))
-            return torch.tensor(
-                [r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64, device=device
-            )
-
-        return atom_kernels.apply_penalties(
-            logits,
-            padded([s.token_ids[: s.num_prompt_tokens] for s in seqs]),
-            padded([s.output_token_ids for s in seqs]),
-            torch.tensor([s.params.presence_penalty for s in seqs], device=device),
-            torch.tensor([s.params.frequency_penalty for s in seqs], device=device),
-            torch.tensor([s.params.repetition_penalty for s in seqs], device=device),
-        )
-
-    @staticmethod
-    def _logprobs_of(logits: torch.Tensor, targets: list[int], n: int) -> list[TopLogprobs]:
-        logprobs = torch.log_softmax(logits, dim=-1)  # [R, V]
-        target = torch.tensor(targets, device=logits.device)[:, None]
-        chosen = logprobs.gather(1, target)
-        ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
-        top_lp, top_ids = logprobs.topk(n, dim=-1) if n else (logprobs[:, :0], target[:, :0])
-        return [
-            TopLogprobs(t, chosen[i, 0].item(), top_ids[i].tolist(), top_lp[i].tolist(), ranks[i])
-            for i, t in enumerate(targets)
-        ]
-
-
-def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor, through pinned memory so the copy does not block."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
