@@ -44,6 +44,11 @@ def test_engine_flags_round_trip():
     assert config.max_model_len == 256 and config.enable_prefix_caching is False
     assert config.dtype == "float32" and config.cpu_kv_cache_space == 0.5
     assert config.enforce_eager is True and args.port == 9000 and args.host == "127.0.0.1"
+    # vLLM's short forms of the parallel sizes
+    args = parser.parse_args(["serve", "-tp", "2", "-dp", "3", "--enable-expert-parallel"])
+    config = engine_config_from_args(args)
+    assert (config.tensor_parallel_size, config.data_parallel_size) == (2, 3)
+    assert config.enable_expert_parallel is True
 
 
 def test_invalid_engine_flag_is_an_error(capsys):

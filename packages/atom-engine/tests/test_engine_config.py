@@ -21,6 +21,8 @@ from atom_engine import LLM, EngineConfig, SamplingParams
         ("cpu_kv_cache_space", 0),
         ("num_kv_blocks", 0),
         ("load_format", "pt"),
+        ("tensor_parallel_size", 0),
+        ("data_parallel_size", 0),
     ],
 )
 def test_invalid_engine_args_name_the_field(field, value):
