@@ -15,8 +15,9 @@ For GPT-OSS vLLM also renames the method, in place, in the HF config its model g
 
 Where vLLM accepts it, ATOM's model runs the checkpoint with ATOM's quantized layers, built from the
 checkpoint's own config (vLLM's quant_config object is left unused): `vllm.LLM` on tiny checkpoints
-quantized by the test -- a Llama in block FP8 ([32, 64] blocks, bfloat16) and in
-compressed-tensors FP8 per-channel (float32), a GPT-OSS with MXFP4 experts (bfloat16) -- holds the
+quantized by the test -- a Llama in block FP8 ([32, 64] blocks, bfloat16), in compressed-tensors
+FP8 per-channel and per-tensor with a static input scale (float32), a GPT-OSS with MXFP4 experts
+(bfloat16) -- holds the
 checkpoint's own quantized bytes (float8_e4m3fn weights; e2m1 / e8m0 experts in uint8) with their
 scales inside ATOM's model, no vLLM quantization method, and gives the same greedy tokens as ATOM's
 engine (`atom_engine.LLM`) on the same checkpoint and dtype. (vLLM's own quantized paths cannot be
@@ -151,28 +152,37 @@ def block_fp8_checkpoint(tmp: Path) -> Path:
     return write_quantized_checkpoint(tiny_llama(tmp), tmp / "fp8-block", config, quantize)
 
 
-def compressed_fp8_checkpoint(tmp: Path) -> Path:
-    """llm-compressor's FP8 per-channel weights, dynamic per-token activations (FP8_DYNAMIC)."""
-    from atom_models.testing import fp8_channel_quantize, write_quantized_checkpoint
+def compressed_fp8_checkpoint(tmp: Path, static: bool = False) -> Path:
+    """llm-compressor's FP8 layouts: per-channel weights with dynamic per-token activations
+    (FP8_DYNAMIC), or with `static` per-tensor weights and a per-tensor `input_scale` (FP8)."""
+    import torch
+
+    from atom_models.testing import (
+        fp8_channel_quantize,
+        fp8_tensor_quantize,
+        write_quantized_checkpoint,
+    )
 
     def quantize(name, tensor):
-        q, scale = fp8_channel_quantize(tensor)
-        return {name: q, name.replace(".weight", ".weight_scale"): scale}
+        q, scale = (fp8_tensor_quantize if static else fp8_channel_quantize)(tensor)
+        out = {name: q, name.replace(".weight", ".weight_scale"): scale}
+        if static:
+            out[name.replace(".weight", ".input_scale")] = torch.tensor([0.05])
+        return out
 
     float8 = {"num_bits": 8, "type": "float", "symmetric": True}
+    weights = {**float8, "strategy": "tensor" if static else "channel", "dynamic": False}
+    acts = {**float8, "strategy": "tensor" if static else "token", "dynamic": not static}
     config = {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
         "ignore": ["lm_head"],
         "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {**float8, "strategy": "channel", "dynamic": False},
-                "input_activations": {**float8, "strategy": "token", "dynamic": True},
-            }
+            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}
         },
     }
-    return write_quantized_checkpoint(tiny_llama(tmp), tmp / "compressed-fp8", config, quantize)
+    name = "compressed-fp8-static" if static else "compressed-fp8"
+    return write_quantized_checkpoint(tiny_llama(tmp), tmp / name, config, quantize)
 
 
 def mxfp4_gpt_oss_checkpoint(tmp: Path) -> Path:
@@ -223,6 +233,12 @@ CASES = {
     "fp8-block": Case(block_fp8_checkpoint, "bfloat16", "fp8", "Fp8Config", QKV),
     "compressed-tensors-fp8-channel": Case(
         compressed_fp8_checkpoint, "float32", "compressed-tensors", "CompressedTensorsConfig", QKV
+    ),
+    # per-tensor weight scales (one per q / k / v, each its rows' in the fused layer) and a static
+    # activation scale
+    "compressed-tensors-fp8-tensor-static": Case(
+        lambda tmp: compressed_fp8_checkpoint(tmp, static=True),
+        "float32", "compressed-tensors", "CompressedTensorsConfig", QKV,
     ),
     # vLLM renames GPT-OSS's "mxfp4" to "gpt_oss_mxfp4" in the HF config it hands the model.
     "mxfp4-gpt-oss": Case(
