@@ -26,14 +26,18 @@ def triton_test_files() -> list[str]:
     os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available(),
     reason="the Triton tests run directly here (GPU, or already under the interpreter)",
 )
-def test_triton_backend_under_the_interpreter():
+def test_triton_backend_under_the_interpreter(request, capsys):
+    """With ``--durations=N`` the child's slowest tests are written to the terminal too (this
+    test's own duration is the sum of theirs)."""
     for package in ("triton", "numpy"):  # the interpreter runs kernels with numpy
         if importlib.util.find_spec(package) is None:
             pytest.skip(f"{package} is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1")
+    durations = request.config.getoption("durations", None)
     command = [
         sys.executable, "-m", "pytest", *triton_test_files(), "-q", "-m", "not gpu",
         "-p", "no:cacheprovider", "--no-header", "-W", "ignore::RuntimeWarning",
+        *([f"--durations={durations}"] if durations is not None else []),
     ]  # fmt: skip
     child = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
@@ -41,3 +45,9 @@ def test_triton_backend_under_the_interpreter():
     report = (child.stdout + child.stderr)[-20000:]
     assert child.returncode == 0, f"Triton tests under the interpreter failed:\n{report}"
     print(report.strip().splitlines()[-1])
+    lines = child.stdout.splitlines()
+    table = [i for i, line in enumerate(lines) if "slowest" in line and "durations" in line]
+    if table:
+        with capsys.disabled():
+            print("\n(the Triton tests under the interpreter, in a child process)")
+            print("\n".join(lines[table[0] :]))
