@@ -3,7 +3,10 @@
 
 atom-models asks its host for each attention layer (`AttentionHost.make_attention`); under vLLM
 that is vLLM's own `Attention` layer, so vLLM's KV-cache manager, forward context and attention
-backend selection (ATOM's backend, through ATOM's platform) all apply unchanged.
+backend selection (ATOM's backend, through ATOM's platform) all apply unchanged. So does vLLM's
+`--kv-cache-dtype`: the layer reads `cache_config.cache_dtype` and sizes and allocates the cache;
+the checkpoint's per-tensor k/v scales reach the layer's own `_k_scale` / `_v_scale` (see
+`apply_kv_scales`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class VllmAttention(nn.Module):
                 dtype = vllm_config.model_config.dtype
                 self.sinks = extra["sinks"] = torch.empty(spec.num_heads, dtype=dtype)
             self.sinks_shared = False
+            self.kv_scales: dict[str, float] = {}  # the checkpoint's, "k" / "v"
             self.attn = Attention(
                 num_heads=spec.num_heads,
                 head_size=spec.head_size,
@@ -45,6 +49,12 @@ class VllmAttention(nn.Module):
                 prefix=layer_name,
                 **extra,
             )
+
+    def set_kv_scale(self, which: str, value: float) -> None:
+        """The checkpoint's per-tensor KV-cache scale ("k" or "v"); vLLM's layer gets it in
+        `apply_kv_scales`, after vLLM's own post-load step (which resets its scales to 1.0 for
+        a model without a quantization config)."""
+        self.kv_scales[which] = value
 
     def share_sinks(self, param: nn.Parameter) -> None:
         """Make the model's materialized sinks parameter [H] use the storage vLLM's layer holds:
@@ -93,6 +103,29 @@ def share_attention_sinks(model: nn.Module) -> None:
                     f"{module.attn.layer_name}: the layer takes attention sinks but its parent "
                     "module has no `sinks` parameter to give vLLM's attention layer"
                 )
+
+
+def set_layer_kv_scale(layer: nn.Module, which: str, value: float) -> None:
+    """Set a vLLM attention layer's per-tensor KV-cache scale: the device buffer its backends
+    read (`_k_scale`), and the host copies (`_k_scale_float`, `_k_scale_cpu`)."""
+    getattr(layer, f"_{which}_scale").fill_(value)
+    setattr(layer, f"_{which}_scale_float", value)
+    cpu = getattr(layer, f"_{which}_scale_cpu", None)
+    if isinstance(cpu, torch.Tensor):
+        cpu.fill_(value)
+
+
+def apply_kv_scales(model: nn.Module) -> int:
+    """After vLLM's post-load step: give each vLLM attention layer (standard and MLA) the
+    checkpoint's k/v scales its ATOM layer loaded. Returns how many scales were set."""
+    count = 0
+    for module in model.modules():
+        for which, value in getattr(module, "kv_scales", {}).items():
+            attn = getattr(module, "attn", None)
+            if attn is not None and hasattr(attn, f"_{which}_scale"):
+                set_layer_kv_scale(attn, which, value)
+                count += 1
+    return count
 
 
 class VllmAttentionHost:

@@ -52,6 +52,8 @@ class VllmMLAAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.spec = spec
+        # The checkpoint's per-tensor scales; an fp8 latent cache uses "k" (host.apply_kv_scales).
+        self.kv_scales: dict[str, float] = {}
         # atom-models builds on the `meta` device; vLLM's layer keeps real buffers (KV scales).
         with torch.device(device):
             self.attn = _mla_attention_class()(
@@ -66,6 +68,9 @@ class VllmMLAAttention(nn.Module):
                 cache_config=vllm_config.cache_config,
                 prefix=layer_name,
             )
+
+    def set_kv_scale(self, which: str, value: float) -> None:
+        self.kv_scales[which] = value
 
     def forward(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor

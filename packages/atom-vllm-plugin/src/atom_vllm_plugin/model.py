@@ -31,7 +31,12 @@ from vllm.model_executor.models.interfaces import SupportsPP
 
 from atom_vllm_plugin.config import AtomVllmConfig, unsupported_reason
 from atom_vllm_plugin.handback import building_vllms_own_model
-from atom_vllm_plugin.host import VllmAttentionHost, VllmTPGroup, share_attention_sinks
+from atom_vllm_plugin.host import (
+    VllmAttentionHost,
+    VllmTPGroup,
+    apply_kv_scales,
+    share_attention_sinks,
+)
 from atom_vllm_plugin.log import info_once, warning_once
 from atom_vllm_plugin.stats import counters
 from atom_vllm_plugin.switches import compile_wanted
@@ -161,3 +166,8 @@ class AtomForCausalLM(nn.Module, SupportsPP):
         them, under `model.`) so vLLM's loader can check that every parameter was filled."""
         loaded = self.model.load_weights(weights)
         return {f"model.{name}" for name in loaded}
+
+    def process_weights_after_loading(self) -> None:
+        """vLLM's model-level post-load hook (after its attention layers reset their KV-cache
+        scales to 1.0): the checkpoint's k/v scales go to vLLM's attention layers."""
+        apply_kv_scales(self.model)
