@@ -305,9 +305,10 @@ def main() -> None:
             finally:
                 stop_server(proc, log)
             run["load_after"] = load()
-            run["atom_log_lines"] = [
-                line.strip()[-300:] for line in log_path.read_text().splitlines() if "ATOM" in line
-            ][:12]
+            # What the plugin did in this server (each message once: every process logs it).
+            lines = log_path.read_text().splitlines()
+            messages = [ln.split("ATOM:", 1)[1].strip()[:300] for ln in lines if "ATOM:" in ln]
+            run["atom_log"] = list(dict.fromkeys(messages))
             result["runs"].append(run)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=1) + "\n")  # partial results survive
