@@ -12,9 +12,9 @@ from atom_kernels.backends.triton import mla_attention, mla_cache
     "atom::triton_mla_cache_write",
     mutates_args=("kv_cache",),
     schema="(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, "
-    "Tensor? kv_scale, float? kv_scale_value) -> ()",
+    "Tensor? kv_scale=None, float? kv_scale_value=None) -> ()",
 )
-def _mla_cache_write_op(kv_c, k_pe, kv_cache, slot_mapping, kv_scale, kv_scale_value):
+def _mla_cache_write_op(kv_c, k_pe, kv_cache, slot_mapping, kv_scale=None, kv_scale_value=None):
     scale = kv_scale if kv_scale is not None else kv_scale_value
     mla_cache.mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, scale)
 
