@@ -59,12 +59,16 @@ TINY = dict(
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
-def tiny(request, tiny_checkpoint):
+def tiny(request, tiny_checkpoint, greedy_reference):
+    """(checkpoint directory, prompts, transformers' greedy tokens), computed once per model for
+    all the engine settings below."""
     if request.param == "llama":
         config = LlamaConfig(**TINY, num_attention_heads=4, num_key_value_heads=2)
     else:
         config = Qwen3Config(**TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    return tiny_checkpoint(config, seed=11)
+    path, hf = tiny_checkpoint(config, seed=11)
+    prompts = random_prompts(12, seed=5)
+    return path, prompts, [greedy_reference(hf, p, 20, None) for p in prompts]
 
 
 def random_prompts(n: int, seed: int) -> list[list[int]]:
@@ -87,10 +91,8 @@ for name, args in list(ENGINE_ARGS.items()):
 
 
 @pytest.mark.parametrize("engine_args", ENGINE_ARGS.values(), ids=ENGINE_ARGS.keys())
-def test_tiny_checkpoints_match_transformers(tiny, engine_args, greedy_reference):
-    path, hf = tiny
-    prompts = random_prompts(12, seed=5)
-    expected = [greedy_reference(hf, p, 20, None) for p in prompts]
+def test_tiny_checkpoints_match_transformers(tiny, engine_args):
+    path, prompts, expected = tiny
     llm = LLM(str(path), dtype="float32", device="cpu", **engine_args)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
