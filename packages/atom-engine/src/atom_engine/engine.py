@@ -60,7 +60,14 @@ class LLMEngine:
     """One engine: the scheduler, and the model runner of rank 0 (with its tensor-parallel
     workers). `dp_rank` places a data-parallel replica on its own devices."""
 
-    def __init__(self, config: EngineConfig, dp_rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, dp_rank: int | None = None) -> None:
+        if dp_rank is None:
+            if config.data_parallel_size > 1:
+                raise ValueError(
+                    f"data_parallel_size {config.data_parallel_size}: data-parallel replicas are "
+                    "served by `atom serve`; offline, run one engine per replica"
+                )
+            dp_rank = 0
         self.config = config
         self.model_path = resolve_model(config.model)
         self.hf_config = load_config(self.model_path)
