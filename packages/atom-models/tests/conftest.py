@@ -11,7 +11,7 @@ import torch
 from atom_models import set_forward_context
 from atom_models.bundled import smollm2_gguf_path
 from atom_models.native_attention import PagedAttentionMetadata, bind_kv_cache
-from atom_models.testing import save_random_checkpoint, transformers_gguf_model
+from atom_models.testing import save_random_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -21,9 +21,9 @@ def bundled():
 
 
 @pytest.fixture(scope="session")
-def reference(bundled):
-    """transformers' own float32 load of the bundled GGUF file."""
-    return transformers_gguf_model(bundled)
+def reference(smollm2_transformers):
+    """transformers' own float32 load of the bundled GGUF file (the root conftest's)."""
+    return smollm2_transformers
 
 
 @pytest.fixture(scope="session")
