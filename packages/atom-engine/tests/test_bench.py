@@ -146,19 +146,16 @@ def unused_tcp_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def atom_server(tokenizer):
-    """The real ATOM OpenAI server (build_app + uvicorn) on the bundled model, in a thread."""
+def atom_server(tokenizer, smollm2_engine):
+    """The real ATOM OpenAI server (build_app + uvicorn) on the bundled model, in a thread (on
+    the session's shared engine)."""
     import socket
 
     import uvicorn
 
-    from atom_engine.config import EngineConfig
     from atom_engine.server.api_server import build_app
-    from atom_engine.server.async_engine import AsyncEngine
 
-    engine = AsyncEngine.from_config(EngineConfig(
-        device="cpu", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=128
-    ))  # fmt: skip
+    engine = smollm2_engine
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -175,7 +172,6 @@ def atom_server(tokenizer):
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(30)
-    engine.shutdown()
 
 
 def test_bench_serve_completions_against_atom_server(atom_server, tmp_path, capsys):

@@ -205,10 +205,10 @@ def test_abort_frees_blocks(smollm2_llm):
 def test_async_scheduling_gives_the_same_outputs(smollm2_llm):
     """Async scheduling (steps launched before the previous one's ids are read) gives what the
     synchronous loop gives: greedy and seeded rows, n > 1, stop strings and tokens, min_tokens,
-    max_tokens, and an abort while a step is in flight."""
-    from atom_engine import LLM
+    max_tokens, and an abort while a step is in flight.
 
-    llm = LLM(dtype="float32", device="cpu", max_num_batched_tokens=256, async_scheduling=True)
+    The same engine runs both ways: `LLMEngine.step` is the only reader of `async_scheduling`, and
+    a second engine costs 26 s of CPU time (the GGUF file read again; see `smollm2_engine`)."""
     prompts = ["1, 2, 3, 4,", "Tell me a story.", "def f(x):", "Hello", "The capital of France"]
     params = [
         SamplingParams(temperature=0, max_tokens=20, stop=["7,"]),
@@ -217,7 +217,20 @@ def test_async_scheduling_gives_the_same_outputs(smollm2_llm):
         SamplingParams(temperature=1.0, seed=9, top_k=20, top_p=0.9, max_tokens=12),
         SamplingParams(temperature=0, max_tokens=1),
     ]
+    engine = smollm2_llm.engine
+    assert not engine.async_scheduling  # the CPU default
     expected = smollm2_llm.generate(prompts, params, use_tqdm=False)
+    hits_before = engine.block_manager.num_hit_tokens
+    engine.async_scheduling = True
+    try:
+        _check_async_scheduling(smollm2_llm, prompts, params, expected)
+    finally:
+        engine.async_scheduling = False
+    # Every prompt is shorter than a block: both runs computed everything, none hit the cache.
+    assert engine.block_manager.num_hit_tokens == hits_before
+
+
+def _check_async_scheduling(llm, prompts, params, expected) -> None:
     actual = llm.generate(prompts, params, use_tqdm=False)
     for want, got in zip(expected, actual, strict=True):
         for a, b in zip(want.outputs, got.outputs, strict=True):

@@ -1,8 +1,8 @@
 """`atom serve` end to end: the official `openai` client against a real uvicorn on loopback.
 
-One engine (the bundled SmolLM2, float32 on CPU) and one server for the whole module; a second
-uvicorn on the same AsyncEngine checks API keys. Requests keep max_tokens small: a decode step
-of this model takes ~0.1-0.5 s on a busy 2-core CPU.
+One engine (the bundled SmolLM2, float32 on CPU: the session's `smollm2_engine`) and one server
+for the whole module; a second uvicorn on the same AsyncEngine checks API keys. Requests keep
+max_tokens small: a decode step of this model takes ~0.1-0.5 s on a busy 2-core CPU.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 
-from atom_engine import EngineConfig
 from atom_engine.server.api_server import build_app
-from atom_engine.server.async_engine import AsyncEngine
 from atom_engine.testing import http, serve, wait_idle
 
 MODEL = "smollm2-test"
@@ -27,13 +25,9 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def engine():
-    config = EngineConfig(
-        dtype="float32", device="cpu", max_model_len=MAX_MODEL_LEN, cpu_kv_cache_space=0.25
-    )
-    engine = AsyncEngine.from_config(config)
-    yield engine
-    engine.shutdown()
+def engine(smollm2_engine):
+    assert smollm2_engine.max_model_len == MAX_MODEL_LEN
+    return smollm2_engine
 
 
 @pytest.fixture(scope="module")

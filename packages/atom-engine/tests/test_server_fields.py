@@ -7,9 +7,7 @@ import json
 
 import pytest
 
-from atom_engine import EngineConfig
 from atom_engine.server.api_server import build_app
-from atom_engine.server.async_engine import AsyncEngine
 from atom_engine.testing import http, serve
 
 MODEL = "smollm2-test"
@@ -17,13 +15,10 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def server():
-    config = EngineConfig(dtype="float32", device="cpu", max_model_len=256, cpu_kv_cache_space=0.05)
-    engine = AsyncEngine.from_config(config)
-    server = serve(build_app(engine, MODEL), engine)
+def server(smollm2_engine):
+    server = serve(build_app(smollm2_engine, MODEL), smollm2_engine)
     yield server
     server.stop()
-    engine.shutdown()
 
 
 def post(server, endpoint: str, body: dict) -> dict:
