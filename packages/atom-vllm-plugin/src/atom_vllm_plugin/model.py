@@ -6,13 +6,18 @@ checkpoint through `load_weights`, and calls `forward` / `compute_logits` inside
 context; the atom-models model inside computes with vLLM's attention layers (and so, through
 ATOM's platform, ATOM's attention backend) and vLLM's tensor-parallel group.
 
-For a configuration ATOM does not support (a quantized checkpoint, pipeline parallelism, prompt
-embeddings, LoRA, a pooling runner; `config.unsupported_reason`), constructing the wrapper builds
-vLLM's own implementation of the architecture instead, with one WARNING line naming the reason: the
-registry override is per architecture, the decision per model, and the wrapper's `__new__` is the
-first point that sees the whole `VllmConfig` (vLLM's config checks only look at the class'
-declared interfaces, so the wrapper declares pipeline-parallel support for vLLM's class to
-provide).
+A quantized checkpoint atom-models loads is built with ATOM's quantized layers, from the
+checkpoint's own `quantization_config` (`build_model`); the quant_config vLLM made of it is not
+used (vLLM's post-load step only runs its own `QuantizeMethodBase` objects, so ATOM's methods are
+left alone).
+
+For a configuration ATOM does not support (quantization atom-models does not load, pipeline
+parallelism, prompt embeddings, LoRA, a pooling runner; `config.unsupported_reason`), constructing
+the wrapper builds vLLM's own implementation of the architecture instead, with one WARNING line
+naming the reason: the registry override is per architecture, the decision per model, and the
+wrapper's `__new__` is the first point that sees the whole `VllmConfig` (vLLM's config checks only
+look at the class' declared interfaces, so the wrapper declares pipeline-parallel support for
+vLLM's class to provide).
 
 The wrapper is compiled with vLLM's `support_torch_compile` where vLLM captures CUDA graphs: its
 piecewise graphs (prefill and mixed steps) exist only for a compiled model, split at vLLM's
