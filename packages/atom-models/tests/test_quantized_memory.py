@@ -118,3 +118,34 @@ def test_fp8_load_peak_is_quantized_size_plus_one_layer(tmp_path):
         f"peak private growth {growth / 2**20:.0f} MiB (VmHWM {result['hwm'] / 2**20:.0f} MiB)"
     )
     assert growth < size + layer_bf16, (growth, size, layer_bf16)
+
+
+def test_processing_twice_changes_nothing(tmp_path):
+    """Hosts (SGLang's loader) may call a layer's process_weights_after_loading again: per-tensor
+    scales, expanded to rows the first time, must not be expanded again."""
+    from atom_models import load_model
+    from atom_models.quantization import process_weights_after_loading
+    from atom_models.testing import (
+        fp8_tensor_quantize,
+        save_random_checkpoint,
+        write_quantized_checkpoint,
+    )
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    save_random_checkpoint(config, tmp_path / "src")
+
+    def quantize(name, tensor):
+        q, scale = fp8_tensor_quantize(tensor)
+        return {name: q, name.replace(".weight", ".weight_scale"): scale}
+
+    quant_config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    path = write_quantized_checkpoint(tmp_path / "src", tmp_path / "fp8", quant_config, quantize)
+    model = load_model(path)
+    before = {n: p.clone() for n, p in model.named_parameters() if p.dtype == torch.float32}
+    process_weights_after_loading(model)
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], p) for n, p in before.items())
+    assert after["model.layers.0.self_attn.qkv_proj.weight_scale"].shape == (64 + 2 * 32,)

@@ -101,6 +101,9 @@ class Fp8LinearMethod:
         )
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
+        if getattr(layer, "quant_processed", False):  # hosts may call it again (SGLang)
+            return
+        layer.quant_processed = True
         if self.scheme.weight == FP8_TENSOR:
             scale = layer.weight_scale.data
             rows = torch.empty(layer.output_size, dtype=torch.float32, device=scale.device)
@@ -188,6 +191,9 @@ class Fp8MoEMethod:
             layer.w2_input_scale = _param((e, 1), torch.float32, layer.w2_loader, w2_ids, **attrs)
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        if getattr(layer, "quant_processed", False):  # hosts may call it again (SGLang)
+            return
+        layer.quant_processed = True
         if self.scheme.weight == FP8_TENSOR:
             i, h = layer.intermediate_size, layer.hidden_size
             w13 = layer.w13_weight_scale.data.repeat_interleave(i, dim=1)  # [E, 2I]
