@@ -71,6 +71,7 @@ class LLMEngine:
         self.config = config
         self.model_path = resolve_model(config.model)
         self.hf_config = load_config(self.model_path)
+        check_parallel(config, self.hf_config)  # before anything slow
         self.tokenizer = (
             None
             if config.skip_tokenizer_init
@@ -83,7 +84,6 @@ class LLMEngine:
             logger.warning(
                 "max_model_len %d exceeds the model's context %d", self.max_model_len, context
             )
-        check_parallel(config, self.hf_config)
         torch.manual_seed(config.seed)
         device = rank_device(config, 0, dp_rank)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
