@@ -176,6 +176,26 @@ def test_the_bundled_smollm2_cannot_split_over_two_ranks():
         LLM(tensor_parallel_size=2)
 
 
+@pytest.mark.slow
+def test_the_bundled_smollm2_over_three_ranks_matches_one():
+    """The bundled model does split over 3 ranks (3 heads and 1 KV head each, 512 of the 1536
+    intermediate features): 4 prompts x 24 greedy tokens equal one process's, twice (the second
+    round from the prefix cache)."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=128)
+
+    def run(**args):
+        with LLM(**engine, **args) as llm:
+            rounds = [llm.generate(PROMPTS, params, use_tqdm=False) for _ in range(2)]
+            stats = llm.engine.stats()
+        return [o.outputs[0].token_ids for outs in rounds for o in outs], stats
+
+    expected, _ = run()
+    got, stats = run(tensor_parallel_size=3)
+    assert got == expected
+    assert stats.prefix_cache_hit_rate > 0
+
+
 def test_offline_data_parallelism_points_to_the_server():
     with pytest.raises(ValueError, match="data_parallel_size 2: .* served by `atom serve`"):
         LLM(data_parallel_size=2)
