@@ -74,6 +74,7 @@ MLA_HEADS = (128, 16)
 MLA_BATCHES = (1, 32, 128)
 MLA_CONTEXTS = (1024, 4096)
 DEVICE = "cuda"  # "cpu" under --smoke-cpu
+MOE_FORMATS: tuple[str, ...] = ()  # --moe-formats: only these (empty: all)
 GROUPS = ("gemm", "group_quant", "mla", "moe", "gemm_tiles")  # the order they run in
 
 
@@ -381,6 +382,8 @@ def bench_moe(torch, bench: Bench, tokens_list: tuple[int, ...], max_experts: in
             weights, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
             routing[tokens] = (x, weights, ids.int(), int(ids.unique().numel()))
         for fmt in formats:
+            if MOE_FORMATS and fmt not in MOE_FORMATS:
+                continue
             t0 = time.perf_counter()
             w13, w2, s13, s2 = _moe_weights(torch, num_experts, hidden, inter, fmt, g)
             if DEVICE == "cuda":
@@ -484,7 +487,10 @@ def main(argv: list[str] | None = None) -> int:
         help="tiny shapes on the CPU under TRITON_INTERPRET=1, each op run once: checks the "
         "script's wiring, measures nothing",
     )  # fmt: skip
+    parser.add_argument("--moe-formats", default="", help="comma-separated MoE formats only")
     args = parser.parse_args(argv)
+    global MOE_FORMATS
+    MOE_FORMATS = tuple(f for f in args.moe_formats.split(",") if f)
     groups = [g for g in args.only.split(",") if g] or list(GROUPS)
     unknown = set(groups) - set(GROUPS)
     if unknown:

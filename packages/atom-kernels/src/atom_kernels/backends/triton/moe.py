@@ -994,6 +994,16 @@ def fused_moe(
             for gemm in ("gemm1", "gemm2"):
                 config[gemm] = dict(config[gemm], BLOCK_K=max(16, config[gemm]["BLOCK_K"] // 2))
             config["ws"] = False
+        if quant is not None and not is_interpreted(device):
+            # NOTE (H100, triton 3.6, 2026-11-23): the dequantizing K loop pipelines the weight
+            # and its per-element float32 scale tile through shared memory each stage; the
+            # bf16 tiles (16x32x256 / 3 stages at DeepSeek-V3 T=16, 128x256x64 / 4 stages at
+            # Qwen3-30B-A3B T=512) asked for 252 KB (OutOfResources, 227 KB on an H100).
+            # K tiles of at most 64 and 2 stages keep a stage under ~100 KB.
+            for gemm in ("gemm1", "gemm2"):
+                cfg = config[gemm]
+                config[gemm] = dict(cfg, BLOCK_K=min(cfg["BLOCK_K"], 64),
+                                    num_stages=min(cfg.get("num_stages", 2), 2))  # fmt: skip
     ids = topk_ids.reshape(-1)
     weights = topk_weights.reshape(-1)
     precision = "ieee" if dtype == torch.float32 else "tf32"
