@@ -38,7 +38,7 @@ def _argmax_row(p_row, q_row, noise_row, x, V, mode, BLOCK_V: tl.constexpr):
         better = value > best_value
         best_index = tl.where(better, index, best_index)
         best_value = tl.where(better, value, best_value)
-    return best_index
+    return best_index.to(tl.int64)
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def _rejection_kernel(
             tl.store(out_ptr + i * out_stride + j, x)
             accepted += 1
         else:
-            tl.store(out_ptr + i * out_stride + j, recovered.to(tl.int64))
+            tl.store(out_ptr + i * out_stride + j, recovered)
             rejected = 1
         j += 1
     if rejected == 0:
@@ -101,7 +101,7 @@ def _rejection_kernel(
             bonus = _argmax_row(p_row, p_row, noise_row, 0, V, 0, BLOCK_V)
         else:
             bonus = _argmax_row(p_row, p_row, noise_row, 0, V, 1, BLOCK_V)
-        tl.store(out_ptr + i * out_stride + k, bonus.to(tl.int64))
+        tl.store(out_ptr + i * out_stride + k, bonus)
     tl.store(num_ptr + i, (accepted + 1).to(tl.int32))
 
 
