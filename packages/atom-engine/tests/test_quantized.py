@@ -51,9 +51,17 @@ def hf_greedy_all(model, greedy_reference, max_tokens: int = 12) -> list[list[in
     return [greedy_reference(model, p, max_tokens, None) for p in prompts()]
 
 
-def block_fp8(block):
+def block_fp8(block, dequantized: dict | None = None):
+    """Quantize to block FP8; with `dequantized`, also record each tensor's dequantized values
+    there (each block times its scale, DeepSeek's definition: the reference where transformers'
+    own dequantizer cannot be one)."""
+    bn, bk = block
+
     def quantize(name, tensor):
         q, scale_inv = fp8_block_quantize(tensor, block)
+        if dequantized is not None:
+            grid = scale_inv.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+            dequantized[name] = q.float() * grid[: q.shape[0], : q.shape[1]]
         return {name: q, name.replace(".weight", ".weight_scale_inv"): scale_inv}
 
     return quantize
@@ -135,11 +143,7 @@ def test_block_fp8_partial_edge_blocks(tiny_checkpoint, greedy_reference, tmp_pa
     block = (32, 64)
     dequantized = {}
 
-    def quantize(name, tensor):
-        q, scale_inv = fp8_block_quantize(tensor, block)
-        grid = scale_inv.repeat_interleave(32, 0).repeat_interleave(64, 1)
-        dequantized[name] = q.float() * grid[: q.shape[0], : q.shape[1]]
-        return {name: q, name.replace(".weight", ".weight_scale_inv"): scale_inv}
+    quantize = block_fp8(block, dequantized)
 
     dst = write_quantized_checkpoint(src, tmp_path / "fp8", fp8_config(block), quantize)
     ref_dir = with_weights(src, tmp_path / "ref", dequantized)
@@ -174,11 +178,7 @@ def test_block_fp8_deepseek_v3(tiny_checkpoint, greedy_reference, tmp_path):
     block = (16, 16)
     dequantized = {}
 
-    def quantize(name, tensor):
-        q, scale_inv = fp8_block_quantize(tensor, block)
-        grid = scale_inv.repeat_interleave(16, 0).repeat_interleave(16, 1)
-        dequantized[name] = q.float() * grid[: q.shape[0], : q.shape[1]]
-        return {name: q, name.replace(".weight", ".weight_scale_inv"): scale_inv}
+    quantize = block_fp8(block, dequantized)
 
     def select(name, tensor):  # every projection, kv_a_proj_with_mqa included
         return tensor.dim() == 2 and "proj" in name.split(".")[-2]
