@@ -125,6 +125,17 @@ class BlockManager:
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past seq's tokens: those rejected speculative drafts were written to
+        (their K/V is garbage; nothing hashed them, so they return to the front of the queue)."""
+        keep = self.blocks_needed(len(seq))
+        for block in seq.block_table[keep:]:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+                self.free.move_to_end(block, last=False)
+        del seq.block_table[keep:]
+
     def release(self, seq: Sequence) -> None:
         """Drop seq's references; blocks no one uses become free (their hashes kept, LRU)."""
         # Last blocks first: a sequence's tail is the least likely to be shared, so it is evicted

@@ -6,9 +6,13 @@ Every field is also an `atom serve` / `atom generate` flag (see `atom_engine.cli
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
+
+from atom_engine.spec_decode import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KV-cache dtypes besides "auto" (the model's dtype); fp8 caches carry per-tensor scales.
@@ -17,6 +21,17 @@ KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 def _help(text: str) -> dict:
     return {"help": text}
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object value (`--speculative-config '{"method": "ngram", ...}'`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 @dataclass
@@ -101,6 +116,19 @@ class EngineConfig:
         ),
     )
 
+    speculative_config: dict | None = field(
+        default=None,
+        metadata={
+            "help": "speculative decoding, as vLLM spells it (JSON): "
+            '{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, '
+            '"prompt_lookup_min": m} (prompt lookup, any model) or {"method": "mtp", '
+            '"num_speculative_tokens": k} (a DeepSeek-V3-family checkpoint\'s MTP layers); '
+            "drafts are verified by rejection sampling, so outputs follow the model's own "
+            "distribution",
+            "type": _json_object,
+        },
+    )
+
     tensor_parallel_size: int = field(
         default=1,
         metadata={
@@ -164,6 +192,10 @@ class EngineConfig:
             fail("num_kv_blocks", "must be >= 1")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             fail("kv_cache_dtype", f"must be one of auto, {', '.join(KV_CACHE_DTYPES)}")
+        if self.speculative_config is not None:
+            if isinstance(self.speculative_config, SpeculativeConfig):
+                self.speculative_config = self.speculative_config.to_dict()
+            SpeculativeConfig.from_dict(self.speculative_config)  # names the bad field
         if self.tensor_parallel_size < 1:
             fail("tensor_parallel_size", "must be >= 1")
         if self.data_parallel_size < 1:
@@ -172,6 +204,11 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    def resolved_speculative_config(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     def resolved_long_prefill_token_threshold(self) -> int:
         if self.long_prefill_token_threshold is None:

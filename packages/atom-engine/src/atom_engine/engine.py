@@ -32,6 +32,7 @@ from atom_engine.sampler import TopLogprobs
 from atom_engine.sampling_params import SamplingParams
 from atom_engine.scheduler import ScheduledBatch, Scheduler
 from atom_engine.sequence import PLACEHOLDER, Sequence
+from atom_engine.spec_decode import MtpDrafter, NgramDrafter, SpecDecodeStats, check_speculative
 from atom_engine.tokenizer import eos_token_ids, load_tokenizer
 from atom_engine.workers import WorkerError, start_runner
 from atom_models import load_config
@@ -54,6 +55,7 @@ class EngineStats:
     block_size: int
     finished_requests: int = 0
     window: float = field(default=10.0, repr=False)
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding
 
 
 class LLMEngine:
@@ -72,6 +74,8 @@ class LLMEngine:
         self.model_path = resolve_model(config.model)
         self.hf_config = load_config(self.model_path)
         check_parallel(config, self.hf_config)  # before anything slow
+        spec = config.resolved_speculative_config()
+        check_speculative(spec, config, self.hf_config)
         self.tokenizer = (
             None
             if config.skip_tokenizer_init
@@ -110,6 +114,17 @@ class LLMEngine:
             if config.async_scheduling is not None
             else self.runner.device.type == "cuda"
         )
+        self.drafter = None
+        if spec is not None:
+            if spec.method == "mtp":
+                self.runner.keep_hidden = True
+                self.drafter = MtpDrafter(spec, self.max_model_len, self.runner, self.block_manager)
+            else:
+                self.drafter = NgramDrafter(spec, self.max_model_len)
+            if self.async_scheduling:
+                # Drafts come from the tokens just sampled: the host sees every step.
+                logger.info("speculative decoding: steps run without async scheduling")
+                self.async_scheduling = False
         self._pending: Launch | None = None  # the launched step whose ids are not read yet
         self._host_sampled: set[str] = set()  # requests whose sampling needs the host each step
 
@@ -239,7 +254,10 @@ class LLMEngine:
             result = self.runner.run(batch)
         except Exception as error:
             return self._run_isolated(batch, error)
-        return self._postprocess(batch, result)
+        outputs = self._postprocess(batch, result)
+        if self.drafter is not None:  # the next step's drafts, from the tokens just added
+            self.drafter.propose(batch, self.scheduler.running)
+        return outputs
 
     def _run_isolated(self, batch: ScheduledBatch, error: Exception) -> list[RequestOutput]:
         """Run a failed step's requests one by one (their blocks are allocated and nothing was
@@ -380,6 +398,8 @@ class LLMEngine:
     ) -> tuple[int, int]:
         """Advance one sequence by a step's result; (prompt tokens, generated tokens) counted."""
         prompt_tokens = generated = 0
+        num_drafts = len(seq.spec_token_ids)
+        num -= num_drafts  # the tokens fed besides the drafts
         if seq.num_computed_tokens < seq.num_prompt_tokens:
             prompt_tokens = min(num, seq.num_prompt_tokens - seq.num_computed_tokens)
         if seq.seq_id in result.prompt_logprobs and seq.index == 0:
@@ -390,10 +410,21 @@ class LLMEngine:
                     request.prompt_logprobs.append(self._logprob_dict(info))
         seq.num_computed_tokens += num
         self.block_manager.cache_computed_blocks(seq)
-        if seq.seq_id in result.sampled:
-            token_id, info = result.sampled[seq.seq_id]
+        emitted = result.sampled.get(seq.seq_id, ())
+        if num_drafts:  # emitted: the accepted drafts, then the token drawn after them
+            self.drafter.stats.record(num_drafts, len(emitted) - 1)
+            seq.spec_token_ids = []
+        for token_id, info in emitted:
+            if generated:  # the accepted draft before this token is in the cache
+                seq.num_computed_tokens += 1
             self._append_token(seq, token_id, info)
-            generated = 1
+            generated += 1
+            if seq.is_finished:  # a stop inside the accepted run: the rest is dropped
+                break
+        if num_drafts and not seq.is_finished:
+            self.block_manager.cache_computed_blocks(seq)
+            self.block_manager.trim(seq)  # the rejected drafts' blocks
+        if generated:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
@@ -493,4 +524,5 @@ class LLMEngine:
             block_size=self.block_manager.block_size,
             finished_requests=self._finished_requests,
             window=window,
+            spec_decode=None if self.drafter is None else self.drafter.stats,
         )

@@ -18,6 +18,7 @@ sampled ids are broadcast to the other ranks' `sampled` so their next placeholde
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -67,8 +68,9 @@ class Launch:
 
 @dataclass
 class RunOutput:
-    # seq_id -> (sampled token id, its TopLogprobs or None)
-    sampled: dict[int, tuple[int, TopLogprobs | None]]
+    # seq_id -> the tokens it emits (sampled id, its TopLogprobs or None): one, or with
+    # speculative drafts the accepted drafts and the token drawn after them
+    sampled: dict[int, list[tuple[int, TopLogprobs | None]]]
     # seq_id -> prompt log-probs of the prompt positions computed in this step, in order
     prompt_logprobs: dict[int, list[TopLogprobs]]
 
@@ -125,6 +127,9 @@ class ModelRunner:
             torch.zeros(max_sampled, dtype=torch.long, pin_memory=pin) for _ in range(2)
         ]
         self._launches = 0
+        self.keep_hidden = False  # set by an MTP drafter
+        self.last_hidden: torch.Tensor | None = None
+        self.step_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (first row, first position)
         if self.device.type == "cuda":
             self._warm_up_sampling()
         logger.info(
@@ -234,14 +239,16 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + num
             row = len(ids)
-            ids += seq.token_ids[start:end]
+            drafts = seq.spec_token_ids  # scheduled with the sequence's last token
+            ids += seq.token_ids[start : end - len(drafts)]
             if ids[-1] == PLACEHOLDER:  # only ever the last token, sampled by `prev`
                 inputs.gathers.append((row + num - 1, prev.rows[seq.seq_id]))
+            ids += drafts
             inputs.seq_lens.append(end)
             inputs.query_lens.append(num)
             inputs.tables.append(seq.block_table)
-            if end == len(seq):
-                inputs.sample_rows.append(row + num - 1)
+            if end == len(seq) + len(drafts):  # every draft position and the one after them
+                inputs.sample_rows += range(row + num - 1 - len(drafts), row + num)
                 sample_seqs.append(seq)
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 count = min(end, seq.num_prompt_tokens - 1) - start
@@ -308,10 +315,22 @@ class ModelRunner:
         self._hand_off(OP_RUN, inputs)
         with self._in_step():
             hidden = self._execute(inputs)
+            if self.keep_hidden:  # the MTP drafter reads the step's hidden states
+                self.last_hidden = hidden
+                rows = itertools.accumulate(inputs.query_lens, initial=0)
+                self.step_rows = {
+                    seq.seq_id: (row, seq_len - num)
+                    for seq, row, seq_len, num in zip(
+                        batch.seqs, rows, inputs.seq_lens, inputs.query_lens, strict=False
+                    )
+                }
             logits = self._logits(hidden, inputs, OP_RUN)  # the last collective of the step
             out = RunOutput(sampled={}, prompt_logprobs={})
-            if sample_seqs:
-                out.sampled = self.sampler.sample(sample_seqs, logits.pop(0).float())
+            if any(s.spec_token_ids for s in sample_seqs):
+                out.sampled = self.sampler.verify(sample_seqs, logits.pop(0).float())
+            elif sample_seqs:
+                sampled = self.sampler.sample(sample_seqs, logits.pop(0).float())
+                out.sampled = {seq_id: [token] for seq_id, token in sampled.items()}
             for seq, (_, count), rows in zip(prompt_seqs, inputs.prompt_rows, logits, strict=True):
                 start = seq.num_computed_tokens
                 targets = seq.token_ids[start + 1 : start + 1 + count]
@@ -319,6 +338,31 @@ class ModelRunner:
                     rows.float(), targets, seq.params.prompt_logprobs
                 )
         return out
+
+    @torch.no_grad()
+    def mtp_draft(
+        self,
+        inputs: StepInputs,
+        hidden_rows: list[int] | None,
+        step: int,
+        previous: torch.Tensor | None = None,
+    ) -> tuple[list[int], torch.Tensor]:
+        """One pass of the model's MTP layer (speculative drafting): `inputs` are positions of
+        the cache and the token following each, fed with the last step's hidden states at
+        `hidden_rows` (or `previous`, the layer's own output of the previous pass); returns the
+        argmax draft of each `sample_rows` row and the layer's output there."""
+        md = PagedAttentionMetadata.build(
+            inputs.seq_lens, inputs.query_lens, inputs.tables, self.block_size, self.device
+        )
+        if previous is None:
+            previous = self.last_hidden[to_device(hidden_rows, torch.long, self.device)]
+        ids = to_device(inputs.ids, torch.long, self.device)
+        positions = to_device(inputs.positions(), torch.long, self.device)
+        with set_forward_context(md):
+            out = self.model.mtp_forward(ids, positions, previous, step)
+        rows = out[to_device(inputs.sample_rows, torch.long, self.device)]
+        logits = self.model.compute_mtp_logits(rows, step)
+        return logits.argmax(dim=-1).tolist(), rows
 
     @torch.no_grad()
     def launch(self, batch: ScheduledBatch, prev: Launch | None) -> Launch:
@@ -329,6 +373,7 @@ class ModelRunner:
         (read by the next launch's placeholder gathers) and, once `ready`, in `host`.
         """
         inputs, sample_seqs, _ = self._prepare(batch, prev)
+        assert not any(s.spec_token_ids for s in sample_seqs), "drafts are verified by `run`"
         self._hand_off(OP_LAUNCH, inputs)
         host = self._sampled_host[self._launches % 2]
         self._launches += 1

@@ -6,6 +6,7 @@ with every feature (log-probs, penalties, min_tokens, allowed token ids).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -40,14 +41,18 @@ class Sampler:
         return self._draw(seqs, logits).token_ids
 
     @staticmethod
-    def _mask_logits(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def _mask_logits(
+        seqs: list[Sequence], logits: torch.Tensor, ahead: list[int] | None = None
+    ) -> torch.Tensor:
         """Logits with what a row may not sample set to -inf (a copy when any): tokens outside
-        its allowed_token_ids, and its stop tokens while it is short of min_tokens."""
+        its allowed_token_ids, and its stop tokens while it is short of min_tokens. `ahead[i]`:
+        tokens row i's sequence will have emitted before row i's (speculative draft rows)."""
         masked = logits
         for i, s in enumerate(seqs):
             allowed = s.params.allowed_token_ids
             stops = s.params.all_stop_token_ids
-            short = s.num_output_tokens < s.params.min_tokens and bool(stops)
+            emitted = s.num_output_tokens + (ahead[i] if ahead else 0)
+            short = emitted < s.params.min_tokens and bool(stops)
             if allowed is None and not short:
                 continue
             if masked is logits:
@@ -61,7 +66,7 @@ class Sampler:
                 masked[i, list(stops)] = float("-inf")
         return masked
 
-    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, num_logprobs: int = 0):
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor):
         """atom_kernels.sample over the sequences' parameters; filters no row uses are off."""
         params = [s.params for s in seqs]
 
@@ -79,7 +84,6 @@ class Sampler:
             optional([p.top_p for p in params], lambda p: p < 1.0, torch.float32),
             optional([p.min_p for p in params], lambda p: p > 0.0, torch.float32),
             generators=generators if any(g is not None for g in generators) else None,
-            num_logprobs=num_logprobs,
         )
 
     def sample(
@@ -98,36 +102,105 @@ class Sampler:
             # general path adds a log-softmax over the vocabulary and host syncs on its flags.
             token_ids = logits.argmax(dim=-1).tolist()
             return {s.seq_id: (t, None) for s, t in zip(seqs, token_ids, strict=True)}
-        device = logits.device
         raw_logits = logits
         if any(s.params.has_penalties for s in seqs):
             logits = self._apply_penalties(seqs, logits)
         logits = self._mask_logits(seqs, logits)
-        num_logprobs = max((p.logprobs or 0) for p in params)
-        result = self._draw(seqs, logits, num_logprobs)
-        token_ids = result.token_ids.tolist()
-        sampled: dict[int, tuple[int, TopLogprobs | None]] = {}
+        token_ids = self._draw(seqs, logits).token_ids.tolist()
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         info = dict.fromkeys(range(len(seqs)))
-        if want:
-            # Log-probs of the raw logits (vLLM's default), with the chosen token's rank.
-            logprobs = torch.log_softmax(raw_logits[want], dim=-1)
-            chosen = torch.tensor([token_ids[i] for i in want], device=device)
-            chosen_lp = logprobs.gather(1, chosen[:, None])
-            ranks = (logprobs > chosen_lp).sum(dim=1) + 1
-            top_lp, top_ids = result.top_logprobs[want], result.top_token_ids[want]
-            for j, i in enumerate(want):
-                n = params[i].logprobs
-                info[i] = TopLogprobs(
-                    token_id=token_ids[i],
-                    logprob=chosen_lp[j, 0].item(),
-                    top_ids=top_ids[j, :n].tolist(),
-                    top_logprobs=top_lp[j, :n].tolist(),
-                    rank=int(ranks[j]),
-                )
+        infos = _logprob_infos(raw_logits, want, [token_ids[i] for i in want], params)
+        info.update(zip(want, infos, strict=True))
+        return {s.seq_id: (token_ids[i], info[i]) for i, s in enumerate(seqs)}
+
+    def verify(
+        self, seqs: list[Sequence], logits: torch.Tensor
+    ) -> dict[int, list[tuple[int, TopLogprobs | None]]]:
+        """Speculative decoding's verification: each sequence's drafts (`spec_token_ids`, k_i)
+        against its k_i + 1 rows of logits (the draft positions, then the one after them), by
+        rejection sampling (`atom_kernels.rejection_sample`): the accepted drafts and one more
+        token per sequence, distributed exactly as sampling without drafts. Every sampling
+        parameter but the penalties applies per row (the drafter proposes nothing for requests
+        with penalties); seeded sequences draw from their own generator."""
+        counts = [len(s.spec_token_ids) + 1 for s in seqs]
+        row_seqs = [s for s, c in zip(seqs, counts, strict=True) for _ in range(c)]
+        ahead = [j for c in counts for j in range(c)]
+        params = [s.params for s in row_seqs]
+        masked = self._mask_logits(row_seqs, logits, ahead)
+        if all(s.params.is_greedy for s in seqs):  # accept while the draft is the argmax
+            targets = masked.argmax(dim=-1).tolist()
+            emitted, at = [], 0
+            for s, c in zip(seqs, counts, strict=True):
+                rows = targets[at : at + c]
+                n = next((j for j, d in enumerate(s.spec_token_ids) if d != rows[j]), c - 1)
+                emitted.append(rows[: n + 1])
+                at += c
+        else:
+            emitted = self._rejection_sample(seqs, counts, row_seqs, masked)
+        out: dict[int, list[tuple[int, TopLogprobs | None]]] = {}
+        want, tokens, at = [], [], 0
+        for s, c, ids in zip(seqs, counts, emitted, strict=True):
+            if s.params.logprobs is not None:  # of each emitted token, at its own row
+                want += range(at, at + len(ids))
+                tokens += ids
+            at += c
+        infos = iter(_logprob_infos(logits, want, tokens, params))
+        for s, ids in zip(seqs, emitted, strict=True):
+            with_info = s.params.logprobs is not None
+            out[s.seq_id] = [(t, next(infos) if with_info else None) for t in ids]
+        return out
+
+    def _rejection_sample(
+        self,
+        seqs: list[Sequence],
+        counts: list[int],
+        row_seqs: list[Sequence],
+        masked: torch.Tensor,
+    ) -> list[list[int]]:
+        """The tokens each sequence emits, for a batch with random sampling (greedy rows use
+        the argmax); n-gram drafts are one-hot (no draft probabilities)."""
+        device, vocab = masked.device, masked.shape[1]
+        params = [s.params for s in row_seqs]
+        greedy_rows = torch.tensor([p.is_greedy for p in params], device=device)
+        temperature = to_device(
+            [1.0 if p.is_greedy else p.temperature for p in params], torch.float32, device
+        )
+        scaled = masked / temperature[:, None]
+
+        def optional(values, on, dtype):
+            return to_device(values, dtype, device) if any(on(v) for v in values) else None
+
+        filtered = atom_kernels.apply_top_k_top_p_min_p(
+            scaled,
+            optional([p.top_k for p in params], lambda k: k > 0, torch.int64),
+            optional([p.top_p for p in params], lambda p: p < 1.0, torch.float32),
+            optional([p.min_p for p in params], lambda p: p > 0.0, torch.float32),
+        )
+        probs = torch.where(greedy_rows[:, None], masked, filtered.softmax(dim=-1))
+        drafts = [d for s in seqs for d in s.spec_token_ids]
+        num_drafts = len(drafts)
+        # Randomness per sequence: from its generator when seeded (the same seed, the same
+        # tokens), else from the global one.
+        uniform = torch.rand(num_drafts, device=device)
+        noise = torch.empty(len(seqs), vocab, device=device).exponential_()
+        at = 0
         for i, s in enumerate(seqs):
-            sampled[s.seq_id] = (token_ids[i], info[i])
-        return sampled
+            k = counts[i] - 1
+            if s.generator is not None:
+                uniform[at : at + k] = torch.rand(k, device=device, generator=s.generator)
+                noise[i].exponential_(generator=s.generator)
+            at += k
+        cu = torch.tensor([0, *itertools.accumulate(c - 1 for c in counts)], device=device)
+        out, num = atom_kernels.rejection_sample(
+            probs.float(),
+            to_device(drafts, torch.int64, device),
+            cu,
+            None,
+            uniform,
+            noise,
+            torch.tensor([s.params.is_greedy for s in seqs], device=device),
+        )
+        return [row[:n] for row, n in zip(out.tolist(), num.tolist(), strict=True)]
 
     def _apply_penalties(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         device = logits.device
@@ -158,6 +231,33 @@ class Sampler:
             TopLogprobs(t, chosen[i, 0].item(), top_ids[i].tolist(), top_lp[i].tolist(), ranks[i])
             for i, t in enumerate(targets)
         ]
+
+
+def _logprob_infos(
+    raw_logits: torch.Tensor, rows: list[int], token_ids: list[int], params: list
+) -> list[TopLogprobs]:
+    """Log-probs of token_ids[j] at raw_logits[rows[j]] (the raw logits: vLLM's default), with
+    its rank and the top params[rows[j]].logprobs."""
+    if not rows:
+        return []
+    device = raw_logits.device
+    logprobs = torch.log_softmax(raw_logits[rows], dim=-1)
+    chosen = torch.tensor(token_ids, device=device)
+    chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+    ranks = ((logprobs > logprobs.gather(1, chosen[:, None])).sum(dim=1) + 1).tolist()
+    n = max(params[r].logprobs for r in rows)
+    top_lp, top_ids = logprobs.topk(n, dim=-1) if n else (logprobs[:, :0], chosen[:, None][:, :0])
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    return [
+        TopLogprobs(
+            token_id=t,
+            logprob=chosen_lp[j],
+            top_ids=top_ids[j][: params[r].logprobs],
+            top_logprobs=top_lp[j][: params[r].logprobs],
+            rank=int(ranks[j]),
+        )
+        for j, (r, t) in enumerate(zip(rows, token_ids, strict=True))
+    ]
 
 
 def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -62,6 +62,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or aborted) sequence and free its blocks."""
         seq.status = SequenceStatus.FINISHED
+        seq.spec_token_ids.clear()
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -70,6 +71,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.spec_token_ids.clear()
         self.block_manager.release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -89,13 +91,20 @@ class Scheduler:
         # 1. Running sequences, oldest first; preempt the newest when blocks run out. A sequence
         # whose last token is still on its way (async scheduling) and is its max_tokens-th waits:
         # it finishes when that token arrives.
+        # A decode with speculative drafts feeds its last token and the drafts (drafts are cut
+        # to what the budget and the free blocks allow before anyone is preempted for them).
         scheduled_running: list[Sequence] = []
         queue = [s for s in self.running if s.num_output_tokens < s.params.max_tokens]
         while queue and budget > 0:
             seq = queue.pop(0)
             others = len(self.running) - 1 + len(self.waiting)
-            num = min(seq.num_uncomputed_tokens, budget, cap(others))
+            num = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget, cap(others))
+            del seq.spec_token_ids[max(0, num - seq.num_uncomputed_tokens) :]
             while not bm.can_allocate(seq, num):
+                if seq.spec_token_ids:
+                    num -= len(seq.spec_token_ids)
+                    seq.spec_token_ids.clear()
+                    continue
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
                 batch.num_preempted += 1

@@ -58,6 +58,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Speculative decoding: draft tokens proposed to follow token_ids, verified by the next
+        # step (never in token_ids: only accepted drafts join them, so the prefix-cache hashes
+        # and the detokenizer see real tokens only).
+        self.spec_token_ids: list[int] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)

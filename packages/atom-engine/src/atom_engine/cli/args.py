@@ -28,6 +28,18 @@ def _scalar_type(annotation) -> type:
     return annotation
 
 
+def _parser(parse):
+    """A field's own parser as an argparse type: its ValueError message becomes the error."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
+
+
 def on_off(value: bool) -> str:
     return "on" if value else "off"
 
@@ -54,7 +66,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             shown = "" if default is None else " (default: %(default)s)"
             group.add_argument(
                 *names,
-                type=kind,
+                type=_parser(field.metadata["type"]) if "type" in field.metadata else kind,
                 default=default,
                 dest=field.name,
                 metavar=field.name.upper(),

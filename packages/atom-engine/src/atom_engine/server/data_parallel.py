@@ -23,6 +23,7 @@ from atom_engine.engine import EngineStats, LLMEngine
 from atom_engine.outputs import RequestOutput
 from atom_engine.sampling_params import SamplingParams
 from atom_engine.server.async_engine import AsyncEngine
+from atom_engine.spec_decode import SpecDecodeStats
 
 logger = logging.getLogger("atom_engine.server")
 
@@ -137,6 +138,11 @@ class DataParallelEngine:
             block_size=parts[0].block_size,
             finished_requests=sum(p.finished_requests for p in parts),
             window=parts[0].window,
+            spec_decode=(
+                None
+                if parts[0].spec_decode is None
+                else SpecDecodeStats.merge([p.spec_decode for p in parts])
+            ),
         )
 
     def shutdown(self, timeout: float = 30.0) -> None:

@@ -45,6 +45,30 @@ class _EngineCollector:
         yield CounterMetricFamily(
             "atom:num_preemptions", "Sequences preempted (recomputed).", value=stats.num_preemptions
         )
+        spec = stats.spec_decode
+        if spec is None:
+            return
+        for name, doc, value in (
+            ("atom:spec_decode_num_drafts", "Verifications of speculative drafts.",
+             spec.num_drafts),
+            ("atom:spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
+            ("atom:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+             spec.num_accepted_tokens),
+        ):  # fmt: skip
+            yield CounterMetricFamily(name, doc, value=value)
+        per_position = CounterMetricFamily(
+            "atom:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0: the first draft of a run).",
+            labels=["position"],
+        )
+        for position, value in enumerate(spec.accepted_per_position):
+            per_position.add_metric([str(position)], value)
+        yield per_position
+        yield GaugeMetricFamily(
+            "atom:spec_decode_acceptance_rate",
+            "Draft tokens accepted / proposed since start (0-1).",
+            value=spec.acceptance_rate,
+        )
 
 
 class ServerMetrics:
