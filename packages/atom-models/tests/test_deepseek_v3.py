@@ -1,15 +1,15 @@
 """DeepSeek-V3 / Kimi-K2 (and DeepSeek-V2) against transformers' own implementation on the same
 random weights (float32), through the paged latent cache: both MLA formulations (absorbed into the
 latent space, expanded to per-head K/V) at every step, Kimi-K2 configs read without remote code,
-and the multi-token-prediction layer's tensors kept at load."""
+and the multi-token-prediction layer built at load."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import DeepseekV2Config, DeepseekV3Config
 
 from atom_models import load_config, load_model, set_forward_context
@@ -19,7 +19,7 @@ from atom_models.native_attention import (
     kv_cache_bytes_per_token,
 )
 from atom_models.native_mla import NativeMLAAttention, set_mla_mode
-from atom_models.weights import safetensors_files
+from atom_models.testing import add_random_mtp_layers
 
 BASE = dict(
     vocab_size=211,
@@ -223,41 +223,32 @@ def test_auto_mode_steps_match_transformers(pair, paged_session):
 
 def test_kimi_k2_config_and_mtp_layer_load(make_checkpoint, tmp_path):
     """A Kimi-K2-style checkpoint: model_type kimi_k2 with an auto_map to configuration code that
-    is not even there (nothing remote runs), and a multi-token-prediction layer's tensors
-    (model.layers.{num_hidden_layers}.*): it loads, computes transformers' logits, and keeps the
-    MTP tensors."""
+    is not even there (nothing remote runs), and a multi-token-prediction layer
+    (model.layers.{num_hidden_layers}.*): it loads, computes transformers' logits, and builds the
+    MTP layer in the model dtype (the router's correction bias in fp32)."""
     src, hf = make_checkpoint(CONFIGS["kimi-one-group-q-proj"](), seed=4)
-    config = json.loads((src / "config.json").read_text())
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    added = add_random_mtp_layers(tmp_path, num_layers=1, seed=5)
+    config = json.loads((tmp_path / "config.json").read_text())
     config["model_type"] = "kimi_k2"
     config["auto_map"] = {
         "AutoConfig": "configuration_deepseek.DeepseekV3Config",
         "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
     }
-    config.update(num_nextn_predict_layers=1, topk_method="noaux_tc", scoring_func="sigmoid")
+    config.update(topk_method="noaux_tc", scoring_func="sigmoid")
     (tmp_path / "config.json").write_text(json.dumps(config))
-    tensors = load_file(safetensors_files(src)[0])
-    mtp = "model.layers.3"
-    extra = {
-        f"{mtp}.enorm.weight": torch.ones(64),
-        f"{mtp}.hnorm.weight": torch.ones(64),
-        f"{mtp}.eh_proj.weight": torch.randn(64, 128),
-        f"{mtp}.shared_head.head.weight": torch.randn(211, 64),
-        f"{mtp}.self_attn.kv_b_proj.weight": torch.randn(4 * 32, 32),
-        f"{mtp}.mlp.experts.0.gate_proj.weight": torch.randn(32, 64),
-        f"{mtp}.mlp.gate.e_score_correction_bias": torch.randn(8),
-    }
-    save_file({**tensors, **extra}, tmp_path / "model.safetensors", metadata={"format": "pt"})
 
     loaded_config = load_config(tmp_path)
     assert loaded_config.model_type == "deepseek_v3"
     assert loaded_config.architectures == ["DeepseekV3ForCausalLM"]
+    assert loaded_config.num_nextn_predict_layers == 1
     model = load_model(tmp_path, dtype=torch.float32)
-    assert set(model.mtp_weights) == set(extra)
-    assert torch.equal(model.mtp_weights[f"{mtp}.eh_proj.weight"], extra[f"{mtp}.eh_proj.weight"])
+    mtp = "model.layers.3"
+    assert model.num_mtp_layers == 1
+    assert torch.equal(model.mtp_layer().eh_proj.weight, added[f"{mtp}.eh_proj.weight"])
     model_bf16 = load_model(tmp_path, dtype=torch.bfloat16)
-    assert model_bf16.mtp_weights[f"{mtp}.enorm.weight"].dtype == torch.bfloat16
-    bias = model_bf16.mtp_weights[f"{mtp}.mlp.gate.e_score_correction_bias"]
-    assert bias.dtype == torch.float32
+    assert model_bf16.mtp_layer().enorm.weight.dtype == torch.bfloat16
+    assert model_bf16.mtp_layer().mlp.gate.e_score_correction_bias.dtype == torch.float32
 
     tokens = prompts(211, seed=6)[1]
     bind_kv_cache(model, 8, 4, torch.float32, "cpu")

@@ -175,6 +175,14 @@ class NativeAttention(NativeCacheLayer):
 
 
 class NativeAttentionHost:
+    """ATOM's engine as the host. `builds_mtp_layers`: models build the multi-token-prediction
+    layers their checkpoint carries (`atom_models.models.mtp`), the engine's MTP drafters; off,
+    their weights and cache are not spent (vLLM and SGLang, which draft with their own modules,
+    never get them)."""
+
+    def __init__(self, builds_mtp_layers: bool = True) -> None:
+        self.builds_mtp_layers = builds_mtp_layers
+
     def make_attention(self, spec: AttentionSpec) -> nn.Module:
         return NativeAttention(spec)
 

@@ -57,6 +57,53 @@ def save_random_checkpoint(config, path: str | Path, seed: int = 0, tokenizer=No
     return model.eval()
 
 
+def add_random_mtp_layers(path: str | Path, num_layers: int = 1, seed: int = 0):
+    """Append `num_layers` random multi-token-prediction layers to the single-file checkpoint at
+    `path` (transformers saves none) and set `num_nextn_predict_layers` in its config.json.
+
+    Each is laid out as DeepSeek-V3 / GLM-4.5 publish it, `model.layers.{num_hidden_layers + i}.`:
+    a decoder block shaped like the last decoder layer, `enorm`, `hnorm`, `eh_proj`,
+    `shared_head.norm`, `shared_head.head`, and a copy of the embedding. Returns the added tensors.
+    """
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    n, hidden = config["num_hidden_layers"], config["hidden_size"]
+    (file,) = path.glob("*.safetensors")
+    tensors = load_file(file)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(name: str, shape) -> torch.Tensor:  # as randomize_ draws them
+        x = torch.randn(shape, generator=gen)
+        if "norm" in name:
+            return 1.0 + 0.2 * x
+        return 0.1 * x if len(shape) == 1 else x / shape[-1] ** 0.5
+
+    last = f"model.layers.{n - 1}."
+    added = {}
+    for idx in range(n, n + num_layers):
+        prefix = f"model.layers.{idx}."
+        for name, t in tensors.items():
+            if name.startswith(last):
+                added[prefix + name[len(last) :]] = rand(name, t.shape)
+        for leaf, shape in [
+            ("enorm.weight", (hidden,)),
+            ("hnorm.weight", (hidden,)),
+            ("eh_proj.weight", (hidden, 2 * hidden)),
+            ("shared_head.norm.weight", (hidden,)),
+            ("shared_head.head.weight", (config["vocab_size"], hidden)),
+        ]:
+            added[prefix + leaf] = rand(leaf, shape)
+        added[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file({**tensors, **added}, file, metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = num_layers
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return added
+
+
 def transformers_gguf_model(path: str | Path):
     """transformers' own float32 load of a GGUF file (eval mode): the reference for GGUF tests."""
     from transformers import AutoConfig, AutoModelForCausalLM

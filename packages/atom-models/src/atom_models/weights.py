@@ -11,7 +11,7 @@ give them (see `_kv_scale_aliases`).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +33,16 @@ def load_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     *,
     strict: bool = True,
+    optional_modules: Collection[str] = (),
 ) -> set[str]:
     """Load `(checkpoint name, tensor)` pairs into `model`; returns the loaded parameter names
     (optional parameters the checkpoint lacks included: they hold their default).
 
     With `strict`, a checkpoint tensor that matches no parameter, or a parameter (or a shard of a
     packed parameter) that no tensor filled, raises `CheckpointMismatchError` naming them.
+    `optional_modules` names modules (`model.layers.61`) a checkpoint may lack as a whole: one
+    that no tensor loaded into is not missing and has no names in the result (the caller drops
+    it); one partly loaded is checked like the rest.
     """
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
     mapping: dict[str, tuple[str, Any]] = getattr(model, "packed_modules_mapping", {})
@@ -70,6 +74,12 @@ def load_weights(
         loaded_shards.setdefault(param_name, set()).update(
             {shard_id} if filled is None else filled
         )
+    absent = tuple(
+        f"{module}."
+        for module in optional_modules
+        if not any(name.startswith(f"{module}.") for name in loaded_shards)
+    )
+    params = {name: p for name, p in params.items() if not name.startswith(absent)}
     for param_name, param in params.items():
         if getattr(param, "optional", False) and param_name not in loaded_shards:
             with torch.no_grad():

@@ -1,13 +1,11 @@
 """DeepSeek-V3 / R1 and Kimi-K2 (`DeepseekV3ForCausalLM`): multi-head latent attention over a
 latent cache; sigmoid-scored experts with a score-correction bias, group-limited top-k, scaled
-routed weights and shared experts; dense layers first (`first_k_dense_replace`); multi-token
-prediction layers kept aside for speculative decoding."""
+routed weights and shared experts; dense layers first (`first_k_dense_replace`); the
+multi-token-prediction layers as speculative-decoding drafters (`atom_models.models.mtp`)."""
 
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -19,6 +17,7 @@ from atom_models.layers.norm import RMSNorm
 from atom_models.layers.rotary import get_rope, rope_parameters
 from atom_models.models.glm4_moe import Glm4MoeMoE
 from atom_models.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from atom_models.models.mtp import MTPLayerMixin, MultiTokenPredictionMixin
 
 # transformers' DeepseekV3Attention builds q_a_layernorm and kv_a_layernorm with RMSNorm's
 # default eps, not config.rms_norm_eps.
@@ -118,11 +117,13 @@ class DeepseekV3Model(LlamaModel):
     decoder_layer_cls = DeepseekV3DecoderLayer
 
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+class DeepseekV3MTPLayer(MTPLayerMixin, DeepseekV3DecoderLayer):
+    pass
 
 
-class DeepseekV3ForCausalLM(LlamaForCausalLM):
+class DeepseekV3ForCausalLM(MultiTokenPredictionMixin, LlamaForCausalLM):
     model_cls = DeepseekV3Model
+    mtp_layer_cls = DeepseekV3MTPLayer
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -131,26 +132,4 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             "gate_proj": ("gate_up_proj", 0),
             "up_proj": ("gate_up_proj", 1),
         }
-        # Multi-token-prediction layers (`num_nextn_predict_layers`, checkpoint names
-        # model.layers.{num_hidden_layers + i}.*), kept as loaded for speculative decoding.
-        self.mtp_weights: dict[str, torch.Tensor] = {}
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        num_layers = self.config.num_hidden_layers
-        embed = self.model.embed_tokens.weight
-        self.mtp_weights = {}
-
-        def decoder_weights():
-            for name, tensor in weights:
-                match = _LAYER.match(name)
-                if match is None or int(match.group(1)) < num_layers:
-                    yield name, tensor
-                else:
-                    keep = tensor.to(device=embed.device)
-                    # Weights in the model's dtype unless fp8; anything else (quantization
-                    # scales, the router's fp32 correction bias) as stored.
-                    if name.endswith(".weight") and keep.dtype.itemsize > 1:
-                        keep = keep.to(embed.dtype)
-                    self.mtp_weights[name] = keep
-
-        return super().load_weights(decoder_weights())
+        self.add_mtp_layers()

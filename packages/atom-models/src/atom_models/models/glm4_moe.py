@@ -1,11 +1,9 @@
 """GLM-4-MoE (GLM-4.5 / 4.6): partial rotary, optional q/k norm, no o_proj bias; sigmoid-scored
 experts with a score-correction bias and group-limited top-k, scaled routed weights, a shared
-expert, and dense layers first (`first_k_dense_replace`)."""
+expert, and dense layers first (`first_k_dense_replace`); the multi-token-prediction layers as
+speculative-decoding drafters (`atom_models.models.mtp`)."""
 
 from __future__ import annotations
-
-import re
-from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +22,7 @@ from atom_models.models.llama import (
     LlamaModel,
     head_dim_of,
 )
+from atom_models.models.mtp import MTPLayerMixin, MultiTokenPredictionMixin
 
 
 class Glm4MoeAttention(nn.Module):
@@ -130,11 +129,13 @@ class Glm4MoeModel(LlamaModel):
     decoder_layer_cls = Glm4MoeDecoderLayer
 
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+class Glm4MoeMTPLayer(MTPLayerMixin, Glm4MoeDecoderLayer):
+    pass
 
 
-class Glm4MoeForCausalLM(LlamaForCausalLM):
+class Glm4MoeForCausalLM(MultiTokenPredictionMixin, LlamaForCausalLM):
     model_cls = Glm4MoeModel
+    mtp_layer_cls = Glm4MoeMTPLayer
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -142,16 +143,4 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
             **fused_moe_mapping(config.n_routed_experts),
             **LlamaForCausalLM.packed_modules_mapping,
         }
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Published checkpoints append multi-token-prediction layers (`num_nextn_predict_layers`,
-        numbered from num_hidden_layers) that greedy decoding does not use: skipped."""
-        num_layers = self.config.num_hidden_layers
-
-        def decoder_weights():
-            for name, tensor in weights:
-                match = _LAYER.match(name)
-                if match is None or int(match.group(1)) < num_layers:
-                    yield name, tensor
-
-        return super().load_weights(decoder_weights())
+        self.add_mtp_layers()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import islice
+
 import torch
 from torch import nn
 
@@ -126,10 +128,12 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The decoder stack; multi-token-prediction layers may follow it in `layers`.
+        self.num_hidden_layers = config.num_hidden_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        for layer in self.layers:
+        for layer in islice(self.layers, self.num_hidden_layers):
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states

@@ -2,8 +2,9 @@
 
 `build_model` calls `quantize_model` on the model (still on `meta`): every linear and expert layer
 the checkpoint quantizes gets its quantization method, which swaps in the quantized parameters;
-routers, embeddings, the LM head, norms and the modules the config leaves out keep the activation
-dtype. After the weights are loaded, `process_weights_after_loading` finishes each layer.
+routers, embeddings, the LM head, norms, the modules the config leaves out and linear layers marked
+`quantizable = False` keep the activation dtype. After the weights are loaded,
+`process_weights_after_loading` finishes each layer.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def quantize_model(model: nn.Module, quant_config: QuantConfig | None, dtype: to
             continue
         if isinstance(module, LinearBase):
             if quant_config.linear is None or _is_router(model, name):
+                continue
+            if not getattr(module, "quantizable", True):  # e.g. the MTP layers' eh_proj
                 continue
             names = checkpoint_names(model, name)
             if quant_config.is_ignored(names):
