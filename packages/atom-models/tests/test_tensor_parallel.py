@@ -3,6 +3,7 @@ MoE models with experts split along their intermediate dim and sinks split by he
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,8 +20,10 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from atom_models import load_model
+from atom_models import load_model, set_forward_context
+from atom_models.native_attention import PagedAttentionMetadata, bind_kv_cache
 from atom_models.testing import (
+    add_random_mtp_layers,
     fp8_block_quantize,
     fp8_tensor_quantize,
     mxfp4_quantize,
@@ -39,6 +42,31 @@ MOE_BASE = dict(
     head_dim=16,
     max_position_embeddings=128,
 )
+
+
+# MLA: q_b_proj / kv_b_proj split by heads (2 per rank), o_proj by rows; the latent projections
+# replicated; routed and shared experts. Slow, like glm4_moe.
+def deepseek_v3_config() -> DeepseekV3Config:
+    return DeepseekV3Config(
+        vocab_size=211,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+    )
 
 
 def free_port() -> int:
@@ -105,31 +133,7 @@ def free_port() -> int:
                 "original_max_position_embeddings": 64,
             },
         ),
-        # MLA: q_b_proj / kv_b_proj split by heads (2 per rank), o_proj by rows; the latent
-        # projections replicated; routed and shared experts. Slow, like glm4_moe.
-        pytest.param(
-            DeepseekV3Config(
-                vocab_size=211,
-                hidden_size=64,
-                intermediate_size=96,
-                moe_intermediate_size=32,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                max_position_embeddings=128,
-                n_routed_experts=8,
-                num_experts_per_tok=2,
-                n_group=2,
-                topk_group=1,
-                n_shared_experts=1,
-                first_k_dense_replace=1,
-                q_lora_rank=24,
-                kv_lora_rank=32,
-                qk_nope_head_dim=16,
-                qk_rope_head_dim=8,
-                v_head_dim=24,
-            ),
-            marks=pytest.mark.slow,
-        ),
+        pytest.param(deepseek_v3_config(), marks=pytest.mark.slow),
     ],
     ids=["llama-kv-split", "qwen3-kv-replicated", "glm4_moe", "gpt_oss", "deepseek_v3"],
 )
@@ -178,6 +182,35 @@ def run_tp2_and_compare(path, paged_session, tmp_path, atol: float = 1e-4) -> No
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, atol=atol, rtol=0)
+
+
+@pytest.mark.slow
+def test_tp2_mtp_drafter_matches_tp1(make_checkpoint, paged_session, tmp_path):
+    """DeepSeek-V3's multi-token-prediction layer sharded like the decoder layers: each rank's
+    draft logits (from its own hidden states, over its own MTP cache) equal one process's."""
+    src, _ = make_checkpoint(deepseek_v3_config())
+    path = tmp_path / "mtp"
+    shutil.copytree(src, path)
+    add_random_mtp_layers(path, num_layers=1, seed=1)
+    run_tp2_and_compare(path, paged_session, tmp_path)
+    batch = torch.load(tmp_path / "prompts.pt")
+    model = load_model(path)
+    tables, next_block = [], 0
+    for tokens in batch:  # the worker's block tables
+        n = -(-len(tokens) // 4)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    bind_kv_cache(model, next_block, 4, torch.float32, "cpu")
+    lens = [len(t) for t in batch]
+    ids = torch.tensor([tok for t in batch for tok in t])
+    positions = torch.tensor([p for t in batch for p in range(len(t))])
+    with torch.no_grad(), set_forward_context(PagedAttentionMetadata.build(lens, lens, tables, 4)):
+        expected = model.compute_mtp_logits(
+            model.mtp_forward(ids, positions, model(ids, positions))
+        )
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.mtp.pt")
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
 def _block_fp8(block):

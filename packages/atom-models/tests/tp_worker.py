@@ -82,6 +82,12 @@ def main() -> None:
     positions = torch.tensor([p for t in batch for p in range(len(t))])
     with torch.no_grad(), set_forward_context(md):
         logits = model.compute_logits(model(ids, positions))
+    if getattr(model, "num_mtp_layers", 0):
+        # The MTP drafter over this rank's shards, from the model's own hidden states.
+        bind_kv_cache(model, next_block, block_size, torch.float32, "cpu")
+        with torch.no_grad(), set_forward_context(md):
+            hidden = model.mtp_forward(ids, positions, model(ids, positions))
+            torch.save(model.compute_mtp_logits(hidden), Path(args.out).with_suffix(".mtp.pt"))
     if any(isinstance(m, NativeMLAAttention) for m in model.modules()):
         # MLA: the absorbed formulation over this rank's heads gives the same logits.
         bind_kv_cache(model, next_block, block_size, torch.float32, "cpu")

@@ -6,7 +6,9 @@ A checkpoint with `num_nextn_predict_layers = n` appends n layers to its decoder
 as its index dictates) plus `enorm`, `hnorm`, `eh_proj` and `shared_head` (`norm`, `head`). ATOM
 builds them in `model.layers` after the decoder stack, under their checkpoint names, so they load,
 quantize and shard like the decoder layers and ATOM's own host gives their attention a paged
-cache of its own (`bind_kv_cache`); the model's forward runs the decoder stack only.
+cache of its own (`bind_kv_cache`); the model's forward runs the decoder stack only. A checkpoint
+whose config names MTP layers but that holds no MTP tensors (transformers' DeepseekV3Config says
+`num_nextn_predict_layers=1` by default; re-exports drop the layers) loads without them.
 
 Draft step k runs MTP layer k % n (T = tokens, H = hidden size):
 
@@ -126,9 +128,8 @@ class MultiTokenPredictionMixin:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The checkpoint's MTP tensors go to the MTP layers (skipped where they are not built);
         each layer's copy of the embedding is skipped (it is the model's: DeepSeek-V3 shares it),
-        and a layer without its own head gets the model's LM head. A checkpoint without MTP
-        tensors (transformers' DeepseekV3Config says num_nextn_predict_layers=1 by default, and
-        re-exports drop the layers) loads without MTP layers."""
+        and a layer without its own head gets the model's LM head. Without any MTP tensor the
+        MTP layers are dropped (num_mtp_layers becomes 0)."""
         first = self.config.num_hidden_layers
         total = getattr(self.config, "num_nextn_predict_layers", None) or 0
         built = range(first, first + self.num_mtp_layers)
