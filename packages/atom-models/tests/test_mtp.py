@@ -63,6 +63,29 @@ CONFIGS = {
         first_k_dense_replace=1,
         routed_scaling_factor=2.5,
     ),
+    # Plain q_proj, non-interleaved rope, and every layer dense: a dense MTP layer.
+    "deepseek_v3-dense": lambda: DeepseekV3Config(
+        vocab_size=211,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        n_routed_experts=8,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=3,
+        rope_interleave=False,
+    ),
     # GQA with q/k norms, qkv bias and partial rotary; routed + shared experts.
     "glm4_moe": lambda: Glm4MoeConfig(
         vocab_size=211,
@@ -176,18 +199,21 @@ def test_mtp_layer_is_built_from_exactly_the_mtp_tensors(case, mtp_model):
         "shared_head.head.weight",
         "input_layernorm.weight",
         "post_attention_layernorm.weight",
-        "mlp.gate.weight",
-        "mlp.gate.e_score_correction_bias",
         "self_attn.o_proj.weight",
     ):
         assert torch.equal(layer.get_parameter(leaf), t[p + leaf]), leaf
     assert layer.shared_head.head.weight.data_ptr() != model.lm_head.weight.data_ptr()
-    experts = layer.mlp.experts
-    gate_up = torch.cat(
-        [t[p + "mlp.experts.5.gate_proj.weight"], t[p + "mlp.experts.5.up_proj.weight"]]
-    )
-    assert torch.equal(experts.w13_weight[5], gate_up)
-    assert torch.equal(experts.w2_weight[5], t[p + "mlp.experts.5.down_proj.weight"])
+    if case.name == "deepseek_v3-dense":  # index 2 < first_k_dense_replace: a dense MLP
+        mlp = p + "mlp."
+        gate_up = torch.cat([t[mlp + "gate_proj.weight"], t[mlp + "up_proj.weight"]])
+        assert torch.equal(layer.mlp.gate_up_proj.weight, gate_up)
+    else:
+        for leaf in ("mlp.gate.weight", "mlp.gate.e_score_correction_bias"):
+            assert torch.equal(layer.get_parameter(leaf), t[p + leaf]), leaf
+        experts, expert = layer.mlp.experts, p + "mlp.experts.5."
+        gate_up = torch.cat([t[expert + "gate_proj.weight"], t[expert + "up_proj.weight"]])
+        assert torch.equal(experts.w13_weight[5], gate_up)
+        assert torch.equal(experts.w2_weight[5], t[expert + "down_proj.weight"])
     embeddings = [name for name, _ in model.named_parameters() if "embed_tokens" in name]
     assert embeddings == ["model.embed_tokens.weight"]
     # The main layers hold the main tensors, not the MTP layer's.
@@ -265,7 +291,8 @@ def test_quantized_mtp_layer_loads_with_the_checkpoints_scales(case, tmp_path):
     model = load_model(path)
     layer = model.mtp_layer()
     assert layer.eh_proj.weight.dtype == torch.float32
-    assert layer.mlp.experts.w13_weight.dtype == torch.float8_e4m3fn
+    mlp = getattr(layer.mlp, "experts", None) or layer.mlp.gate_up_proj
+    assert next(mlp.parameters()).dtype == torch.float8_e4m3fn
     assert layer.self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
     # The same input hidden states for both: only the MTP layer's quantization differs.
     previous = torch.randn(9, case.config.hidden_size, generator=torch.Generator().manual_seed(4))

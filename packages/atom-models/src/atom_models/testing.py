@@ -62,8 +62,9 @@ def add_random_mtp_layers(path: str | Path, num_layers: int = 1, seed: int = 0):
     `path` (transformers saves none) and set `num_nextn_predict_layers` in its config.json.
 
     Each is laid out as DeepSeek-V3 / GLM-4.5 publish it, `model.layers.{num_hidden_layers + i}.`:
-    a decoder block shaped like the last decoder layer, `enorm`, `hnorm`, `eh_proj`,
-    `shared_head.norm`, `shared_head.head`, and a copy of the embedding. Returns the added tensors.
+    a decoder block shaped like the last decoder layer of its kind (MoE from index
+    `first_k_dense_replace` on, dense before), `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`,
+    `shared_head.head`, and a copy of the embedding. Returns the added tensors.
     """
     import json
 
@@ -82,10 +83,13 @@ def add_random_mtp_layers(path: str | Path, num_layers: int = 1, seed: int = 0):
             return 1.0 + 0.2 * x
         return 0.1 * x if len(shape) == 1 else x / shape[-1] ** 0.5
 
-    last = f"model.layers.{n - 1}."
+    first_moe = config.get("first_k_dense_replace", 0)
     added = {}
     for idx in range(n, n + num_layers):
-        prefix = f"model.layers.{idx}."
+        kind = [j for j in range(n) if (j >= first_moe) == (idx >= first_moe)]
+        if not kind:
+            raise ValueError(f"no decoder layer is shaped like MTP layer {idx} (dense or MoE)")
+        last, prefix = f"model.layers.{kind[-1]}.", f"model.layers.{idx}."
         for name, t in tensors.items():
             if name.startswith(last):
                 added[prefix + name[len(last) :]] = rand(name, t.shape)
