@@ -48,9 +48,14 @@ def assert_pool_free(llm: LLM) -> None:
     assert all(count == 0 for count in bm.ref_counts)
 
 
-def check_greedy_parity(smollm2_llm, k: int) -> LLM:
+@pytest.fixture(scope="module")
+def smollm2_spec3():
+    with spec_llm(3) as llm:
+        yield llm
+
+
+def check_greedy_parity(smollm2_llm, llm: LLM, k: int) -> None:
     expected = token_ids(smollm2_llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-    llm = spec_llm(k)
     for _ in range(2):  # the second pass starts from prompts in the prefix cache
         assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
         assert_pool_free(llm)
@@ -59,11 +64,13 @@ def check_greedy_parity(smollm2_llm, k: int) -> LLM:
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
     assert 0.0 < stats.acceptance_rate <= 1.0
     assert len(stats.acceptance_rate_per_position()) <= k
-    return llm
 
 
-def test_greedy_equals_no_speculation_k3_with_a_stop_inside_an_accepted_run(smollm2_llm):
-    llm = check_greedy_parity(smollm2_llm, 3)
+def test_greedy_equals_no_speculation_k3_with_a_stop_inside_an_accepted_run(
+    smollm2_llm, smollm2_spec3
+):
+    llm = smollm2_spec3
+    check_greedy_parity(smollm2_llm, llm, 3)
     # Find a token that came out of an accepted run (not the last token of a step) on the
     # repetitive prompt, and stop on its text: the output must end exactly where the plain
     # engine's does.
@@ -95,23 +102,24 @@ def test_greedy_equals_no_speculation_k3_with_a_stop_inside_an_accepted_run(smol
     assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
     assert (spec.outputs[0].finish_reason, spec.outputs[0].stop_reason) == ("stop", stop)
     assert_pool_free(llm)
-    llm.shutdown()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 5])
 def test_greedy_equals_no_speculation(smollm2_llm, k):
-    check_greedy_parity(smollm2_llm, k).shutdown()
+    with spec_llm(k) as llm:
+        check_greedy_parity(smollm2_llm, llm, k)
 
 
-def test_max_tokens_and_logprobs_inside_accepted_runs(smollm2_llm):
+def test_max_tokens_and_logprobs_inside_accepted_runs(smollm2_llm, smollm2_spec3):
     """max_tokens ends a sequence inside an accepted run; log-probs come for every emitted token
     and equal those without speculation (same logits row per token)."""
     params = SamplingParams(temperature=0.0, max_tokens=13, logprobs=2)
     (plain,) = smollm2_llm.generate([PROMPTS[0]], params, use_tqdm=False)
-    llm = spec_llm(5)
+    llm = smollm2_spec3
+    accepted = llm.engine.stats().spec_decode.num_accepted_tokens
     (spec,) = llm.generate([PROMPTS[0]], params, use_tqdm=False)
-    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > accepted
     a, b = plain.outputs[0], spec.outputs[0]
     assert b.token_ids == a.token_ids and len(b.token_ids) == 13 and b.finish_reason == "length"
     assert len(b.logprobs) == 13
@@ -121,7 +129,6 @@ def test_max_tokens_and_logprobs_inside_accepted_runs(smollm2_llm):
             assert y[t].rank == x[t].rank
             assert y[t].logprob == pytest.approx(x[t].logprob, abs=1e-4)
     assert_pool_free(llm)
-    llm.shutdown()
 
 
 # -- losslessness at temperature > 0 ----------------------------------------------------------
@@ -135,7 +142,7 @@ def tiny_llama(tmp_path_factory):
     from atom_models.testing import save_random_checkpoint
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         bos_token_id=0, eos_token_id=VOCAB - 1, tie_word_embeddings=False,
     )  # fmt: skip
@@ -144,8 +151,19 @@ def tiny_llama(tmp_path_factory):
     return str(path)
 
 
+_samples: dict = {}
+
+
 def first_tokens(path: str, params: SamplingParams, speculative_config) -> torch.Tensor:
-    """The first 3 generated tokens of N_SAMPLES samples of one prompt, as cell ids [N]."""
+    """The first 3 generated tokens of N_SAMPLES samples of one prompt, as cell ids [N] (and
+    the speculation statistics); computed once per setting."""
+    key = (path, params.temperature, params.top_p, repr(speculative_config))
+    if key not in _samples:
+        _samples[key] = _first_tokens(path, params, speculative_config)
+    return _samples[key]
+
+
+def _first_tokens(path: str, params: SamplingParams, speculative_config):
     llm = LLM(
         path, dtype="float32", device="cpu", skip_tokenizer_init=True, max_num_seqs=512,
         max_num_batched_tokens=4096, speculative_config=speculative_config, seed=11,
@@ -179,6 +197,7 @@ def chi_square_p(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.special.gammaincc(df / 2, stat / 2).item()
 
 
+@pytest.mark.slow  # 100,000 sequences through the CPU reference path
 @pytest.mark.parametrize(
     "params",
     [
@@ -203,10 +222,96 @@ def test_sampled_tokens_follow_the_distribution_without_speculation(tiny_llama, 
         assert chi_square_p(other, spec) < 1e-6
 
 
+# -- MTP drafts (DeepSeek-V3) ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek_mtp(tmp_path_factory):
+    """A tiny DeepSeek-V3 (MoE MTP layer) with a small vocabulary, so that the random MTP
+    layer's argmax drafts are accepted now and then and verification takes both branches."""
+    from transformers import DeepseekV3Config
+
+    from atom_models.testing import add_random_mtp_layers, save_random_checkpoint
+
+    config = DeepseekV3Config(
+        vocab_size=12, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=256, tie_word_embeddings=False, n_routed_experts=8,
+        kv_lora_rank=32, qk_rope_head_dim=8, first_k_dense_replace=1, q_lora_rank=48,
+        qk_nope_head_dim=16, v_head_dim=24, n_group=4, topk_group=2, num_experts_per_tok=2,
+        bos_token_id=0, eos_token_id=11,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny-deepseek-mtp")
+    save_random_checkpoint(config, path, seed=5)
+    add_random_mtp_layers(path, 1, seed=6)
+    return str(path)
+
+
+def test_mtp_greedy_equals_no_speculation(tiny_deepseek_mtp):
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 11, (n,), generator=gen).tolist() for n in (5, 19, 40, 70)]
+    prompts.append(prompts[2][:33] + [3, 4])  # shares two full blocks with another prompt
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    args = dict(dtype="float32", device="cpu", skip_tokenizer_init=True, block_size=16,
+                num_kv_blocks=128, max_num_batched_tokens=64)  # fmt: skip
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    with LLM(tiny_deepseek_mtp, **args) as llm:
+        assert llm.engine.runner.model.num_mtp_layers == 0  # not built when not drafting
+        expected = token_ids(llm.generate(batch, params, use_tqdm=False))
+    for k in (1, 2):
+        mtp = {"method": "mtp", "num_speculative_tokens": k}
+        with LLM(tiny_deepseek_mtp, speculative_config=mtp, **args) as llm:
+            for _ in range(2):  # the second pass from the prefix cache
+                assert token_ids(llm.generate(batch, params, use_tqdm=False)) == expected, k
+                assert_pool_free(llm)
+            stats = llm.engine.stats().spec_decode
+            assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats
+            assert len(stats.accepted_per_position) == k
+
+
+def test_mtp_needs_mtp_layers(tiny_llama, tiny_deepseek_mtp):
+    with pytest.raises(ValueError, match="method 'mtp' needs a checkpoint with multi-token"):
+        LLM(tiny_llama, skip_tokenizer_init=True,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # fmt: skip
+    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
+        LLM(tiny_deepseek_mtp, skip_tokenizer_init=True, tensor_parallel_size=2,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1})  # fmt: skip
+
+
 # -- the server --------------------------------------------------------------------------------
 
 
-def test_serve_flag_and_metrics(tiny_checkpoint):
+@pytest.fixture(scope="module")
+def tiny_llama_with_tokenizer(tiny_checkpoint):
+    path, _ = tiny_checkpoint(
+        LlamaConfig(
+            vocab_size=49152,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,  # greedy text that repeats: drafts that get accepted
+        )  # fmt: skip
+    )
+    return path
+
+
+@pytest.mark.slow  # a worker process's start on 2 cores
+def test_tensor_parallel_verifies_like_one_rank(tiny_llama_with_tokenizer):
+    prompts = ["1, 2, 3, 1, 2, 3, 1, 2, 3, 1,", "a b c a b c a b", "The capital of France is"]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    path = str(tiny_llama_with_tokenizer)
+    with LLM(path, num_kv_blocks=64) as llm:
+        expected = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    with LLM(path, num_kv_blocks=64, tensor_parallel_size=2, speculative_config=ngram(3)) as llm:
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
+        assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+        assert_pool_free(llm)
+
+
+def test_serve_flag_and_metrics(tiny_llama_with_tokenizer):
     """`--speculative-config` parses as vLLM's (a bad one is an error naming the field), and a
     server with speculation answers like one without and reports the drafts on /metrics."""
     import argparse
@@ -220,21 +325,20 @@ def test_serve_flag_and_metrics(tiny_checkpoint):
     parser = add_engine_args(argparse.ArgumentParser(exit_on_error=False))
     raw = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2}'
     config = engine_config_from_args(parser.parse_args(["--speculative-config", raw]))
-    assert config.resolved_speculative_config().prompt_lookup_min == 2
+    assert config.resolved_speculative_config().prompt_lookup_min == 2  # max stands for min
+    raw = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'
+    config = engine_config_from_args(parser.parse_args(["--speculative-config", raw]))
+    assert config.resolved_speculative_config().prompt_lookup_max == 1
     with pytest.raises(argparse.ArgumentError, match="not valid JSON"):
         parser.parse_args(["--speculative-config", "{method: ngram}"])
     with pytest.raises(ValueError, match="num_speculative_tokens must be a positive integer"):
         engine_config_from_args(
-            parser.parse_args(["--speculative-config", '{"method": "ngram", '
-                               '"num_speculative_tokens": -1}'])  # fmt: skip
+            parser.parse_args(
+                ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}']
+            )  # fmt: skip
         )
 
-    path, _ = tiny_checkpoint(
-        LlamaConfig(
-            vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        )  # fmt: skip
-    )
+    path = tiny_llama_with_tokenizer
     prompts = ["1, 2, 3, 1, 2, 3, 1, 2, 3, 1,", "The capital of France is"]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     with LLM(str(path), num_kv_blocks=64) as llm:

@@ -117,6 +117,13 @@ class LLMEngine:
         self.drafter = None
         if spec is not None:
             if spec.method == "mtp":
+                if self.runner.model.num_mtp_layers < 1:
+                    self.runner.shutdown()
+                    raise ValueError(
+                        "speculative_config.method 'mtp': the checkpoint's config names "
+                        "multi-token-prediction layers but it holds no MTP weights "
+                        "(use method 'ngram')"
+                    )
                 self.runner.keep_hidden = True
                 self.drafter = MtpDrafter(spec, self.max_model_len, self.runner, self.block_manager)
             else:

@@ -34,6 +34,7 @@ from atom_engine.sequence import PLACEHOLDER, Sequence
 from atom_engine.step_inputs import OP_LAUNCH, OP_RUN, StepInputs
 from atom_models import load_model, set_forward_context
 from atom_models.native_attention import (
+    NativeAttentionHost,
     PagedAttentionMetadata,
     bind_kv_cache,
     kv_cache_bytes_per_token,
@@ -98,12 +99,15 @@ class ModelRunner:
         self.dtype = config.resolved_dtype()
         self.kv_cache_dtype = config.resolved_kv_cache_dtype()  # the model's, or fp8
         self.block_size = config.block_size
+        spec = config.resolved_speculative_config()
         self.model = load_model(
             model_path,
             dtype=self.dtype,
             device=self.device,
             load_format=config.load_format,
             tp=tp,
+            # A checkpoint's MTP layers (and their KV cache) only when they draft.
+            host=NativeAttentionHost(builds_mtp_layers=spec is not None and spec.method == "mtp"),
         )
         self.sampler = Sampler(self.device)
         self.vocab_size = hf_config.vocab_size
