@@ -143,3 +143,39 @@ def test_offline_llm(smollm2_llm):
     (answer,) = outs[1].outputs
     assert answer.text in (" yes", " no") and answer.finish_reason == "stop"
     assert len(answer.token_ids) <= 3  # the grammar ended it (ignore_eos: EOS alone does not)
+
+
+@pytest.mark.slow  # builds a second engine (with speculation): ~1 min of CPU
+def test_speculative_decoding_keeps_constrained_greedy_outputs(smollm2_llm):
+    """With n-gram drafts (k=3) verified against the grammar's masks, constrained greedy
+    outputs are token for token those without speculation, and drafts are accepted."""
+    from atom_engine import LLM
+
+    prompts = [
+        'Cities: {"city": "Paris", "pop": 2}\n{"city": "Tokyo", "pop": 14}\n{"city": "Paris",',
+        "1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2,",
+    ]
+    params = [
+        SamplingParams(
+            temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+        ),
+        SamplingParams(
+            temperature=0,
+            max_tokens=24,
+            structured_outputs=StructuredOutputsParams(regex=r"( [0-9],){2,4} 9"),
+        ),
+    ]
+    expected = [o.outputs[0] for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(
+        dtype="float32",
+        device="cpu",
+        max_num_batched_tokens=256,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                            "prompt_lookup_min": 1},
+    ) as llm:  # fmt: skip
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.engine.stats().spec_decode
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    jsonschema.validate(json.loads(outs[0].text), SCHEMA)
+    assert outs[1].text.endswith(" 9") and all(o.finish_reason == "stop" for o in outs)
+    assert stats.num_accepted_tokens > 0
