@@ -158,3 +158,17 @@ def test_plain_reply_streams_through_auto():
         if (d := out.delta(text[:end], finished=end == len(text)))
     )
     assert sent == text and out.finish_reason("stop") == "stop"
+
+
+def test_serve_flags_name_every_parser():
+    """`atom serve` lists the parsers' names without importing the server: they must agree."""
+    from atom_engine.cli.main import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--tool-call-parser", "llama3_json", "--reasoning-parser", "qwen3"]
+    )
+    assert (args.tool_call_parser, args.reasoning_parser) == ("llama3_json", "qwen3")
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    choices = {a.dest: set(a.choices) for a in serve._actions if a.choices}
+    assert choices["tool_call_parser"] == set(TOOL_PARSERS)
+    assert choices["reasoning_parser"] == set(REASONING_PARSERS)
