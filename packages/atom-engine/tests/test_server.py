@@ -255,7 +255,8 @@ def test_bad_chat_params(client):
         ({"seed": 2**70}, "seed"),
         ({"extra_body": {"chat_template_kwargs": {"tokenize": False}}}, "messages"),
         ({"messages": [{"role": "user", "content": image}]}, "messages"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto
         ({"temperature": -1}, "temperature"),
         ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs=True
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

@@ -4,7 +4,7 @@ from atom_engine.config import EngineConfig
 from atom_engine.engine import LLMEngine
 from atom_engine.llm import LLM
 from atom_engine.outputs import CompletionOutput, Logprob, RequestOutput
-from atom_engine.sampling_params import SamplingParams
+from atom_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -16,4 +16,5 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

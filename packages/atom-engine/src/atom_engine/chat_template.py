@@ -33,9 +33,10 @@ def apply_chat_template(
     chat_template_kwargs: dict[str, Any] | None = None,
     chat_template: str | None = None,
     max_chars: int | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of `messages` rendered by `chat_template` (a Jinja string), or by the tokenizer's
-    own template when it is None.
+    own template when it is None; `tools` (OpenAI tool definitions) are handed to the template.
 
     Raises ValueError when there is no template, the template refuses the conversation, or the
     rendered text is longer than `max_chars` (checked before it is tokenized).
@@ -54,6 +55,8 @@ def apply_chat_template(
         kwargs["continue_final_message"] = True
     if chat_template is not None:
         kwargs["chat_template"] = chat_template
+    if tools:
+        kwargs["tools"] = tools
     try:
         text = tokenizer.apply_chat_template(
             messages,

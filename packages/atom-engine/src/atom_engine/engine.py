@@ -15,6 +15,7 @@ synchronously.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from atom_engine.sampling_params import SamplingParams
 from atom_engine.scheduler import ScheduledBatch, Scheduler
 from atom_engine.sequence import PLACEHOLDER, Sequence
 from atom_engine.spec_decode import MtpDrafter, NgramDrafter, SpecDecodeStats, check_speculative
+from atom_engine.structured_output import GrammarCompiler, GrammarState
 from atom_engine.tokenizer import eos_token_ids, load_tokenizer
 from atom_engine.workers import WorkerError, start_runner
 from atom_models import load_config
@@ -82,6 +84,9 @@ class LLMEngine:
             else load_tokenizer(config.tokenizer or self.model_path)
         )
         self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
+        self.grammars = GrammarCompiler(  # its own tokenizer: it may compile on any thread
+            copy.deepcopy(self.tokenizer), self.hf_config.vocab_size, self.eos_token_ids
+        )
         context = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = config.max_model_len or context
         if self.max_model_len > context:
@@ -171,6 +176,7 @@ class LLMEngine:
             params.logprobs is not None
             or params.prompt_logprobs is not None
             or params.has_penalties
+            or params.compiled_grammar is not None  # each mask needs the last token
         ):
             self._host_sampled.add(request_id)
         if params.prompt_logprobs is not None:
@@ -188,6 +194,9 @@ class LLMEngine:
                 params.include_stop_str_in_output,
             )
             seq = Sequence(request_id, index, token_ids, params, detok, now, generator)
+            if params.compiled_grammar is not None:
+                stops = self.eos_token_ids | set(params.stop_token_ids)
+                seq.grammar = GrammarState(params.compiled_grammar, stops)
             request.seqs.append(seq)
             self._seq_to_request[seq.seq_id] = request
             self.scheduler.add(seq)
@@ -202,6 +211,8 @@ class LLMEngine:
         params' per-model defaults. The server calls it from any thread."""
         kv_tokens = self.block_manager.num_blocks * self.block_manager.block_size
         check_request(token_ids, params, self.vocab_size, self.max_model_len, kv_tokens)
+        if params.structured_outputs is not None and params.compiled_grammar is None:
+            params.compiled_grammar = self.grammars.compile(params.structured_outputs)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; True if it was still known."""
@@ -460,9 +471,11 @@ class LLMEngine:
             seq.logprobs.append(self._logprob_dict(info))
         # Stop tokens cannot be sampled before min_tokens (the runner masks them).
         is_stop_token = token_id in params.all_stop_token_ids
+        # A grammar terminates on a stop token (EOS too when ignore_eos is set): not text.
+        grammar_done = seq.grammar is not None and seq.grammar.advance([token_id])
         stop = seq.detokenizer.add(
             token_id,
-            emit_text=not is_stop_token,
+            emit_text=not (is_stop_token or grammar_done),
             match_stop=seq.num_output_tokens >= params.min_tokens,
         )
         if is_stop_token:
@@ -470,6 +483,8 @@ class LLMEngine:
             seq.stop_reason = token_id if token_id in params.stop_token_ids else None
         elif stop is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
+        elif grammar_done:
+            seq.finish_reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:

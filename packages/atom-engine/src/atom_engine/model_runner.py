@@ -32,6 +32,7 @@ from atom_engine.sampler import Sampler, TopLogprobs, to_device
 from atom_engine.scheduler import ScheduledBatch
 from atom_engine.sequence import PLACEHOLDER, Sequence
 from atom_engine.step_inputs import OP_LAUNCH, OP_RUN, StepInputs
+from atom_engine.structured_output import apply_grammar_bitmasks
 from atom_models import load_model, set_forward_context
 from atom_models.native_attention import (
     NativeAttentionHost,
@@ -330,11 +331,13 @@ class ModelRunner:
                 }
             logits = self._logits(hidden, inputs, OP_RUN)  # the last collective of the step
             out = RunOutput(sampled={}, prompt_logprobs={})
-            if any(s.spec_token_ids for s in sample_seqs):
-                out.sampled = self.sampler.verify(sample_seqs, logits.pop(0).float())
-            elif sample_seqs:
-                sampled = self.sampler.sample(sample_seqs, logits.pop(0).float())
-                out.sampled = {seq_id: [token] for seq_id, token in sampled.items()}
+            if sample_seqs:
+                sample_logits = apply_grammar_bitmasks(sample_seqs, logits.pop(0).float())
+                if any(s.spec_token_ids for s in sample_seqs):
+                    out.sampled = self.sampler.verify(sample_seqs, sample_logits)
+                else:
+                    sampled = self.sampler.sample(sample_seqs, sample_logits)
+                    out.sampled = {seq_id: [token] for seq_id, token in sampled.items()}
             for seq, (_, count), rows in zip(prompt_seqs, inputs.prompt_rows, logits, strict=True):
                 start = seq.num_computed_tokens
                 targets = seq.token_ids[start + 1 : start + 1 + count]

@@ -21,6 +21,56 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+# The kinds of structured output, as StructuredOutputsParams' fields name them.
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's `StructuredOutputsParams`): exactly one of a
+    JSON schema (`json`: a dict or its JSON text), a regular expression, a `choice` of strings,
+    an EBNF `grammar` (xgrammar's dialect: `root ::= ...`), or `json_object` (any JSON object).
+    JSON is generated compactly (one space after `,` and `:`, no other whitespace)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "SamplingParams.structured_outputs must set exactly one of "
+                f"{', '.join(KINDS)}, got {given or 'none'}"
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                "SamplingParams.structured_outputs choice must be a non-empty list of non-empty "
+                f"strings, got {self.choice!r}"
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(
+                    f"SamplingParams.structured_outputs {name} must be a non-empty string"
+                )
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError(
+                "SamplingParams.structured_outputs json must be a JSON schema (a dict or its "
+                f"JSON text), got {type(self.json).__name__}"
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in KINDS if getattr(self, name) not in (None, False))
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Invalid values raise ValueError naming the field.
@@ -35,6 +85,8 @@ class SamplingParams:
     `output_kind` (vLLM's RequestOutputKind): "cumulative" gives a RequestOutput from every step
     that advanced the request, "final_only" only the finished one (what `LLM.generate` uses; it
     saves copying every request's tokens at every step).
+    `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar
+    (`atom_engine.structured_output`); the request ends when its grammar is complete.
     """
 
     n: int = 1
@@ -57,8 +109,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: str = "cumulative"
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the model's generation config (not a user field).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # The compiled grammar of structured_outputs (filled by the engine's checks; not a user field).
+    compiled_grammar: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -125,6 +180,15 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 fail(name, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                fail("structured_outputs", "must be a StructuredOutputsParams")
+            if self.min_tokens:
+                fail(
+                    "min_tokens",
+                    "cannot be combined with structured_outputs (the grammar decides where the "
+                    "output ends)",
+                )
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids must be in the model's vocabulary (the engine calls this on add)."""

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
 from atom_engine.detokenizer import IncrementalDetokenizer
 from atom_engine.outputs import SampleLogprobs
 from atom_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from atom_engine.structured_output import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -62,6 +66,7 @@ class Sequence:
         # step (never in token_ids: only accepted drafts join them, so the prefix-cache hashes
         # and the detokenizer see real tokens only).
         self.spec_token_ids: list[int] = []
+        self.grammar: GrammarState | None = None  # structured output: where the grammar stands
 
     def __len__(self) -> int:
         return len(self.token_ids)

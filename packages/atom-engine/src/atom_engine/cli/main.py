@@ -79,6 +79,25 @@ def _add_serve(subparsers) -> None:
         help="larger request bodies are refused with a 413 before they are read "
         "(default: %(default)s, 16 MiB)",
     )
+    # The parsers' names, without importing the server (the CLI starts fast).
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json", "deepseek_v3"),
+        default=None,
+        help='the model\'s tool-call format: enables tool_choice "auto" (tool calls parsed '
+        'from the model\'s text); "required" and named tools need no parser',
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM's command lines: --tool-call-parser enables auto tool choice",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=("deepseek_r1", "qwen3"),
+        default=None,
+        help="split the model's <think>...</think> into reasoning_content (chat completions)",
+    )
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 

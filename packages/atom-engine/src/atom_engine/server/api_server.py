@@ -42,9 +42,11 @@ from atom_engine.server.protocol import (
     ModelCard,
     ModelList,
 )
+from atom_engine.server.reasoning import REASONING_PARSERS
 from atom_engine.server.serving_chat import create_chat_completion
 from atom_engine.server.serving_common import APIError, ServerState
 from atom_engine.server.serving_completion import create_completion
+from atom_engine.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("atom_engine.server")
 
@@ -120,14 +122,32 @@ def build_app(
     *,
     profiler_dir: str | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `engine` as `served_model_name` (also accepted: the model path)."""
+    """The FastAPI app serving `engine` as `served_model_name` (also accepted: the model path).
+    `tool_call_parser` / `reasoning_parser` name the model's formats (`tool_parsers`,
+    `reasoning`)."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(
+            f"unknown tool-call parser {tool_call_parser!r}; ATOM has {sorted(TOOL_PARSERS)}"
+        )
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(
+            f"unknown reasoning parser {reasoning_parser!r}; ATOM has {sorted(REASONING_PARSERS)}"
+        )
     aliases = {engine.model_path, Path(engine.model_path).name}
     if engine.engine.config.model:
         aliases.add(engine.engine.config.model)
     preprocessor = Preprocessor(engine.engine, engine.tokenizer)
     state = ServerState(
-        engine, served_model_name, frozenset(aliases), ServerMetrics(engine), preprocessor
+        engine,
+        served_model_name,
+        frozenset(aliases),
+        ServerMetrics(engine),
+        preprocessor,
+        tool_call_parser,
+        reasoning_parser,
     )
     profiler = Profiler(engine, profiler_dir)
     app = FastAPI(title="ATOM", version=__version__)
@@ -222,6 +242,8 @@ def run_server(args) -> int:
         raise ValueError(
             f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}"
         )
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     config = engine_config_from_args(args)
     if config.data_parallel_size > 1:
         engine = DataParallelEngine.from_config(config)
@@ -235,6 +257,8 @@ def run_server(args) -> int:
             args.api_key,
             profiler_dir=args.profiler_dir,
             max_request_body_bytes=args.max_request_body_bytes,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
         logger.info(
             "serving %s (%s) at http://%s:%d", name, engine.model_path, args.host, args.port

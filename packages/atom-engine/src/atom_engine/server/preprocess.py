@@ -104,8 +104,10 @@ class Preprocessor:
         continue_final_message: bool,
         chat_template: str | None,
         chat_template_kwargs: dict[str, Any] | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[dict, SamplingParams]:
-        """The engine prompt of a conversation rendered by the chat template, and its params."""
+        """The engine prompt of a conversation rendered by the chat template (given `tools`),
+        and its params (with the compiled grammar of their structured output, if any)."""
         if self._tokenizer is None:
             raise ValueError("chat needs a tokenizer (the server runs without one)")
         self._check_text("".join(m.get("content") or "" for m in messages))
@@ -117,5 +119,6 @@ class Preprocessor:
             chat_template_kwargs,
             chat_template,
             self.max_prompt_chars,
+            tools,
         )
         return {"prompt_token_ids": token_ids}, self._check(token_ids, params)

@@ -4,9 +4,9 @@ Requests are strict: a field ATOM does not know is refused (400 naming it) inste
 ignored, types are not coerced (`"max_tokens": "3"`, `"stream": "yes"` and `[[false]]` as token
 ids are refused), floats must be finite, and every string must be encodable text (no lone UTF-16
 surrogates). Declared fields are honoured, or refused with a 400 when set to something ATOM does
-not implement (logit_bias, suffix, use_beam_search, tools, ...). The vLLM extensions (top_k,
+not implement (logit_bias, suffix, use_beam_search, ...). The vLLM extensions (top_k,
 min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, allowed_token_ids,
-prompt_logprobs, chat_template, ...) are declared with vLLM's names.
+prompt_logprobs, chat_template, structured_outputs, ...) are declared with vLLM's names.
 """
 
 from __future__ import annotations
@@ -87,6 +87,28 @@ class StreamOptions(_Request):
     continuous_usage_stats: Literal[False] = False  # vLLM's per-chunk usage: not implemented
 
 
+class JsonSchemaFormat(_Request):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` request field: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingRequest(_Request):
     """Fields shared by completion and chat requests."""
 
@@ -114,6 +136,8 @@ class SamplingRequest(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False  # not implemented: refused when true
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -154,6 +178,27 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -164,10 +209,9 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None  # a Jinja template used instead of the model's own
     chat_template_kwargs: dict[str, Any] | None = None
-    # Not implemented: refused when set to anything but the plain-text default.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -229,9 +273,29 @@ class ChatLogProbs(BaseModel):
     content: list[ChatLogProbContent] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -256,6 +320,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

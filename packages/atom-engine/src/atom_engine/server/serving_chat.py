@@ -1,7 +1,9 @@
-"""POST /v1/chat/completions: messages through the model's chat template, replies out."""
+"""POST /v1/chat/completions: messages (and tools) through the model's chat template, replies
+out: content, reasoning_content and tool_calls (`chat_output`)."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -10,18 +12,19 @@ from starlette.requests import Request
 
 from atom_engine.chat_template import message_text
 from atom_engine.outputs import CompletionOutput, RequestOutput
+from atom_engine.server.chat_output import ChatOutput
 from atom_engine.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogProbs,
-    ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
     UsageInfo,
     random_id,
 )
+from atom_engine.server.reasoning import REASONING_PARSERS
 from atom_engine.server.serving_common import (
     SSE_DONE,
     APIError,
@@ -35,16 +38,11 @@ from atom_engine.server.serving_common import (
     sse,
     value_error,
 )
+from atom_engine.server.structured import ToolPlan, structured_spec, tool_plan
+from atom_engine.server.tool_parsers import TOOL_PARSERS
 
 
 def _refuse_unsupported(request: ChatCompletionRequest) -> None:
-    if request.tools:
-        raise APIError("tools are not supported", param="tools")
-    # With no tools, "none" and "auto" both mean a plain reply.
-    if request.tool_choice not in (None, "none", "auto"):
-        raise APIError("tool_choice is not supported", param="tool_choice")
-    if request.response_format and request.response_format.get("type") not in (None, "text"):
-        raise APIError("only the text response_format is supported", param="response_format")
     if request.stream and request.prompt_logprobs is not None:
         raise APIError(
             "prompt_logprobs is only returned by non-streaming chat completions",
@@ -60,10 +58,23 @@ def _messages(request: ChatCompletionRequest) -> list[dict]:
         for message in request.messages:
             entry = message.model_dump(exclude_none=True)
             entry["content"] = message_text(message.content)
+            _parse_tool_call_arguments(entry)
             messages.append(entry)
         return messages
     except ValueError as e:
         raise APIError(str(e), param="messages") from None
+
+
+def _parse_tool_call_arguments(message: dict) -> None:
+    """An assistant message's tool calls carry their arguments as JSON text (OpenAI); chat
+    templates (Qwen's, Llama's, ...) format them as objects, as vLLM hands them over."""
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except ValueError:
+                pass  # not JSON: the template gets the text
 
 
 async def create_chat_completion(
@@ -76,13 +87,18 @@ async def create_chat_completion(
     if request.max_completion_tokens is not None:
         max_tokens, names["max_tokens"] = request.max_completion_tokens, "max_completion_tokens"
     num_top = request.top_logprobs or 0
+    plan = tool_plan(request, state.tool_parser)
+    spec, names["structured_outputs"] = structured_spec(request, plan)
     params = sampling_params(
         request,
         state.max_n,
         max_tokens,
         logprobs=num_top if request.logprobs else None,
         param_names=names,
+        structured_outputs=spec,
     )
+    if plan.mode == "auto":
+        params.skip_special_tokens = False  # tool-call markers may be special tokens
     preprocessor = state.preprocessor
     try:
         engine_prompt = await preprocessor.run(
@@ -93,12 +109,13 @@ async def create_chat_completion(
             request.continue_final_message,
             request.chat_template,
             request.chat_template_kwargs,
+            plan.tools,
         )
     except ValueError as e:
         raise value_error(e, "messages", names) from None
     chat_id = random_id("chatcmpl")
     group = await RequestGroup.start(state, raw_request, chat_id, [engine_prompt])
-    stream = _ChatStream(state, request, group, chat_id)
+    stream = _ChatStream(state, request, group, chat_id, plan)
     if request.stream:
         return StreamingResponse(stream.events(), media_type="text/event-stream")
     final = None
@@ -114,12 +131,20 @@ class _ChatStream:
     """Builds the response, or the SSE chunks, of one chat request."""
 
     def __init__(
-        self, state: ServerState, request: ChatCompletionRequest, group: RequestGroup, rid: str
+        self,
+        state: ServerState,
+        request: ChatCompletionRequest,
+        group: RequestGroup,
+        rid: str,
+        plan: ToolPlan,
     ) -> None:
         self.state, self.request, self.group, self.id = state, request, group, rid
         self.tokenizer = state.engine.tokenizer
         self.created = int(time.time())
         self.num_top = request.top_logprobs or 0
+        reasoning = REASONING_PARSERS[state.reasoning_parser]() if state.reasoning_parser else None
+        tools = TOOL_PARSERS[state.tool_parser]() if plan.mode == "auto" else None
+        self.outputs = [ChatOutput(plan, tools, reasoning) for _ in range(request.n)]
 
     def _logprobs(self, completion: CompletionOutput, start: int) -> ChatLogProbs | None:
         if not self.request.logprobs:
@@ -142,16 +167,18 @@ class _ChatStream:
 
     def response(self, output: RequestOutput | None) -> ChatCompletionResponse:
         assert output is not None and output.finished
-        choices = [
-            ChatChoice(
-                index=completion.index,
-                message=ChatResponseMessage(content=completion.text),
-                logprobs=self._logprobs(completion, 0),
-                finish_reason=finish_reason(completion.finish_reason),
-                stop_reason=completion.stop_reason,
+        choices = []
+        for completion in output.outputs:
+            parts = self.outputs[completion.index]
+            choices.append(
+                ChatChoice(
+                    index=completion.index,
+                    message=parts.message(completion.text),
+                    logprobs=self._logprobs(completion, 0),
+                    finish_reason=parts.finish_reason(finish_reason(completion.finish_reason)),
+                    stop_reason=completion.stop_reason,
+                )
             )
-            for completion in output.outputs
-        ]
         return ChatCompletionResponse(
             id=self.id,
             created=self.created,
@@ -176,7 +203,6 @@ class _ChatStream:
         return sse(chunk.model_dump_json(exclude_none=True))
 
     async def events(self) -> AsyncIterator[str]:
-        sent_chars = [0] * self.request.n
         sent_tokens = [0] * self.request.n
         done = [False] * self.request.n
         usage = None
@@ -190,20 +216,20 @@ class _ChatStream:
                     index = completion.index
                     if done[index]:
                         continue
-                    text = completion.text[sent_chars[index] :]
+                    parts = self.outputs[index]
                     num_new = len(completion.token_ids) - sent_tokens[index]
                     finished = completion.finish_reason is not None
-                    if not (text or finished or (self.request.logprobs and num_new > 0)):
+                    delta = parts.delta(completion.text, finished)
+                    if not (delta or finished or (self.request.logprobs and num_new > 0)):
                         continue
                     logprobs = self._logprobs(completion, sent_tokens[index])
-                    sent_chars[index] = len(completion.text)
                     sent_tokens[index] = len(completion.token_ids)
                     done[index] = finished
                     choice = ChatStreamChoice(
                         index=index,
-                        delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                        delta=delta or DeltaMessage(),
                         logprobs=logprobs,
-                        finish_reason=finish_reason(completion.finish_reason),
+                        finish_reason=parts.finish_reason(finish_reason(completion.finish_reason)),
                         stop_reason=completion.stop_reason,
                     )
                     yield self._chunk([choice])

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from atom_engine.outputs import Logprob, RequestOutput
-from atom_engine.sampling_params import SamplingParams
+from atom_engine.sampling_params import SamplingParams, StructuredOutputsParams
 from atom_engine.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -59,7 +59,9 @@ class ServerState:
     served_model_name: str
     model_aliases: frozenset[str]  # other names accepted in `model` (the model path, ...)
     metrics: ServerMetrics
-    preprocessor: Preprocessor  # tokenizes and checks prompts on worker threads
+    preprocessor: Preprocessor  # tokenizes and checks prompts (and compiles grammars) off-loop
+    tool_parser: str | None = None  # --tool-call-parser: tool_choice "auto" parses this format
+    reasoning_parser: str | None = None  # --reasoning-parser: splits out reasoning_content
 
     @property
     def max_n(self) -> int:
@@ -83,6 +85,7 @@ def sampling_params(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     param_names: dict[str, str] | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; an invalid value is a 400 naming its field."""
     if request.logit_bias:
@@ -122,6 +125,7 @@ def sampling_params(
             allowed_token_ids=request.allowed_token_ids,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            structured_outputs=structured_outputs,
         )
     except ValueError as e:
         raise value_error(e, None, param_names) from None

@@ -31,6 +31,7 @@ from atom_engine.server.serving_common import (
     sse,
     value_error,
 )
+from atom_engine.server.structured import structured_spec
 
 
 def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -65,19 +66,24 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw_
         )
     prompts = _prompts(request.prompt)
     echo_logprobs = request.logprobs if request.echo else None
+    spec, source = structured_spec(request)
+    if spec is not None and score_only:
+        raise APIError("max_tokens 0 (scoring) generates nothing to constrain", param=source)
     params = sampling_params(
         request,
         state.max_n,
         1 if score_only else request.max_tokens,
         logprobs=request.logprobs,
         prompt_logprobs=echo_logprobs,
+        param_names={"structured_outputs": source},
+        structured_outputs=spec,
     )
     try:
         engine_prompts = await state.preprocessor.run(
             state.preprocessor.completion_prompts, prompts, params
         )
     except ValueError as e:
-        raise value_error(e, "prompt") from None
+        raise value_error(e, "prompt", {"structured_outputs": source}) from None
     completion_id = random_id("cmpl")
     group = await RequestGroup.start(state, raw_request, completion_id, engine_prompts)
     stream = _CompletionStream(state, request, group, completion_id, score_only)
