@@ -368,3 +368,48 @@ def test_serve_flag_and_metrics(tiny_llama_with_tokenizer):
     finally:
         server.stop()
         engine.shutdown()
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_speculation(tmp_path, tiny_deepseek_mtp):
+    """On CUDA (float32, CUDA graphs for the steps without drafts, the Triton rejection
+    sampler): greedy n-gram and MTP speculation give the plain engine's tokens; sampled
+    speculation with seeds repeats itself."""
+    from atom_models.testing import save_random_checkpoint
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=True,  # greedy text that repeats: drafts that get accepted
+    )  # fmt: skip
+    save_random_checkpoint(config, tmp_path, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [{"prompt_token_ids": torch.randint(1, 500, (n,), generator=gen).tolist() * 2}
+               for n in (3, 9, 20)]  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    args = dict(device="cuda", dtype="float32", num_kv_blocks=64, skip_tokenizer_init=True)
+    with LLM(str(tmp_path), **args) as llm:
+        assert llm.engine.runner.graphs is not None
+        expected = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    with LLM(str(tmp_path), speculative_config=ngram(3), **args) as llm:
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
+        assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+        sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=32, seed=7,
+                                 ignore_eos=True)  # fmt: skip
+        first = token_ids(llm.generate(prompts, sampled, use_tqdm=False))
+        assert token_ids(llm.generate(prompts, sampled, use_tqdm=False)) == first
+        assert all(len(ids) == 32 for ids in first)
+        assert_pool_free(llm)
+    batch = [{"prompt_token_ids": torch.randint(1, 11, (n,), generator=gen).tolist()}
+             for n in (5, 40)]  # fmt: skip
+    args.update(block_size=16)
+    with LLM(tiny_deepseek_mtp, **args) as llm:
+        expected = token_ids(llm.generate(batch, params, use_tqdm=False))
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    with LLM(tiny_deepseek_mtp, speculative_config=mtp, **args) as llm:
+        assert token_ids(llm.generate(batch, params, use_tqdm=False)) == expected
+        assert llm.engine.stats().spec_decode.num_draft_tokens > 0
+        assert_pool_free(llm)
