@@ -285,18 +285,23 @@ class StepRecorder:
         engine.scheduler.schedule = recorded
 
 
-def step_roofline(steps, model, config, kv_per_token: int, bandwidth: float, matmul: float):
+def step_roofline(
+    steps, model, config, kv_per_token: int, bandwidth: float, matmul: float, tp_size: int = 1
+):
     """Seconds each recorded step needs at least: max( max(bytes / bandwidth, FLOPs / matmul
     rate). Bytes: every weight once (the input embedding only for the step's rows) plus the KV
     read (each sequence's context) and written (its new tokens). FLOPs: 2 x matmul parameters x
     tokens, plus causal attention (2 x 2 x new x context x heads x head_dim per layer, the
-    diagonal halved for prefills)."""
+    diagonal halved for prefills). With tensor parallelism `model` is one rank's shard and
+    `kv_per_token` its cache's: the floor of each rank (they run at once); the LM head and the
+    attention heads are split `tp_size` ways."""
     params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-    lm_head = config.vocab_size * config.hidden_size
+    lm_head = config.vocab_size * config.hidden_size // tp_size
     if getattr(config, "tie_word_embeddings", False):
         params += lm_head  # the tied embedding is read as the LM head
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    attn = 2 * 2 * config.num_attention_heads * head_dim * config.num_hidden_layers
+    heads = config.num_attention_heads // tp_size
+    attn = 2 * 2 * heads * head_dim * config.num_hidden_layers
     floors = []
     for step in steps:
         tokens = sum(n for n, _ in step)

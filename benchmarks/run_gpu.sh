@@ -4,9 +4,13 @@
 #   bash benchmarks/run_gpu.sh throughput serve         # phase 2
 #   bash benchmarks/run_gpu.sh tune-linear tune-decode tune-moe   # tile sweeps
 #   bash benchmarks/run_gpu.sh tests quant                 # quantized GEMM / MoE, MLA decode
+#   bash benchmarks/run_gpu.sh multi_gpu                   # two GPUs (nvidia-h200-x2): issue 18
 # GPU_TESTS=<paths> limits the tests phase to some test files; GPU_TESTS_EXITFIRST=0 runs them all
 # past a failure (no -x). RUN_BUDGET_S=<s>: the quant phase gets what is left of that many seconds
 # since the start (a device call's limit), 270 s without it.
+# multi_gpu: `pytest -m multi_gpu` (at most MULTI_GPU_TESTS_S, 240 s), then benchmarks/multi_gpu.py
+# with what is left of RUN_BUDGET_S (540 s without it); MULTI_GPU_TESTS=0 skips the tests,
+# MULTI_GPU_CASES="<case> ..." runs only those benchmark cases (to finish a run that was cut short).
 # Needs the wheels the GPU image lacks in .whl (../shared/device/fetch-wheels.sh) and the bundled
 # tokenizer in .bench_assets/tokenizer (for the serving benchmark's text prompts).
 set -uo pipefail
@@ -40,6 +44,20 @@ for phase in "$@"; do
         [ "$left" -lt 20 ] && { echo "quant: skipped, no time left"; continue; }
         timeout "$left" python3 benchmarks/quant_kernels.py --out "$OUT/quant-kernels.json" 2>&1 \
             | tee "$OUT/quant-kernels.log" | grep -v '^{' | tail -150 ;;
+    multi_gpu)
+        if [ "${MULTI_GPU_TESTS:-1}" != 0 ]; then
+            ATOM_REQUIRE_GPU=1 timeout "${MULTI_GPU_TESTS_S:-240}" python3 -m pytest -m multi_gpu -q \
+                -p no:cacheprovider -rfEP --junitxml="$OUT/multi-gpu-tests.xml" \
+                --ignore=packages/atom-vllm-plugin --ignore=packages/atom-sglang-plugin \
+                ${GPU_TESTS:-packages} 2>&1 | tee "$OUT/multi-gpu-tests.log" | tail -40
+        fi
+        left=$(( ${RUN_BUDGET_S:-540} - ($(date +%s) - START) ))
+        echo "multi_gpu benchmarks: ${left} s left"
+        only=()
+        [ -n "${MULTI_GPU_CASES:-}" ] && only=(--only $MULTI_GPU_CASES)
+        timeout "$(( left > 30 ? left + 20 : 50 ))" python3 benchmarks/multi_gpu.py --budget-s "$left" \
+            ${only[@]+"${only[@]}"} --out "$OUT/multi-gpu-h200x2.json" 2>&1 | tee "$OUT/multi-gpu.log" \
+            | grep -v Warning | tail -60 ;;
     kernels)
         timeout 240 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -40 ;;
     tune-linear)

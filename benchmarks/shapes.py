@@ -47,7 +47,74 @@ def qwen3_0_6b():
     )
 
 
-SHAPES = {"llama3-8b": llama3_8b, "qwen3-0.6b": qwen3_0_6b}
+def qwen3_30b_a3b():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        architectures=["Qwen3MoeForCausalLM"],
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
+
+
+SHAPES = {"llama3-8b": llama3_8b, "qwen3-0.6b": qwen3_0_6b, "qwen3-30b-a3b": qwen3_30b_a3b}
+
+
+# Tiny stand-ins of the same architectures for smoke runs of the scripts on a CPU.
+SMOKE_SHAPES = {
+    "llama3-8b": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "qwen3-30b-a3b": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+}
+
+
+def shape_config(name: str, smoke: bool = False):
+    """The config of shape `name`, or with `smoke` its tiny stand-in (rebuilt, so fields derived
+    from the layer count, such as layer_types, follow it)."""
+    config = SHAPES[name]()
+    if smoke:
+        fields = {**config.to_dict(), **SMOKE_SHAPES[name]}
+        fields.pop("layer_types", None)
+        config = type(config)(**fields)
+    return config
 
 
 def config_dir(name: str, tokenizer_dir: str | None = None, out: str | None = None) -> str:

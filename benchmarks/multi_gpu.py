@@ -1,0 +1,149 @@
+"""Two GPUs: the engine's tensor, data and expert parallelism against one GPU (issue 18).
+
+    python benchmarks/multi_gpu.py --out benchmarks/results/multi-gpu-h200x2.json [--budget-s 330]
+    python benchmarks/multi_gpu.py --smoke --out /tmp/multi-gpu-smoke.json   # CPU, gloo, tiny
+
+The cases are in collectives.py (roofline, allreduce) and multi_gpu_engine.py (the engines).
+Each case runs in a process of its own (its GPU memory and worker processes end with it), in this
+order; the JSON is rewritten after each, and a case that fails or would outrun the budget is
+recorded as such while the others go on:
+- roofline: each GPU's copy bandwidth (read + write) and bf16 8192^3 matmul rate (kernels.py),
+  and the GPU-to-GPU copy rate;
+- allreduce: the all-reduce of a [tokens, hidden] bf16 tensor between the two GPUs alone, over the
+  engine's own process group (EngineTPGroup, NCCL): eager, and inside a CUDA graph as the decode
+  graphs run it; and the all-gather of the LM head's logits;
+- llama3-8b-tp1, llama3-8b-tp2: decode latency at batch 1 / 8 / 64 (as `engine_bench.py decode`:
+  512-token prompts, CUDA graphs, async scheduling) and the offline 512-in / 256-out workload
+  (256 requests at once, as `engine_bench.py throughput`); TP=2 also profiles decode steps with
+  torch.profiler: rank 0's NCCL kernel time per step;
+- llama3-8b-dp2: the same offline workload over two TP=1 replicas, one per GPU, through
+  `DataParallelEngine` (what `atom serve -dp 2` runs: engine threads of one process, each request
+  to the least loaded replica), driven without HTTP;
+- qwen3-30b-a3b-tp2, qwen3-30b-a3b-tp2-ep: decode latency and the offline workload, the experts
+  sliced over both GPUs against whole experts per GPU.
+
+Random weights (load_format="dummy"). A decode floor is rank 0's weight bytes (its shard: the ranks
+read theirs at once) plus its KV read, over the copy bandwidth measured in this run; for the MoE,
+the expert weights count by the share of experts a batch of B tokens hits under uniform top-k
+routing, 1 - (1 - k / E)^B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from collectives import case_allreduce, case_roofline  # noqa: E402
+from multi_gpu_engine import ENGINE_CASES, case_engine  # noqa: E402
+
+CASES = ["roofline", "allreduce", *ENGINE_CASES]
+
+
+def run_case(name: str, args) -> None:
+    """This process runs one case (the driver's child) and writes its JSON to --out."""
+    print(f"=== {name} ({time.strftime('%H:%M:%S')})", flush=True)
+    if name == "roofline":
+        result = case_roofline(args)
+    elif name == "allreduce":
+        result = case_allreduce(args)
+    else:
+        result = case_engine(name, args)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+def summary(record: dict) -> list[str]:
+    """The table printed last: decode ms per step and offline out tok/s per case."""
+    lines = [f"{'case':22s} {'bs 1':>8s} {'bs 8':>8s} {'bs 64':>8s} {'offline tok/s':>14s}"]
+    for name in ENGINE_CASES:
+        case = record["cases"].get(name)
+        if case is None:
+            continue
+        if "error" in case:
+            lines.append(f"{name:22s} {case['error'][:60]}")
+            continue
+        decode = {r["batch_size"]: f"{r['step_ms']:.2f}" for r in case.get("decode", [])}
+        offline = case.get("offline", {}).get("output_tok_per_s")
+        lines.append(
+            f"{name:22s} "
+            + " ".join(f"{decode.get(b, '-'):>8s}" for b in (1, 8, 64))
+            + f" {offline or 0:14.0f}"
+        )
+    tp1, tp2 = (record["cases"].get(f"llama3-8b-tp{n}", {}) for n in (1, 2))
+    if tp1.get("decode") and tp2.get("decode"):
+        ratio = tp2["decode"][0]["step_ms"] / tp1["decode"][0]["step_ms"]
+        record["llama3_8b_tp2_over_tp1_batch1"] = ratio
+        lines.append(f"Llama-3-8B batch 1: TP=2 / TP=1 = {ratio:.2f} (target <= 0.6)")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, gloo: no GPU)")
+    parser.add_argument("--only", nargs="+", choices=CASES, default=CASES)
+    parser.add_argument(
+        "--budget-s", type=float, default=330.0, help="stop starting cases past this many seconds"
+    )
+    parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # a child's one case
+    parser.add_argument("--bandwidth", type=float, help=argparse.SUPPRESS)  # bytes/s, from roofline
+    parser.add_argument("--matmul", type=float, help=argparse.SUPPRESS)  # FLOP/s
+    args = parser.parse_args()
+    if args.case:
+        run_case(args.case, args)
+        return
+    start = time.monotonic()
+    record = dict(
+        date=time.strftime("%Y-%m-%d"),
+        torch=torch.__version__,
+        smoke=args.smoke,
+        devices=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        budget_s=args.budget_s,
+        cases={},
+    )
+    extra: list[str] = []
+    for name in args.only:
+        left = args.budget_s - (time.monotonic() - start)
+        if left < 30:
+            record["cases"][name] = {"error": f"not run: {left:.0f} s of the budget left"}
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            cmd = [sys.executable, __file__, "--case", name, "--out", tmp.name, *extra]
+            cmd += ["--smoke"] if args.smoke else []
+            t0 = time.monotonic()
+            try:
+                child = subprocess.run(cmd, timeout=left, env=dict(os.environ))
+                code = child.returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+            text = Path(tmp.name).read_text()
+        if code == 0 and text:
+            result = json.loads(text)
+        else:
+            result = {"error": f"exit status {code} after {time.monotonic() - t0:.0f} s"}
+        result["wall_s"] = time.monotonic() - t0
+        record["cases"][name] = result
+        if name == "roofline" and "gpus" in result:  # GPU 0's: the rank 0 every floor is of
+            gpu0 = result["gpus"][0]
+            extra = [
+                "--bandwidth",
+                str(gpu0["copy_GBps"] * 1e9),
+                "--matmul",
+                str(gpu0["matmul_TFLOPs"] * 1e12),
+            ]
+        Path(args.out).write_text(json.dumps(record, indent=2))
+    lines = summary(record)
+    Path(args.out).write_text(json.dumps(record, indent=2))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

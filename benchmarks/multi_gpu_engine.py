@@ -1,0 +1,328 @@
+"""The engine cases of multi_gpu.py: one engine (or data-parallel replicas) of a real shape with
+random weights, its decode latency at batch 1 / 8 / 64 and the offline 512-in / 256-out workload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from collectives import sync  # noqa: E402
+from engine_bench import (  # noqa: E402
+    StepRecorder,
+    kv_bytes_per_token,
+    step_roofline,
+    weight_bytes,
+    workload,
+)
+from shapes import shape_config  # noqa: E402
+
+ENGINE_CASES = {
+    "llama3-8b-tp1": ("llama3-8b", dict(tensor_parallel_size=1)),
+    "llama3-8b-tp2": ("llama3-8b", dict(tensor_parallel_size=2)),
+    "llama3-8b-dp2": ("llama3-8b", dict(data_parallel_size=2)),
+    "qwen3-30b-a3b-tp2": ("qwen3-30b-a3b", dict(tensor_parallel_size=2)),
+    "qwen3-30b-a3b-tp2-ep": (
+        "qwen3-30b-a3b",
+        dict(tensor_parallel_size=2, enable_expert_parallel=True),
+    ),
+}
+
+
+def shape_dir(name: str, smoke: bool) -> str:
+    path = Path(tempfile.mkdtemp(prefix=f"atom-{name}-"))
+    shape_config(name, smoke).save_pretrained(path)
+    return str(path)
+
+
+def make_engine_config(shape: str, args, **parallel):
+    from atom_engine import EngineConfig
+
+    cuda = torch.cuda.is_available()
+    return EngineConfig(
+        model=shape_dir(shape, args.smoke),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16" if cuda else "float32",
+        device="cuda" if cuda else "cpu",
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=4096,
+        **parallel,
+    )
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def expert_split(engine) -> tuple[int, int, float]:
+    """(rank 0's expert weight bytes, its other weight bytes, the hit share function's k / E)."""
+    config = engine.hf_config
+    experts = 0
+    for name, p in engine.runner.model.named_parameters():
+        if ".experts." in name:
+            experts += p.numel() * p.element_size()
+    total = weight_bytes(engine.runner.model)
+    num = getattr(config, "num_experts", 0) or 0
+    return experts, total - experts, (config.num_experts_per_tok / num if num else 0.0)
+
+
+def collective_kernels(prof, steps: int, cuda: bool) -> dict:
+    """Microseconds per step of each collective in a torch.profiler trace of `steps` steps: on a
+    GPU its NCCL kernels' time (and all kernels' time), on the CPU gloo's ops' time."""
+    out: dict[str, float] = {}
+    gpu_total = 0.0
+    kinds = (
+        ("all_reduce", ("allreduce", "all_reduce")),
+        ("all_gather", ("allgather", "all_gather")),
+        ("broadcast", ("broadcast",)),
+    )
+    for event in prof.key_averages():
+        name = event.key.lower()
+        if cuda:  # kernels only: a CPU op's device time repeats its kernels'
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            time_us = getattr(event, "device_time_total", None)
+            if time_us is None:  # torch before the rename
+                time_us = event.cuda_time_total
+            gpu_total += time_us
+            if "nccl" not in name:
+                continue
+        elif name.startswith("gloo:"):
+            time_us = event.cpu_time_total
+        else:
+            continue
+        for kind, keys in kinds:
+            if any(k in name for k in keys):
+                out[f"{kind}_us_per_step"] = out.get(f"{kind}_us_per_step", 0.0) + time_us / steps
+    if cuda:
+        out["gpu_kernels_us_per_step"] = gpu_total / steps
+    return out
+
+
+def bench_decode(engine, args, bandwidth: float | None, profile: bool) -> list[dict]:
+    from atom_engine import SamplingParams
+
+    results = []
+    cuda = torch.cuda.is_available()
+    experts, dense, k_over_e = expert_split(engine)
+    per_token_kv = kv_bytes_per_token(engine)
+    vocab = engine.hf_config.vocab_size
+    steps = 4 if args.smoke else 48
+    prompt_len = 32 if args.smoke else 512
+    for bs in (1, 8) if args.smoke else (1, 8, 64):
+        params = SamplingParams(temperature=0, max_tokens=2 * steps + 24, ignore_eos=True)
+        for i, ids in enumerate(random_prompts(bs, prompt_len, vocab, seed=bs)):
+            engine.add_request(f"{bs}-{i}", ids, params)
+        while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
+            engine.step()
+        for _ in range(4):
+            engine.step()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        step = (time.perf_counter() - t0) / steps
+        row = dict(
+            batch_size=bs,
+            prompt_len=prompt_len,
+            step_ms=step * 1e3,
+            tokens_per_s=bs / step,
+            decode_steps_timed=steps,
+        )
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with torch_profile(activities=activities) as prof:
+                for _ in range(steps // 2):
+                    engine.step()
+                sync()
+            row["profiled"] = collective_kernels(prof, steps // 2, cuda)
+        assert len(engine.scheduler.running) == bs, "a sequence finished while being timed"
+        while engine.has_unfinished_requests():
+            engine.step()
+        context = prompt_len + 4 + steps // 2  # the timed steps' mean
+        hit = 1 - (1 - k_over_e) ** bs if experts else 0.0
+        floor_bytes = dense + experts * hit + bs * context * per_token_kv
+        row.update(
+            weight_bytes=dense + experts,
+            expert_bytes=experts,
+            expert_share_hit=hit,
+            kv_bytes=bs * context * per_token_kv,
+            floor_bytes=floor_bytes,
+        )
+        if bandwidth:
+            row["floor_ms"] = floor_bytes / bandwidth * 1e3
+            row["fraction_of_bandwidth"] = row["floor_ms"] / row["step_ms"]
+        print(
+            f"  decode bs={bs}: {row['step_ms']:.2f} ms/step"
+            + (
+                f" (floor {row['floor_ms']:.2f} ms, {100 * row['fraction_of_bandwidth']:.0f}%)"
+                if bandwidth
+                else ""
+            )
+            + (f", profiled collectives {row['profiled']}" if profile else ""),
+            flush=True,
+        )
+        results.append(row)
+    return results
+
+
+def workload_prompts(engine_config, args) -> tuple[list[list[int]], list[int]]:
+    """The offline 512-in / 256-out workload of random token ids: 256 requests (smoke: 8 of
+    32 / 8 tokens)."""
+    from atom_models import load_config
+
+    vocab = load_config(engine_config.model).vocab_size
+    if args.smoke:
+        return random_prompts(8, 32, vocab, seed=1), [8] * 8
+    lengths = workload("512x256", 256)
+    prompts = random_prompts(len(lengths), lengths[0][0], vocab, seed=1)
+    return prompts, [o for _, o in lengths]
+
+
+def throughput_result(engines, prompts, outs, elapsed, recorders, args) -> dict:
+    """Tokens per second, and (dense models, with the roofline measured) the per-step roofline of
+    each engine's own schedule; replicas run at once: the slowest replica's floor is the run's."""
+    total_out, total_in = sum(outs), sum(len(p) for p in prompts)
+    result = dict(
+        num_prompts=len(prompts),
+        elapsed_s=elapsed,
+        input_tokens=total_in,
+        output_tokens=total_out,
+        output_tok_per_s=total_out / elapsed,
+        total_tok_per_s=(total_in + total_out) / elapsed,
+        steps=[len(r.steps) for r in recorders],
+        num_preemptions=sum(e.scheduler.num_preemptions for e in engines),
+        kv_cache_tokens=[e.runner.num_blocks * e.runner.block_size for e in engines],
+    )
+    if args.bandwidth and args.matmul and not expert_split(engines[0])[0]:
+        floors = [
+            sum(
+                step_roofline(
+                    r.steps,
+                    e.runner.model,
+                    e.hf_config,
+                    kv_bytes_per_token(e),
+                    args.bandwidth,
+                    args.matmul,
+                    e.config.tensor_parallel_size,
+                )
+            )
+            for e, r in zip(engines, recorders, strict=True)
+        ]
+        result.update(step_roofline_s=max(floors), fraction_of_step_roofline=max(floors) / elapsed)
+    print(
+        f"  offline: {result['output_tok_per_s']:.0f} out tok/s ({elapsed:.1f} s)"
+        + (
+            f", per-step roofline {100 * result['fraction_of_step_roofline']:.0f}%"
+            if "step_roofline_s" in result
+            else ""
+        ),
+        flush=True,
+    )
+    return result
+
+
+def bench_throughput(engine, args) -> dict:
+    from atom_engine import SamplingParams
+
+    prompts, outs = workload_prompts(engine.config, args)
+    engine.add_request("warm", prompts[0][:64], SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    recorder = StepRecorder(engine)
+    sync()
+    t0 = time.perf_counter()
+    for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+        params = SamplingParams(
+            temperature=1.0, max_tokens=o, ignore_eos=True, output_kind="final_only"
+        )
+        engine.add_request(str(i), p, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    sync()
+    return throughput_result([engine], prompts, outs, time.perf_counter() - t0, [recorder], args)
+
+
+def bench_data_parallel(dp, args) -> dict:
+    """The offline workload through a DataParallelEngine: every request submitted at once (each
+    to the replica with the fewest in flight), timed until the last one finishes."""
+    from atom_engine import SamplingParams
+
+    engines = [replica.engine for replica in dp.replicas]
+    prompts, outs = workload_prompts(engines[0].config, args)
+
+    async def run(requests, prefix: str) -> float:
+        async def drain(stream) -> None:
+            async for _ in stream:
+                pass
+
+        t0 = time.perf_counter()
+        streams = [
+            await dp.add_request(
+                f"{prefix}{i}",
+                p,
+                SamplingParams(
+                    temperature=1.0, max_tokens=o, ignore_eos=True, output_kind="final_only"
+                ),
+            )
+            for i, (p, o) in enumerate(requests)
+        ]
+        await asyncio.gather(*(drain(s) for s in streams))
+        sync()
+        return time.perf_counter() - t0
+
+    asyncio.run(run([(prompts[0][:64], 4)] * len(engines), "warm-"))  # one per replica
+    recorders = [StepRecorder(engine) for engine in engines]  # before their threads' next step
+    elapsed = asyncio.run(run(list(zip(prompts, outs, strict=True)), ""))
+    result = throughput_result(engines, prompts, outs, elapsed, recorders, args)
+    result["requests_per_replica"] = [e.stats().finished_requests - 1 for e in engines]
+    return result
+
+
+def case_engine(name: str, args) -> dict:
+    from atom_engine import LLMEngine
+    from atom_engine.server.data_parallel import DataParallelEngine
+
+    shape, parallel = ENGINE_CASES[name]
+    config = make_engine_config(shape, args, **parallel)
+    t0 = time.perf_counter()
+    if config.data_parallel_size > 1:
+        dp = DataParallelEngine.from_config(config)
+        try:
+            start_s = time.perf_counter() - t0
+            return dict(
+                shape=shape, **parallel, start_s=start_s, offline=bench_data_parallel(dp, args)
+            )
+        finally:
+            dp.shutdown()
+    engine = LLMEngine(config)
+    try:
+        start_s = time.perf_counter() - t0
+        profile = config.tensor_parallel_size > 1
+        decode = bench_decode(engine, args, args.bandwidth, profile)
+        offline = bench_throughput(engine, args)
+        return dict(
+            shape=shape,
+            **parallel,
+            start_s=start_s,
+            cuda_graphs=engine.runner.graphs is not None,
+            async_scheduling=engine.async_scheduling,
+            decode=decode,
+            offline=offline,
+        )
+    finally:
+        engine.shutdown()
