@@ -111,8 +111,10 @@ def shape_config(name: str, smoke: bool = False):
     from the layer count, such as layer_types, follow it)."""
     config = SHAPES[name]()
     if smoke:
-        fields = {**config.to_dict(), **SMOKE_SHAPES[name]}
-        fields.pop("layer_types", None)
+        fields = config.to_dict()
+        for key in ("layer_types", *SMOKE_SHAPES[name]):  # an aliased field by its stored name
+            fields.pop(config.attribute_map.get(key, key), None)
+        fields.update(SMOKE_SHAPES[name])
         config = type(config)(**fields)
     return config
 
