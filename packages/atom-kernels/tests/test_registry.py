@@ -147,3 +147,10 @@ def test_register_op_rejects_unknown_backend():
 def test_unknown_op():
     with pytest.raises(KeyError, match="no op named 'no_such_op'"):
         ak.get_op("no_such_op", "cpu")
+
+
+def test_resolve_ops_fills_the_cache_for_every_op():
+    registry.resolve_ops("cpu")
+    assert set(registry.registered_ops("torch")) <= {op for op, dev in registry._RESOLVED}
+    assert registry._RESOLVED[("paged_attention", "cpu")] is cpu_attention.paged_attention
+    assert registry._RESOLVED[("rms_norm", "cpu")] is torch_norm.rms_norm

@@ -183,6 +183,16 @@ def get_op(op_name: str, device: torch.device | str) -> Callable:
     return fn
 
 
+def resolve_ops(device: torch.device | str) -> None:
+    """Choose the backend for ``device`` and resolve every op now (backend imports, fallbacks and
+    their log lines), so code traced later (torch.compile) only reads the caches."""
+    device_type = _device_type(device)
+    _select(device_type)
+    _import_backend("torch")
+    for op_name in list(_IMPLS["torch"]):
+        get_op(op_name, device_type)
+
+
 def registered_ops(backend: str) -> list[str]:
     """Names of the ops ``backend`` implements (after it has been imported)."""
     return sorted(_IMPLS[backend])
