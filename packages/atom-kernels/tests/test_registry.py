@@ -10,6 +10,7 @@ import torch
 
 import atom_kernels as ak
 from atom_kernels import registry
+from atom_kernels.backends.cpu import attention as cpu_attention
 from atom_kernels.backends.torch import norm as torch_norm
 
 
@@ -18,7 +19,7 @@ def clean_registry(monkeypatch):
     monkeypatch.delenv(registry.ENV_VAR, raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     # Each test gets its own registrations and import results; the originals come back after.
-    # (The torch backend is already imported above, so its ops are in the originals.)
+    # (The torch and cpu backends are already imported above, so their ops are in the originals.)
     monkeypatch.setattr(registry, "_IMPLS", {k: dict(v) for k, v in registry._IMPLS.items()})
     monkeypatch.setattr(registry, "_IMPORTED", dict(registry._IMPORTED))
     registry._reset_for_tests()
@@ -27,11 +28,19 @@ def clean_registry(monkeypatch):
 
 
 @pytest.mark.parametrize("env", [None, "auto", "AUTO", ""])
-def test_auto_on_cpu_is_torch(monkeypatch, env):
+def test_auto_on_cpu_is_cpu_with_torch_for_the_rest(monkeypatch, env):
     if env is not None:
         monkeypatch.setenv(registry.ENV_VAR, env)
-    assert ak.current_backend(torch.device("cpu")) == "torch"
+    assert ak.current_backend(torch.device("cpu")) == "cpu"
+    assert ak.get_op("paged_attention", "cpu") is cpu_attention.paged_attention
+    # The cpu backend implements only its hot ops: the rest is the torch reference.
     assert ak.get_op("rms_norm", "cpu") is torch_norm.rms_norm
+
+
+def test_explicit_cpu_on_a_gpu_device_raises(monkeypatch):
+    monkeypatch.setenv(registry.ENV_VAR, "cpu")
+    with pytest.raises(RuntimeError, match=r"the cpu backend runs on CPU tensors only"):
+        ak.current_backend("cuda")
 
 
 def test_explicit_torch(monkeypatch):
@@ -122,9 +131,9 @@ def test_op_missing_from_backend_falls_back_to_torch(monkeypatch, caplog, explic
 
 
 def test_choice_is_cached_until_reset(monkeypatch):
-    assert ak.current_backend("cpu") == "torch"
+    assert ak.current_backend("cpu") == "cpu"
     monkeypatch.setenv(registry.ENV_VAR, "cutlass")
-    assert ak.current_backend("cpu") == "torch"  # chosen once per process
+    assert ak.current_backend("cpu") == "cpu"  # chosen once per process
     registry._reset_for_tests()
     with pytest.raises(ValueError, match="cutlass"):
         ak.current_backend("cpu")
@@ -138,3 +147,10 @@ def test_register_op_rejects_unknown_backend():
 def test_unknown_op():
     with pytest.raises(KeyError, match="no op named 'no_such_op'"):
         ak.get_op("no_such_op", "cpu")
+
+
+def test_resolve_ops_fills_the_cache_for_every_op():
+    registry.resolve_ops("cpu")
+    assert set(registry.registered_ops("torch")) <= {op for op, dev in registry._RESOLVED}
+    assert registry._RESOLVED[("paged_attention", "cpu")] is cpu_attention.paged_attention
+    assert registry._RESOLVED[("rms_norm", "cpu")] is torch_norm.rms_norm

@@ -240,17 +240,17 @@ def test_full_graphs_replayed_for_mixed_batches_keep_the_prefill_kernel(
     assert builder.build_for_cudagraph_capture(common).decode_only is decode_only
 
 
-def test_cpu_platform_keeps_the_model_eager(smollm2_dir, monkeypatch) -> None:
-    """vLLM's CPU platform compiles its own models; ATOM's stays eager there unless asked."""
+def test_cpu_platform_compiles_the_model_by_default(smollm2_dir, monkeypatch) -> None:
+    """vLLM's CPU platform compiles its own models, and ATOM's by default; 0 keeps it eager."""
     from vllm.engine.arg_utils import EngineArgs
 
     from atom_vllm_plugin.model import compile_enabled
 
     cfg = EngineArgs(model=str(smollm2_dir), dtype="float32").create_engine_config()
     monkeypatch.delenv("ATOM_VLLM_PLUGIN_COMPILE", raising=False)
-    assert not compile_enabled(cfg)
-    monkeypatch.setenv("ATOM_VLLM_PLUGIN_COMPILE", "1")
     assert compile_enabled(cfg)
+    monkeypatch.setenv("ATOM_VLLM_PLUGIN_COMPILE", "0")
+    assert not compile_enabled(cfg)
 
 
 GENERATE = r"""

@@ -106,6 +106,13 @@ class EngineConfig:
         default=False,
         metadata=_help("run without a tokenizer: prompts must be token ids, outputs have no text"),
     )
+    num_threads: int | None = field(
+        default=None,
+        metadata=_help(
+            "CPU: torch's compute threads per rank (default: OMP_NUM_THREADS when set, else the "
+            "cores the process may use, affinity and cgroup quota, less one for the server)"
+        ),
+    )
     seed: int = field(default=0, metadata=_help("seed of the engine's random sampling"))
     enforce_eager: bool = field(default=False, metadata=_help("never capture CUDA graphs"))
     async_scheduling: bool | None = field(
@@ -168,6 +175,8 @@ class EngineConfig:
             fail("max_model_len", "must be >= 1")
         if self.max_num_seqs < 1:
             fail("max_num_seqs", "must be >= 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            fail("num_threads", "must be >= 1")
         if self.max_num_batched_tokens is None:
             # NOTE: on this 2-core CPU (load ~3), while a 1,500-token prompt prefilled, 2048-token
             # steps stalled a decoding stream 28.7 s and a short request's first token 29.4 s;

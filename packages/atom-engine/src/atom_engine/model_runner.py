@@ -27,6 +27,7 @@ import torch
 
 import atom_kernels
 from atom_engine.config import EngineConfig
+from atom_engine.cpu_threads import set_cpu_threads
 from atom_engine.cuda_graphs import DecodeGraphs
 from atom_engine.sampler import Sampler, TopLogprobs, to_device
 from atom_engine.scheduler import ScheduledBatch
@@ -97,6 +98,8 @@ class ModelRunner:
         self.tp, self.workers = tp, workers
         self.rank = tp.rank if tp is not None else 0
         self.device = tp.device if tp is not None else device or config.resolved_device()
+        if self.device.type == "cpu":
+            set_cpu_threads(config.num_threads, config.tensor_parallel_size, self.rank)
         self.dtype = config.resolved_dtype()
         self.kv_cache_dtype = config.resolved_kv_cache_dtype()  # the model's, or fp8
         self.block_size = config.block_size

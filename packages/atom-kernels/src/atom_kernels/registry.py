@@ -6,9 +6,10 @@ backend lazily, the first time a device type needs it, so adding a backend is ad
 
 The backend is chosen once per process per device type ("cpu", "cuda", ...):
 
-- ``ATOM_KERNEL_BACKEND=torch|triton|aiter`` asks for one explicitly. If it cannot load (package
+- ``ATOM_KERNEL_BACKEND=torch|cpu|triton|aiter`` asks for one explicitly. If it cannot load (package
   missing, wrong hardware, unknown name) the first op call raises, naming the backend and why.
-- Unset or ``auto``: CPU -> torch; CUDA device -> aiter on ROCm when ``aiter`` is importable,
+- Unset or ``auto``: CPU -> cpu (fast CPU versions of the hot ops, the torch reference for the
+  rest); CUDA device -> aiter on ROCm when ``aiter`` is importable,
   else triton when ``triton`` is importable, else torch. An automatic choice that cannot load
   falls back to torch and logs once.
 
@@ -29,7 +30,7 @@ import torch
 
 logger = logging.getLogger("atom_kernels")
 
-BACKENDS = ("torch", "triton", "aiter")
+BACKENDS = ("torch", "cpu", "triton", "aiter")
 ENV_VAR = "ATOM_KERNEL_BACKEND"
 
 F = TypeVar("F", bound=Callable)
@@ -63,6 +64,10 @@ def _device_type(device: torch.device | str) -> str:
 def _hardware_problem(backend: str, device_type: str) -> str | None:
     """Why ``backend`` cannot run on ``device_type`` here (None if it can), before importing it."""
     if backend == "torch":
+        return None
+    if backend == "cpu":
+        if device_type != "cpu":
+            return f"the cpu backend runs on CPU tensors only (device type {device_type!r})"
         return None
     if backend == "triton":
         if importlib.util.find_spec("triton") is None:
@@ -100,6 +105,8 @@ def _load_problem(backend: str, device_type: str) -> str | None:
 
 
 def _auto_backend(device_type: str) -> str:
+    if device_type == "cpu":
+        return "cpu"
     if device_type != "cuda":
         return "torch"
     if torch.version.hip is not None and importlib.util.find_spec("aiter") is not None:
@@ -147,7 +154,7 @@ def _select(device_type: str) -> tuple[str, bool]:
 
 
 def current_backend(device: torch.device | str) -> str:
-    """The backend name ("torch" | "triton" | "aiter") ops on ``device`` dispatch to."""
+    """The backend name ("torch" | "cpu" | "triton" | "aiter") ops on ``device`` dispatch to."""
     return _select(_device_type(device))[0]
 
 
@@ -174,6 +181,16 @@ def get_op(op_name: str, device: torch.device | str) -> Callable:
         )
     _RESOLVED[(op_name, device_type)] = fn
     return fn
+
+
+def resolve_ops(device: torch.device | str) -> None:
+    """Choose the backend for ``device`` and resolve every op now (backend imports, fallbacks and
+    their log lines), so code traced later (torch.compile) only reads the caches."""
+    device_type = _device_type(device)
+    _select(device_type)
+    _import_backend("torch")
+    for op_name in list(_IMPLS["torch"]):
+        get_op(op_name, device_type)
 
 
 def registered_ops(backend: str) -> list[str]:

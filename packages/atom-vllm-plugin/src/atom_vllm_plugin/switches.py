@@ -9,6 +9,7 @@ DISABLE_ATTENTION = "ATOM_DISABLE_VLLM_PLUGIN_ATTENTION"
 ALLOW_UNTESTED = "ATOM_VLLM_PLUGIN_ALLOW_UNTESTED"
 CPU_ATTENTION = "ATOM_VLLM_PLUGIN_CPU_ATTENTION"
 COMPILE = "ATOM_VLLM_PLUGIN_COMPILE"
+CPU_GEMM = "ATOM_VLLM_PLUGIN_CPU_GEMM"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -39,9 +40,15 @@ def cpu_attention_wanted() -> bool:
     return is_set(CPU_ATTENTION)
 
 
+def vllm_cpu_gemm_wanted() -> bool:
+    """`ATOM_VLLM_PLUGIN_CPU_GEMM` (default on): on a CPU platform ATOM's unquantized linear
+    layers run vLLM's prepacked CPU GEMM (`cpu_gemm`); 0 keeps `atom_kernels.linear`."""
+    return os.environ.get(CPU_GEMM, "").strip().lower() not in _FALSE
+
+
 def compile_wanted(default: bool) -> bool:
-    """`ATOM_VLLM_PLUGIN_COMPILE`: 1 compiles ATOM's model with vLLM's torch.compile on any
-    platform, 0 never; unset: `default` (where vLLM captures CUDA graphs, see `model`)."""
+    """`ATOM_VLLM_PLUGIN_COMPILE`: 1 compiles ATOM's model with vLLM's torch.compile (when vLLM's
+    compilation mode compiles at all), 0 never; unset: `default` (on, see `model`)."""
     value = os.environ.get(COMPILE, "").strip().lower()
     if value in _TRUE:
         return True

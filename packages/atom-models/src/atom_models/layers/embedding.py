@@ -47,8 +47,15 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection; may share its weight with the input embedding (tied)."""
 
+    # A host may compute the projection with its own GEMM (x [T, hidden] -> [T, V / tp]): the
+    # vLLM plugin on a CPU hands it vLLM's prepacked oneDNN GEMM (atom_vllm_plugin.cpu_gemm).
+    logits_gemm = None
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = atom_kernels.linear(hidden_states, self.weight)  # [T, V / tp]
+        if self.logits_gemm is not None:
+            logits = self.logits_gemm(hidden_states)
+        else:
+            logits = atom_kernels.linear(hidden_states, self.weight)  # [T, V / tp]
         if self.tp_size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]

@@ -1,0 +1,144 @@
+"""The cpu backend against the torch reference (the oracle): paged attention and the KV-cache
+write over a grid of batches, NaN-poisoned caches and outputs, garbage past each block table."""
+
+import pytest
+import torch
+
+import atom_kernels as ak
+from atom_kernels import registry
+from atom_kernels.backends.cpu import attention as cpu_attention
+from atom_kernels.backends.cpu import cache as cpu_cache
+from atom_kernels.backends.torch import activation as torch_activation
+from atom_kernels.backends.torch import attention as ref_attention
+from atom_kernels.backends.torch import cache as ref_cache
+from atom_kernels.testing import assert_close, assert_equal
+
+FP8 = torch.float8_e4m3fn
+TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1.6e-2, 1.6e-2)}
+# (H, Hk, D, Dv, block_size)
+HEADS = [(9, 3, 64, 64, 16), (4, 1, 40, 40, 5), (3, 3, 24, 17, 7)]
+# (seq_len, q_len) per sequence
+BATCHES = {
+    "decode": [(20, 1), (1, 1), (64, 1), (37, 1), (5, 1)],
+    "mixed": [(37, 37), (20, 1), (50, 13), (9, 0), (64, 1), (33, 4), (2, 1)],
+    "prefill": [(123, 123)],
+}
+FEATURES = {
+    "causal": {},
+    "window": {"sliding_window": 8},
+    "sinks_softcap": {"sinks": True, "soft_cap": 5.0},
+}
+
+
+def make_batch(heads, seqs, dtype, cache_dtype=None, pad_rows=0, seed=0):
+    num_heads, num_kv_heads, head_dim, head_dim_v, block_size = heads
+    g = torch.Generator().manual_seed(seed)
+    cache_dtype = cache_dtype or dtype
+    blocks_per_seq = [-(-s // block_size) for s, _ in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    value_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim_v), float("nan"))
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    # Past each sequence's blocks: an id beyond the cache, then NaN-poisoned spare blocks.
+    table = torch.full((len(seqs), max(blocks_per_seq) + 2), 10_000, dtype=torch.int32)
+    table[:, -1] = perm[-1]
+    for b, (seq_len, _) in enumerate(seqs):
+        ids = [perm.pop(0) for _ in range(blocks_per_seq[b])]
+        table[b, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        flat_ids = torch.tensor(ids).repeat_interleave(block_size)[:seq_len]
+        offsets = torch.arange(seq_len) % block_size
+        key_cache[flat_ids, offsets] = torch.randn(seq_len, num_kv_heads, head_dim, generator=g)
+        value_cache[flat_ids, offsets] = torch.randn(seq_len, num_kv_heads, head_dim_v, generator=g)
+    scales = (0.05, 0.04) if cache_dtype == FP8 else (None, None)
+    if cache_dtype == FP8:
+        key_cache, value_cache = (key_cache / scales[0]).to(FP8), (value_cache / scales[1]).to(FP8)
+    else:
+        key_cache, value_cache = key_cache.to(cache_dtype), value_cache.to(cache_dtype)
+    q_lens = [q for _, q in seqs]
+    num_tokens = sum(q_lens) + pad_rows
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([s for s, _ in seqs], dtype=torch.int32)
+    sinks = torch.randn(num_heads, generator=g) * 2
+    return query, key_cache, value_cache, table, seq_lens, qsl, sinks, scales
+
+
+def run(impl, batch, features, out=None, max_query_len=None):
+    query, key_cache, value_cache, table, seq_lens, qsl, sinks, (k_scale, v_scale) = batch
+    return impl(
+        query, key_cache, value_cache, table, seq_lens, qsl, 0.125,
+        features.get("sliding_window"), sinks if features.get("sinks") else None,
+        features.get("soft_cap"), k_scale, v_scale, out, max_query_len,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("kind", list(BATCHES))
+@pytest.mark.parametrize("heads", HEADS, ids=["gqa", "mqa", "dv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_matches_reference(dtype, heads, kind, feature):
+    seqs = BATCHES[kind]
+    batch = make_batch(heads, seqs, dtype, pad_rows=2, seed=len(kind) + len(feature))
+    features = FEATURES[feature]
+    expected = run(ref_attention.paged_attention, batch, features)
+    out = torch.full_like(expected, float("nan"))
+    max_query_len = max(q for _, q in seqs)
+    got = run(cpu_attention.paged_attention, batch, features, out=out, max_query_len=max_query_len)
+    assert got is out
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(out, expected.double(), atol=atol, rtol=rtol, name=f"cpu[{kind},{feature}]")
+    assert bool((out[-2:] == 0).all()), "padding rows must be zeroed"
+
+
+@pytest.mark.parametrize("feature", ["causal", "sinks_softcap"])
+def test_paged_attention_fp8_cache_matches_reference(feature):
+    batch = make_batch(HEADS[0], BATCHES["mixed"], torch.bfloat16, cache_dtype=FP8, seed=4)
+    expected = run(ref_attention.paged_attention, batch, FEATURES[feature])
+    got = run(cpu_attention.paged_attention, batch, FEATURES[feature])
+    assert got.dtype == torch.bfloat16
+    assert_close(got, expected.double(), atol=1.6e-2, rtol=1.6e-2, name="cpu fp8")
+
+
+def test_query_longer_than_context_raises():
+    batch = list(make_batch(HEADS[0], [(4, 1), (3, 3)], torch.float32))
+    batch[4] = torch.tensor([4, 2], dtype=torch.int32)  # 3 query rows, 2 tokens cached
+    with pytest.raises(ValueError, match=r"sequence 1 has 3 query rows but seq_lens\[1\] = 2"):
+        run(cpu_attention.paged_attention, batch, {})
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, FP8])
+@pytest.mark.parametrize("strided_cache", [False, True])
+def test_reshape_and_cache_matches_reference(cache_dtype, strided_cache):
+    g = torch.Generator().manual_seed(1)
+    num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 6, 5, 3, 24, 17
+    key = torch.randn(num_tokens, num_kv_heads, 2 * head_dim, generator=g)[..., :head_dim]
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens].int()
+    slots[torch.rand(num_tokens, generator=g) < 0.25] = -1
+    scale = 0.05 if cache_dtype == FP8 else None
+    caches = []
+    for _ in range(2):
+        if strided_cache:  # K and V views of one [num_blocks, 2, ...] buffer
+            kv = torch.full((num_blocks, 2, block_size, num_kv_heads, head_dim), float("nan"))
+            kv = kv.to(cache_dtype)
+            caches.append((kv[:, 0], kv[:, 1]))
+        else:
+            shape = (num_blocks, block_size, num_kv_heads, head_dim)
+            caches.append(tuple(torch.full(shape, float("nan")).to(cache_dtype) for _ in "kv"))
+    ref_cache.reshape_and_cache(key, value, *caches[0], slots, scale, scale)
+    cpu_cache.reshape_and_cache(key, value, *caches[1], slots, scale, scale)
+    for expected, got in zip(caches[0], caches[1], strict=True):
+        # NaN == NaN for the slots neither wrote: compare the bytes.
+        assert_equal(got.view(torch.uint8), expected.view(torch.uint8), name="cache bytes")
+
+
+def test_cpu_is_the_automatic_choice_on_cpu(monkeypatch):
+    monkeypatch.delenv(registry.ENV_VAR, raising=False)
+    registry._reset_for_tests()
+    try:
+        assert ak.current_backend("cpu") == "cpu"
+        assert ak.get_op("paged_attention", "cpu") is cpu_attention.paged_attention
+        assert ak.get_op("reshape_and_cache", "cpu") is cpu_cache.reshape_and_cache
+        assert ak.get_op("silu_and_mul", "cpu") is torch_activation.silu_and_mul
+    finally:
+        registry._reset_for_tests()
