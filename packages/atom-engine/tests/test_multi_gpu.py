@@ -9,9 +9,9 @@ TP=2 against TP=1 on the same weights:
   tokens) are within BF16_LOGPROB_TOL of one GPU's (the MoE's: 99% of them, see MOE_QUANTILE), and
   one GPU's top token is in TP=2's top 5.
 
-Each test has a CPU variant (gloo, `device="cpu"`), collected with ATOM_MULTI_GPU_ON_CPU=1 and marked
-slow: a worker's start-up takes a minute or more on a loaded 2-core machine. It runs the same code
-path without GPUs (`ATOM_MULTI_GPU_ON_CPU=1 pytest --run-slow -k cpu`).
+Each test has a CPU variant (gloo, `device="cpu"`), collected with ATOM_MULTI_GPU_ON_CPU=1 and
+marked slow: a worker's start-up takes a minute or more on a loaded 2-core machine. It runs the
+same code path without GPUs (`ATOM_MULTI_GPU_ON_CPU=1 pytest --run-slow -k cpu`).
 """
 
 from __future__ import annotations
