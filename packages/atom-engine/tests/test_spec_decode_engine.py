@@ -197,7 +197,6 @@ def chi_square_p(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.special.gammaincc(df / 2, stat / 2).item()
 
 
-@pytest.mark.slow  # 100,000 sequences through the CPU reference path
 @pytest.mark.parametrize(
     "params",
     [
