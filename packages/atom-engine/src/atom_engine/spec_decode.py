@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from atom_engine.step_inputs import StepInputs
+
 logger = logging.getLogger("atom_engine")
 
 METHODS = ("ngram", "mtp")
@@ -160,6 +162,16 @@ class SpecDecodeStats:
         return total
 
 
+def draft_limit(seq, k: int, max_model_len: int) -> int:
+    """How many drafts a sequence may take after this step: none unless it is decoding (one
+    uncomputed token) without penalties (its logits would depend on every earlier draft); else at
+    most k, the positions left below max_model_len (drafts sit at len .. len + k - 1) and the
+    tokens the request may still emit after the one the verification adds."""
+    if seq.num_uncomputed_tokens != 1 or seq.params.has_penalties:
+        return 0
+    return min(k, seq.params.max_tokens - seq.num_output_tokens - 1, max_model_len - len(seq))
+
+
 class NgramDrafter:
     """Proposes each running decode's drafts by prompt lookup (`ngram_propose`) after a step,
     as many as the request may still emit; requests with penalties get none (their logits
@@ -175,16 +187,7 @@ class NgramDrafter:
         cfg = self.config
         for seq in running:
             seq.spec_token_ids = []
-            params = seq.params
-            if seq.num_uncomputed_tokens != 1 or params.has_penalties:
-                continue
-            # Drafts at positions len .. len + k - 1 (< max_model_len), and at most the tokens the
-            # request may still emit after the one the verification adds.
-            limit = min(
-                cfg.num_speculative_tokens,
-                params.max_tokens - seq.num_output_tokens - 1,
-                self.max_model_len - len(seq),
-            )
+            limit = draft_limit(seq, cfg.num_speculative_tokens, self.max_model_len)
             if limit > 0:
                 seq.spec_token_ids = ngram_propose(
                     seq.token_ids, limit, cfg.prompt_lookup_min, cfg.prompt_lookup_max
@@ -219,8 +222,6 @@ class MtpDrafter:
 
     def _propose(self, batch, step_rows: dict[int, tuple[int, int]]) -> None:
         """step_rows: seq_id -> (first row in the step's hidden states, first position)."""
-        from atom_engine.step_inputs import StepInputs
-
         inputs = StepInputs([], [], [], [], [], [], [])
         hidden_rows: list[int] = []
         drafting = []  # (sequence, how many drafts it may take)
@@ -237,13 +238,7 @@ class MtpDrafter:
             inputs.query_lens.append(valid)
             inputs.tables.append(seq.block_table)
             hidden_rows += range(row, row + valid)
-            limit = 0
-            if seq.num_uncomputed_tokens == 1 and not seq.params.has_penalties:
-                limit = min(
-                    self.config.num_speculative_tokens,
-                    seq.params.max_tokens - seq.num_output_tokens - 1,
-                    self.max_model_len - len(seq),
-                )
+            limit = draft_limit(seq, self.config.num_speculative_tokens, self.max_model_len)
             if limit > 0:
                 inputs.sample_rows.append(len(inputs.ids) - 1)
                 drafting.append((seq, limit))
