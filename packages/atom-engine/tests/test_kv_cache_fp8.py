@@ -82,11 +82,13 @@ def test_fp8_cache_holds_twice_the_tokens_of_bf16_in_the_same_memory(tiny_llama,
     assert "float8_e4m3fn" in lines[1] and "bfloat16" in lines[0]
 
 
-# NOTE: measured 1 of 5 (CPU, float32 activations, 2026-11-23): the fp8 outputs follow the fp32
-# cache's text and part at late near-ties ("... 12:12:12." against "... 12:12:53."). Under vLLM
-# the same kernels' fp8 greedy tokens were transformers' choice within 0.16 logit over 16 tokens
-# (atom-vllm-plugin tests/test_kv_cache_fp8.py). Kept as the issue's bar until it is met.
-@pytest.mark.xfail(reason="fp8 KV cache: 1 of 5 prompts equal over 32 tokens (bar: 4)")
+# NOTE: measured 3 of 5 (CPU, float32 activations, the cpu kernel backend, 2026-11-24; 1 of 5 on
+# the torch backend, 2026-11-23). The two others part from the fp32 cache's text at near-ties: the
+# fp32 run's top two tokens 0.14 and 0.05 nats apart. Rounding K and V through float8_e4m3fn into
+# an fp32 cache gives the same tokens as the fp8 cache, so the kernels add nothing to e4m3's
+# rounding (3 mantissa bits). Kept as the issue's bar until it is met; the test below checks that
+# every parting is such a near-tie.
+@pytest.mark.xfail(reason="fp8 KV cache: 3 of 5 prompts equal over 32 tokens (bar: 4); near-ties")
 def test_bundled_smollm2_greedy_tokens_match_the_fp32_cache(smollm2_llm):
     """32 greedy tokens on 5 prompts: the fp8 cache's equal the fp32 cache's on at least 4."""
     fp8_llm = LLM(dtype="float32", device="cpu", max_num_batched_tokens=256, kv_cache_dtype="fp8")
@@ -100,3 +102,28 @@ def test_bundled_smollm2_greedy_tokens_match_the_fp32_cache(smollm2_llm):
     print(f"fp8 KV cache: {sum(same)} of {len(same)} prompts give the fp32 cache's 32 tokens")
     texts = [(a.outputs[0].text, e.outputs[0].text) for a, e in zip(actual, expected, strict=True)]
     assert sum(same) >= 4, texts
+
+
+NEAR_TIE_NATS = 0.25
+
+
+def test_bundled_smollm2_fp8_cache_parts_from_the_fp32_cache_only_at_near_ties(smollm2_llm):
+    """Where the fp8 cache's 32 greedy tokens part from the fp32 cache's, the token it chose was
+    within NEAR_TIE_NATS of the fp32 run's best there: e4m3 rounding, not a wrong cache read."""
+    fp8_llm = LLM(dtype="float32", device="cpu", max_num_batched_tokens=256, kv_cache_dtype="fp8")
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=5)
+    expected = smollm2_llm.generate(PROMPTS, params, use_tqdm=False)
+    actual = fp8_llm.generate(PROMPTS, params, use_tqdm=False)
+    agreed = 0
+    for a, e in zip(actual, expected, strict=True):
+        got, want = a.outputs[0].token_ids, e.outputs[0].token_ids
+        parted = next((i for i, (x, y) in enumerate(zip(got, want, strict=True)) if x != y), None)
+        if parted is None:
+            agreed += 1
+            continue
+        assert parted > 0, "the fp8 cache changed the first token (the prefill's own K/V)"
+        top = e.outputs[0].logprobs[parted]
+        assert got[parted] in top, f"fp8 chose {got[parted]}, not in the fp32 top 5 {top}"
+        gap = top[want[parted]].logprob - top[got[parted]].logprob
+        assert 0 <= gap < NEAR_TIE_NATS, f"token {parted}: {gap:.3f} nats behind the fp32 choice"
+    assert agreed >= 2, f"only {agreed} of {len(PROMPTS)} prompts agree over 32 tokens"
