@@ -4,9 +4,11 @@ tokenizer's), 512-token prompts, 128 output tokens, at most 64 sequences running
 
     python benchmarks/eager_steps.py --requests 128 --out x.json            # as the engine runs
     python benchmarks/eager_steps.py --requests 128 --custom-op-dispatch --out y.json
+    python benchmarks/eager_steps.py --requests 128 --cudagraph-mode full_decode_only --out z.json
 
 A step's time is the wall time between two scheduled steps. "mixed" steps carry prefill tokens
-and run eagerly; "decode" steps (at least 48 sequences, no prefill) replay a CUDA graph.
+and replay piecewise CUDA graphs (eagerly with `--cudagraph-mode full_decode_only`); "decode"
+steps (at least 48 sequences, no prefill) replay a whole-forward CUDA graph.
 ``--custom-op-dispatch`` routes every Triton kernel through its torch custom op even in eager
 code (what the engine did before the registry's entries called the host code directly).
 """
@@ -31,6 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--custom-op-dispatch", action="store_true")
+    parser.add_argument("--cudagraph-mode", default="full_and_piecewise")
     parser.add_argument("--tokenizer", default=".bench_assets/tokenizer")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -42,12 +45,14 @@ def main() -> None:
 
         custom_ops.DIRECT_EAGER = False
     model = config_dir("qwen3-0.6b", args.tokenizer, "/tmp/qwen3-eager-steps")
+    started = time.perf_counter()
     engine = LLMEngine(
         EngineConfig(
             model=model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-            device="cuda", max_num_seqs=64,
+            device="cuda", max_num_seqs=64, cudagraph_mode=args.cudagraph_mode,
         )
     )  # fmt: skip
+    startup_s = time.perf_counter() - started
     gen = torch.Generator().manual_seed(0)
 
     def prompts(n):
@@ -80,6 +85,8 @@ def main() -> None:
     result = {
         "bench": "eager_steps",
         "dispatch": "custom_op" if args.custom_op_dispatch else "direct",
+        "cudagraph_mode": args.cudagraph_mode,
+        "startup_s": startup_s,
         "requests": args.requests,
         "elapsed_s": elapsed,
         "output_tok_per_s": args.requests * 128 / elapsed,

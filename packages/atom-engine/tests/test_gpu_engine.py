@@ -73,8 +73,10 @@ def generate(llm, batch, n=16):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "cuda-graphs"])
-def test_float32_greedy_matches_transformers(tiny, enforce_eager):
+@pytest.mark.parametrize("mode", ["none", "full_decode_only", "full_and_piecewise"])
+def test_float32_greedy_matches_transformers(tiny, mode):
+    """Eager, decode graphs only, and decode graphs with piecewise graphs for the steps with a
+    prefill (prompts of 1-150 tokens: steps padded to the capture ladder), prefix caching on."""
     path, hf = tiny
     batch = prompts()
     expected = [hf_greedy(hf, p, 16) for p in batch]
@@ -83,13 +85,16 @@ def test_float32_greedy_matches_transformers(tiny, enforce_eager):
         dtype="float32",
         device="cuda",
         skip_tokenizer_init=True,
-        enforce_eager=enforce_eager,
+        cudagraph_mode=mode,
         block_size=16,
         max_num_batched_tokens=256,
     )
+    runner = llm.engine.runner
     assert generate(llm, batch) == expected
-    if not enforce_eager:
-        assert llm.engine.runner.graphs is not None
+    assert (runner.graphs is not None) == (mode != "none")
+    assert (runner.pieces is not None) == (mode == "full_and_piecewise")
+    if runner.pieces is not None:
+        assert runner.pieces.replays > 0 and runner.pieces.sizes[-1] == 256
     # Prefix caching: the second pass hits the cache and decodes the same tokens.
     hits = llm.engine.block_manager.num_hit_tokens
     assert generate(llm, batch) == expected
@@ -110,6 +115,7 @@ def test_preemption_on_gpu(tiny):
     )
     assert generate(llm, batch) == expected
     assert llm.engine.stats().num_preemptions > 0
+    assert llm.engine.runner.pieces.replays > 0  # the recomputed prompts' steps too
 
 
 @torch.no_grad()
@@ -145,3 +151,37 @@ def test_kv_cache_sized_from_gpu_memory(tiny):
     free, total = torch.cuda.mem_get_info()
     cache_bytes = runner.num_blocks * runner._block_bytes()
     assert 0.1 * total < cache_bytes < 0.3 * total
+
+
+@torch.no_grad()
+def test_piecewise_prompt_logprobs_and_async_placeholders_match_eager(tiny):
+    """Steps through the piecewise graphs against eager ones: the same prompt log-probs (read
+    from every row of a prefill's hidden states) and, with async scheduling, the same sampled
+    tokens where a running sequence's input id is the previous launch's sampled id."""
+    path, _ = tiny
+    batch = prompts(8)
+    results = {}
+    for mode in ("none", "full_and_piecewise"):
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            device="cuda",
+            skip_tokenizer_init=True,
+            cudagraph_mode=mode,
+            max_num_batched_tokens=512,
+            **SMALL,
+        )
+        plain = generate(llm, batch, n=24)  # async launches: placeholders in mixed steps
+        params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        results[mode] = (plain, [o.prompt_logprobs for o in outs])
+        if mode != "none":
+            assert llm.engine.runner.pieces.replays > 0
+        del llm
+        gc.collect()
+    (eager_tokens, eager_lp), (piece_tokens, piece_lp) = results.values()
+    assert piece_tokens == eager_tokens
+    for ref, got in zip(eager_lp, piece_lp, strict=True):
+        for r, g in zip(ref[1:], got[1:], strict=True):
+            for tid in r:
+                assert abs(r[tid].logprob - g[tid].logprob) < 1e-4

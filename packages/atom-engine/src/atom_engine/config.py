@@ -17,6 +17,7 @@ from atom_engine.spec_decode import SpeculativeConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KV-cache dtypes besides "auto" (the model's dtype); fp8 caches carry per-tensor scales.
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only", "none")
 
 
 def _help(text: str) -> dict:
@@ -115,6 +116,15 @@ class EngineConfig:
     )
     seed: int = field(default=0, metadata=_help("seed of the engine's random sampling"))
     enforce_eager: bool = field(default=False, metadata=_help("never capture CUDA graphs"))
+    cudagraph_mode: str = field(
+        default="full_and_piecewise",
+        metadata=_help(
+            "CUDA graphs, as vLLM names the modes: full_and_piecewise (decode steps replay a "
+            "whole-forward graph; steps with a prefill replay the forward in pieces cut at the "
+            "attention layers, which run eagerly), full_decode_only (steps with a prefill run "
+            "eagerly) or none (as --enforce-eager)"
+        ),
+    )
     async_scheduling: bool | None = field(
         default=None,
         metadata=_help(
@@ -197,6 +207,8 @@ class EngineConfig:
             fail("cpu_kv_cache_space", "must be > 0 GiB")
         if self.load_format not in ("auto", "dummy"):
             fail("load_format", "must be auto or dummy")
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            fail("cudagraph_mode", f"must be one of {', '.join(CUDAGRAPH_MODES)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             fail("num_kv_blocks", "must be >= 1")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -104,6 +104,7 @@ class DecodeGraphs:
                     out = self._forward(bs)
             pool = graph.pool()
             self.graphs[bs] = (graph, out)
+        self.pool = pool  # the piecewise graphs share it
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 

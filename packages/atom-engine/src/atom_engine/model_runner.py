@@ -29,6 +29,7 @@ import atom_kernels
 from atom_engine.config import EngineConfig
 from atom_engine.cpu_threads import set_cpu_threads
 from atom_engine.cuda_graphs import DecodeGraphs
+from atom_engine.piecewise_graphs import PiecewiseGraphs
 from atom_engine.sampler import Sampler, TopLogprobs, to_device
 from atom_engine.scheduler import ScheduledBatch
 from atom_engine.sequence import PLACEHOLDER, Sequence
@@ -126,6 +127,9 @@ class ModelRunner:
         # while the previous launch's is read). In the graphs' token buffer when there are graphs.
         max_sampled = max(1, config.max_num_seqs)
         self.graphs = DecodeGraphs(self, max_sampled) if self._use_graphs() else None
+        self.pieces = None  # the piecewise graphs of the steps with a prefill
+        if self.graphs is not None and config.cudagraph_mode == "full_and_piecewise":
+            self.pieces = PiecewiseGraphs(self, config.max_num_batched_tokens, self.graphs.pool)
         if self.graphs is not None:
             self.sampled = self.graphs.sampled
         else:
@@ -175,7 +179,12 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def _use_graphs(self) -> bool:
-        return self.device.type == "cuda" and not self.config.enforce_eager
+        config = self.config
+        return (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and (config.cudagraph_mode != "none")
+        )
 
     # -- KV-cache sizing ----------------------------------------------------------------------
 
@@ -274,6 +283,8 @@ class ModelRunner:
         md = PagedAttentionMetadata.build(
             inputs.seq_lens, inputs.query_lens, inputs.tables, self.block_size, self.device
         )
+        if self.pieces is not None and self.pieces.fits(len(inputs.ids)):
+            return self.pieces.run(inputs.ids, positions, inputs.gathers, self.sampled, md)
         input_ids = to_device(inputs.ids, torch.long, self.device)
         if inputs.gathers:
             rows, src = zip(*inputs.gathers, strict=True)

@@ -12,7 +12,8 @@ per-tensor `k_scale` / `v_scale` (1.0, or the checkpoint's, handed over by `set_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,11 +84,34 @@ class PagedAttentionMetadata:
         )
 
 
+# fn(layer, args) -> the layer's output, called instead of every native cache layer while set
+AttentionInterceptor = Callable[["NativeCacheLayer", tuple], torch.Tensor]
+_interceptor: AttentionInterceptor | None = None
+
+
+@contextlib.contextmanager
+def intercept_attention(fn: AttentionInterceptor) -> Iterator[None]:
+    """Inside this block a call of any native cache layer goes to `fn(layer, args)` instead of
+    the layer's forward. The engine's piecewise CUDA graphs end a captured piece there: the
+    layer's inputs are per-token tensors (dim 0: the step's tokens) and its output is one too."""
+    global _interceptor
+    previous, _interceptor = _interceptor, fn
+    try:
+        yield
+    finally:
+        _interceptor = previous
+
+
 class NativeCacheLayer(nn.Module):
     """A native attention layer that owns a paged cache (`spec.layer_idx` orders them)."""
 
     spec: AttentionSpec | MLAAttentionSpec
     kv_scales: dict[str, float]  # "k" / "v" -> per-tensor fp8 cache scale
+
+    def __call__(self, *args: torch.Tensor | None) -> torch.Tensor:
+        if _interceptor is not None:
+            return _interceptor(self, args)
+        return super().__call__(*args)
 
     def set_kv_scale(self, which: str, value: float) -> None:
         """The checkpoint's per-tensor scale of the K ("k") or V ("v") cache."""
