@@ -15,7 +15,6 @@ from atom_engine.cli.main import build_parser
 from atom_engine.piecewise_graphs import capture_sizes
 from atom_models import load_model, set_forward_context
 from atom_models.native_attention import (
-    NativeAttention,
     PagedAttentionMetadata,
     bind_kv_cache,
     intercept_attention,
@@ -63,7 +62,7 @@ def test_intercept_attention_sees_every_layer_in_order_with_per_token_tensors(tm
 
     def record(layer, args):
         calls.append((layer.spec.layer_idx, [a.shape[0] for a in args if a is not None]))
-        return NativeAttention.forward(layer, *args)
+        return layer.attend(*args)
 
     with set_forward_context(md), intercept_attention(record):
         got = model(ids, torch.arange(20))

@@ -80,7 +80,7 @@ class _Attention:
 
     def run(self, num_tokens: int) -> None:
         args = (a[:num_tokens] if p else a for a, p in zip(self.args, self.per_token, strict=True))
-        self.out[:num_tokens].copy_(self.layer(*args))
+        self.out[:num_tokens].copy_(self.layer.attend(*args))
 
 
 @dataclass
@@ -146,7 +146,7 @@ class PiecewiseGraphs:
         each attention layer's output width."""
 
         def attend(layer: NativeCacheLayer, args: tuple) -> torch.Tensor:
-            out = layer(*args)
+            out = layer.attend(*args)
             self._widths[id(layer)] = (out.shape[1], out.dtype)
             buf = self._buffer(layer, size)
             buf.copy_(out)

@@ -92,8 +92,9 @@ _interceptor: AttentionInterceptor | None = None
 @contextlib.contextmanager
 def intercept_attention(fn: AttentionInterceptor) -> Iterator[None]:
     """Inside this block a call of any native cache layer goes to `fn(layer, args)` instead of
-    the layer's forward. The engine's piecewise CUDA graphs end a captured piece there: the
-    layer's inputs are per-token tensors (dim 0: the step's tokens) and its output is one too."""
+    the layer's forward (which `fn` may run: `layer.attend(*args)`). The engine's piecewise CUDA
+    graphs end a captured piece there: the layer's inputs are per-token tensors (dim 0: the
+    step's tokens) and its output is one too."""
     global _interceptor
     previous, _interceptor = _interceptor, fn
     try:
@@ -111,6 +112,10 @@ class NativeCacheLayer(nn.Module):
     def __call__(self, *args: torch.Tensor | None) -> torch.Tensor:
         if _interceptor is not None:
             return _interceptor(self, args)
+        return super().__call__(*args)
+
+    def attend(self, *args: torch.Tensor | None) -> torch.Tensor:
+        """The layer's own forward, also inside `intercept_attention` (for the interceptor)."""
         return super().__call__(*args)
 
     def set_kv_scale(self, which: str, value: float) -> None:
