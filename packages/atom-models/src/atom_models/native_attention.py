@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -56,7 +57,6 @@ class PagedAttentionMetadata:
             raise ValueError(
                 "seq_lens, query_lens and block_tables must have one entry per sequence"
             )
-        slots: list[int] = []
         for seq_len, query_len, table in zip(seq_lens, query_lens, block_tables, strict=True):
             if not 0 < query_len <= seq_len:
                 raise ValueError(f"query length {query_len} must be in 1..seq_len={seq_len}")
@@ -65,18 +65,26 @@ class PagedAttentionMetadata:
                     f"block table of {len(table)} blocks cannot hold {seq_len} tokens "
                     f"with block_size={block_size}"
                 )
-            for pos in range(seq_len - query_len, seq_len):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
         width = max(len(t) for t in block_tables)
-        tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
-        starts = [0]
-        for query_len in query_lens:
-            starts.append(starts[-1] + query_len)
+        tables = np.zeros((len(block_tables), width), dtype=np.int32)
+        for row, table in zip(tables, block_tables, strict=True):
+            row[: len(table)] = table
+        # Every new token's slot, without a Python loop over tokens (a 2,048-token prefill).
+        lens = np.asarray(query_lens, dtype=np.int64)
+        starts = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=starts[1:])
+        seq_of = np.repeat(np.arange(len(lens)), lens)
+        pos = np.arange(starts[-1]) - starts[seq_of] + np.repeat(np.asarray(seq_lens) - lens, lens)
+        slots = tables[seq_of, pos // block_size].astype(np.int64) * block_size + pos % block_size
+
+        def tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(values).to(device=device, dtype=dtype)
+
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            slot_mapping=tensor(slots, torch.int64),
+            block_tables=tensor(tables, torch.int32),
+            seq_lens=tensor(np.asarray(seq_lens, dtype=np.int32), torch.int32),
+            query_start_loc=tensor(starts.astype(np.int32), torch.int32),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=list(query_lens),
