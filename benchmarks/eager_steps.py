@@ -34,6 +34,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--custom-op-dispatch", action="store_true")
     parser.add_argument("--cudagraph-mode", default="full_and_piecewise")
+    parser.add_argument(
+        "--profile-host", metavar="FILE", help="cProfile the timed steps; top functions to FILE"
+    )
     parser.add_argument("--tokenizer", default=".bench_assets/tokenizer")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -68,12 +71,28 @@ def main() -> None:
     for i, p in enumerate(prompts(args.requests)):
         engine.add_request(str(i), p, params)
     torch.cuda.synchronize()
+    profiler = None
+    if args.profile_host:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     start, steps = time.perf_counter(), 0
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(60)
+        Path(args.profile_host).write_text(text.getvalue())
     # (wall time to the next step, prefill tokens, sequences) per scheduled step
     times = recorder.times
     walls = [

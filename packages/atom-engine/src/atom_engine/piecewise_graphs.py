@@ -79,8 +79,11 @@ class _Attention:
     out: torch.Tensor
 
     def run(self, num_tokens: int) -> None:
-        args = (a[:num_tokens] if p else a for a, p in zip(self.args, self.per_token, strict=True))
-        self.out[:num_tokens].copy_(self.layer.attend(*args))
+        args = [a[:num_tokens] if p else a for a, p in zip(self.args, self.per_token, strict=True)]
+        if getattr(self.layer, "writes_out", False):
+            self.layer.attend(*args, self.out[:num_tokens])
+        else:
+            self.out[:num_tokens].copy_(self.layer.attend(*args))
 
 
 @dataclass

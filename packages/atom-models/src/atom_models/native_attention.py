@@ -148,6 +148,8 @@ class NativeCacheLayer(nn.Module):
 
 
 class NativeAttention(NativeCacheLayer):
+    writes_out = True  # forward(..., out=) writes its result there
+
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__()
         self.spec = spec
@@ -173,8 +175,14 @@ class NativeAttention(NativeCacheLayer):
         self.k_cache = self.v_cache = None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The layer's attention [T, H * Dv], written into `out` ([T, H * Dv]) when given."""
         # T = tokens, H = query heads, Hk = KV heads, D = head size
         md = get_forward_context().attn_metadata
         if not isinstance(md, PagedAttentionMetadata):
@@ -207,6 +215,7 @@ class NativeAttention(NativeCacheLayer):
             k_scale=self.k_scale,
             v_scale=self.v_scale,
             max_query_len=md.max_query_len,
+            out=None if out is None else out.view(num_tokens, spec.num_heads, -1),
         )
         return out.reshape(num_tokens, -1)
 
