@@ -363,6 +363,7 @@ def bench_throughput(args) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=4096,
+        cudagraph_mode=args.cudagraph_mode,
     )
     # Warm-up (Triton autotuning, allocator).
     engine.add_request("warm", prompts[0][:64], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -402,6 +403,7 @@ def bench_throughput(args) -> dict:
         "bench": "throughput",
         "shape": args.shape,
         "workload": args.workload,
+        "cudagraph_mode": args.cudagraph_mode,
         "num_prompts": args.num_prompts,
         "elapsed_s": elapsed,
         "steps": steps,
@@ -479,6 +481,7 @@ def main() -> None:
     t.add_argument("--num-prompts", type=int, default=256)
     t.add_argument("--max-num-seqs", type=int, default=256)
     t.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    t.add_argument("--cudagraph-mode", default="full_and_piecewise")
     h = sub.add_parser("hf", help="transformers generate alone (throughput runs it in a child)")
     h.add_argument("--shape", choices=sorted(SHAPES), required=True)
     h.add_argument("--workload", choices=["nanovllm", "512x256", "512x128"], required=True)
