@@ -1,5 +1,6 @@
 """Tensor-parallel shard math on CPU: two real ranks over a gloo process group (dense models, and
-MoE models with experts split along their intermediate dim and sinks split by head)."""
+MoE models with experts split along their intermediate dim and sinks split by head; attention
+heads that do not split over the ranks, padded with zero heads)."""
 
 from __future__ import annotations
 
@@ -138,6 +139,61 @@ def free_port() -> int:
     ids=["llama-kv-split", "qwen3-kv-replicated", "glm4_moe", "gpt_oss", "deepseek_v3"],
 )
 def test_tp2_matches_tp1(config, make_checkpoint, paged_session, tmp_path):
+    path, _ = make_checkpoint(config)
+    run_tp2_and_compare(path, paged_session, tmp_path)
+
+
+PADDED_BASE = dict(  # transformers wants the hidden size a multiple of the heads
+    vocab_size=211,
+    hidden_size=144,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+
+
+# Heads that do not split over 2 ranks, padded with zero heads (rank 1 holds the dummies).
+# Each case is two more rank processes (~30-100 s on a busy 2-core machine): one in the default
+# suite; the zeroing of each padded shard is also checked in process by test_head_padding.py.
+@pytest.mark.parametrize(
+    "config",
+    [
+        # SmolLM2's 9 heads / 3 KV heads -> 12 / 4; qkv and o_proj biases.
+        LlamaConfig(
+            **PADDED_BASE, num_attention_heads=9, num_key_value_heads=3, attention_bias=True
+        ),
+        # MHA: 3 heads -> 4.
+        pytest.param(
+            LlamaConfig(**PADDED_BASE, num_attention_heads=3, num_key_value_heads=3),
+            marks=pytest.mark.slow,
+        ),
+        # 6 heads / 3 KV heads -> 8 / 4, with Qwen3's per-head q/k norms.
+        pytest.param(
+            Qwen3Config(**PADDED_BASE, num_attention_heads=6, num_key_value_heads=3),
+            marks=pytest.mark.slow,
+        ),
+        # Sinks of the dummy heads (zero); qkv biases.
+        pytest.param(
+            GptOssConfig(
+                **{
+                    **MOE_BASE,
+                    "hidden_size": 96,
+                    "num_attention_heads": 6,
+                    "num_key_value_heads": 3,
+                },
+                intermediate_size=32,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                sliding_window=4,
+            ),
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["llama-gqa-9-3", "llama-mha-3", "qwen3-6-3", "gpt_oss-6-3"],
+)
+def test_tp2_padded_heads_match_tp1(config, make_checkpoint, paged_session, tmp_path):
     path, _ = make_checkpoint(config)
     run_tp2_and_compare(path, paged_session, tmp_path)
 
@@ -287,11 +343,23 @@ QUANTIZED = {
         _fp8_tensor,
         lambda n, t: n.endswith("_proj.weight"),
     ),
+    # Block FP8 over padded heads (9 / 3 -> 12 / 4): rank 1's o_proj columns end in a partial
+    # block of the checkpoint's grid (144 = 4.5 x 32), filled up by zero columns.
+    "llama-padded-fp8-block": (
+        lambda: LlamaConfig(
+            **{**PADDED_BASE, "intermediate_size": 128},
+            num_attention_heads=9,
+            num_key_value_heads=3,
+        ),
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 32]},
+        _block_fp8((16, 32)),
+        lambda n, t: n.endswith("_proj.weight"),
+    ),
 }
 
 
 # Two more rank processes each (~30-100 s on a busy 2-core machine): one in the default suite.
-SLOW_QUANTIZED = ("gpt-oss-mxfp4", "llama-fp8-tensor")
+SLOW_QUANTIZED = ("gpt-oss-mxfp4", "llama-fp8-tensor", "llama-padded-fp8-block")
 
 
 @pytest.mark.parametrize(

@@ -41,33 +41,38 @@ def main() -> None:
         rank=args.rank,
         world_size=args.world_size,
     )
-    tp = TPGroup(dist.group.WORLD)
+    # Heads that do not split over the ranks are padded with zero heads (as the engine's group).
+    tp = TPGroup(dist.group.WORLD, pad_attention_heads=True)
     model = load_model(args.checkpoint, dtype=torch.float32, tp=tp)
     full = dict(iter_safetensors(args.checkpoint))
     attn = model.model.layers[0].self_attn
     if hasattr(attn, "qkv_proj"):
+        # This rank's q heads: the checkpoint's rows src..src+rows, then zero (dummy) heads.
+        _, src, rows, _ = attn.qkv_proj.row_plan("q")
         heads = attn.qkv_proj.num_heads * attn.qkv_proj.head_size
-        q_rows = full["model.layers.0.self_attn.q_proj.weight"][
-            args.rank * heads : (args.rank + 1) * heads
-        ]
-        assert same(attn.qkv_proj.weight[:heads], q_rows), "q shard is not this rank's"
+        q_rows = full["model.layers.0.self_attn.q_proj.weight"][src : src + rows]
+        assert same(attn.qkv_proj.weight[:rows], q_rows), "q shard is not this rank's"
+        assert not attn.qkv_proj.weight[rows:heads].float().any(), "dummy q heads are not zero"
         scale = getattr(attn.qkv_proj, "weight_scale_inv", None)
         if scale is not None:  # block FP8: the scale grid's rows split with the weight's
-            rows = heads // scale.block[0]
+            bn = scale.block[0]
             q_scale = full["model.layers.0.self_attn.q_proj.weight_scale_inv"]
-            assert same(scale[:rows], q_scale[args.rank * rows : (args.rank + 1) * rows])
+            n = -(-rows // bn)
+            assert same(scale[:n], q_scale[src // bn : src // bn + n])
     else:  # MLA: kv_b_proj split by heads
         rows = attn.kv_b_proj.weight.shape[0]
         kv_b = full["model.layers.0.self_attn.kv_b_proj.weight"]
         assert torch.equal(attn.kv_b_proj.weight, kv_b[args.rank * rows : (args.rank + 1) * rows])
-    o_cols = attn.o_proj.weight.shape[1]
+    o_src, o_cols, _ = attn.o_proj.col_plan()
     o_full = full["model.layers.0.self_attn.o_proj.weight"]
-    assert same(attn.o_proj.weight, o_full[:, args.rank * o_cols : (args.rank + 1) * o_cols])
+    assert same(attn.o_proj.weight[:, :o_cols], o_full[:, o_src : o_src + o_cols])
+    assert not attn.o_proj.weight[:, o_cols:].float().any(), "dummy heads' o_proj is not zero"
     scale = getattr(attn.o_proj, "weight_scale_inv", None)
     if scale is not None:  # block FP8: the scale grid's columns split with the weight's
-        cols = o_cols // scale.block[1]
+        bk = scale.block[1]
         o_scale = full["model.layers.0.self_attn.o_proj.weight_scale_inv"]
-        assert same(scale, o_scale[:, args.rank * cols : (args.rank + 1) * cols])
+        n = -(-o_cols // bk)
+        assert same(scale[:, :n], o_scale[:, o_src // bk : o_src // bk + n])
 
     batch = torch.load(args.prompts)
     block_size, tables, next_block = 4, [], 0

@@ -15,6 +15,12 @@ says how its rows and columns relate to the weight's:
     "block_scale"    one value per [bn, bk] weight block (`param.block`)
     "channel_scale"  one value per output row
     "tensor_scale"   one value per checkpoint tensor (one per shard of a packed layer)
+
+Attention heads that do not split over the ranks may be padded with zero "dummy" heads
+(`atom_models.distributed.padded_attention_heads`): then a rank's rows (QKV) or columns (o_proj)
+of a checkpoint tensor are followed by `row_padding` / `col_padding` rows / columns that the
+checkpoint lacks; the loader zeroes them (weights, biases and scales alike), so a dummy head
+projects to zeros and its o_proj columns add nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from atom_models.distributed import divide, get_tp_group
+from atom_models.distributed import divide, get_tp_group, padded_attention_heads
 
 
 def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
@@ -88,6 +94,14 @@ class LinearBase(nn.Module):
         """(offset in the checkpoint tensor's columns, columns, columns of the whole tensor)."""
         return 0, self.input_size, self.input_size
 
+    def row_padding(self, shard_id) -> int:
+        """Zero rows (dummy heads) following this rank's rows of the tensor of `shard_id`."""
+        return 0
+
+    def col_padding(self) -> int:
+        """Zero columns (dummy heads) following this rank's columns of the checkpoint tensor."""
+        return 0
+
     # -- loading -------------------------------------------------------------------------------
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -103,12 +117,15 @@ class LinearBase(nn.Module):
             param.data[ids.index(shard_id) if shard_id in ids else 0] = loaded.reshape(())
             return
         dst, src, rows, full_rows = self.row_plan(shard_id)
+        pad_rows = self.row_padding(shard_id)
         row_div, col_div = getattr(param, "block", (1, 1)) if kind == "block_scale" else (1, 1)
         if kind == "weight" and param.dim() == 2:
             col_div = getattr(param, "packing", 1)
+        rows_end = _cdiv(dst + rows + pad_rows, row_div)  # this shard's rows end, padding too
         dst, src, rows, full_rows = self._in_units(
-            (dst, src, rows, full_rows), row_div, param.shape[0], f"{what} rows"
+            (dst, src, rows, full_rows), row_div, param.shape[0], f"{what} rows", pad_rows
         )
+        param.data[dst + rows : rows_end].zero_()  # dummy heads (a partial unit is loaded)
         if param.dim() == 1 or kind == "channel_scale":  # bias or per-channel scale
             if kind == "channel_scale" and loaded.dim() == 2 and loaded.shape[1] == 1:
                 loaded = loaded.reshape(-1)
@@ -116,26 +133,30 @@ class LinearBase(nn.Module):
             param.data.narrow(0, dst, rows).copy_(loaded.narrow(0, src, rows))
             return
         col_src, cols, full_cols = self.col_plan()
+        pad_cols = self.col_padding()
+        cols_end = _cdiv(cols + pad_cols, col_div)
         _, col_src, cols, full_cols = self._in_units(
-            (0, col_src, cols, full_cols), col_div, param.shape[1], f"{what} columns"
+            (0, col_src, cols, full_cols), col_div, param.shape[1], f"{what} columns", pad_cols
         )
         _check_shape(loaded, (full_rows, full_cols), what)
         piece = loaded.narrow(0, src, rows).narrow(1, col_src, cols)
-        param.data.narrow(0, dst, rows).copy_(piece)
+        mine = param.data.narrow(0, dst, rows)
+        mine.narrow(1, 0, cols).copy_(piece)
+        mine[:, cols:cols_end].zero_()
 
     @staticmethod
-    def _in_units(plan: tuple[int, int, int, int], div: int, local: int, what: str):
+    def _in_units(
+        plan: tuple[int, int, int, int], div: int, local: int, what: str, padding: int = 0
+    ):
         """A (dst, src, count, full) plan in weight rows/columns -> in units of `div` of them
-        (weight blocks, packed values). Only a tensor's last unit may be partial."""
+        (weight blocks, packed values). Only a tensor's last unit may be partial, and only where
+        it ends this rank's part of the layer or zero `padding` rows/columns fill it up."""
         dst, src, count, full = plan
         if div == 1:
             return plan
         partial = count % div != 0
-        if (
-            dst % div
-            or src % div
-            or (partial and (src + count != full or _cdiv(dst + count, div) != local))
-        ):
+        filled = _cdiv(dst + count, div) == local or count % div + padding >= div
+        if dst % div or src % div or (partial and (src + count != full or not filled)):
             raise ValueError(
                 f"{what}: this rank's slice (rows/columns {src}..{src + count} of {full}, at "
                 f"{dst}) does not fall on the quantization blocks of {div}; the tensor-parallel "
@@ -188,7 +209,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections packed into one weight, split by heads across ranks.
 
-    With more ranks than KV heads, each KV head is replicated on tp_size / total_num_kv_heads ranks.
+    With more ranks than KV heads, each KV head is replicated on tp_size / num KV heads ranks. Over
+    a group with `pad_attention_heads`, heads that do not split are padded with zero heads
+    (`padded_attention_heads`: `num_dummy_heads` query and `num_dummy_kv_heads` KV heads after
+    the checkpoint's), which the model's o_proj must take as zero input columns.
     """
 
     def __init__(
@@ -199,14 +223,21 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_kv_heads: int,
         bias: bool = False,
     ) -> None:
-        tp_size = get_tp_group().size
+        tp = get_tp_group()
+        tp_size = tp.size
         self.head_size = head_size
-        self.num_heads = divide(total_num_heads, tp_size, "number of attention heads")
-        if tp_size >= total_num_kv_heads:
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
+        num_heads, num_kv_heads = total_num_heads, total_num_kv_heads
+        if getattr(tp, "pad_attention_heads", False):
+            num_heads, num_kv_heads = padded_attention_heads(num_heads, num_kv_heads, tp_size)
+        self.num_dummy_heads = num_heads - total_num_heads
+        self.num_dummy_kv_heads = num_kv_heads - total_num_kv_heads
+        self.num_heads = divide(num_heads, tp_size, "number of attention heads")
+        if tp_size >= num_kv_heads:
             self.num_kv_heads = 1
-            self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads, "tp size")
+            self.num_kv_head_replicas = divide(tp_size, num_kv_heads, "tp size")
         else:
-            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "number of KV heads")
+            self.num_kv_heads = divide(num_kv_heads, tp_size, "number of KV heads")
             self.num_kv_head_replicas = 1
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_size
         super().__init__(hidden_size, output_size * tp_size, bias)
@@ -214,17 +245,25 @@ class QKVParallelLinear(ColumnParallelLinear):
         if bias:
             self.bias.shard_ids = ["q", "k", "v"]
 
-    def row_plan(self, shard_id) -> tuple[int, int, int, int]:
+    def _shard(self, shard_id) -> tuple[int, int, int, int]:
+        """(offset in this rank's rows, offset in the padded tensor, rows, checkpoint rows)."""
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
-        total_kv_heads = self.num_kv_heads * self.tp_size // self.num_kv_head_replicas
         if shard_id == "q":
-            return 0, self.tp_rank * q_size, q_size, q_size * self.tp_size
+            return 0, self.tp_rank * q_size, q_size, self.total_num_heads * self.head_size
         if shard_id in ("k", "v"):
             offset = q_size if shard_id == "k" else q_size + kv_size
             index = self.tp_rank // self.num_kv_head_replicas
-            return offset, index * kv_size, kv_size, total_kv_heads * self.head_size
+            return offset, index * kv_size, kv_size, self.total_num_kv_heads * self.head_size
         raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', got {shard_id!r}")
+
+    def row_plan(self, shard_id) -> tuple[int, int, int, int]:
+        dst, start, size, full = self._shard(shard_id)
+        rows = max(0, min(size, full - start))  # the dummy heads come after the checkpoint's
+        return dst, start if rows else 0, rows, full
+
+    def row_padding(self, shard_id) -> int:
+        return self._shard(shard_id)[2] - self.row_plan(shard_id)[2]
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q_size = self.num_heads * self.head_size
@@ -236,14 +275,27 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are summed with an all-reduce."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        reduce_results: bool = True,
+        input_padding: int = 0,
     ) -> None:
-        super().__init__(divide(input_size, get_tp_group().size), output_size, bias)
+        """`input_padding`: zero input features after the checkpoint's `input_size` (the o_proj
+        columns of dummy attention heads, `QKVParallelLinear.num_dummy_heads` x head size)."""
+        self.total_input_size = input_size
+        size = divide(input_size + input_padding, get_tp_group().size)
+        super().__init__(size, output_size, bias)
         self.reduce_results = reduce_results
 
     def col_plan(self) -> tuple[int, int, int]:
-        size = self.input_size
-        return self.tp_rank * size, size, size * self.tp_size
+        start, size = self.tp_rank * self.input_size, self.input_size
+        cols = max(0, min(size, self.total_input_size - start))
+        return start if cols else 0, cols, self.total_input_size
+
+    def col_padding(self) -> int:
+        return self.input_size - self.col_plan()[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction (rank 0 only, then summed).

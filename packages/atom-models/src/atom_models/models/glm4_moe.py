@@ -37,7 +37,10 @@ class Glm4MoeAttention(nn.Module):
             bias=config.attention_bias,
         )
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * head_dim, config.hidden_size, bias=False
+            config.num_attention_heads * head_dim,
+            config.hidden_size,
+            bias=False,
+            input_padding=self.qkv_proj.num_dummy_heads * head_dim,
         )
         if getattr(config, "use_qk_norm", False):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)

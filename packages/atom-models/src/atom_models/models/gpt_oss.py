@@ -33,9 +33,12 @@ class GptOssAttention(nn.Module):
             bias=config.attention_bias,
         )
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * head_dim, config.hidden_size, bias=config.attention_bias
+            config.num_attention_heads * head_dim,
+            config.hidden_size,
+            bias=config.attention_bias,
+            input_padding=self.qkv_proj.num_dummy_heads * head_dim,
         )
-        # One sink logit per query head, split across ranks with the heads.
+        # One sink logit per query head, split across ranks with the heads (0 for dummy heads).
         self.sinks = nn.Parameter(torch.empty(self.qkv_proj.num_heads), requires_grad=False)
         self.sinks.weight_loader = self.sinks_loader
         base, scaling = rope_parameters(config)
@@ -51,13 +54,15 @@ class GptOssAttention(nn.Module):
         )
 
     def sinks_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        num_heads, tp_rank = param.shape[0], self.qkv_proj.tp_rank
-        expected = (num_heads * self.qkv_proj.tp_size,)
+        num_heads, start = param.shape[0], self.qkv_proj.tp_rank * param.shape[0]
+        expected = (self.qkv_proj.total_num_heads,)
         if tuple(loaded.shape) != expected:
             raise ValueError(
                 f"sinks: checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected}"
             )
-        param.data.copy_(loaded.narrow(0, tp_rank * num_heads, num_heads))
+        real = max(0, min(num_heads, expected[0] - start))  # dummy heads come last
+        param.data.zero_()
+        param.data[:real] = loaded[start : start + real]
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))

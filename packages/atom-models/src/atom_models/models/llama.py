@@ -64,7 +64,10 @@ class LlamaAttention(nn.Module):
             bias=bias,
         )
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * head_dim, config.hidden_size, bias=bias
+            config.num_attention_heads * head_dim,
+            config.hidden_size,
+            bias=bias,
+            input_padding=self.qkv_proj.num_dummy_heads * head_dim,
         )
         base, scaling = rope_parameters(config)
         self.rotary_emb = get_rope(

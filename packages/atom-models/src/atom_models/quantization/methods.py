@@ -94,10 +94,18 @@ class Fp8LinearMethod:
         bn, bk = scale.block
         for shard_id in getattr(scale, "shard_ids", [None]):
             layer._in_units(
-                layer.row_plan(shard_id), bn, scale.shape[0], f"{type(layer).__name__} rows"
+                layer.row_plan(shard_id),
+                bn,
+                scale.shape[0],
+                f"{type(layer).__name__} rows",
+                layer.row_padding(shard_id),
             )
         layer._in_units(
-            (0, *layer.col_plan()), bk, scale.shape[1], f"{type(layer).__name__} columns"
+            (0, *layer.col_plan()),
+            bk,
+            scale.shape[1],
+            f"{type(layer).__name__} columns",
+            layer.col_padding(),
         )
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
@@ -110,6 +118,7 @@ class Fp8LinearMethod:
             shard_ids = getattr(layer.weight_scale, "shard_ids", [None])
             for i, shard_id in enumerate(shard_ids):
                 dst, _, count, _ = layer.row_plan(shard_id)
+                count += layer.row_padding(shard_id)  # dummy heads: zero weights, any scale
                 rows.narrow(0, dst, count).fill_(scale[i])
             _replace(layer, "weight_scale", rows)
         if self.scheme.static_input_scale:
