@@ -1,10 +1,12 @@
 """The engine over several ranks on the CPU (gloo, 2 processes): `tensor_parallel_size=2` gives
 the greedy tokens of one rank, with prefix caching and preemption; expert parallelism too; a dead
-worker fails the engine naming its rank; invalid splits fail at start naming the numbers; and no
+worker fails the engine naming its rank; invalid splits fail at start naming the numbers; attention
+heads that do not split are padded with zero heads (the bundled SmolLM2 over 2 ranks); and no
 process is left behind (the last test)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -144,12 +146,11 @@ class _Config:  # only the fields check_parallel reads
 @pytest.mark.parametrize(
     ("fields", "args", "message"),
     [
-        (dict(num_attention_heads=9, num_key_value_heads=3), dict(tensor_parallel_size=2),
+        # MLA (DeepSeek-V3): heads are never padded.
+        (dict(num_attention_heads=9, kv_lora_rank=32), dict(tensor_parallel_size=2),
          "tensor_parallel_size 2 does not divide the model's number of attention heads 9"),
         (dict(num_attention_heads=8, num_key_value_heads=3), dict(tensor_parallel_size=4),
-         "tensor_parallel_size 4 is not a multiple of the model's 3 KV heads"),
-        (dict(num_attention_heads=8, num_key_value_heads=6), dict(tensor_parallel_size=4),
-         "tensor_parallel_size 4 does not divide the model's number of KV heads 6"),
+         "the model's 8 attention heads are not a multiple of its 3 KV heads"),
         (dict(num_attention_heads=8, num_key_value_heads=8), dict(enable_expert_parallel=True),
          "enable_expert_parallel needs a mixture-of-experts model; llama has no experts"),
         (dict(num_attention_heads=8, num_key_value_heads=8, num_experts=6),
@@ -170,10 +171,58 @@ def test_invalid_splits_fail_at_start_naming_the_numbers(fields, args, message, 
         check_parallel(EngineConfig(**args), hf_config)
 
 
-def test_the_bundled_smollm2_cannot_split_over_two_ranks():
-    """SmolLM2-135M has 9 attention heads and 3 KV heads: it fails before any process starts."""
-    with pytest.raises(ValueError, match="number of attention heads 9"):
-        LLM(tensor_parallel_size=2)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "tp", "message"),
+    [
+        (9, 3, 2, "9 attention heads / 3 KV heads do not divide over 2 ranks: padded to 12 / 4 "
+                  "with zero heads (33% more attention work)"),
+        (3, 3, 2, "3 attention heads / 3 KV heads do not divide over 2 ranks: padded to 4 / 4 "
+                  "with zero heads (33% more attention work)"),
+        (9, 3, 4, "padded to 12 / 4"),
+        (4, 1, 8, "4 attention heads / 1 KV heads do not divide over 8 ranks: padded to 8 / 2 "
+                  "with zero heads (100% more attention work)"),
+        (9, 3, 3, None),  # 3 heads and 1 KV head per rank
+        (8, 2, 4, None),  # each KV head on 2 ranks
+    ],
+)  # fmt: skip
+def test_heads_that_do_not_split_are_padded_and_logged(heads, kv_heads, tp, message, caplog):
+    hf_config = _Config(
+        model_type="llama",
+        intermediate_size=96,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+    )
+    with caplog.at_level(logging.INFO, logger="atom_engine"):
+        check_parallel(EngineConfig(tensor_parallel_size=tp), hf_config)
+    padded = [r.getMessage() for r in caplog.records if "padded" in r.getMessage()]
+    if message is None:
+        assert padded == []
+    else:
+        assert len(padded) == 1 and message in padded[0], padded
+
+
+def test_the_bundled_smollm2_over_two_ranks_matches_one(caplog):
+    """The issue's case: SmolLM2-135M's 9 attention heads and 3 KV heads do not split over 2
+    ranks, so they are padded to 12 / 4 with zero heads (each rank holds 6 / 2, and its KV cache
+    2 heads): 4 prompts x 24 greedy tokens equal one process's."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine = dict(dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=128)
+
+    def run(**args):
+        with LLM(**engine, **args) as llm:
+            outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+            attn = llm.engine.runner.model.model.layers[0].self_attn.attn
+            kv_heads = attn.impl.k_cache.shape[2]  # [blocks, block size, KV heads, head size]
+        return [o.outputs[0].token_ids for o in outputs], (attn.spec.num_heads, kv_heads)
+
+    expected, heads = run()
+    assert heads == (9, 3)
+    with caplog.at_level(logging.INFO, logger="atom_engine"):
+        got, heads = run(tensor_parallel_size=2)
+    assert "padded to 12 / 4 with zero heads" in caplog.text
+    assert heads == (6, 2)
+    assert all(len(tokens) == 24 for tokens in got)
+    assert got == expected
 
 
 @pytest.mark.slow

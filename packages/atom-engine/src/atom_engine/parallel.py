@@ -11,12 +11,16 @@ process side by side.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 
 import torch
 import torch.distributed as dist
 
 from atom_engine.config import EngineConfig
+from atom_models.distributed import padded_attention_heads
+
+logger = logging.getLogger("atom_engine")
 
 # NOTE: a rank blocks in a collective until its peers reach it; a step is never this long, and a
 # dead peer breaks the collective at once (gloo) or is caught by rank 0's monitor.
@@ -54,16 +58,23 @@ def check_parallel(config: EngineConfig, hf_config) -> None:
     if tp == 1 and not config.enable_expert_parallel:
         return
     heads = hf_config.num_attention_heads
-    indivisible("number of attention heads", heads)
-    if getattr(hf_config, "kv_lora_rank", None) is None:  # MLA has no KV heads to split
+    if getattr(hf_config, "kv_lora_rank", None) is not None:  # MLA: heads split, never padded
+        indivisible("number of attention heads", heads)
+    else:
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-        if kv_heads < tp and tp % kv_heads:
-            raise ValueError(
-                f"tensor_parallel_size {tp} is not a multiple of the model's {kv_heads} KV heads "
-                "(with fewer KV heads than ranks, each KV head is replicated on tp / kv ranks)"
+        # The engine's group pads heads that do not split (`EngineTPGroup.pad_attention_heads`).
+        padded, padded_kv = padded_attention_heads(heads, kv_heads, tp)
+        if padded != heads:
+            logger.info(
+                "%d attention heads / %d KV heads do not divide over %d ranks: padded to %d / %d "
+                "with zero heads (%.0f%% more attention work)",
+                heads,
+                kv_heads,
+                tp,
+                padded,
+                padded_kv,
+                100 * (padded / heads - 1),
             )
-        if kv_heads >= tp:
-            indivisible("number of KV heads", kv_heads)
     experts = num_experts_of(hf_config)
     if config.enable_expert_parallel:
         if not experts:
@@ -104,8 +115,12 @@ def make_store(rank: int, size: int, port: int = 0) -> dist.TCPStore:
 class EngineTPGroup:
     """The tensor-parallel group of one engine (the `TensorParallelGroup` the layers use).
 
-    `enable_expert_parallel` tells MoE layers built over it to give each rank whole experts.
+    `enable_expert_parallel` tells MoE layers built over it to give each rank whole experts;
+    `pad_attention_heads`: attention heads that do not split are padded with zero heads (the
+    engine sizes each rank's KV cache from its attention layers' own, padded, head counts).
     """
+
+    pad_attention_heads = True
 
     def __init__(
         self,
