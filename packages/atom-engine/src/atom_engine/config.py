@@ -120,9 +120,9 @@ class EngineConfig:
         default="full_and_piecewise",
         metadata=_help(
             "CUDA graphs, as vLLM names the modes: full_and_piecewise (decode steps replay a "
-            "whole-forward graph; steps with a prefill replay the forward in pieces cut at the "
-            "attention layers, which run eagerly), full_decode_only (steps with a prefill run "
-            "eagerly) or none (as --enforce-eager)"
+            "whole-forward graph; steps with a prefill, up to 8192 tokens, replay the forward in "
+            "pieces cut at the attention layers, which run eagerly), full_decode_only (steps "
+            "with a prefill run eagerly) or none (as --enforce-eager)"
         ),
     )
     async_scheduling: bool | None = field(

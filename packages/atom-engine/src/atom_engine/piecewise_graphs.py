@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("atom_engine")
 
 
+# Steps of more tokens run eagerly: their kernels take long enough that the host keeps ahead, and
+# every size is one more set of graphs to capture at start-up.
+MAX_CAPTURE_TOKENS = 8192
+
+
 def capture_sizes(max_tokens: int) -> list[int]:
     """The token counts captured: at most 25% padding up to 512 tokens (16 apart below 64), 256
     tokens apart up to 2048 and 512 beyond, and `max_tokens` itself (a step that fills its budget
@@ -94,12 +99,14 @@ class _Captured:
 
 
 class PiecewiseGraphs:
-    """The piecewise graphs of one rank's model, at `capture_sizes(max_tokens)` tokens."""
+    """The piecewise graphs of one rank's model, for steps of up to `max_tokens` tokens (at most
+    MAX_CAPTURE_TOKENS), at `capture_sizes` of that."""
 
     def __init__(self, runner: ModelRunner, max_tokens: int, pool=None) -> None:
         self.runner = runner
         self.model: nn.Module = runner.model
         self.device = runner.device
+        max_tokens = min(max_tokens, MAX_CAPTURE_TOKENS)
         self.sizes = capture_sizes(max_tokens)
         self.max_tokens = max_tokens
         self.ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
