@@ -74,7 +74,53 @@ def qwen3_30b_a3b():
     )
 
 
-SHAPES = {"llama3-8b": llama3_8b, "qwen3-0.6b": qwen3_0_6b, "qwen3-30b-a3b": qwen3_30b_a3b}
+def deepseek_v3_4l():
+    """DeepSeek-V3 at its real widths and block-FP8 weights, cut to 4 layers: one dense layer
+    (the checkpoint has 3) and 3 MoE layers (it has 58), so MoE keeps most of the weights."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        architectures=["DeepseekV3ForCausalLM"],
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    config.quantization_config = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+    }
+    return config
+
+
+SHAPES = {
+    "llama3-8b": llama3_8b,
+    "qwen3-0.6b": qwen3_0_6b,
+    "qwen3-30b-a3b": qwen3_30b_a3b,
+    "deepseek-v3-4l": deepseek_v3_4l,
+}
 
 
 # Tiny stand-ins of the same architectures for smoke runs of the scripts on a CPU.
@@ -88,6 +134,24 @@ SMOKE_SHAPES = {
         vocab_size=2048,
         bos_token_id=1,
         eos_token_id=2,
+    ),
+    "deepseek-v3-4l": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        n_routed_experts=16,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=4,
+        q_lora_rank=128,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=2048,
     ),
     "qwen3-30b-a3b": dict(
         hidden_size=256,
@@ -119,7 +183,9 @@ def shape_config(name: str, smoke: bool = False):
     return config
 
 
-def config_dir(name: str, tokenizer_dir: str | None = None, out: str | None = None) -> str:
+def config_dir(
+    name: str, tokenizer_dir: str | None = None, out: str | None = None, smoke: bool = False
+) -> str:
     """A directory with config.json for `name` (for load_format='dummy').
 
     With `tokenizer_dir`, its tokenizer files are copied in and the vocabulary is cut to the
@@ -129,7 +195,7 @@ def config_dir(name: str, tokenizer_dir: str | None = None, out: str | None = No
 
     path = Path(out) if out else Path(tempfile.mkdtemp(prefix=f"atom-{name}-"))
     path.mkdir(parents=True, exist_ok=True)
-    config = SHAPES[name]()
+    config = shape_config(name, smoke)
     if tokenizer_dir:
         from transformers import AutoTokenizer
 

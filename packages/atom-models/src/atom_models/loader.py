@@ -137,7 +137,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             if "norm" in name:
                 p.fill_(1.0)
             elif p.dtype == torch.float8_e4m3fn:
-                p.copy_(torch.randn(p.shape, generator=gen, device=p.device).to(p.dtype))
+                # By slices of the first dim: a DeepSeek-V3 layer's 256 experts are 7.5e9 values,
+                # whose float32 draw at once would take 30 GB.
+                row = p.numel() // p.shape[0] if p.dim() and p.shape[0] else 1
+                for part in p.view(-1, row).split(max(1, (1 << 28) // row), dim=0):
+                    draw = torch.randn(part.shape, generator=gen, device=p.device)
+                    part.copy_(draw.to(p.dtype))
             elif p.dtype == torch.uint8:  # MXFP4 blocks, e8m0 scales
                 if getattr(p, "packing", 1) == 2:
                     p.copy_(torch.randint(0, 256, p.shape, generator=gen, device=p.device))
