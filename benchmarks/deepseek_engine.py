@@ -42,11 +42,30 @@ def expert_bytes(model) -> tuple[int, int, int]:
     return experts // max(1, len(layers)), len(layers), other
 
 
+def profile_steps(engine, steps: int) -> list[dict]:
+    """The CUDA kernels of `steps` engine steps, by total time (the 15 heaviest)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    return [
+        {"kernel": e.key[:100], "count": e.count, "total_ms": e.device_time_total / 1e3}
+        for e in rows[:15]
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="the tiny stand-in (CPU smoke run)")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument(
+        "--profile", action="store_true", help="also: top CUDA kernels of 4 decode steps per batch"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -115,6 +134,7 @@ def main() -> None:
             engine.step()
         sync()
         step = (time.perf_counter() - t0) / args.steps
+        kernels = profile_steps(engine, 4) if args.profile and cuda else None
         while engine.has_unfinished_requests():
             engine.step()
         context = prompt_len + 4 + args.steps // 2
@@ -129,6 +149,8 @@ def main() -> None:
             "fraction_of_bandwidth": floor / step,
             "experts_reached_per_layer": reached(batch),
         }
+        if kernels is not None:
+            row["top_kernels_4_steps"] = kernels
         result["decode"].append(row)
         print(json.dumps(row), flush=True)
 
