@@ -106,6 +106,56 @@ def test_query_longer_than_context_raises():
         run(cpu_attention.paged_attention, batch, {})
 
 
+def test_decode_plan_is_computed_once_per_step_and_refreshed():
+    """Every layer of a step passes the same metadata tensors: the decode plan (slots, mask) is
+    reused by them; new tensors, or the same ones changed in place, get a new plan."""
+    batch = list(make_batch(HEADS[0], BATCHES["decode"], torch.float32, seed=3))
+    cpu_attention._plans.last = None
+    first = run(cpu_attention.paged_attention, batch, {})
+    plan = cpu_attention._plans.last
+    second = run(cpu_attention.paged_attention, batch, {})
+    assert cpu_attention._plans.last is plan
+    assert_equal(second, first, name="same step")
+    seq_lens = batch[4]
+    seq_lens.sub_((seq_lens > 1).int())  # in place: shorter contexts, same tensor object
+    expected = run(ref_attention.paged_attention, batch, {})
+    got = run(cpu_attention.paged_attention, batch, {})
+    assert cpu_attention._plans.last is not plan
+    assert_close(got, expected.double(), atol=2e-5, rtol=2e-5, name="after an in-place change")
+
+
+def test_decode_window_ignores_garbage_outside_the_window():
+    """Key positions outside a sliding window are never read into the attention's arithmetic:
+    NaN there must not reach the output (the plan redirects them to the last token)."""
+    heads = HEADS[0]
+    block_size = heads[4]
+    batch = list(make_batch(heads, [(40, 1), (33, 1)], torch.float32, seed=5))
+    query, key_cache, value_cache, table, seq_lens = batch[:5]
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        for pos in range(seq_len - 8):  # outside a window of 8
+            block, offset = int(table[b, pos // block_size]), pos % block_size
+            key_cache[block, offset] = float("nan")
+            value_cache[block, offset] = float("nan")
+    got = run(cpu_attention.paged_attention, batch, {"sliding_window": 8})
+    assert bool(torch.isfinite(got).all())
+    clean = list(make_batch(heads, [(40, 1), (33, 1)], torch.float32, seed=5))
+    expected = run(ref_attention.paged_attention, clean, {"sliding_window": 8})
+    assert_close(got, expected.double(), atol=2e-5, rtol=2e-5, name="window with NaN outside")
+
+
+@pytest.mark.parametrize("feature", ["causal", "window"])
+def test_paged_attention_strided_cache_matches_reference(feature):
+    """K and V caches that are views of one buffer (no flat slot view): the block-gather path."""
+    batch = list(make_batch(HEADS[0], BATCHES["mixed"], torch.float32, seed=6))
+    key_cache, value_cache = batch[1], batch[2]
+    kv = torch.stack((key_cache, value_cache), dim=1)  # [num_blocks, 2, block_size, Hk, D]
+    batch[1], batch[2] = kv[:, 0], kv[:, 1]
+    assert cpu_cache.slot_view(batch[1]) is None
+    expected = run(ref_attention.paged_attention, batch, FEATURES[feature])
+    got = run(cpu_attention.paged_attention, batch, FEATURES[feature])
+    assert_close(got, expected.double(), atol=2e-5, rtol=2e-5, name=f"strided {feature}")
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, FP8])
 @pytest.mark.parametrize("strided_cache", [False, True])
 def test_reshape_and_cache_matches_reference(cache_dtype, strided_cache):

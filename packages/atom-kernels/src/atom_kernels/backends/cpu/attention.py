@@ -4,7 +4,11 @@ The torch reference loops over sequences in Python: at decode that is a dozen sm
 sequence per layer, and the per-call overhead, not the arithmetic, is the step's cost. Here:
 
 - every decode row (a sequence with one query row) of the batch is one padded, masked attention:
-  one gather of the sequences' blocks, one matmul for the scores and one for the output;
+  one gather of the sequences' cache slots per cache and one call of torch's fused CPU attention
+  (`scaled_dot_product_attention`), the query heads sharing a KV head taken as its query rows;
+  what the gather reads (each key position's slot, invisible positions redirected to the
+  sequence's last token) and the additive mask are computed once per step (`_DecodePlan`), not
+  once per layer: every layer of a step passes the same metadata tensors;
 - a sequence with several query rows (a prefill chunk, with or without a cached prefix) is one
   call of torch's fused CPU attention (`scaled_dot_product_attention`, flash-style, no [q, L]
   probability matrix in memory), or the reference's math where SDPA has no equivalent
@@ -15,12 +19,101 @@ Same semantics as the torch reference (`atom_kernels.ops.attention.paged_attenti
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from atom_kernels.backends.cpu.cache import slot_view
 from atom_kernels.backends.torch import attention as reference
 from atom_kernels.backends.torch.cache import dequantize_from_cache
 from atom_kernels.registry import register_op
+
+
+@dataclass
+class _DecodePlan:
+    """What every layer's decode attention of one step shares. b = decode sequences, L = longest
+    context among them."""
+
+    key: tuple  # what the plan was computed from (the tensors held, so their ids stay theirs)
+    slots: torch.Tensor  # [b * L] int64: the cache slot of each (sequence, key position)
+    bias: torch.Tensor  # [b, 1, 1, L] float32: 0 where the position is visible, -inf elsewhere
+    max_seq_len: int
+
+
+_plans = threading.local()  # the last plan of this thread (engines in threads each keep theirs)
+
+
+def _decode_plan(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    decodes: tuple[int, ...] | None,  # the decode sequences, None: all of them
+    max_seq_len: int,
+    block_size: int,
+    sliding_window: int | None,
+) -> _DecodePlan:
+    """The step's plan, computed by its first layer and reused by the others: the same tensor
+    objects, unmodified (`_version`), with the same decode rows and window."""
+    key = (
+        block_tables, block_tables._version, seq_lens, seq_lens._version, decodes, max_seq_len,
+        block_size, sliding_window,
+    )  # fmt: skip
+    plan = getattr(_plans, "last", None)
+    if plan is not None and all(
+        a is b if isinstance(a, torch.Tensor) else a == b
+        for a, b in zip(plan.key, key, strict=True)
+    ):
+        return plan
+    if decodes is not None:
+        index = torch.tensor(decodes)
+        block_tables, seq_lens = block_tables[index], seq_lens[index]
+    lens = seq_lens.long()[:, None]  # [b, 1]
+    pos = torch.arange(max_seq_len)[None, :]  # [1, L]
+    visible = pos < lens  # [b, L]
+    if sliding_window is not None:
+        visible &= (lens - 1) - pos < sliding_window
+    # An invisible position reads the sequence's last token instead (always written, finite), so
+    # no garbage (NaN included) of a slot past the table or outside the window reaches the
+    # matmuls; the mask gives it probability 0 exactly.
+    pos = torch.where(visible, pos, lens - 1)
+    blocks = block_tables.long().gather(1, pos // block_size)  # [b, L]
+    slots = (blocks * block_size + pos % block_size).reshape(-1)
+    bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None, :]
+    plan = _DecodePlan(key, slots, bias, max_seq_len)
+    _plans.last = plan
+    return plan
+
+
+def _gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    if cache.dtype.itemsize == 1:  # fp8: index_select has no kernel for it; move the bytes
+        return cache.view(torch.uint8).index_select(0, slots).view(cache.dtype)
+    return cache.index_select(0, slots)
+
+
+def _decode_rows_sdpa(
+    query: torch.Tensor,  # [b, H, D] one row per sequence
+    key_cache: torch.Tensor,  # [num_blocks * block_size, Hk, D]: the cache's slot view
+    value_cache: torch.Tensor,  # [num_blocks * block_size, Hk, Dv]
+    plan: _DecodePlan,
+    scale: float,
+    k_scale,
+    v_scale,
+) -> torch.Tensor:
+    # b = sequences, L = longest context, Hk = kv heads, G = query heads per kv head
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[1]
+    group, length = num_heads // num_kv_heads, plan.max_seq_len
+    k = dequantize_from_cache(_gather_slots(key_cache, plan.slots), k_scale)  # [b * L, Hk, D]
+    v = dequantize_from_cache(_gather_slots(value_cache, plan.slots), v_scale)
+    out = F.scaled_dot_product_attention(
+        query.float().view(num_seqs, num_kv_heads, group, head_dim),  # [b, Hk, G, D]
+        k.view(num_seqs, length, num_kv_heads, -1).transpose(1, 2),  # [b, Hk, L, D]
+        v.view(num_seqs, length, num_kv_heads, -1).transpose(1, 2),  # [b, Hk, L, Dv]
+        attn_mask=plan.bias,
+        scale=scale,
+    )  # [b, Hk, G, Dv]
+    return out.reshape(num_seqs, num_heads, -1)
 
 
 def _decode_rows(
@@ -135,16 +228,25 @@ def paged_attention(
         result[starts[-1] :].zero_()
     decodes = [b for b, q_len in enumerate(q_lens) if q_len == 1]
     if decodes:
-        if len(decodes) == len(q_lens):  # a decode-only batch: rows 0..B-1 in order
+        is_all = len(decodes) == len(q_lens)  # a decode-only batch: rows 0..B-1 in order
+        if is_all:
             seqs, rows = slice(None), slice(0, len(decodes))
         else:
             seqs = torch.tensor(decodes)
             rows = torch.tensor([starts[b] for b in decodes])
-        o = _decode_rows(
-            query[rows], key_cache, value_cache, block_tables[seqs], seq_lens[seqs],
-            max(lens[b] for b in decodes), scale, sliding_window, sinks, soft_cap, k_scale,
-            v_scale,
-        )  # fmt: skip
+        max_seq_len = max(lens[b] for b in decodes)
+        flat_k, flat_v = slot_view(key_cache), slot_view(value_cache)
+        if sinks is None and soft_cap is None and flat_k is not None and flat_v is not None:
+            plan = _decode_plan(
+                block_tables, seq_lens, None if is_all else tuple(decodes), max_seq_len,
+                block_size, sliding_window,
+            )  # fmt: skip
+            o = _decode_rows_sdpa(query[rows], flat_k, flat_v, plan, scale, k_scale, v_scale)
+        else:  # no SDPA equivalent (sinks, soft cap), or a cache with no slot view
+            o = _decode_rows(
+                query[rows], key_cache, value_cache, block_tables[seqs], seq_lens[seqs],
+                max_seq_len, scale, sliding_window, sinks, soft_cap, k_scale, v_scale,
+            )  # fmt: skip
         result[rows] = o.to(result.dtype)
     for b, q_len in enumerate(q_lens):
         if q_len <= 1:

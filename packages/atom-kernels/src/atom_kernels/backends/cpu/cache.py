@@ -9,7 +9,7 @@ from atom_kernels.backends.torch.cache import quantize_to_cache_dtype
 from atom_kernels.registry import register_op
 
 
-def _slot_view(cache: torch.Tensor) -> torch.Tensor | None:
+def slot_view(cache: torch.Tensor) -> torch.Tensor | None:
     """[num_blocks, block_size, Hk, D] -> [num_blocks * block_size, Hk, D] sharing storage, or
     None when the cache's layout cannot be flattened without a copy (a strided K/V view)."""
     try:
@@ -28,7 +28,7 @@ def reshape_and_cache(
     k_scale: float | torch.Tensor | None,
     v_scale: float | torch.Tensor | None,
 ) -> None:
-    flat_k, flat_v = _slot_view(key_cache), _slot_view(value_cache)
+    flat_k, flat_v = slot_view(key_cache), slot_view(value_cache)
     if flat_k is None or flat_v is None:
         reference.reshape_and_cache(
             key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
