@@ -13,6 +13,12 @@ import os
 
 import pytest
 
+# NOTE: compiling the model of a CPU engine (torch.compile, atom_engine.cpu_compile) costs ~25 s
+# per engine on the 2-core CI machine with Inductor's caches warm, minutes cold; the suite builds
+# dozens of engines, so they stay eager here and the compiled path is tested on its own
+# (atom-engine's test_cpu_compile.py sets ATOM_CPU_COMPILE=1).
+os.environ.setdefault("ATOM_CPU_COMPILE", "0")
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")

@@ -115,7 +115,10 @@ class EngineConfig:
         ),
     )
     seed: int = field(default=0, metadata=_help("seed of the engine's random sampling"))
-    enforce_eager: bool = field(default=False, metadata=_help("never capture CUDA graphs"))
+    enforce_eager: bool = field(
+        default=False,
+        metadata=_help("never capture CUDA graphs, never torch.compile the model on the CPU"),
+    )
     cudagraph_mode: str = field(
         default="full_and_piecewise",
         metadata=_help(

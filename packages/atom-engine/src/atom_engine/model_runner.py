@@ -27,6 +27,7 @@ import torch
 
 import atom_kernels
 from atom_engine.config import EngineConfig
+from atom_engine.cpu_compile import cpu_forward
 from atom_engine.cpu_threads import set_cpu_threads
 from atom_engine.cuda_graphs import DecodeGraphs
 from atom_engine.piecewise_graphs import PiecewiseGraphs
@@ -144,6 +145,14 @@ class ModelRunner:
         self.step_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (first row, first position)
         if self.device.type == "cuda":
             self._warm_up_sampling()
+        # The forward `_execute` calls: on the CPU compiled by torch.compile (`cpu_compile`).
+        self.forward = cpu_forward(
+            self.model,
+            self.device,
+            config.enforce_eager,
+            config.tensor_parallel_size,
+            self.block_size,
+        )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens fit, %d bytes per token, %.2f GiB, %s) "
             "on %s"
@@ -293,7 +302,7 @@ class ModelRunner:
             ]
         pos = to_device(positions, torch.long, self.device)
         with set_forward_context(md):
-            return self.model(input_ids, pos)  # [T, hidden]
+            return self.forward(input_ids, pos)  # [T, hidden]
 
     def _logits(self, hidden: torch.Tensor, inputs: StepInputs, op: int) -> list[torch.Tensor]:
         """The logits every rank computes for a step (the LM head gathers them over the ranks):

@@ -8,11 +8,18 @@ paged cache (`NativeAttention` here, the latent cache of `NativeMLAAttention`) i
 sizes blocks without knowing the layer kinds. The cache dtype is the model's or fp8
 (`float8_e4m3fn`): an fp8 cache stores x / scale and every read multiplies back, with the layer's
 per-tensor `k_scale` / `v_scale` (1.0, or the checkpoint's, handed over by `set_kv_scale`).
+
+Under `torch.compile` (the engine compiles the model on the CPU) a `NativeAttention` layer is one
+opaque custom op, `atom::native_attention`: the graph holds the GEMMs, norms, rotary and
+activations around it, and the op reads the step's metadata from the forward context and writes
+the layer's cache at run time, as vLLM's `unified_attention` does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -147,12 +154,33 @@ class NativeCacheLayer(nn.Module):
         raise NotImplementedError
 
 
+# Layers the custom op can find by number (a compiled graph holds the number, not the module).
+_LAYERS: weakref.WeakValueDictionary[int, NativeAttention] = weakref.WeakValueDictionary()
+_LAYER_IDS = itertools.count()
+
+
+@torch.library.custom_op("atom::native_attention", mutates_args=())
+def _native_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, layer_id: int
+) -> torch.Tensor:
+    """`NativeAttention` layer `layer_id` (its cache write and attention) as one opaque op."""
+    return _LAYERS[layer_id].forward_eager(q, k, v, sinks)
+
+
+@_native_attention_op.register_fake
+def _(q, k, v, sinks, layer_id):
+    spec = _LAYERS[layer_id].spec
+    return q.new_empty(q.shape[0], spec.num_heads * (v.shape[-1] // spec.num_kv_heads))
+
+
 class NativeAttention(NativeCacheLayer):
     writes_out = True  # forward(..., out=) writes its result there
 
     def __init__(self, spec: AttentionSpec) -> None:
         super().__init__()
         self.spec = spec
+        self.layer_id = next(_LAYER_IDS)
+        _LAYERS[self.layer_id] = self
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hk, D]
         self.v_cache: torch.Tensor | None = None
         self.kv_scales = {"k": 1.0, "v": 1.0}
@@ -183,6 +211,18 @@ class NativeAttention(NativeCacheLayer):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The layer's attention [T, H * Dv], written into `out` ([T, H * Dv]) when given."""
+        if torch.compiler.is_compiling() and out is None:
+            return torch.ops.atom.native_attention(q, k, v, sinks, self.layer_id)
+        return self.forward_eager(q, k, v, sinks, out)
+
+    def forward_eager(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         # T = tokens, H = query heads, Hk = KV heads, D = head size
         md = get_forward_context().attn_metadata
         if not isinstance(md, PagedAttentionMetadata):
