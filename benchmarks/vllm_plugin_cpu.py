@@ -49,10 +49,17 @@ CONFIGS = {
     "atom-eager": {"ATOM_DISABLE_VLLM_PLUGIN": None, "ATOM_VLLM_PLUGIN_COMPILE": "0"},
     # ATOM's attention too (atom_kernels' cpu backend).
     "atom-attention": {"ATOM_DISABLE_VLLM_PLUGIN": None, "ATOM_VLLM_PLUGIN_CPU_ATTENTION": "1"},
-    # ATOM's own server (`atom serve`), not vLLM.
+    # ATOM's own server (`atom serve`), not vLLM: its default, and with 1 or 2 torch threads.
     "atom-serve": {},
+    "atom-serve-1t": {},
+    "atom-serve-2t": {},
 }
-ATOM_SERVE = {"atom-serve"}  # configurations served by `atom serve`
+# configurations served by `atom serve` -> its extra arguments
+ATOM_SERVE = {
+    "atom-serve": [],
+    "atom-serve-1t": ["--num-threads", "1"],
+    "atom-serve-2t": ["--num-threads", "2"],
+}
 BASE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
@@ -155,6 +162,7 @@ def start_server(
         cmd = [
             atom_bin, "serve", "--model", str(model_dir), "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
+            *extra,
         ]  # fmt: skip
     log = open(log_path, "w")  # noqa: SIM115 - closed by stop_server
     proc = subprocess.Popen(
@@ -279,8 +287,10 @@ def main() -> None:
     parser.add_argument("--atom-bin", default=str(REPO / ".venv" / "bin" / "atom"),
                         help="`atom` of atom-serve (default: the workspace's)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--skip-stock", action="store_true",
+                        help="only the named configurations (no stock run)")  # fmt: skip
     args = parser.parse_args()
-    if "stock" not in args.configs:
+    if "stock" not in args.configs and not args.skip_stock:
         args.configs.insert(0, "stock")
     if args.max_load is not None and load() > args.max_load:
         sys.exit(f"load {load():.2f} > --max-load {args.max_load}: the machine is not quiet")
@@ -319,8 +329,9 @@ def main() -> None:
             log_path = work / f"serve-{config}-{round_index}.log"
             run = {"round": round_index, "config": config, "load_before": load()}
             atom_bin = args.atom_bin if config in ATOM_SERVE else None
+            server_extra = extra + ATOM_SERVE[config] if config in ATOM_SERVE else extra
             proc, log, base, startup_s = start_server(
-                model_dir, server_env(CONFIGS[config]), log_path, extra, atom_bin
+                model_dir, server_env(CONFIGS[config]), log_path, server_extra, atom_bin
             )
             try:
                 run["startup_s"] = round(startup_s, 1)
@@ -342,13 +353,16 @@ def main() -> None:
             # What the plugin did in this server (each message once: every process logs it).
             lines = log_path.read_text().splitlines()
             messages = [ln.split("ATOM:", 1)[1].strip()[:300] for ln in lines if "ATOM:" in ln]
-            messages += [ln.strip()[-200:] for ln in lines if "CPU: torch computes with" in ln]
+            messages += [ln.strip()[-200:] for ln in lines
+                         if "CPU: torch computes with" in ln or "CPU: compiled" in ln
+                         or "CPU: the model's forward" in ln]  # fmt: skip
             run["atom_log"] = list(dict.fromkeys(messages))
             result["runs"].append(run)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=1) + "\n")  # partial results survive
     result["greedy_texts"] = greedy
-    result["greedy_equal"] = {config: texts == greedy["stock"] for config, texts in greedy.items()}
+    first = greedy[args.configs[0]]  # stock's, unless --skip-stock
+    result["greedy_equal"] = {config: texts == first for config, texts in greedy.items()}
     result["summary"] = summarize(result["runs"], args.configs, args.concurrency)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({"greedy_equal": result["greedy_equal"], "summary": result["summary"]},

@@ -8,6 +8,7 @@ import atom_kernels as ak
 from atom_kernels import registry
 from atom_kernels.backends.cpu import attention as cpu_attention
 from atom_kernels.backends.cpu import cache as cpu_cache
+from atom_kernels.backends.cpu import step_memo
 from atom_kernels.backends.torch import activation as torch_activation
 from atom_kernels.backends.torch import attention as ref_attention
 from atom_kernels.backends.torch import cache as ref_cache
@@ -110,17 +111,17 @@ def test_decode_plan_is_computed_once_per_step_and_refreshed():
     """Every layer of a step passes the same metadata tensors: the decode plan (slots, mask) is
     reused by them; new tensors, or the same ones changed in place, get a new plan."""
     batch = list(make_batch(HEADS[0], BATCHES["decode"], torch.float32, seed=3))
-    cpu_attention._plans.last = None
+    step_memo._last.decode_plan = None
     first = run(cpu_attention.paged_attention, batch, {})
-    plan = cpu_attention._plans.last
+    plan = step_memo._last.decode_plan
     second = run(cpu_attention.paged_attention, batch, {})
-    assert cpu_attention._plans.last is plan
+    assert step_memo._last.decode_plan is plan
     assert_equal(second, first, name="same step")
     seq_lens = batch[4]
     seq_lens.sub_((seq_lens > 1).int())  # in place: shorter contexts, same tensor object
     expected = run(ref_attention.paged_attention, batch, {})
     got = run(cpu_attention.paged_attention, batch, {})
-    assert cpu_attention._plans.last is not plan
+    assert step_memo._last.decode_plan is not plan
     assert_close(got, expected.double(), atol=2e-5, rtol=2e-5, name="after an in-place change")
 
 
@@ -180,6 +181,24 @@ def test_reshape_and_cache_matches_reference(cache_dtype, strided_cache):
     for expected, got in zip(caches[0], caches[1], strict=True):
         # NaN == NaN for the slots neither wrote: compare the bytes.
         assert_equal(got.view(torch.uint8), expected.view(torch.uint8), name="cache bytes")
+
+
+def test_reshape_and_cache_slots_are_refreshed_when_the_mapping_changes():
+    """The write slots are derived once per slot mapping (every layer of a step passes the same
+    tensor); the same tensor changed in place gets them derived again."""
+    g = torch.Generator().manual_seed(2)
+    shape, num_tokens = (6, 5, 2, 8), 7
+    key = torch.randn(num_tokens, 2, 8, generator=g)
+    value = torch.randn(num_tokens, 2, 8, generator=g)
+    slots = torch.randperm(30, generator=g)[:num_tokens].int()
+    slots[3] = -1
+    for _ in range(2):  # the same step twice, then another step in the same tensor
+        caches = [tuple(torch.full(shape, float("nan")) for _ in "kv") for _ in range(2)]
+        ref_cache.reshape_and_cache(key, value, *caches[0], slots, None, None)
+        cpu_cache.reshape_and_cache(key, value, *caches[1], slots, None, None)
+        for expected, got in zip(caches[0], caches[1], strict=True):
+            assert_equal(got.view(torch.uint8), expected.view(torch.uint8), name="cache bytes")
+        slots.copy_(torch.randperm(30, generator=g)[:num_tokens].int())
 
 
 def test_cpu_is_the_automatic_choice_on_cpu(monkeypatch):

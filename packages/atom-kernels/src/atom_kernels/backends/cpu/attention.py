@@ -7,8 +7,8 @@ sequence per layer, and the per-call overhead, not the arithmetic, is the step's
   one gather of the sequences' cache slots per cache and one call of torch's fused CPU attention
   (`scaled_dot_product_attention`), the query heads sharing a KV head taken as its query rows;
   what the gather reads (each key position's slot, invisible positions redirected to the
-  sequence's last token) and the additive mask are computed once per step (`_DecodePlan`), not
-  once per layer: every layer of a step passes the same metadata tensors;
+  sequence's last token) and the additive mask are computed once per step (`_DecodePlan`, kept
+  by `step_memo`), not once per layer: every layer of a step passes the same metadata tensors;
 - a sequence with several query rows (a prefill chunk, with or without a cached prefix) is one
   call of torch's fused CPU attention (`scaled_dot_product_attention`, flash-style, no [q, L]
   probability matrix in memory), or the reference's math where SDPA has no equivalent
@@ -19,13 +19,13 @@ Same semantics as the torch reference (`atom_kernels.ops.attention.paged_attenti
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from atom_kernels.backends.cpu.cache import slot_view
+from atom_kernels.backends.cpu.step_memo import per_step
 from atom_kernels.backends.torch import attention as reference
 from atom_kernels.backends.torch.cache import dequantize_from_cache
 from atom_kernels.registry import register_op
@@ -36,13 +36,9 @@ class _DecodePlan:
     """What every layer's decode attention of one step shares. b = decode sequences, L = longest
     context among them."""
 
-    key: tuple  # what the plan was computed from (the tensors held, so their ids stay theirs)
     slots: torch.Tensor  # [b * L] int64: the cache slot of each (sequence, key position)
     bias: torch.Tensor  # [b, 1, 1, L] float32: 0 where the position is visible, -inf elsewhere
     max_seq_len: int
-
-
-_plans = threading.local()  # the last plan of this thread (engines in threads each keep theirs)
 
 
 def _decode_plan(
@@ -53,18 +49,6 @@ def _decode_plan(
     block_size: int,
     sliding_window: int | None,
 ) -> _DecodePlan:
-    """The step's plan, computed by its first layer and reused by the others: the same tensor
-    objects, unmodified (`_version`), with the same decode rows and window."""
-    key = (
-        block_tables, block_tables._version, seq_lens, seq_lens._version, decodes, max_seq_len,
-        block_size, sliding_window,
-    )  # fmt: skip
-    plan = getattr(_plans, "last", None)
-    if plan is not None and all(
-        a is b if isinstance(a, torch.Tensor) else a == b
-        for a, b in zip(plan.key, key, strict=True)
-    ):
-        return plan
     if decodes is not None:
         index = torch.tensor(decodes)
         block_tables, seq_lens = block_tables[index], seq_lens[index]
@@ -80,9 +64,21 @@ def _decode_plan(
     blocks = block_tables.long().gather(1, pos // block_size)  # [b, L]
     slots = (blocks * block_size + pos % block_size).reshape(-1)
     bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, None, :]
-    plan = _DecodePlan(key, slots, bias, max_seq_len)
-    _plans.last = plan
-    return plan
+    return _DecodePlan(slots, bias, max_seq_len)
+
+
+def _layout(seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> tuple[list, list, list]:
+    """(query row starts, sequence lengths, query lengths) on the host, checked."""
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [end - start for start, end in zip(starts, starts[1:], strict=False)]
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, lens, strict=True)):
+        if q_len > seq_len:
+            raise ValueError(
+                f"paged_attention: sequence {b} has {q_len} query rows but seq_lens[{b}] = "
+                f"{seq_len}; the new tokens must already be in the cache"
+            )
+    return starts, lens, q_lens
 
 
 def _gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -215,15 +211,9 @@ def paged_attention(
     head_dim_v = value_cache.shape[3]
     block_size = key_cache.shape[1]
     result = out if out is not None else query.new_empty(num_tokens, num_heads, head_dim_v)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [end - start for start, end in zip(starts, starts[1:], strict=False)]
-    for b, (q_len, seq_len) in enumerate(zip(q_lens, lens, strict=True)):
-        if q_len > seq_len:
-            raise ValueError(
-                f"paged_attention: sequence {b} has {q_len} query rows but seq_lens[{b}] = "
-                f"{seq_len}; the new tokens must already be in the cache"
-            )
+    starts, lens, q_lens = per_step(
+        "layout", (seq_lens, query_start_loc), (), lambda: _layout(seq_lens, query_start_loc)
+    )
     if starts[-1] < num_tokens:  # padding rows
         result[starts[-1] :].zero_()
     decodes = [b for b, q_len in enumerate(q_lens) if q_len == 1]
@@ -237,9 +227,10 @@ def paged_attention(
         max_seq_len = max(lens[b] for b in decodes)
         flat_k, flat_v = slot_view(key_cache), slot_view(value_cache)
         if sinks is None and soft_cap is None and flat_k is not None and flat_v is not None:
-            plan = _decode_plan(
-                block_tables, seq_lens, None if is_all else tuple(decodes), max_seq_len,
-                block_size, sliding_window,
+            args = (None if is_all else tuple(decodes), max_seq_len, block_size, sliding_window)
+            plan = per_step(
+                "decode_plan", (block_tables, seq_lens), args,
+                lambda: _decode_plan(block_tables, seq_lens, *args),
             )  # fmt: skip
             o = _decode_rows_sdpa(query[rows], flat_k, flat_v, plan, scale, k_scale, v_scale)
         else:  # no SDPA equivalent (sinks, soft cap), or a cache with no slot view

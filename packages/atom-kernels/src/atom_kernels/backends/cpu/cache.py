@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from atom_kernels.backends.cpu.step_memo import per_step
 from atom_kernels.backends.torch import cache as reference
 from atom_kernels.backends.torch.cache import quantize_to_cache_dtype
 from atom_kernels.registry import register_op
@@ -16,6 +17,15 @@ def slot_view(cache: torch.Tensor) -> torch.Tensor | None:
         return cache.view(-1, *cache.shape[2:])
     except RuntimeError:
         return None
+
+
+def _write_slots(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the slots written, int64; the rows kept, or None when every row has a slot)."""
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        return slots[keep], keep
+    return slots, None
 
 
 @register_op("reshape_and_cache", "cpu")
@@ -34,10 +44,9 @@ def reshape_and_cache(
             key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
         )
         return
-    slots = slot_mapping.long()
-    if bool((slots < 0).any()):  # padded rows (slot -1) write nothing
-        keep = slots >= 0
-        key, value, slots = key[keep], value[keep], slots[keep]
+    slots, keep = per_step("write_slots", (slot_mapping,), (), lambda: _write_slots(slot_mapping))
+    if keep is not None:  # padded rows (slot -1) write nothing
+        key, value = key[keep], value[keep]
     for flat, x, scale in ((flat_k, key, k_scale), (flat_v, value, v_scale)):
         stored = quantize_to_cache_dtype(x, flat.dtype, scale)
         if flat.dtype.itemsize == 1:  # index_copy_ has no fp8 kernel: copy the bytes
