@@ -211,3 +211,23 @@ def test_cpu_is_the_automatic_choice_on_cpu(monkeypatch):
         assert ak.get_op("silu_and_mul", "cpu") is torch_activation.silu_and_mul
     finally:
         registry._reset_for_tests()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_packed_linear_matches_reference(rows):
+    """MKL-packed at 1 and 8 rows; other row counts run F.linear. The torch reference (the
+    `linear` op of the torch backend) is the oracle."""
+    from atom_kernels.backends.cpu.packed_linear import PackedLinear, can_pack
+    from atom_kernels.backends.torch.linear import linear as ref_linear
+
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(1001, 77, generator=g)
+    if not can_pack(weight):
+        pytest.skip("torch without MKL")
+    gemm = PackedLinear(weight, rows=(1, 8))
+    x = torch.randn(rows, 77, generator=g)
+    assert_close(gemm(x), ref_linear(x, weight, None).double(), atol=2e-5, rtol=2e-5,
+                 name=f"packed linear, {rows} rows")  # fmt: skip
+    strided = torch.randn(rows, 2 * 77, generator=g)[:, ::2]
+    assert_close(gemm(strided), ref_linear(strided, weight, None).double(), atol=2e-5,
+                 rtol=2e-5, name="strided x")  # fmt: skip
