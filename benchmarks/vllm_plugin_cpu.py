@@ -355,7 +355,7 @@ def main() -> None:
             messages = [ln.split("ATOM:", 1)[1].strip()[:300] for ln in lines if "ATOM:" in ln]
             messages += [ln.strip()[-200:] for ln in lines
                          if "CPU: torch computes with" in ln or "CPU: compiled" in ln
-                         or "CPU: the model's forward" in ln]  # fmt: skip
+                         or "CPU: the model's forward" in ln or "CPU: the LM head" in ln]  # fmt: skip
             run["atom_log"] = list(dict.fromkeys(messages))
             result["runs"].append(run)
             args.out.parent.mkdir(parents=True, exist_ok=True)
