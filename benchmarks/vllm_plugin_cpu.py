@@ -353,9 +353,9 @@ def main() -> None:
             # What the plugin did in this server (each message once: every process logs it).
             lines = log_path.read_text().splitlines()
             messages = [ln.split("ATOM:", 1)[1].strip()[:300] for ln in lines if "ATOM:" in ln]
-            messages += [ln.strip()[-200:] for ln in lines
-                         if "CPU: torch computes with" in ln or "CPU: compiled" in ln
-                         or "CPU: the model's forward" in ln or "CPU: the LM head" in ln]  # fmt: skip
+            cpu_lines = ("CPU: torch computes with", "CPU: compiled", "CPU: the model's forward",
+                         "CPU: the LM head")  # fmt: skip
+            messages += [ln.strip()[-200:] for ln in lines if any(c in ln for c in cpu_lines)]
             run["atom_log"] = list(dict.fromkeys(messages))
             result["runs"].append(run)
             args.out.parent.mkdir(parents=True, exist_ok=True)
