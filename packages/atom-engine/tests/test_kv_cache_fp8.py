@@ -82,14 +82,13 @@ def test_fp8_cache_holds_twice_the_tokens_of_bf16_in_the_same_memory(tiny_llama,
     assert "float8_e4m3fn" in lines[1] and "bfloat16" in lines[0]
 
 
-# NOTE: measured 3 of 5 (CPU, float32 activations, the cpu kernel backend, 2026-11-24; 1 of 5 on
-# the torch backend, 2026-11-23; 1 of 5 again once the cpu backend's decode attention became one
-# fused SDPA call per layer, issue 21, 2026-11-24: other fp32 rounding, other near-ties). The
-# two others part from the fp32 cache's text at near-ties: the
-# fp32 run's top two tokens 0.14 and 0.05 nats apart. Rounding K and V through float8_e4m3fn into
-# an fp32 cache gives the same tokens as the fp8 cache, so the kernels add nothing to e4m3's
-# rounding (3 mantissa bits). Kept as the issue's bar until it is met; the test below checks that
-# every parting is such a near-tie.
+# NOTE: measured on the CPU, float32 activations: 1 of 5 on the torch backend (2026-11-23), 3 of 5
+# on the cpu backend with its batched decode attention, 1 of 5 once that attention became one fused
+# SDPA call per layer (issue 21, 2026-11-24): each fp32 path rounds differently and so meets other
+# near-ties. With the 3-of-5 backend the two partings were near-ties (the fp32 run's top two tokens
+# 0.14 and 0.05 nats apart), and rounding K and V through float8_e4m3fn into an fp32 cache gave the
+# fp8 cache's tokens exactly: the kernels add nothing to e4m3's rounding (3 mantissa bits). Kept as
+# the issue's bar until it is met; the test below checks that every parting is a near-tie.
 @pytest.mark.xfail(reason="fp8 KV cache: 1-3 of 5 prompts equal over 32 tokens (bar: 4); near-ties")
 def test_bundled_smollm2_greedy_tokens_match_the_fp32_cache(smollm2_llm):
     """32 greedy tokens on 5 prompts: the fp8 cache's equal the fp32 cache's on at least 4."""
