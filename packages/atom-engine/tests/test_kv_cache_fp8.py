@@ -89,6 +89,7 @@ def test_fp8_cache_holds_twice_the_tokens_of_bf16_in_the_same_memory(tiny_llama,
 # 0.14 and 0.05 nats apart), and rounding K and V through float8_e4m3fn into an fp32 cache gave the
 # fp8 cache's tokens exactly: the kernels add nothing to e4m3's rounding (3 mantissa bits). Kept as
 # the issue's bar until it is met; the test below checks that every parting is a near-tie.
+@pytest.mark.slow  # two SmolLM2 engines, 32 tokens on 5 prompts each (~40 s)
 @pytest.mark.xfail(reason="fp8 KV cache: 1-3 of 5 prompts equal over 32 tokens (bar: 4); near-ties")
 def test_bundled_smollm2_greedy_tokens_match_the_fp32_cache(smollm2_llm):
     """32 greedy tokens on 5 prompts: the fp8 cache's equal the fp32 cache's on at least 4."""
@@ -108,6 +109,7 @@ def test_bundled_smollm2_greedy_tokens_match_the_fp32_cache(smollm2_llm):
 NEAR_TIE_NATS = 0.25
 
 
+@pytest.mark.slow  # as above
 def test_bundled_smollm2_fp8_cache_parts_from_the_fp32_cache_only_at_near_ties(smollm2_llm):
     """Where the fp8 cache's 32 greedy tokens part from the fp32 cache's, the token it chose was
     within NEAR_TIE_NATS of the fp32 run's best there: e4m3 rounding, not a wrong cache read."""
