@@ -16,6 +16,7 @@ import json
 import time
 
 import torch
+import triton
 
 SHAPES = {  # name: (N, K)
     "llama3-8b qkv": (6144, 4096),
@@ -48,6 +49,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--budget-s", type=float, default=200)
+    parser.add_argument("--shapes", nargs="*", help="only the shapes whose names start with these")
     args = parser.parse_args()
     start = time.monotonic()
     bandwidth = copy_bandwidth()
@@ -58,8 +60,17 @@ def main() -> None:
             (16, 32, 64), (128, 256, 512), ((4, 3), (4, 5), (8, 4)), (True, False)
         )
     ]
+    # Few output features (N / 16 < SMs): the split-K kernel, every split count on a smaller grid.
+    split_grid = [
+        linear.SkinnyConfig(bn, bk, w, s, dot, split)
+        for bn, bk, (w, s), dot, split in itertools.product(
+            (16, 32), (128, 256, 512), ((4, 3), (4, 5)), (True, False), (1, 2, 4, 8)
+        )
+    ]
     results = []
     for name, (n, k) in SHAPES.items():
+        if args.shapes and not any(name.startswith(p) for p in args.shapes):
+            continue
         nbytes = n * k * 2
         copies = max(2, int(TOTAL_BYTES // nbytes))
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -79,8 +90,10 @@ def main() -> None:
             row["cublas_us"] = timed(lambda x, w: torch.nn.functional.linear(x, w))
             row["default"] = linear.default_config(rows, n, k, sms, False).__dict__
             row["default_us"] = timed(lambda x, w: linear.skinny_linear(x, w, None))
-            if rows == 1:
-                configs = grid if name.startswith("llama") else best_of(results, 8)
+            if rows == 1 and triton.cdiv(n, 16) < sms:
+                configs = split_grid
+            elif rows == 1:
+                configs = grid if name.startswith("llama") or args.shapes else best_of(results, 8)
             else:
                 configs = [c for c in best_one_row if c.use_dot]
             tried = []

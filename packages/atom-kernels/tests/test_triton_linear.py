@@ -14,6 +14,8 @@ CONFIGS = [
     SkinnyConfig(16, 32, 4, 1),
     SkinnyConfig(32, 64, 4, 2),
     SkinnyConfig(16, 32, 4, 1, False),
+    SkinnyConfig(16, 32, 4, 1, True, split_k=3),  # K = 64 / 70: the last split short or empty
+    SkinnyConfig(16, 16, 4, 1, False, split_k=2),
 ]
 
 
@@ -29,7 +31,9 @@ def _expected(x, w, b):
     return F.linear(x.float(), w.float(), None if b is None else b.float())
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.block_n}x{c.block_k}-dot{c.use_dot}")
+@pytest.mark.parametrize(
+    "config", CONFIGS, ids=lambda c: f"{c.block_n}x{c.block_k}-dot{c.use_dot}-split{c.split_k}"
+)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -40,6 +44,31 @@ def test_skinny_linear(triton_backend, dtype, shape, bias, config):
     assert out.shape == (rows, n) and out.dtype == dtype
     # fp32 accumulation of 16-bit products: the only rounding is the output's
     assert_close(out.float(), _expected(x, w, b), atol=2e-2, rtol=1.6e-2, name="skinny_linear")
+
+
+def test_skinny_linear_split_k_is_deterministic_and_resets_its_counters(triton_backend):
+    # 3 N tiles x 4 splits: each tile's last program sums the partials and zeroes its counter,
+    # so a second call (as a graph replay) finds the counters ready and gives the same bits.
+    x, w, b = _inputs(1, 40, 256, torch.bfloat16, triton_backend.device, True)
+    config = SkinnyConfig(16, 32, 4, 1, False, split_k=4)
+    first = triton_linear.skinny_linear(x, w, b, config)
+    counters = triton_linear._COUNTERS[x.device]
+    assert int(counters.abs().sum()) == 0
+    again = triton_linear.skinny_linear(x, w, b, config)
+    assert torch.equal(first, again)
+    assert_close(first.float(), _expected(x, w, b), atol=2e-2, rtol=1.6e-2)
+    # the same sum split 1 way: the fp32 accumulations differ only in order
+    single = triton_linear.skinny_linear(x, w, b, SkinnyConfig(16, 32, 4, 1, False))
+    assert_close(first.float(), single.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_split_k_policy():
+    # few N tiles: split K to about two programs per SM; enough tiles: no split
+    one_row = SkinnyConfig(16, 512, 4, 5, use_dot=False)
+    assert triton_linear.split_k_for(1024, 2048, one_row, 132) == 4  # 64 tiles, 4 K tiles
+    assert triton_linear.split_k_for(1024, 3072, one_row, 132) == 5
+    assert triton_linear.split_k_for(4096, 4096, one_row, 132) == 1
+    assert triton_linear.split_k_for(1024, 256, one_row, 132) == 1  # one K tile
 
 
 def test_skinny_linear_leading_dims_and_strided_x(triton_backend):
@@ -75,7 +104,9 @@ def test_use_skinny_policy():
     assert triton_linear.use_skinny(most, 4096, 4096, torch.float16, sms)
     assert not triton_linear.use_skinny(most + 1, 4096, 4096, bf16, sms)
     assert not triton_linear.use_skinny(1, 4096, 4096, torch.float32, sms)
-    assert not triton_linear.use_skinny(1, 1024, 14336, bf16, sms)  # too few programs
+    # too few programs for the plain kernel: the split-K one, unless turned off
+    assert triton_linear.use_skinny(1, 1024, 14336, bf16, sms) == triton_linear.SPLIT_K_ENABLED
+    assert not triton_linear.use_skinny(1, 1024, 512, bf16, sms)  # 1 MB: cuBLAS
     assert not triton_linear.use_skinny(1, 4096, 1024, bf16, sms)  # a small weight
     assert triton_linear.use_skinny(1, 151936, 1024, bf16, sms)  # an LM head
     assert not triton_linear.use_skinny(0, 4096, 4096, bf16, sms)

@@ -4,8 +4,15 @@ A decode step at a small batch reads every weight once and multiplies it by a ha
 the GEMM is a stream over W. ``_skinny_kernel`` gives each program BLOCK_N output features and
 walks all of K: W tiles [BLOCK_N, BLOCK_K] flow through the software pipeline (num_stages deep)
 into a dot with the x rows (padded to BLOCK_M >= 16) or, at one row, into an fp32 multiply-add.
-No split-K: one program owns its outputs, so there is no reduce and no zeroed buffer, and the
-grid (N / BLOCK_N programs) is a shape-only function (CUDA-graph safe).
+The grid (N / BLOCK_N programs, times the K splits) is a shape-only function (CUDA-graph safe).
+
+Split-K (a config's ``split_k`` > 1: weights with few output features, e.g. a small model's
+o / down projections, whose N / BLOCK_N programs leave SMs idle): program (n, s) walks the s-th
+slice of K and writes its fp32 partial [rows, BLOCK_N] to a workspace, then counts itself in on
+its N tile's counter (an atomic with release/acquire semantics). The program that arrives last
+sums the SPLIT_K partials in split order (deterministic), adds the bias, writes the output and
+sets the counter back to zero, so no separate reduce kernel runs and the counters need no
+zeroing between calls or graph replays.
 
 Where cuBLAS stays: more rows than SKINNY_MAX_ROWS (the GEMM stops being a pure weight stream),
 fp32 (tests' precision, not speed), and weights whose feature count gives fewer programs than
@@ -14,7 +21,9 @@ SMs at the smallest tile (small models: cuBLAS's split-K keeps the SMs busy ther
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +34,14 @@ from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms
 
 SKINNY_MAX_ROWS = 8
 MIN_WEIGHT_BYTES = 16 << 20
+# Split-K tiles share one int32 counter each; a device keeps one buffer of this many (split-K
+# runs only while N / BLOCK_N programs are fewer than the SMs, so a few hundred are ever used).
+MAX_SPLIT_TILES = 4096
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# Weights with fewer output features than 16 per SM (too few programs without a split) and at
+# least this many bytes take the split-K kernel; ATOM_SKINNY_SPLIT_K=0 keeps them on cuBLAS.
+SPLIT_K_MIN_WEIGHT_BYTES = 2 << 20
+SPLIT_K_ENABLED = os.environ.get("ATOM_SKINNY_SPLIT_K", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -34,32 +51,41 @@ class SkinnyConfig:
     num_warps: int
     num_stages: int
     use_dot: bool = True
+    split_k: int = 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k_per_split"])
 def _skinny_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
     out_ptr,
+    part_ptr,
+    count_ptr,
     num_rows,
     N,
     K,
+    k_per_split,
     stride_xm,
     stride_wn,
     stride_om,
     HAS_BIAS: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # M = rows of x (<= BLOCK_M), N = output features, K = input features
+    # M = rows of x (<= BLOCK_M), N = output features, K = input features; split s of SPLIT_K
+    # walks K in [s * k_per_split, (s + 1) * k_per_split) (k_per_split a multiple of BLOCK_K)
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
     m_mask = offs_m < num_rows
     n_mask = offs_n < N
     # Rows past N read row N - 1 (in bounds, discarded at the store): no mask on the W stream.
@@ -70,12 +96,12 @@ def _skinny_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:  # one row: elementwise products, summed over K once at the end
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
         else:
-            k_mask = (k + offs_k) < K
+            k_mask = (k - k_lo + offs_k) < k_hi
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if USE_DOT:
@@ -86,10 +112,25 @@ def _skinny_kernel(
         x_ptrs += BLOCK_K
     if not USE_DOT:
         acc = tl.reshape(tl.sum(acc2, axis=1), [BLOCK_M, BLOCK_N])
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        # [SPLIT_K, num_rows, N] fp32 partials; the last program of this N tile sums them.
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + split * num_rows * N + tile, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
+        if arrived != SPLIT_K - 1:
+            return
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for s in range(SPLIT_K):  # split order: the same sum on every run
+            acc += tl.load(
+                part_ptr + s * num_rows * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg"
+            )
+        tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next call (and graph replay)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out_ptrs, acc, mask=out_mask)
 
 
 def default_config(num_rows: int, n: int, k: int, sms: int, interpreted: bool) -> SkinnyConfig:
@@ -105,8 +146,19 @@ def default_config(num_rows: int, n: int, k: int, sms: int, interpreted: bool) -
     if interpreted:
         return SkinnyConfig(16, 32, 4, 1, use_dot=num_rows > 1)
     if num_rows == 1:
-        return SkinnyConfig(16, 512, 4, 5, use_dot=False)
-    return SkinnyConfig(32, 256 if k >= 8192 else 128, 4, 5)
+        config = SkinnyConfig(16, 512, 4, 5, use_dot=False)
+    else:
+        config = SkinnyConfig(32, 256 if k >= 8192 else 128, 4, 5)
+    return dataclasses.replace(config, split_k=split_k_for(n, k, config, sms))
+
+
+def split_k_for(n: int, k: int, config: SkinnyConfig, sms: int) -> int:
+    """K splits that bring the programs to about two per SM when the N tiles alone are fewer
+    than the SMs (1 otherwise), each split at least one K tile."""
+    tiles = triton.cdiv(n, config.block_n)
+    if tiles >= sms:
+        return 1
+    return max(1, min(triton.cdiv(k, config.block_k), triton.cdiv(2 * sms, tiles)))
 
 
 def use_skinny(num_rows: int, n: int, k: int, dtype: torch.dtype, sms: int) -> bool:
@@ -114,12 +166,23 @@ def use_skinny(num_rows: int, n: int, k: int, dtype: torch.dtype, sms: int) -> b
     MIN_WEIGHT_BYTES stay on cuBLAS: Qwen3-0.6B's 4-12 MB projections ran within +-10% of it
     either way (launch and tail bound), its 311 MB LM head 8% faster in Triton."""
     weight_bytes = n * k * dtype.itemsize
-    return (
-        0 < num_rows <= SKINNY_MAX_ROWS
-        and dtype != torch.float32
-        and n >= 16 * sms
-        and weight_bytes >= MIN_WEIGHT_BYTES
-    )
+    if not 0 < num_rows <= SKINNY_MAX_ROWS or dtype == torch.float32:
+        return False
+    if n >= 16 * sms:
+        return weight_bytes >= MIN_WEIGHT_BYTES
+    return SPLIT_K_ENABLED and weight_bytes >= SPLIT_K_MIN_WEIGHT_BYTES
+
+
+def _split_counters(device: torch.device) -> torch.Tensor | None:
+    """The device's zeroed split-K counters, or None while a CUDA graph is being captured and
+    none exist yet (a zeroing recorded in a graph does not run until the graph replays)."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
 
 
 def skinny_linear(
@@ -145,20 +208,32 @@ def skinny_linear(
     config = config or default_config(num_rows, n, k, num_sms(x.device), is_interpreted(x.device))
     use_dot = config.use_dot or num_rows > 1
     out2 = out.view(-1, n)
-    _skinny_kernel[(triton.cdiv(n, config.block_n),)](
+    tiles = triton.cdiv(n, config.block_n)
+    # Each split a whole number of K tiles; the last may be short (or empty: it adds zeros).
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    split_k = triton.cdiv(k, k_per_split)
+    counters = _split_counters(x.device) if split_k > 1 else None
+    if counters is None or tiles > MAX_SPLIT_TILES:
+        split_k, k_per_split, counters = 1, k, weight
+    partials = x2.new_empty((split_k, num_rows, n), dtype=torch.float32) if split_k > 1 else out2
+    _skinny_kernel[(tiles, split_k)](
         x2,
         weight,
         bias if bias is not None else weight,
         out2,
+        partials,
+        counters,
         num_rows,
         n,
         k,
+        k_per_split,
         x2.stride(0),
         weight.stride(0),
         out2.stride(0),
         HAS_BIAS=bias is not None,
         USE_DOT=use_dot,
         EVEN_K=k % config.block_k == 0,
+        SPLIT_K=split_k,
         BLOCK_M=16 if use_dot else 1,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
