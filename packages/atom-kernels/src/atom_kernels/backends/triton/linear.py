@@ -38,10 +38,14 @@ MIN_WEIGHT_BYTES = 16 << 20
 # runs only while N / BLOCK_N programs are fewer than the SMs, so a few hundred are ever used).
 MAX_SPLIT_TILES = 4096
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-# Weights with fewer output features than 16 per SM (too few programs without a split) and at
-# least this many bytes take the split-K kernel; ATOM_SKINNY_SPLIT_K=0 keeps them on cuBLAS.
+# ATOM_SKINNY_SPLIT_K=1: weights with fewer output features than 16 per SM (too few programs
+# without a split) and at least this many bytes take the split-K kernel instead of cuBLAS.
+# NOTE (benchmarks/results/splitk-h100, one H100, triton 3.6, torch 2.11, 2026-11-24): off by
+# default. Qwen3-0.6B's o (1024 x 2048) and down (1024 x 3072) at one row: best split-K tile
+# 6.3 / 7.5 us against cuBLAS's 5.9 / 8.0 (both launch and latency bound, 22-28% of bandwidth);
+# the decode step at batch 1 / 8 took 1.49 / 1.79 ms with it and 1.47 / 1.74 without (2 rounds).
 SPLIT_K_MIN_WEIGHT_BYTES = 2 << 20
-SPLIT_K_ENABLED = os.environ.get("ATOM_SKINNY_SPLIT_K", "1") != "0"
+SPLIT_K_ENABLED = os.environ.get("ATOM_SKINNY_SPLIT_K", "0") == "1"
 
 
 @dataclass(frozen=True)
