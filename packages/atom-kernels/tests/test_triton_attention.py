@@ -239,6 +239,31 @@ def test_decode_per_sequence_splits(triton_backend, feature):
     assert_close(out, expected, atol=atol, rtol=rtol, name="paged_attention")
 
 
+@pytest.mark.parametrize("feature", ["causal", "window_sinks"])
+def test_decode_split_merge_fused_and_separate(triton_backend, monkeypatch, feature):
+    """The decode kernel's last split merges the partials (counters, no reduce kernel) and sets
+    its counters back to zero; the separate reduce kernel (the path without counters) gives the
+    same rows up to the order of the fp32 sums."""
+    from atom_kernels.backends.triton.common import zeroed_counters
+
+    seqs = [(5, 1), (40, 1), (100, 1), (16, 1), (190, 1), (30, 4)]
+    batch = PagedBatch(seqs, GQA, torch.bfloat16, triton_backend.device, pad_rows=1, seed=13)
+    args = batch.args(FEATURES[feature])
+    outs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(triton_backend.attention, "FUSED_DECODE_REDUCE", fused)
+        outs[fused] = torch.full_like(batch.query, float("nan"))
+        triton_backend.attention.paged_attention(
+            *args, outs[fused], num_splits=4, min_split_len=16
+        )
+    counters = zeroed_counters(batch.query.device, len(seqs) * GQA[1])
+    assert int(counters.abs().sum()) == 0, "every merging program resets its counter"
+    expected = reference.paged_attention(*args, None)
+    atol, rtol = TOLERANCES[torch.bfloat16]
+    assert_close(outs[True], expected, atol=atol, rtol=rtol, name="fused merge")
+    assert_close(outs[True], outs[False], atol=1e-2, rtol=1e-2, name="fused vs separate")
+
+
 def test_prefill_only_batch_int64_metadata(triton_backend):
     seqs = [(30, 30), (45, 20), (18, 2)]
     batch = PagedBatch(

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from atom_kernels.backends.triton import linear as triton_linear
+from atom_kernels.backends.triton.common import zeroed_counters
 from atom_kernels.backends.triton.linear import SkinnyConfig
 from atom_kernels.testing import assert_close
 
@@ -52,7 +53,7 @@ def test_skinny_linear_split_k_is_deterministic_and_resets_its_counters(triton_b
     x, w, b = _inputs(1, 40, 256, torch.bfloat16, triton_backend.device, True)
     config = SkinnyConfig(16, 32, 4, 1, False, split_k=4)
     first = triton_linear.skinny_linear(x, w, b, config)
-    counters = triton_linear._COUNTERS[x.device]
+    counters = zeroed_counters(x.device, 3)
     assert int(counters.abs().sum()) == 0
     again = triton_linear.skinny_linear(x, w, b, config)
     assert torch.equal(first, again)

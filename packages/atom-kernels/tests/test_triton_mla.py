@@ -139,6 +139,24 @@ def test_decode_per_sequence_splits(triton_backend):
     _check(triton_backend, batch, TOLERANCES[torch.float32], num_splits=4, min_split_len=16)
 
 
+def test_decode_split_merge_fused_and_separate(triton_backend, monkeypatch):
+    """The last split of a (sequence, head block) merges the partials and resets its counter;
+    the separate reduce kernel (the path without counters) gives the same rows."""
+    from atom_kernels.backends.triton.common import zeroed_counters
+
+    seqs = [(5, 1), (40, 1), (100, 1), (16, 1), (190, 1), (30, 4)]
+    device = triton_backend.device
+    batch = MlaBatch(seqs, TWO_HEAD_BLOCKS, torch.bfloat16, device, pad_rows=1, seed=14)
+    outs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(triton_backend.mla_attention, "FUSED_DECODE_REDUCE", fused)
+        outs[fused] = _check(
+            triton_backend, batch, TOLERANCES[torch.bfloat16], num_splits=4, min_split_len=16
+        )
+    assert int(zeroed_counters(device, 64).abs().sum()) == 0
+    assert_close(outs[True], outs[False], atol=1e-2, rtol=1e-2, name="fused vs separate")
+
+
 # (block_m, block_n, block_size, heavy_first): tiles of several pages, a tile inside one page,
 # pages straddling tiles, both tile orders; H = 5 pairs cut rows across tiles.
 PREFILL_TILES = [(32, 32, 4, True), (16, 16, 32, False), (32, 16, 5, True)]

@@ -10,6 +10,7 @@ one launch of programs that exit after reading query_start_loc.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -17,12 +18,21 @@ import triton
 
 from atom_kernels.backends.triton.attention_decode import decode_kernel, decode_reduce_kernel
 from atom_kernels.backends.triton.attention_prefill import prefill_kernel
-from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_sms, scale_args
+from atom_kernels.backends.triton.common import (
+    is_interpreted,
+    next_pow2,
+    num_sms,
+    scale_args,
+    zeroed_counters,
+)
 
 # Decode splits: a split holds at least this many KV tokens (shorter ones cost more in partial
 # writes and the reduce than they win in parallelism), and there are at most MAX_SPLITS of them.
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
+# The decode kernel's last split merges the partials (see attention_decode); "0" keeps the
+# separate reduce kernel (an A/B switch for benchmarks).
+FUSED_DECODE_REDUCE = os.environ.get("ATOM_FUSED_DECODE_REDUCE", "1") != "0"
 # Programs the decode grid aims for, per SM: enough resident programs to cover memory latency.
 PROGRAMS_PER_SM = 2
 # From this many (sequence, kv head) programs an SM, the decode kernel takes the config's large
@@ -289,6 +299,11 @@ def paged_attention(
         )
     else:
         m_part = l_part = acc_part = out
+    # The last split of a (sequence, kv head) merges the partials (no reduce kernel) unless no
+    # counters can be had (growing them inside a graph capture) or ATOM_FUSED_DECODE_REDUCE=0.
+    counters = None
+    if num_splits > 1 and FUSED_DECODE_REDUCE:
+        counters = zeroed_counters(query.device, num_seqs * num_kv_heads)
     decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         key_cache,
@@ -297,6 +312,7 @@ def paged_attention(
         m_part,
         l_part,
         acc_part,
+        counters if counters is not None else seq_lens,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -309,13 +325,14 @@ def paged_attention(
         num_splits,
         *values,
         SINGLE_SPLIT=num_splits == 1,
+        FUSED_REDUCE=counters is not None,
         BLOCK_G=next_pow2(group, 16),
         BLOCK_N=block_n,
         num_warps=num_warps,
         num_stages=num_stages,
         **flags,
     )
-    if num_splits > 1:
+    if num_splits > 1 and counters is None:
         decode_reduce_kernel[(num_seqs, num_heads)](
             out,
             m_part,

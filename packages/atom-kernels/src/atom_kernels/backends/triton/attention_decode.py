@@ -9,7 +9,10 @@ Each sequence cuts its own context into at most ``num_splits`` splits of
 ``split_len(seq_len) = max(min_split_len, ceil(seq_len / num_splits))`` tokens (rounded up to the
 KV tile), so long and short contexts in one batch give programs of similar work. A sequence with
 one split finishes its row in the program (sinks included); with several, each program writes its
-partial (max, sum, acc) and ``decode_reduce_kernel`` (grid (B, H)) merges them and adds the sink.
+partial (max, sum, acc), and the split that finishes last for its (sequence, kv head) merges the
+group's partials and adds the sink (FUSED_REDUCE: a counter per (sequence, kv head), counted with
+release / acquire atomics and set back to zero by the merging program; no second kernel). Without
+counters (``FUSED_REDUCE`` off) ``decode_reduce_kernel`` (grid (B, H)) merges them.
 """
 
 import triton
@@ -43,6 +46,7 @@ def decode_kernel(
     m_part_ptr,
     l_part_ptr,
     acc_part_ptr,
+    count_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -77,6 +81,7 @@ def decode_kernel(
     stride_od,
     stride_bt,
     SINGLE_SPLIT: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -136,19 +141,67 @@ def decode_kernel(
     acc = acc * load_scale(v_scale_ptr, v_scale, V_SCALE_IS_PTR)
 
     dv_mask = head_mask[:, None] & (offs_dv < head_dim_v)[None, :]
+    o_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+    o_ptrs += offs_dv[None, :] * stride_od
     if SINGLE_SPLIT or seq_len <= split_len:  # one split: finish the row here
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0).to(tl.float32) * LOG2E
             m_new = tl.maximum(m_i, sink)
             l_i = l_i * tl.exp2(m_i - m_new) + tl.exp2(sink - m_new)
             acc = acc * tl.exp2(m_i - m_new)[:, None]
-        o_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-        tl.store(o_ptrs + offs_dv[None, :] * stride_od, acc / l_i[:, None], mask=dv_mask)
+        tl.store(o_ptrs, acc / l_i[:, None], mask=dv_mask)
     else:
-        part = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # [BLOCK_G]
+        first = (seq.to(tl.int64) * num_heads + heads) * num_splits  # [BLOCK_G]
+        part = first + split
         tl.store(m_part_ptr + part, m_i, mask=head_mask)
         tl.store(l_part_ptr + part, l_i, mask=head_mask)
         tl.store(acc_part_ptr + part[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=dv_mask)
+        if FUSED_REDUCE:
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            counter = count_ptr + seq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == tl.cdiv(seq_len, split_len) - 1:
+                _merge_splits(
+                    o_ptrs, m_part_ptr, l_part_ptr, acc_part_ptr, sinks_ptr, first, heads,
+                    head_mask, dv_mask, tl.cdiv(seq_len, split_len), HAS_SINKS, BLOCK_G,
+                    BLOCK_DV,
+                )  # fmt: skip
+                tl.atomic_xchg(counter, 0)  # ready for the next launch (and graph replay)
+
+
+@triton.jit
+def _merge_splits(
+    o_ptrs, m_part_ptr, l_part_ptr, acc_part_ptr, sinks_ptr, first, heads, head_mask, dv_mask,
+    splits, HAS_SINKS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """The group's rows from its ``splits`` partials (first split at ``first`` [BLOCK_G]), as
+    ``decode_reduce_kernel`` merges them, read through L2 (written by other programs)."""
+    m_max = tl.zeros([BLOCK_G], tl.float32) + float("-inf")
+    for s in range(splits):
+        m = tl.load(m_part_ptr + first + s, mask=head_mask, other=0.0, cache_modifier=".cg")
+        m_max = tl.maximum(m_max, m)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0).to(tl.float32) * LOG2E
+        m_max = tl.maximum(m_max, sink)
+    m_max = tl.where(head_mask, m_max, 0.0)
+    denominator = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for s in range(splits):
+        # Splits that saw no key (outside the window) have m = -inf and weigh 0.
+        m = tl.load(m_part_ptr + first + s, mask=head_mask, other=float("-inf"),
+                    cache_modifier=".cg")  # fmt: skip
+        weight = tl.exp2(m - m_max)
+        l_part = tl.load(l_part_ptr + first + s, mask=head_mask, other=0.0, cache_modifier=".cg")
+        denominator += l_part * weight
+        part_acc = tl.load(
+            acc_part_ptr + (first + s)[:, None] * BLOCK_DV + offs_dv[None, :],
+            mask=dv_mask, other=0.0, cache_modifier=".cg",
+        )  # fmt: skip
+        acc += part_acc * weight[:, None]
+    if HAS_SINKS:
+        denominator += tl.exp2(sink - m_max)
+    denominator = tl.where(head_mask, denominator, 1.0)
+    tl.store(o_ptrs, acc / denominator[:, None], mask=dv_mask)
 
 
 @triton.jit(do_not_specialize=["min_split_len", "num_splits"])

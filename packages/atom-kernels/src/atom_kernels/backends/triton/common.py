@@ -63,6 +63,30 @@ def scale_args(
     return dummy, 1.0 if scale is None else float(scale), False
 
 
+# Counters of the kernels whose last program on a tile finishes it (split-K GEMM, decode
+# attention's split merge): zero between kernels, since each such program sets its counter back
+# to zero. One buffer per device, shared by every kernel on the device's stream; a grown buffer
+# replaces the old one, which stays alive (a captured CUDA graph may still point at it).
+MIN_COUNTERS = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+
+
+def zeroed_counters(device: torch.device, count: int) -> torch.Tensor | None:
+    """At least ``count`` zeroed int32 counters on ``device``, or None while a CUDA graph is
+    being captured and the buffer would have to grow (a zeroing recorded in a graph does not run
+    until the graph replays): the caller then takes its path without counters."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if counters is not None:
+            _RETIRED_COUNTERS.append(counters)
+        counters = torch.zeros(max(count, MIN_COUNTERS), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value of a cache dtype (0 for non-fp8: unused)."""
     return float(torch.finfo(dtype).max) if dtype.itemsize == 1 else 0.0

@@ -30,14 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms
+from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
 
 SKINNY_MAX_ROWS = 8
 MIN_WEIGHT_BYTES = 16 << 20
-# Split-K tiles share one int32 counter each; a device keeps one buffer of this many (split-K
-# runs only while N / BLOCK_N programs are fewer than the SMs, so a few hundred are ever used).
-MAX_SPLIT_TILES = 4096
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 # ATOM_SKINNY_SPLIT_K=1: weights with fewer output features than 16 per SM (too few programs
 # without a split) and at least this many bytes take the split-K kernel instead of cuBLAS.
 # NOTE (benchmarks/results/splitk-h100, one H100, triton 3.6, torch 2.11, 2026-11-24): off by
@@ -177,18 +173,6 @@ def use_skinny(num_rows: int, n: int, k: int, dtype: torch.dtype, sms: int) -> b
     return SPLIT_K_ENABLED and weight_bytes >= SPLIT_K_MIN_WEIGHT_BYTES
 
 
-def _split_counters(device: torch.device) -> torch.Tensor | None:
-    """The device's zeroed split-K counters, or None while a CUDA graph is being captured and
-    none exist yet (a zeroing recorded in a graph does not run until the graph replays)."""
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
-
-
 def skinny_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -216,8 +200,8 @@ def skinny_linear(
     # Each split a whole number of K tiles; the last may be short (or empty: it adds zeros).
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)
-    counters = _split_counters(x.device) if split_k > 1 else None
-    if counters is None or tiles > MAX_SPLIT_TILES:
+    counters = zeroed_counters(x.device, tiles) if split_k > 1 else None
+    if counters is None:  # no split (or no counters yet inside a graph capture)
         split_k, k_per_split, counters = 1, k, weight
     partials = x2.new_empty((split_k, num_rows, n), dtype=torch.float32) if split_k > 1 else out2
     _skinny_kernel[(tiles, split_k)](

@@ -14,8 +14,14 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from atom_kernels.backends.triton.attention import MAX_SPLITS
-from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_sms, scale_args
+from atom_kernels.backends.triton.attention import FUSED_DECODE_REDUCE, MAX_SPLITS
+from atom_kernels.backends.triton.common import (
+    is_interpreted,
+    next_pow2,
+    num_sms,
+    scale_args,
+    zeroed_counters,
+)
 from atom_kernels.backends.triton.mla_decode import mla_decode_kernel, mla_decode_reduce_kernel
 from atom_kernels.backends.triton.mla_prefill import mla_prefill_kernel
 
@@ -202,6 +208,10 @@ def mla_paged_attention(
         )
     else:
         m_part = l_part = acc_part = out
+    # The last split of a (sequence, head block) merges the partials (see mla_decode).
+    counters = None
+    if num_splits > 1 and FUSED_DECODE_REDUCE:
+        counters = zeroed_counters(q_latent.device, num_seqs * head_blocks)
     mla_decode_kernel[(num_seqs, head_blocks, num_splits)](
         q_latent,
         q_pe,
@@ -210,6 +220,7 @@ def mla_paged_attention(
         m_part,
         l_part,
         acc_part,
+        counters if counters is not None else seq_lens,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -224,6 +235,7 @@ def mla_paged_attention(
         *strides,
         KV_SCALE_IS_PTR=kv_scale_is_ptr,
         SINGLE_SPLIT=num_splits == 1,
+        FUSED_REDUCE=counters is not None,
         PRECISION=precision,
         BLOCK_SIZE=block_size,
         BLOCK_H=block_h,
@@ -233,7 +245,7 @@ def mla_paged_attention(
         num_warps=config.decode_num_warps,
         num_stages=config.decode_num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and counters is None:
         block_c = min(REDUCE_BLOCK_C, block_l)
         mla_decode_reduce_kernel[(num_seqs, num_heads, triton.cdiv(block_l, block_c))](
             out,

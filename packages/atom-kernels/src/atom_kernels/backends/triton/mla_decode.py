@@ -13,8 +13,10 @@ Sequences whose query length is not 1 exit at once (the prefill kernel owns them
 Splits follow paged attention's decode (attention_decode): each sequence cuts its context into at
 most ``num_splits`` splits of ``max(min_split_len, ceil(seq_len / num_splits))`` tokens. A
 sequence with one split finishes its rows in the program; with several, each program writes its
-partial (max, sum, acc) and ``mla_decode_reduce_kernel`` (grid (B, H, cdiv(L, BLOCK_C))) merges
-them, one chunk of the latent dim per program (a whole [splits, 512] fp32 tile would spill).
+partial (max, sum, acc), and the split that finishes last for its (sequence, head block) merges
+them (FUSED_REDUCE: a counter per (sequence, head block), as paged attention's decode). Without
+counters ``mla_decode_reduce_kernel`` (grid (B, H, cdiv(L, BLOCK_C))) merges them, one chunk of
+the latent dim per program (a whole [splits, 512] fp32 tile would spill).
 """
 
 import triton
@@ -36,6 +38,7 @@ def mla_decode_kernel(
     m_part_ptr,
     l_part_ptr,
     acc_part_ptr,
+    count_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -62,6 +65,7 @@ def mla_decode_kernel(
     stride_bt,
     KV_SCALE_IS_PTR: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -128,10 +132,40 @@ def mla_decode_kernel(
         o_ptrs = out_ptr + q_row64 * stride_ot + heads[:, None] * stride_oh
         tl.store(o_ptrs + offs_l[None, :] * stride_od, acc / l_i[:, None], mask=l_mask)
     else:
-        part = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # [BLOCK_H]
+        first = (seq.to(tl.int64) * num_heads + heads) * num_splits  # [BLOCK_H]
+        part = first + split
         tl.store(m_part_ptr + part, m_i, mask=head_mask)
         tl.store(l_part_ptr + part, l_i, mask=head_mask)
         tl.store(acc_part_ptr + part[:, None] * BLOCK_L + offs_l[None, :], acc, mask=l_mask)
+        if FUSED_REDUCE:
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            counter = count_ptr + seq * tl.num_programs(1) + tl.program_id(1)
+            splits = tl.cdiv(seq_len, split_len)
+            if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+                m_max = tl.zeros([BLOCK_H], tl.float32) + float("-inf")
+                for s in range(splits):  # every split saw a key: m is finite
+                    m = tl.load(m_part_ptr + first + s, mask=head_mask, other=0.0,
+                                cache_modifier=".cg")  # fmt: skip
+                    m_max = tl.maximum(m_max, m)
+                denominator = tl.zeros([BLOCK_H], tl.float32)
+                acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+                for s in range(splits):
+                    weight = tl.exp2(
+                        tl.load(m_part_ptr + first + s, mask=head_mask, other=0.0,
+                                cache_modifier=".cg") - m_max
+                    )  # fmt: skip
+                    l_part = tl.load(l_part_ptr + first + s, mask=head_mask, other=0.0,
+                                     cache_modifier=".cg")  # fmt: skip
+                    denominator += l_part * weight
+                    acc += tl.load(
+                        acc_part_ptr + (first + s)[:, None] * BLOCK_L + offs_l[None, :],
+                        mask=l_mask, other=0.0, cache_modifier=".cg",
+                    ) * weight[:, None]  # fmt: skip
+                denominator = tl.where(head_mask, denominator, 1.0)
+                o_ptrs = out_ptr + q_row64 * stride_ot + heads[:, None] * stride_oh
+                tl.store(o_ptrs + offs_l[None, :] * stride_od, acc / denominator[:, None],
+                         mask=l_mask)  # fmt: skip
+                tl.atomic_xchg(counter, 0)  # ready for the next launch (and graph replay)
 
 
 @triton.jit(do_not_specialize=["min_split_len", "num_splits"])
