@@ -149,7 +149,7 @@ def test_decode_split_merge_fused_and_separate(triton_backend, monkeypatch):
     batch = MlaBatch(seqs, TWO_HEAD_BLOCKS, torch.bfloat16, device, pad_rows=1, seed=14)
     outs = {}
     for fused in (True, False):
-        monkeypatch.setattr(triton_backend.mla_attention, "FUSED_DECODE_REDUCE", fused)
+        monkeypatch.setattr(triton_backend.attention, "FUSED_DECODE_REDUCE", fused)
         outs[fused] = _check(
             triton_backend, batch, TOLERANCES[torch.bfloat16], num_splits=4, min_split_len=16
         )

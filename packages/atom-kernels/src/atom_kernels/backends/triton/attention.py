@@ -30,9 +30,22 @@ from atom_kernels.backends.triton.common import (
 # writes and the reduce than they win in parallelism), and there are at most MAX_SPLITS of them.
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
-# The decode kernel's last split merges the partials (see attention_decode); "0" keeps the
-# separate reduce kernel (an A/B switch for benchmarks).
+# Eager launches: the decode kernel's last split merges the partials (see attention_decode), one
+# launch fewer from Python (the piecewise graphs run attention eagerly between their pieces).
+# Inside a CUDA graph capture the separate reduce kernel runs: launches cost nothing there and
+# the merge by one program adds a serial tail. "0" keeps the reduce kernel everywhere.
+# NOTE (benchmarks/results/fused-reduce-h100, one H100, 2026-11-24, engine_bench decode, Qwen3-0.6B
+# shape, decode graphs, 2 alternating rounds): merging in the kernel inside the graphs took
+# 1.50 / 1.50 ms a step at batch 1 against 1.47 / 1.47 with the reduce kernel; batch 8 and 64
+# within 1%.
 FUSED_DECODE_REDUCE = os.environ.get("ATOM_FUSED_DECODE_REDUCE", "1") != "0"
+
+
+def fuse_decode_reduce(device: torch.device) -> bool:
+    """Whether a decode launch with several splits merges them in the kernel (see above)."""
+    if not FUSED_DECODE_REDUCE:
+        return False
+    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
 # Programs the decode grid aims for, per SM: enough resident programs to cover memory latency.
 PROGRAMS_PER_SM = 2
 # From this many (sequence, kv head) programs an SM, the decode kernel takes the config's large
@@ -299,10 +312,9 @@ def paged_attention(
         )
     else:
         m_part = l_part = acc_part = out
-    # The last split of a (sequence, kv head) merges the partials (no reduce kernel) unless no
-    # counters can be had (growing them inside a graph capture) or ATOM_FUSED_DECODE_REDUCE=0.
+    # Eager: the last split of a (sequence, kv head) merges the partials (no reduce kernel).
     counters = None
-    if num_splits > 1 and FUSED_DECODE_REDUCE:
+    if num_splits > 1 and fuse_decode_reduce(query.device):
         counters = zeroed_counters(query.device, num_seqs * num_kv_heads)
     decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,

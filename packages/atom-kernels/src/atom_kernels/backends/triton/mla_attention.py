@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from atom_kernels.backends.triton.attention import FUSED_DECODE_REDUCE, MAX_SPLITS
+from atom_kernels.backends.triton.attention import MAX_SPLITS, fuse_decode_reduce
 from atom_kernels.backends.triton.common import (
     is_interpreted,
     next_pow2,
@@ -208,9 +208,9 @@ def mla_paged_attention(
         )
     else:
         m_part = l_part = acc_part = out
-    # The last split of a (sequence, head block) merges the partials (see mla_decode).
+    # Eager: the last split of a (sequence, head block) merges the partials (see mla_decode).
     counters = None
-    if num_splits > 1 and FUSED_DECODE_REDUCE:
+    if num_splits > 1 and fuse_decode_reduce(q_latent.device):
         counters = zeroed_counters(q_latent.device, num_seqs * head_blocks)
     mla_decode_kernel[(num_seqs, head_blocks, num_splits)](
         q_latent,
