@@ -38,9 +38,13 @@ activations stay pointer loads (GEMM 1 gathers token rows). Interleaved gate/up 
 and weights that break TMA's alignment rules fall back to pointer loads.
 
 Quantized experts (``quant``: "fp8_block", "fp8_channel", "mxfp4"): every GEMM dequantizes its
-weight tiles in the K loop (``_weight_tile``: FP8 value times its block / row float32 scale, or
-e2m1 nibbles times the e8m0 scale of their 32-value block), then multiplies in the activation
-dtype: weight-only, the numbers of the torch reference's dequantized experts. No TMA for them.
+weight tiles in the K loop, then multiplies in the activation dtype: weight-only, the numbers of
+the torch reference's dequantized experts (each value times its scale in float32, one rounding).
+The scales are loaded per (column tile, K step), never per element: FP8 (``_fp8_tile``) reads a
+[BLOCK_K, BLOCK_N] tile and one [BLOCK_N] scale vector (BLOCK_K divides the block's K, so a K tile
+lies in one scale column; per channel the same vector every step); MXFP4 (``_mxfp4_dot``) walks
+32-input scale groups, loads each group's 16 packed bytes per row once and runs two dots, the even
+inputs against the low nibbles and the odd inputs against the high ones. No TMA for them.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ import triton
 import triton.language as tl
 
 from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_sms
-from atom_kernels.backends.triton.quant import e2m1_to_f32, e8m0_to_f32
+from atom_kernels.backends.triton.quant import e8m0_to_f32
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -320,29 +324,73 @@ def _block_expert(
 
 
 @triton.jit
-def _weight_tile(
-    w_ptr, s_ptr, expert, rows, ks, mask,
-    stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, group_n, group_k,
-    QUANT: tl.constexpr,
-):  # fmt: skip
-    """A [K, N] float32 tile of ``expert``'s quantized weight: rows ``rows`` [N] (output features)
-    at inputs ``ks`` [K], dequantized as the torch reference does (value times scale in float32).
+def _fp8_tile(w_ptrs, s_rows, k0, mask, col_valid, stride_sk, group_k, dtype):
+    """A [K, N] FP8 weight tile (``w_ptrs``) dequantized to ``dtype`` as the torch reference does
+    (value times scale in float32, one rounding). The K tile lies in one scale column (the
+    launcher picks BLOCK_K dividing group_k), so its scales are one [N] vector:
+    ``s_rows`` [N] (row // group_n's scale row) at column k0 // group_k (per channel: stride 0)."""
+    scale = tl.load(s_rows + (k0 // group_k) * stride_sk, mask=col_valid, other=0.0)
+    w = tl.load(w_ptrs, mask=mask, other=0.0)
+    return (w.to(tl.float32) * scale[None, :]).to(dtype)
 
-    QUANT 1 (FP8): scale[row // group_n, k // group_k] (per channel: group_n 1, stride_sk 0).
-    QUANT 2 (MXFP4): the weight packed two e2m1 codes a byte along K (low nibble first),
-    scale[row, k // 32] an e8m0 exponent (group_n 1, group_k 32)."""
-    e = expert.to(tl.int64)
-    w_rows = w_ptr + e * stride_we + rows[None, :].to(tl.int64) * stride_wn
-    s_ptrs = (
-        s_ptr + e * stride_se + (rows[None, :] // group_n).to(tl.int64) * stride_sn
-        + (ks[:, None] // group_k) * stride_sk
-    )  # fmt: skip
+
+@triton.jit
+def _e2m1_f32(code):
+    """e2m1 codes (uint16, 0..15) -> float32, exactly, in four integer ops and two conversions:
+    the code's exponent and mantissa bits placed under a float16's exponent field give the value
+    times 2^-14 (code 1, 0.5, a float16 subnormal: 2^-15), hence the multiply by 2^14. No
+    float32 subnormal on the way (a GPU may flush those)."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _mxfp4_dot(acc, x_even, x_odd, w_ptrs, w_mask, s_ptrs, s_mask, PRECISION: tl.constexpr):
+    """acc + x @ W over one 32-input e8m0 scale group: ``w_ptrs`` [16, N] its packed bytes, each
+    byte loaded once (low nibble: the even input, high: the odd one), ``x_even`` / ``x_odd``
+    [M, 16] the matching inputs, ``s_ptrs`` [N] the group's scale per row. Each value is
+    dequantized as the torch reference does (e2m1 times 2^(s - 127) in float32, exact, then one
+    rounding to x's dtype)."""
+    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.uint16)
+    scale = e8m0_to_f32(tl.load(s_ptrs, mask=s_mask, other=127))[None, :]
+    low = (_e2m1_f32(packed & 0xF) * scale).to(x_even.dtype)
+    high = (_e2m1_f32(packed >> 4) * scale).to(x_even.dtype)
+    acc = tl.dot(x_even, low, acc, input_precision=PRECISION)
+    return tl.dot(x_odd, high, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _quant_dot(
+    acc, a_rows, a_valid, w_rows, s_rows, k0, num_k, col_valid, stride_wk, stride_sk, group_k,
+    QUANT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """acc + a[:, k0 : k0 + BLOCK_K] @ W[k0 : k0 + BLOCK_K, cols] for a quantized W (GEMM 2's
+    kernels): ``a_rows`` [M, 1] pointers to the activation rows (K contiguous), ``a_valid`` [M];
+    ``w_rows`` [1, N] the expert's weight rows; ``s_rows`` [N] their scale rows (FP8: row //
+    group_n). FP8: one [BLOCK_K, N] tile (``_fp8_tile``); MXFP4: BLOCK_K / 32 scale groups of
+    16 packed bytes per row (``_mxfp4_dot``)."""
     if QUANT == 2:
-        packed = tl.load(w_rows + (ks[:, None] // 2) * stride_wk, mask=mask, other=0)
-        codes = (packed.to(tl.int32) >> ((ks[:, None] % 2) * 4)) & 0xF
-        return e2m1_to_f32(codes) * e8m0_to_f32(tl.load(s_ptrs, mask=mask, other=127))
-    w = tl.load(w_rows + ks[:, None] * stride_wk, mask=mask, other=0.0).to(tl.float32)
-    return w * tl.load(s_ptrs, mask=mask, other=0.0)
+        offs_p = tl.arange(0, 16)
+        for g in tl.static_range(0, BLOCK_K // 32):
+            kg = k0 + g * 32  # first input of the scale group
+            ks = kg + 2 * offs_p  # [16] its even inputs
+            k_valid = ks < num_k
+            a_mask = a_valid[:, None] & k_valid[None, :]
+            a_even = tl.load(a_rows + ks[None, :], mask=a_mask, other=0.0)
+            a_odd = tl.load(a_rows + (ks + 1)[None, :], mask=a_mask, other=0.0)
+            wp = (kg // 2 + offs_p)[:, None] * stride_wk  # [16, 1] packed bytes
+            acc = _mxfp4_dot(acc, a_even, a_odd, w_rows + wp, k_valid[:, None] & col_valid[None, :],
+                             s_rows + (kg // 32) * stride_sk, col_valid & (kg + 0 * col_valid < num_k),
+                             PRECISION)  # fmt: skip
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_valid = ks < num_k
+        a = tl.load(a_rows + ks[None, :], mask=a_valid[:, None] & k_valid[None, :], other=0.0)
+        w = _fp8_tile(w_rows + ks[:, None] * stride_wk, s_rows, k0,
+                      k_valid[:, None] & col_valid[None, :], col_valid, stride_sk, group_k,
+                      a.dtype)  # fmt: skip
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -365,7 +413,7 @@ def _gemm1_tile(
     [BLOCK_N, BLOCK_K], gate and up halves not interleaved): a column tile past I reads the up
     half or the next expert (finite, never stored), past the last expert TMA fills zeros. WS asks
     Triton to warp-specialize the loop (loads and MMAs in separate warps). QUANT > 0: the weight
-    tiles are dequantized in the loop (``_weight_tile``; no TMA)."""
+    tiles are dequantized in the loop (``_fp8_tile``, ``_mxfp4_dot``; no TMA)."""
     offs_m = tl.arange(0, BLOCK_M)
     if PER_PAIR:
         row_valid = offs_m == 0
@@ -399,7 +447,34 @@ def _gemm1_tile(
             wu = w_desc.load([gate_row + inter_size, k0])
             acc_g = tl.dot(x, wg.T, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(x, wu.T, acc_u, input_precision=PRECISION)
+    elif QUANT == 2:  # MXFP4: w [E, 2I, H / 2] packed along H, scales [E, 2I, H / 32]
+        s_base = s_ptr + expert.to(tl.int64) * stride_se
+        sg_rows = s_base + gate_rows.to(tl.int64) * stride_sn  # [N]
+        su_rows = s_base + up_rows.to(tl.int64) * stride_sn
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        wg_rows = w_base + gate_rows[None, :].to(tl.int64) * stride_wn  # [1, N]
+        wu_rows = w_base + up_rows[None, :].to(tl.int64) * stride_wn
+        x_rows = x_ptr + tokens[:, None] * stride_xt  # [M, 1]
+        offs_p = tl.arange(0, 16)
+        for k0 in range(0, hidden_size, BLOCK_K):
+            for g in tl.static_range(0, BLOCK_K // 32):
+                kg = k0 + g * 32  # first input of the scale group
+                ks = kg + 2 * offs_p  # [16] its even inputs
+                k_valid = ks < hidden_size
+                x_mask = row_valid[:, None] & k_valid[None, :]
+                x_even = tl.load(x_rows + ks[None, :] * stride_xh, mask=x_mask, other=0.0)
+                x_odd = tl.load(x_rows + (ks + 1)[None, :] * stride_xh, mask=x_mask, other=0.0)
+                w_mask = k_valid[:, None] & col_valid[None, :]
+                s_mask = col_valid & (kg + 0 * gate_rows < hidden_size)  # [N]
+                wp = (kg // 2 + offs_p)[:, None] * stride_wh  # [16, 1] packed bytes
+                acc_g = _mxfp4_dot(acc_g, x_even, x_odd, wg_rows + wp, w_mask,
+                                   sg_rows + (kg // 32) * stride_sk, s_mask, PRECISION)  # fmt: skip
+                acc_u = _mxfp4_dot(acc_u, x_even, x_odd, wu_rows + wp, w_mask,
+                                   su_rows + (kg // 32) * stride_sk, s_mask, PRECISION)  # fmt: skip
     else:
+        s_base = s_ptr + expert.to(tl.int64) * stride_se
+        sg_rows = s_base + (gate_rows // group_n).to(tl.int64) * stride_sn  # [N] (FP8)
+        su_rows = s_base + (up_rows // group_n).to(tl.int64) * stride_sn
         for k0 in range(0, hidden_size, BLOCK_K):
             k_valid = k0 + offs_k < hidden_size
             x = tl.load(x_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
@@ -408,14 +483,10 @@ def _gemm1_tile(
                 wg = tl.load(wg_ptrs, mask=w_mask, other=0.0)
                 wu = tl.load(wu_ptrs, mask=w_mask, other=0.0)
             else:
-                wg = _weight_tile(
-                    w_ptr, s_ptr, expert, gate_rows, k0 + offs_k, w_mask, stride_we, stride_wn,
-                    stride_wh, stride_se, stride_sn, stride_sk, group_n, group_k, QUANT,
-                ).to(x.dtype)  # fmt: skip
-                wu = _weight_tile(
-                    w_ptr, s_ptr, expert, up_rows, k0 + offs_k, w_mask, stride_we, stride_wn,
-                    stride_wh, stride_se, stride_sn, stride_sk, group_n, group_k, QUANT,
-                ).to(x.dtype)  # fmt: skip
+                wg = _fp8_tile(wg_ptrs, sg_rows, k0, w_mask, col_valid, stride_sk, group_k,
+                               x.dtype)  # fmt: skip
+                wu = _fp8_tile(wu_ptrs, su_rows, k0, w_mask, col_valid, stride_sk, group_k,
+                               x.dtype)  # fmt: skip
             acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
             x_ptrs += BLOCK_K * stride_xh
@@ -476,7 +547,7 @@ def _gemm1_kernel(
     stride_tw,
     alpha,
     limit,
-    s_ptr,  # weight scales (QUANT > 0; see _weight_tile) or dummy
+    s_ptr,  # weight scales (QUANT > 0; see _fp8_tile, _mxfp4_dot) or dummy
     stride_se,
     stride_sn,
     stride_sk,
@@ -558,18 +629,19 @@ def _gemm2_tile(
             a = tl.load(a_ptrs + k0, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
             w = w_desc.load([w_row, k0])  # [N, K]
             acc = tl.dot(a, w.T, acc, input_precision=PRECISION)
+    elif QUANT > 0:
+        a_rows = a_ptr + rows[:, None] * stride_am  # [M, 1]
+        e = expert.to(tl.int64)
+        w_rows = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn  # [1, N]
+        s_rows = s_ptr + e * stride_se + (cols // group_n).to(tl.int64) * stride_sn  # [N]
+        for k0 in range(0, inter_size, BLOCK_K):
+            acc = _quant_dot(acc, a_rows, row_valid, w_rows, s_rows, k0, inter_size, col_valid,
+                             stride_wk, stride_sk, group_k, QUANT, PRECISION, BLOCK_K)  # fmt: skip
     else:
         for k0 in range(0, inter_size, BLOCK_K):
             k_valid = k0 + offs_k < inter_size
             a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            w_mask = k_valid[:, None] & col_valid[None, :]
-            if QUANT == 0:
-                w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-            else:
-                w = _weight_tile(
-                    w_ptr, s_ptr, expert, cols, k0 + offs_k, w_mask, stride_we, stride_wn,
-                    stride_wk, stride_se, stride_sn, stride_sk, group_n, group_k, QUANT,
-                ).to(a.dtype)  # fmt: skip
+            w = tl.load(w_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
@@ -613,7 +685,7 @@ def _gemm2_kernel(
     stride_bn,
     stride_tw,
     stride_om,
-    s_ptr,  # weight scales (QUANT > 0; see _weight_tile) or dummy
+    s_ptr,  # weight scales (QUANT > 0; see _fp8_tile, _mxfp4_dot) or dummy
     stride_se,
     stride_sn,
     stride_sk,
@@ -667,7 +739,7 @@ def _gemm2_token_kernel(
     stride_bn,
     stride_tw,
     stride_ot,
-    s_ptr,  # weight scales (QUANT > 0; see _weight_tile) or dummy
+    s_ptr,  # weight scales (QUANT > 0; see _fp8_tile, _mxfp4_dot) or dummy
     stride_se,
     stride_sn,
     stride_sk,
@@ -692,27 +764,24 @@ def _gemm2_token_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for j in range(0, top_k * k_blocks):
         slot = j // k_blocks
-        ks = (j - slot * k_blocks) * BLOCK_K + offs_k
+        k0 = (j - slot * k_blocks) * BLOCK_K
+        ks = k0 + offs_k
         k_valid = ks < inter_size
         pair = (token * top_k + slot).to(tl.int64)
         expert = tl.load(ids_ptr + pair).to(tl.int64)
-        a_ptrs = a_ptr + pair * stride_am + ks[None, :] + offs_m[:, None] * 0
-        a = tl.load(a_ptrs, mask=(offs_m[:, None] == 0) & k_valid[None, :], other=0.0)
-        w_mask = k_valid[:, None] & col_valid[None, :]
+        w_rows = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn  # [1, N]
         if QUANT == 0:
-            w_ptrs = (
-                w_ptr
-                + expert * stride_we
-                + ks[:, None] * stride_wk
-                + cols[None, :].to(tl.int64) * stride_wn
-            )  # [K, N]
-            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            a_ptrs = a_ptr + pair * stride_am + ks[None, :] + offs_m[:, None] * 0
+            a = tl.load(a_ptrs, mask=(offs_m[:, None] == 0) & k_valid[None, :], other=0.0)
+            w = tl.load(w_rows + ks[:, None] * stride_wk,
+                        mask=k_valid[:, None] & col_valid[None, :], other=0.0)  # fmt: skip
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         else:
-            w = _weight_tile(
-                w_ptr, s_ptr, expert, cols, ks, w_mask, stride_we, stride_wn, stride_wk,
-                stride_se, stride_sn, stride_sk, group_n, group_k, QUANT,
-            ).to(a.dtype)  # fmt: skip
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            a_rows = a_ptr + pair * stride_am + offs_m[:, None] * 0  # [M, 1]
+            s_rows = s_ptr + expert * stride_se + (cols // group_n).to(tl.int64) * stride_sn
+            acc = _quant_dot(acc, a_rows, offs_m == 0, w_rows, s_rows, k0, inter_size,
+                             col_valid, stride_wk, stride_sk, group_k, QUANT, PRECISION,
+                             BLOCK_K)  # fmt: skip
     if HAS_BIAS:  # sum_k w_k * b2[e_k]
         for slot in range(0, top_k):
             pair = token * top_k + slot
@@ -743,7 +812,7 @@ def _gemm2_pair_kernel(
     stride_bn,
     stride_tw,
     stride_om,
-    s_ptr,  # weight scales (QUANT > 0; see _weight_tile) or dummy
+    s_ptr,  # weight scales (QUANT > 0; see _fp8_tile, _mxfp4_dot) or dummy
     stride_se,
     stride_sn,
     stride_sk,
@@ -772,20 +841,21 @@ def _gemm2_pair_kernel(
         + cols[None, :].to(tl.int64) * stride_wn
     )  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter_size, BLOCK_K):
-        k_valid = k0 + offs_k < inter_size
-        a = tl.load(a_ptrs, mask=(offs_m[:, None] == 0) & k_valid[None, :], other=0.0)
-        w_mask = k_valid[:, None] & col_valid[None, :]
-        if QUANT == 0:
-            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        else:
-            w = _weight_tile(
-                w_ptr, s_ptr, expert, cols, k0 + offs_k, w_mask, stride_we, stride_wn, stride_wk,
-                stride_se, stride_sn, stride_sk, group_n, group_k, QUANT,
-            ).to(a.dtype)  # fmt: skip
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+    if QUANT > 0:
+        a_rows = a_ptr + pair * stride_am + offs_m[:, None] * 0  # [M, 1]
+        w_rows = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
+        s_rows = s_ptr + expert * stride_se + (cols // group_n).to(tl.int64) * stride_sn
+        for k0 in range(0, inter_size, BLOCK_K):
+            acc = _quant_dot(acc, a_rows, offs_m == 0, w_rows, s_rows, k0, inter_size, col_valid,
+                             stride_wk, stride_sk, group_k, QUANT, PRECISION, BLOCK_K)  # fmt: skip
+    else:
+        for k0 in range(0, inter_size, BLOCK_K):
+            k_valid = k0 + offs_k < inter_size
+            a = tl.load(a_ptrs, mask=(offs_m[:, None] == 0) & k_valid[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
         weight = tl.load(topk_weights_ptr + pair * stride_tw).to(tl.float32)
         bias = tl.load(bias_ptr + expert * stride_be + cols * stride_bn, mask=col_valid)
@@ -932,6 +1002,37 @@ def _weight_descriptors(config: dict, w13: torch.Tensor, w2: torch.Tensor, inter
     )
 
 
+def _quant_config(config: dict, quant: str, block_size: tuple[int, int] | None) -> dict:
+    """``config`` with the K tiles the dequantizing loops need: FP8 blocks, a BLOCK_K dividing
+    the block's K (a K tile reads one [N] vector of scales, ``_fp8_tile``); MXFP4, 32 to 128
+    (whole 32-input scale groups, ``_mxfp4_dot``). Deep pipelines only for 16/32-row tiles.
+
+    NOTE (H100, triton 3.6, 2026-11-23): the earlier loop pipelined a float32 scale per weight
+    element through shared memory (252 KB asked at 128x256x64 / 4 stages: OutOfResources); the
+    scales are now [N] vectors, but the dequantized tile still goes through shared memory as the
+    dot's operand: 64-row tiles and up keep BLOCK_K <= 64 and 3 stages (<= ~160 KB)."""
+    config = dict(config)
+    for gemm in ("gemm1", "gemm2"):
+        cfg = dict(config[gemm])
+        block_k = cfg["BLOCK_K"]
+        if quant == "fp8_block":
+            group_k = block_size[1]
+            block_k = min(block_k, group_k & -group_k)  # the largest power of two dividing it
+            if block_k < 16:
+                raise ValueError(f"fp8_block block_size {tuple(block_size)}: the K block must "
+                                 "be a multiple of 16")  # fmt: skip
+        elif quant == "mxfp4":
+            block_k = min(max(block_k, 32), 128)
+        if cfg["BLOCK_M"] >= 64:
+            block_k = min(block_k, 64)
+            cfg["num_stages"] = min(cfg.get("num_stages", 2), 3)
+        else:
+            cfg["num_stages"] = min(cfg.get("num_stages", 2), 4)
+        cfg["BLOCK_K"] = block_k
+        config[gemm] = cfg
+    return config
+
+
 def _scale_args(
     quant: str | None,
     scale: torch.Tensor | None,
@@ -939,12 +1040,13 @@ def _scale_args(
     weight: torch.Tensor,
 ) -> tuple:
     """A weight's scale as kernel arguments (pointer, strides over expert / row / K group,
-    group_n, group_k; see ``_weight_tile``); the weight itself and zeros when not quantized."""
+    group_n, group_k; see ``_fp8_tile``, ``_mxfp4_dot``); the weight itself and zeros when not
+    quantized."""
     if quant is None:
         return (weight, 0, 0, 0, 1, 1)
     if quant == "fp8_block":
         return (scale, *scale.stride(), *block_size)
-    if quant == "fp8_channel":  # [E, N]: 1-row blocks, one K group
+    if quant == "fp8_channel":  # [E, N]: 1-row blocks, one K group (K stride 0)
         return (scale, scale.stride(0), scale.stride(1), 0, 1, 1)
     return (scale, *scale.stride(), 1, 32)  # mxfp4: [E, N, K / 32]
 
@@ -994,16 +1096,8 @@ def fused_moe(
             for gemm in ("gemm1", "gemm2"):
                 config[gemm] = dict(config[gemm], BLOCK_K=max(16, config[gemm]["BLOCK_K"] // 2))
             config["ws"] = False
-        if quant is not None and not is_interpreted(device):
-            # NOTE (H100, triton 3.6, 2026-11-23): the dequantizing K loop pipelines the weight
-            # and its per-element float32 scale tile through shared memory each stage; the
-            # bf16 tiles (16x32x256 / 3 stages at DeepSeek-V3 T=16, 128x256x64 / 4 stages at
-            # Qwen3-30B-A3B T=512) asked for 252 KB (OutOfResources, 227 KB on an H100).
-            # K tiles of at most 64 and 2 stages keep a stage under ~100 KB.
-            for gemm in ("gemm1", "gemm2"):
-                cfg = config[gemm]
-                config[gemm] = dict(cfg, BLOCK_K=min(cfg["BLOCK_K"], 64),
-                                    num_stages=min(cfg.get("num_stages", 2), 2))  # fmt: skip
+    if quant is not None:
+        config = _quant_config(config, quant, block_size)
     ids = topk_ids.reshape(-1)
     weights = topk_weights.reshape(-1)
     precision = "ieee" if dtype == torch.float32 else "tf32"
