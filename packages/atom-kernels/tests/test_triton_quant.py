@@ -261,17 +261,54 @@ def test_fused_moe_quantized_activations_biases(triton_backend, quant, activatio
     _check_moe(triton_backend, x, experts, weights, ids.int(), quant, activation, b13, b2)
 
 
+@pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("combine", ["token", "atomic"])
-def test_fused_moe_quantized_per_pair_combines(triton_backend, combine):
+def test_fused_moe_quantized_per_pair_combines(triton_backend, combine, quant):
     """The per-pair path's other GEMM 2 kernels (per token over its experts; fp32 atomics), with
-    block-FP8 experts whose blocks split H = 48 and I = 40 unevenly (partial scale blocks)."""
+    FP8 experts whose blocks split H = 48 and I = 40 unevenly (partial scale blocks; MXFP4:
+    H = 64, I = 32, whole scale groups)."""
     device = triton_backend.device
-    experts = _experts("fp8_block", 3, 48, 40, device, seed=21, block=(32, 32))
-    x = _randn(2, 48, seed=22, device=device).to(torch.bfloat16)
+    hidden, inter = (64, 32) if quant == "mxfp4" else (48, 40)
+    experts = _experts(quant, 3, hidden, inter, device, seed=21, block=(32, 32))
+    x = _randn(2, hidden, seed=22, device=device).to(torch.bfloat16)
     weights, ids = torch.softmax(_randn(2, 3, seed=23, device=device), dim=-1).topk(2, dim=-1)
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, GROUP_M=1)
     config = {"per_pair": True, "combine": combine, "gemm1": cfg, "gemm2": cfg}
-    _check_moe(triton_backend, x, experts, weights, ids.int(), "fp8_block", config=config)
+    _check_moe(triton_backend, x, experts, weights, ids.int(), quant, config=config)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("per_pair", [True, False])
+def test_fused_moe_quantized_odd_shapes(triton_backend, quant, per_pair):
+    """Both paths with tiles that split every dim unevenly: 64-column tiles over H = 96 / 80 and
+    I = 32 / 56 (partial column tiles), 64-input K tiles over K = 96 / 80 / 56 (a partial last
+    tile; MXFP4: its last 32-input scale group masked off), FP8 blocks of 48 x 32 (rows of a
+    block straddle the gate / up halves; BLOCK_K 64 must shrink to 32, one scale column per K
+    tile), strided activations, scales and (MXFP4) packed weights."""
+    device = triton_backend.device
+    hidden, inter = (96, 32) if quant == "mxfp4" else (80, 56)
+    q13, q2, s13, s2, block = _experts(quant, 5, hidden, inter, device, seed=40, block=(48, 32))
+    if quant == "mxfp4":
+        q13, q2 = strided_copy(q13), strided_copy(q2)
+    experts = (q13, q2, strided_copy(s13), strided_copy(s2), block)
+    num_tokens = 3 if per_pair else 7  # 6 pairs (per-pair path) / 14
+    x = strided_copy(_randn(num_tokens, hidden, seed=41, device=device).to(torch.bfloat16))
+    logits = _randn(num_tokens, 5, seed=42, device=device)
+    weights, ids = torch.softmax(logits, dim=-1).topk(2, dim=-1)
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, GROUP_M=2)
+    config = {"per_pair": per_pair, "combine": "sum", "gemm1": cfg, "gemm2": cfg}
+    _check_moe(triton_backend, x, experts, weights, ids.int(), quant, config=config)
+
+
+def test_fused_moe_fp8_block_k_not_a_multiple_of_16(triton_backend):
+    """A K block the dequantizing loop cannot tile (BLOCK_K must divide it, and dots need 16)."""
+    device = triton_backend.device
+    experts = _experts("fp8_block", 2, 32, 32, device, seed=43, block=(16, 8))
+    x = _randn(2, 32, seed=44, device=device).to(torch.bfloat16)
+    weights = torch.ones(2, 1, device=device)
+    ids = torch.zeros(2, 1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        _check_moe(triton_backend, x, experts, weights, ids, "fp8_block")
 
 
 def test_custom_ops_opcheck(triton_backend, quant):
