@@ -23,6 +23,11 @@ what it measured):
   logits).
 - ``gemm_tiles``: the w8a8 kernel alone under other tiles (``W8A8_TILES``) at the GEMM shapes: the
   evidence for its tile choice (programs per SM at small M, tile size at M = 4096).
+- ``moe_tiles``: the quantized ``moe`` rows (T = 1, 16 unless ``--moe-tile-tokens``;
+  ``--moe-formats`` filters) under the default config and one change at a time
+  (``moe_tile_candidates``: GEMM 1 / GEMM 2 column tile, K tile, stages, warps; the per-pair
+  combine), each checked once against the torch reference (``BAD`` past atol = rtol = 5e-2, as
+  the GPU test) and timed (cold L2 only): the evidence for the quantized formats' tiles.
 
 Timing (as benchmarks/kernels.py): every op runs as a CUDA graph, ``ms_cold`` with the L2
 flushed before each call (GPU time alone; what the rates come from), ``ms_graph`` with a warm L2
@@ -69,13 +74,21 @@ MOE_SHAPES = {  # name: (E, top-k, H, I, formats, GPT-OSS layer: swiglu_oai, int
     "gpt-oss-120b": (128, 4, 2880, 2880, ("mxfp4", "bf16"), True),
 }
 MOE_TOKENS = (1, 16, 64, 1024)
+TOLERANCE = 5e-2  # moe_tiles: atol = rtol against the torch reference, as the GPU test
 MLA_LATENT, MLA_ROPE, MLA_PAGE = 512, 64, 16
 MLA_HEADS = (128, 16)
 MLA_BATCHES = (1, 32, 128)
 MLA_CONTEXTS = (1024, 4096)
 DEVICE = "cuda"  # "cpu" under --smoke-cpu
 MOE_FORMATS: tuple[str, ...] = ()  # --moe-formats: only these (empty: all)
-GROUPS = ("gemm", "group_quant", "mla", "moe", "gemm_tiles")  # the order they run in
+GROUPS = ("gemm", "group_quant", "mla", "moe", "gemm_tiles", "moe_tiles")  # run order
+MOE_TILE_TOKENS = (1, 16)  # moe_tiles without --moe-tile-tokens
+MOE_TILE_VARIANTS = (  # moe_tiles: (gemm, changes), each applied alone to the default
+    ("gemm1", {"BLOCK_N": 16}), ("gemm1", {"BLOCK_N": 64}), ("gemm1", {"BLOCK_K": 64}),
+    ("gemm1", {"num_stages": 3}), ("gemm1", {"num_warps": 8}),
+    ("gemm2", {"BLOCK_N": 16}), ("gemm2", {"BLOCK_N": 64}), ("gemm2", {"BLOCK_K": 64}),
+    ("gemm2", {"num_stages": 3}), ("gemm2", {"num_warps": 8}),
+)  # fmt: skip
 
 
 # --- pure helpers (no torch) ---------------------------------------------------------------------
@@ -137,6 +150,32 @@ def mla_bytes(batch: int, context: int, heads: int, cache_itemsize: int) -> floa
 def mla_flops(batch: int, context: int, heads: int) -> float:
     """Scores over L + R and the weighted sum over L, per head and cache token."""
     return 2.0 * batch * context * heads * (2 * MLA_LATENT + MLA_ROPE)
+
+
+def moe_tile_candidates(default: dict) -> list[dict]:
+    """The configs ``moe_tiles`` times for one (format, T): ``default`` (a ``_configs`` entry)
+    first, then each MOE_TILE_VARIANTS change alone, then (per-pair path) the other GEMM 2
+    combines; changes the default already has are left out."""
+    out = [default]
+    for gemm, changes in MOE_TILE_VARIANTS:
+        if all(default[gemm].get(k) == v for k, v in changes.items()):
+            continue
+        out.append({**default, gemm: {**default[gemm], **changes}})
+    if default["per_pair"]:
+        for combine in ("token", "atomic"):
+            if default.get("combine") != combine:
+                out.append({**default, "combine": combine})
+    return out
+
+
+def short_config(config: dict) -> str:
+    """One line: path, combine, then each GEMM's MxNxK, warps, stages."""
+    parts = ["per-pair" if config["per_pair"] else "sorted", config.get("combine", "sum")]
+    for gemm in ("gemm1", "gemm2"):
+        c = config[gemm]
+        parts.append(f"{gemm[-1]}:{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}"
+                     f" w{c['num_warps']} s{c.get('num_stages', 2)}")  # fmt: skip
+    return " ".join(parts)
 
 
 def roofline(nbytes: float, flops: float, copy_gbps: float, peak_tflops: float) -> dict:
@@ -362,7 +401,12 @@ def _moe_weights(torch, num_experts: int, hidden: int, inter: int, fmt: str, g):
     return ws[0], ws[1], scales[0], scales[1]
 
 
-def bench_moe(torch, bench: Bench, tokens_list: tuple[int, ...], max_experts: int | None) -> None:
+def bench_moe(
+    torch, bench: Bench, tokens_list: tuple[int, ...], max_experts: int | None, sweep: bool = False
+) -> None:
+    """The ``moe`` group; ``sweep``: the ``moe_tiles`` group (quantized formats only, each
+    ``moe_tile_candidates`` config checked against the reference, then timed cold)."""
+    from atom_kernels.backends.torch import moe as reference
     from atom_kernels.backends.triton import moe
 
     for name, (num_experts, top_k, hidden, inter, formats, oai) in MOE_SHAPES.items():
@@ -382,7 +426,7 @@ def bench_moe(torch, bench: Bench, tokens_list: tuple[int, ...], max_experts: in
             weights, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
             routing[tokens] = (x, weights, ids.int(), int(ids.unique().numel()))
         for fmt in formats:
-            if MOE_FORMATS and fmt not in MOE_FORMATS:
+            if (MOE_FORMATS and fmt not in MOE_FORMATS) or (sweep and fmt == "bf16"):
                 continue
             t0 = time.perf_counter()
             w13, w2, s13, s2 = _moe_weights(torch, num_experts, hidden, inter, fmt, g)
@@ -402,7 +446,34 @@ def bench_moe(torch, bench: Bench, tokens_list: tuple[int, ...], max_experts: in
                 shape = f"{name} E={num_experts} top{top_k} H={hidden} I={inter} T={tokens}"
                 nbytes = moe_bytes(hit, tokens, hidden, inter, fmt, oai)
                 flops = moe_flops(tokens, top_k, hidden, inter)
-                bench.add("moe", shape, fmt, fn, nbytes, flops, "bf16", experts_hit=hit)
+                if not sweep:
+                    bench.add("moe", shape, fmt, fn, nbytes, flops, "bf16", experts_hit=hit)
+                    continue
+                expected = reference.fused_moe(*args, **quant_kw)
+                default = moe._configs(tokens, top_k, num_experts, hidden, inter, x.device)
+                seen = set()
+                for config in moe_tile_candidates(default):
+                    key = repr(moe._quant_config(config, fmt, BLOCK))  # what the kernels get
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    impl = f"{fmt} {short_config(moe._quant_config(config, fmt, BLOCK))}"
+                    try:
+                        out = moe.fused_moe(*args, config=config, **quant_kw)
+                        error = (out.float() - expected.float()).abs()
+                        bad = bool((error > TOLERANCE + TOLERANCE * expected.float().abs()).any())
+                    except Exception as exc:  # a config that does not compile: recorded, skipped
+                        print(f"FAILED moe_tiles {shape} {impl}: {exc!r}"[:1000], flush=True)
+                        bench.rows.append({"group": "moe_tiles", "shape": shape, "impl": impl,
+                                           "error": repr(exc)[:500]})  # fmt: skip
+                        continue
+
+                    def fn(args=args, quant_kw=quant_kw, config=config):
+                        return moe.fused_moe(*args, config=config, **quant_kw)
+
+                    bench.add("moe_tiles", shape, ("BAD " if bad else "") + impl, fn, nbytes,
+                              flops, "bf16", warm=False, experts_hit=hit, config=config,
+                              max_error=float(error.max()), bad=bad)  # fmt: skip
             del w13, w2, s13, s2
             torch.cuda.empty_cache()
 
@@ -452,8 +523,9 @@ def bench_mla(torch, bench: Bench) -> None:
 def _shrink_for_smoke() -> None:
     """Tiny shapes on the CPU (the interpreter), same code paths."""
     global DEVICE, GEMM_SHAPES, GEMM_ROWS, GROUP_QUANT_SHAPES, MOE_SHAPES, MOE_TOKENS, W8A8_TILES
-    global MLA_HEADS, MLA_BATCHES, MLA_CONTEXTS
+    global MLA_HEADS, MLA_BATCHES, MLA_CONTEXTS, MOE_TILE_TOKENS
     DEVICE = "cpu"
+    MOE_TILE_TOKENS = (1, 5)
     GEMM_SHAPES = {"tiny": (192, 256), "tiny_edge": (64, 384)}
     GEMM_ROWS = (1, 5, 17)
     GROUP_QUANT_SHAPES = ((3, 256),)
@@ -488,6 +560,10 @@ def main(argv: list[str] | None = None) -> int:
         "script's wiring, measures nothing",
     )  # fmt: skip
     parser.add_argument("--moe-formats", default="", help="comma-separated MoE formats only")
+    parser.add_argument(
+        "--moe-tile-tokens", default="", help=f"moe_tiles: comma-separated T (default "
+        f"{MOE_TILE_TOKENS})",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     global MOE_FORMATS
     MOE_FORMATS = tuple(f for f in args.moe_formats.split(",") if f)
@@ -541,11 +617,13 @@ def main(argv: list[str] | None = None) -> int:
         "results": bench.rows,
     }
     moe_tokens = tuple(int(t) for t in args.moe_tokens.split(",") if t) or MOE_TOKENS
+    tile_tokens = tuple(int(t) for t in args.moe_tile_tokens.split(",") if t) or MOE_TILE_TOKENS
     runners = {
         "gemm": lambda: bench_gemm(torch, bench),
         "group_quant": lambda: bench_group_quant(torch, bench),
         "mla": lambda: bench_mla(torch, bench),
         "moe": lambda: bench_moe(torch, bench, moe_tokens, args.moe_max_experts),
+        "moe_tiles": lambda: bench_moe(torch, bench, tile_tokens, args.moe_max_experts, sweep=True),
         "gemm_tiles": lambda: bench_gemm_tiles(torch, bench),
     }
     for group in groups:

@@ -66,3 +66,26 @@ def test_refuses_without_a_gpu_clearly():
     )
     assert out.returncode == 1
     assert "needs a CUDA GPU" in out.stderr
+
+
+def test_moe_tile_candidates_change_one_thing_at_a_time(bench):
+    g1 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+    g2 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=5)
+    default = {"per_pair": True, "combine": "sum", "gemm1": g1, "gemm2": g2}
+    out = bench.moe_tile_candidates(default)
+    assert out[0] is default
+    for config in out[1:]:
+        changed = [k for k in ("combine", "gemm1", "gemm2") if config[k] != default[k]]
+        assert len(changed) == 1, config
+        if changed[0] != "combine":
+            diff = {k for k in g1 if config[changed[0]][k] != default[changed[0]][k]}
+            assert len(diff) == 1, config
+    # every variant differs from the default, none twice; the per-pair combines are tried
+    assert len({repr(c) for c in out}) == len(out)
+    assert {c["combine"] for c in out} == {"sum", "token", "atomic"}
+    # a variant the default already has (gemm1 BLOCK_N 16) is left out; no combines when sorted
+    sorted_default = {**default, "per_pair": False, "gemm1": {**g1, "BLOCK_N": 16}}
+    sorted_out = bench.moe_tile_candidates(sorted_default)
+    assert len(sorted_out) == len(out) - 1 - 2
+    assert all(c["combine"] == "sum" for c in sorted_out)
+    assert "1:16x16x128 w4 s4" in bench.short_config(sorted_out[0])
