@@ -379,9 +379,10 @@ def _quant_dot(
             a_even = tl.load(a_rows + ks[None, :], mask=a_mask, other=0.0)
             a_odd = tl.load(a_rows + (ks + 1)[None, :], mask=a_mask, other=0.0)
             wp = (kg // 2 + offs_p)[:, None] * stride_wk  # [16, 1] packed bytes
-            acc = _mxfp4_dot(acc, a_even, a_odd, w_rows + wp, k_valid[:, None] & col_valid[None, :],
-                             s_rows + (kg // 32) * stride_sk, col_valid & (kg + 0 * col_valid < num_k),
-                             PRECISION)  # fmt: skip
+            w_mask = k_valid[:, None] & col_valid[None, :]
+            s_mask = col_valid & (kg + 0 * col_valid < num_k)  # [N]
+            acc = _mxfp4_dot(acc, a_even, a_odd, w_rows + wp, w_mask,
+                             s_rows + (kg // 32) * stride_sk, s_mask, PRECISION)  # fmt: skip
     else:
         ks = k0 + tl.arange(0, BLOCK_K)
         k_valid = ks < num_k
@@ -1008,9 +1009,11 @@ def _quant_config(config: dict, quant: str, block_size: tuple[int, int] | None) 
     (whole 32-input scale groups, ``_mxfp4_dot``). Deep pipelines only for 16/32-row tiles.
 
     NOTE (H100, triton 3.6, 2026-11-23): the earlier loop pipelined a float32 scale per weight
-    element through shared memory (252 KB asked at 128x256x64 / 4 stages: OutOfResources); the
-    scales are now [N] vectors, but the dequantized tile still goes through shared memory as the
-    dot's operand: 64-row tiles and up keep BLOCK_K <= 64 and 3 stages (<= ~160 KB)."""
+    element through shared memory (252 KB asked at 128x256x64 / 4 stages: OutOfResources). The
+    scales are now [N] vectors; compiled ahead of time for sm_90 (triton 3.9, no GPU;
+    tests/test_moe_compile_sm90.py) the kernels ask for 51 KB at 128x256x64 / 3 stages (FP8),
+    40 KB at 16x64x128 / 4 and 2 KB for MXFP4 (its loads stay in registers). The caps below
+    (64-row tiles and up: BLOCK_K <= 64, 3 stages) are kept conservative until measured."""
     config = dict(config)
     for gemm in ("gemm1", "gemm2"):
         cfg = dict(config[gemm])
