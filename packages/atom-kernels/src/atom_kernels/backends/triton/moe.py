@@ -1099,6 +1099,11 @@ def fused_moe(
             for gemm in ("gemm1", "gemm2"):
                 config[gemm] = dict(config[gemm], BLOCK_K=max(16, config[gemm]["BLOCK_K"] // 2))
             config["ws"] = False
+        if quant == "mxfp4" and not config["per_pair"] and config["gemm1"]["BLOCK_M"] == 16:
+            # NOTE (benchmarks/results/quant-moe-tiles-s9-h100.json, H100, triton 3.6): GPT-OSS-
+            # 120B layer at T=16, GEMM 1 in 8 warps 1.03 ms against 1.42 with 4 (the dequantizing
+            # arithmetic spread over more threads); at T=1 (per-pair) 8 warps were slower.
+            config["gemm1"] = dict(config["gemm1"], num_warps=8)
     if quant is not None:
         config = _quant_config(config, quant, block_size)
     ids = topk_ids.reshape(-1)
