@@ -131,6 +131,67 @@ def test_fp8_block_linear(triton_backend, quant, rows, n, k, block, dtype):
                  name="fp8_block_linear vs the dequantized model")  # fmt: skip
 
 
+# Split-K and tile launches of the block GEMM at DeepSeek-V3's format (128 x 128 weight blocks):
+# N = 576 (kv_a_proj_with_mqa: 4.5 weight blocks), K whole 128-blocks (384) and a partial last one
+# (320 = 2.5 blocks: the format's scales cover ceil(K / 128) blocks). Interpreted K tiles are 32.
+GEMM_LAUNCHES = {
+    "no split": dict(SPLIT_K=1),
+    "split 3": dict(SPLIT_K=3),
+    "split 5, 64 wide": dict(SPLIT_K=5, BLOCK_N=64),
+    "split 2, TMA": dict(SPLIT_K=2, TMA=True),
+    "128 wide, GROUP_M 2": dict(SPLIT_K=1, BLOCK_N=128, GROUP_M=2),
+    "split 2, 128 wide": dict(SPLIT_K=2, BLOCK_N=128, GROUP_M=4),
+}
+LARGE_M_LAUNCHES = ("128 wide, GROUP_M 2", "split 2, 128 wide")  # 300 rows (interpreter time)
+LAUNCH_CASES = [
+    (rows, launch)
+    for rows in (1, 3, 16, 33, 300)
+    for launch in GEMM_LAUNCHES
+    if (rows == 300) == (launch in LARGE_M_LAUNCHES)
+]
+
+
+@pytest.mark.parametrize("k", [384, 320])
+@pytest.mark.parametrize(("rows", "launch"), LAUNCH_CASES)
+def test_w8a8_gemm_launches(triton_backend, quant, rows, k, launch):
+    device, n, block, dtype = triton_backend.device, 576, (128, 128), torch.bfloat16
+    w, s = quantize_fp8_block(_randn(n, k, seed=k, device=device, scale=k**-0.5), block)
+    s = s * (0.5 + torch.rand(s.shape, generator=torch.Generator().manual_seed(k)).to(device))
+    x = _randn(rows, k, seed=rows, device=device, scale=2.0).to(dtype)
+    bias = _randn(n, seed=33, device=device).to(dtype) if rows % 2 else None
+    x_q, x_s = reference.per_token_group_quant_fp8(x, block[1])
+    mod = quant[0]
+    block_k = mod.block_k_for(block[1], interpreted=True)
+    out = mod.w8a8_gemm(x_q, x_s, w, s, *block, block_k, bias, dtype, GEMM_LAUNCHES[launch])
+    full_scale = reference.expand_block_scale(s, w.shape, block)
+    expected = _w8a8_expected(x_q, x_s, block[1], w, full_scale, bias, dtype)
+    atol, rtol = W8A8_TOLERANCES[dtype]
+    assert_close(out, expected, atol=atol, rtol=rtol, name=f"w8a8_gemm ({launch})")
+    if launch == "split 3":  # the splits are summed in a fixed order: bitwise reproducible
+        again = mod.w8a8_gemm(x_q, x_s, w, s, *block, block_k, bias, dtype, GEMM_LAUNCHES[launch])
+        assert_equal(again, out)
+
+
+def test_gemm_config_fills_the_sms_at_deepseek_shapes(quant):
+    """At M = 1-16 every DeepSeek-V3 projection launches >= one program per SM (H100: 132), by
+    narrower N tiles and then split-K; splits cover whole K tiles and the workspace stays small."""
+    mod = quant[0]
+    shapes = [(1536, 7168), (24576, 1536), (576, 7168), (7168, 16384), (4096, 7168), (7168, 2048)]
+    for n, k in shapes:
+        for rows in (1, 4, 16):
+            cfg = mod.gemm_config(rows, n, k, 128, sms=132)
+            tiles = -(-rows // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
+            assert cfg["BLOCK_M"] == 16 and tiles * cfg["SPLIT_K"] >= 132, (n, k, rows, cfg)
+            assert cfg["SPLIT_K"] <= k // 128 // mod.SPLIT_MIN_K_TILES or cfg["SPLIT_K"] == 1
+            assert 8 * cfg["SPLIT_K"] * rows * n <= mod.SPLIT_MAX_WORKSPACE_FRACTION * n * k
+        big = mod.gemm_config(4096, n, k, 128, sms=132)
+        assert big["SPLIT_K"] == 1 and big["BLOCK_M"] >= 64
+    # kv_a_proj at M = 1: 32-column tiles (18) cannot fill 132 SMs; 15 splits of 4 K blocks
+    assert mod.gemm_config(1, 576, 7168, 128, sms=132)["BLOCK_N"] == 32
+    assert mod.auto_split_k(1, 576, 7168, 128, tiles=18, sms=132) == 15
+    assert mod.auto_split_k(1, 7168, 16384, 128, tiles=56, sms=132) == 5
+
+
 def test_fp8_block_linear_leading_dims_and_odd_block(triton_backend, quant):
     device = triton_backend.device
     w, s = quantize_fp8_block(_randn(24, 48, seed=5, device=device, scale=0.15), (8, 24))

@@ -16,7 +16,12 @@ import triton
 import triton.language as tl
 
 from atom_kernels.backends.torch import quant as reference
-from atom_kernels.backends.triton.common import as_rows, is_interpreted, next_pow2
+from atom_kernels.backends.triton.common import as_rows, is_interpreted, next_pow2, num_sms
+
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -131,12 +136,16 @@ def _w8a8_kernel(
     b_ptr,  # [N, K] fp8
     bs_ptr,  # [ceil(N / group_n), ceil(K / group_k)] fp32
     bias_ptr,  # [N] or dummy
-    out_ptr,  # [M, N]
+    out_ptr,  # [M, N]; SPLIT: the fp32 workspace [S, M, N]
+    a_desc,  # TMA: descriptor over a, blocks [BLOCK_M, BLOCK_K]; else a_ptr again (unused)
+    b_desc,  # TMA: descriptor over b, blocks [BLOCK_N, BLOCK_K]; else b_ptr again (unused)
     M,
     N,
     K,
     group_n,
     group_k,
+    split_len,  # K columns a split covers (a multiple of BLOCK_K); K when not split
+    group_m,  # row tiles a column of the launch order walks (GROUP_M swizzle: L2 reuse of b)
     stride_am,
     stride_asm,
     stride_ask,
@@ -144,41 +153,100 @@ def _w8a8_kernel(
     stride_bsn,
     stride_bsk,
     stride_om,
+    stride_os,  # SPLIT: the workspace's split stride
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,  # no fp8 MMA on this device: dot on exact fp16 copies
+    SPLIT: tl.constexpr,  # split-K: store fp32 partials (the reduce kernel adds bias, casts)
+    SCALAR_BS: tl.constexpr,  # BLOCK_N divides group_n: one weight scale per tile and K group
+    TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides group_k: a K tile has one scale per row / column
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """Program (tile, split): out[tile] (+)= sum over the split's K tiles of
+    dot(a, b^T) * a_s[:, None] * b_s[None, :], the scales of the tile's K group."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = group_m * num_pid_n
+    first_m = (pid // per_group) * group_m
+    group_rows = tl.minimum(num_pid_m - first_m, group_m)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    k_start = split * split_len
+    k_end = tl.minimum(k_start + split_len, K)
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]  # [BM, BK]
     b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]  # [BK, BN]
+    a_ptrs += k_start
+    b_ptrs += k_start
     as_ptrs = as_ptr + offs_m * stride_asm
-    bs_ptrs = bs_ptr + (offs_n // group_n) * stride_bsn
+    if SCALAR_BS:
+        bs_ptrs = bs_ptr + ((pid_n * BLOCK_N) // group_n) * stride_bsn
+    else:
+        bs_ptrs = bs_ptr + (offs_n // group_n) * stride_bsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = k0 + offs_k < K  # a partial last K block reads zeros
-        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if TMA:  # out-of-bounds rows and columns come as zeros
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            b = b_desc.load([pid_n * BLOCK_N, k0]).T
+        else:
+            k_mask = k0 + offs_k < K  # a partial last K block reads zeros
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         group = k0 // group_k
         a_s = tl.load(as_ptrs + group * stride_ask, mask=m_mask, other=0.0)
-        b_s = tl.load(bs_ptrs + group * stride_bsk, mask=n_mask, other=0.0)
+        if SCALAR_BS:
+            b_s = tl.load(bs_ptrs + group * stride_bsk)
+        else:
+            b_s = tl.load(bs_ptrs + group * stride_bsk, mask=n_mask, other=0.0)
         if UPCAST:
             a = a.to(tl.float16)
             b = b.to(tl.float16)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        if SCALAR_BS:
+            acc += tl.dot(a, b) * (a_s * b_s)[:, None]
+        else:
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT:
+        ws_ptrs = out_ptr + split.to(tl.int64) * stride_os + offs_m[:, None] * stride_om
+        tl.store(ws_ptrs + offs_n[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    ws_ptr,  # [S, M * N] fp32
+    bias_ptr,  # [N] or dummy
+    out_ptr,  # [M * N] (contiguous)
+    num_splits,
+    size,  # M * N
+    N,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out = sum over splits in order (deterministic) (+ bias), cast."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < size
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    ws_ptrs = ws_ptr + offs
+    for _ in range(0, num_splits):
+        acc += tl.load(ws_ptrs, mask=mask, other=0.0)
+        ws_ptrs += size  # 64-bit pointer arithmetic
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def has_fp8_mma(device: torch.device) -> bool:
@@ -202,6 +270,79 @@ def block_k_for(group_k: int, interpreted: bool) -> int | None:
     return None
 
 
+# Split-K bounds: each split at least this many K tiles, and the fp32 workspace's traffic (written
+# and read once: 8 bytes an output a split) at most a quarter of the weight's (N x K bytes).
+SPLIT_MIN_K_TILES = 2
+SPLIT_MAX_WORKSPACE_FRACTION = 0.25
+GEMM_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "SPLIT_K", "GROUP_M", "TMA")
+
+
+def _tiles(num_rows: int, n: int, cfg: dict) -> int:
+    return triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+
+
+def auto_split_k(num_rows: int, n: int, k: int, block_k: int, tiles: int, sms: int) -> int:
+    """Splits of K for a launch of ``tiles`` output tiles on ``sms`` SMs: 1 when the tiles fill
+    the SMs; else enough for ~2 programs an SM, each split >= SPLIT_MIN_K_TILES K tiles, the
+    workspace's traffic within SPLIT_MAX_WORKSPACE_FRACTION of the weight's."""
+    if tiles >= sms:
+        return 1
+    by_sms = triton.cdiv(2 * sms, tiles)
+    by_k = triton.cdiv(k, block_k) // SPLIT_MIN_K_TILES
+    by_workspace = int(SPLIT_MAX_WORKSPACE_FRACTION * k / (8 * num_rows))
+    return max(1, min(by_sms, by_k, by_workspace))
+
+
+def gemm_config(
+    num_rows: int, n: int, k: int, block_k: int, sms: int, interpreted: bool = False
+) -> dict:
+    """The launch of ``w8a8_gemm`` for a shape on ``sms`` SMs: tiles, warps, stages, K splits,
+    GROUP_M, TMA.
+
+    Small M (<= 64 rows) is bound by the weight's bytes: 16-row tiles (the dot's minimum) and
+    the widest N tile (128, 64, 32) whose tiles still fill the SMs, else 32 columns and split-K.
+    Large M is bound by the FP8 MMA: 64 x 128 / 4 warps / 3 stages.
+    NOTE: 64 x 128 x 128 / 4 warps / 3 stages was the best of four tiles at M = 4096 (H100,
+    2026-11-23: 47-52% of the FP8 rate; 128 x 128 / 8 warps 6-18% slower, 128 x 256 1.9-2.9x);
+    the rest is untuned: ``benchmarks/quant_kernels.py --only gemm_tiles`` sweeps the candidates.
+    """
+    if interpreted:
+        cfg = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, GROUP_M=1, TMA=False)
+    elif num_rows <= 64:
+        block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=4, GROUP_M=1, TMA=False)
+        for block_n in (128, 64):
+            if triton.cdiv(num_rows, block_m) * triton.cdiv(n, block_n) >= sms:
+                cfg["BLOCK_N"] = block_n
+                break
+    else:
+        cfg = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, GROUP_M=8, TMA=False)
+    cfg["SPLIT_K"] = auto_split_k(num_rows, n, k, block_k, _tiles(num_rows, n, cfg), sms)
+    return cfg
+
+
+def tma_capable(device: torch.device) -> bool:
+    """TMA loads: NVIDIA Hopper or newer (compute capability 9+), with host descriptors."""
+    if TensorDescriptor is None or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _descriptors(a: torch.Tensor, b: torch.Tensor, cfg: dict, block_k: int):
+    """(descriptor over a [M, K], blocks [BLOCK_M, block_k]; over b [N, K], blocks [BLOCK_N,
+    block_k]) or None where TMA cannot serve: not asked, no host descriptors, a row stride or a
+    base not 16-byte aligned (TMA's rule), a non-unit column stride."""
+    if not cfg.get("TMA") or TensorDescriptor is None:
+        return None
+    for t in (a, b):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16:
+            return None
+    return (
+        TensorDescriptor.from_tensor(a, [cfg["BLOCK_M"], block_k]),
+        TensorDescriptor.from_tensor(b, [cfg["BLOCK_N"], block_k]),
+    )
+
+
 def w8a8_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -212,9 +353,15 @@ def w8a8_gemm(
     block_k: int,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """a fp8 [M, K] (scales [M, ceil(K / group_k)]) x b fp8 [N, K]^T (scales [ceil(N / group_n),
-    ceil(K / group_k)]) (+ bias) -> [M, N] in out_dtype; block_k divides group_k."""
+    ceil(K / group_k)]) (+ bias) -> [M, N] in out_dtype; block_k divides group_k. ``config``
+    (keys of GEMM_CONFIG_KEYS; SPLIT_K None: chosen) overrides ``gemm_config``'s launch.
+
+    Split-K (SPLIT_K > 1): program (tile, split) writes its fp32 partial to a workspace
+    [S, M, N]; a second kernel sums the splits in order (deterministic), adds the bias and casts.
+    The grid and the workspace come from the shapes alone (CUDA-graph capturable)."""
     num_rows, k = a.shape
     n = b.shape[0]
     out = torch.empty((num_rows, n), dtype=out_dtype, device=a.device)
@@ -222,19 +369,43 @@ def w8a8_gemm(
         return out
     if b.stride(-1) != 1:
         b = b.contiguous()
-    if is_interpreted(a.device):
-        block_m, block_n, num_warps, num_stages = 16, 32, 4, 1
-    else:  # NOTE: untuned (vLLM's default w8a8 block tiles); GPU speed is the GPU issue's
-        block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
-        block_n, num_warps, num_stages = 128, 4, 3
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n, block_n))
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    sms = num_sms(a.device)
+    cfg = gemm_config(num_rows, n, k, block_k, sms, is_interpreted(a.device))
+    if config is not None:
+        cfg.update(config)
+        if cfg.get("SPLIT_K") is None:
+            cfg["SPLIT_K"] = auto_split_k(num_rows, n, k, block_k, _tiles(num_rows, n, cfg), sms)
+    k_tiles = triton.cdiv(k, block_k)
+    split_len = triton.cdiv(k_tiles, max(1, min(cfg["SPLIT_K"], k_tiles))) * block_k
+    num_splits = triton.cdiv(k, split_len) if k else 1
+    split = num_splits > 1
+    if split:
+        dest = torch.empty((num_splits, num_rows, n), dtype=torch.float32, device=a.device)
+    else:
+        dest, split_len = out, max(k, 1)
+    descriptors = _descriptors(a, b, cfg, block_k)
+    a_desc, b_desc = descriptors if descriptors is not None else (a, b)
+    block_n = cfg["BLOCK_N"]
+    grid = (_tiles(num_rows, n, cfg), num_splits)
     _w8a8_kernel[grid](
-        a, a_scale, b, b_scale, bias if bias is not None else out, out, num_rows, n, k,
-        group_n, group_k, a.stride(0), a_scale.stride(0), a_scale.stride(1), b.stride(0),
-        b_scale.stride(0), b_scale.stride(1), out.stride(0),
-        HAS_BIAS=bias is not None, UPCAST=not has_fp8_mma(a.device), BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        a, a_scale, b, b_scale, bias if bias is not None else out, dest, a_desc, b_desc,
+        num_rows, n, k, group_n, group_k, split_len, max(1, cfg["GROUP_M"]), a.stride(0),
+        a_scale.stride(0), a_scale.stride(1), b.stride(0), b_scale.stride(0), b_scale.stride(1),
+        dest.stride(-2), dest.stride(0) if split else 0,
+        HAS_BIAS=bias is not None, UPCAST=not has_fp8_mma(a.device), SPLIT=split,
+        SCALAR_BS=group_n % block_n == 0, TMA=descriptors is not None, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
+    if split:
+        size = num_rows * n
+        block = 4096 if is_interpreted(a.device) else 1024
+        _split_k_reduce_kernel[(triton.cdiv(size, block),)](
+            dest, bias if bias is not None else out, out, num_splits, size, n,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        )  # fmt: skip
     return out
 
 
