@@ -49,7 +49,14 @@ def _randn(*shape, seed, device, scale=1.0):
 # --- activation quantization and dequantization: bit for bit -----------------------------------
 
 
-@pytest.mark.parametrize(("rows", "k", "group_size"), [(3, 256, 128), (5, 100, 32), (2, 7, 16)])
+# The tiled kernel (groups <= TILED_GROUP_MAX: programs of several (row, group) pairs, pairs
+# spanning rows, partial last groups, an odd group width) and the per-(row, group) loop (wider).
+GROUP_QUANT_CASES = [
+    (3, 256, 128), (5, 100, 32), (2, 7, 16), (37, 300, 128), (4, 1000, 100), (2, 1300, 1100),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("rows", "k", "group_size"), GROUP_QUANT_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_per_token_group_quant_fp8(triton_backend, quant, rows, k, group_size, dtype):
     device = triton_backend.device

@@ -95,6 +95,45 @@ def _group_quant_kernel(
         tl.store(q_ptr + row * stride_qm + c + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _group_quant_tiles_kernel(
+    x_ptr,  # [M, K]
+    q_ptr,  # [M, K] fp8 out
+    s_ptr,  # [M, G] fp32 out
+    num_pairs,  # M * G
+    num_groups,
+    num_cols,
+    group_size,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    eps,
+    PAIRS: tl.constexpr,
+    BLOCK: tl.constexpr,  # >= group_size
+):
+    """Program: PAIRS consecutive (row, group) pairs, one group a tile row (a row's groups are
+    adjacent in memory, so the tile streams): the numbers of ``_group_quant_kernel``, bit for
+    bit (the same max, the same IEEE divisions)."""
+    pairs = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
+    pair_mask = pairs < num_pairs
+    rows = (pairs // num_groups).to(tl.int64)
+    groups = pairs % num_groups
+    offs = tl.arange(0, BLOCK)
+    cols = groups[:, None] * group_size + offs[None, :]  # [PAIRS, BLOCK]
+    mask = pair_mask[:, None] & (offs < group_size)[None, :] & (cols < num_cols)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, eps), 448.0)  # [PAIRS]
+    tl.store(s_ptr + rows * stride_sm + groups, scale, mask=pair_mask)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
+    tl.store(q_ptr + rows[:, None] * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+# Groups up to this wide take the tiled kernel; wider ones (per-token quant: one group a row) and
+# the static scale take the per-(row, group) loop.
+TILED_GROUP_MAX = 1024
+
+
 def _quant_rows(x: torch.Tensor, group_size: int, static_scale: torch.Tensor | None):
     num_rows, num_cols = x.shape
     if x.stride(-1) != 1:
@@ -105,8 +144,20 @@ def _quant_rows(x: torch.Tensor, group_size: int, static_scale: torch.Tensor | N
         x_s = torch.empty((num_rows, num_groups), dtype=torch.float32, device=x.device)
     else:
         x_s = static_scale.reshape(1)
-    if num_rows and num_groups:
-        cap = 256 if is_interpreted(x.device) else 2048
+    interpreted = is_interpreted(x.device)
+    if num_rows and num_groups and static_scale is None and group_size <= TILED_GROUP_MAX:
+        # NOTE: one program per (row, group) with 1 warp reached 21% of the copy bandwidth
+        # (H100, M = 4096, K = 7168, group 128: 642 GB/s); 4096-element tiles stream.
+        block = next_pow2(group_size, 16)
+        pairs = max(1, (1024 if interpreted else 4096) // block)
+        num_pairs = num_rows * num_groups
+        _group_quant_tiles_kernel[(triton.cdiv(num_pairs, pairs),)](
+            x, x_q, x_s, num_pairs, num_groups, num_cols, group_size, x.stride(0),
+            x_q.stride(0), x_s.stride(0), GROUP_QUANT_EPS, PAIRS=pairs, BLOCK=block,
+            num_warps=4,
+        )  # fmt: skip
+    elif num_rows and num_groups:
+        cap = 256 if interpreted else 2048
         block = min(next_pow2(group_size, 16), cap)
         _group_quant_kernel[(num_rows, num_groups)](
             x, x_q, x_s, num_cols, group_size, x.stride(0), x_q.stride(0),
