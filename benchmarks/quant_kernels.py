@@ -21,13 +21,19 @@ what it measured):
   128 x 128, fp8 per channel, bf16) and a GPT-OSS-120B layer (128 experts, top-4, H 2880, I 2880,
   swiglu_oai, interleaved gate/up, biases; MXFP4, bf16), random routing (softmax top-k of random
   logits).
-- ``gemm_tiles``: the w8a8 kernel alone under other tiles (``W8A8_TILES``) at the GEMM shapes: the
-  evidence for its tile choice (programs per SM at small M, tile size at M = 4096).
+- ``gemm_tiles``: the w8a8 GEMM alone under w8a8_gemm's own launch and each candidate of
+  ``W8A8_TILES`` (N tiles, split-K, warps, stages, GROUP_M, TMA) at the GEMM shapes and
+  M = 1, 16, 4096 (``TILE_ROWS``), each checked against the reference before it is timed; prints
+  the fastest per shape and M (the JSON's ``gemm_tiles_best``): the evidence for ``gemm_config``.
 - ``moe_tiles``: the quantized ``moe`` rows (T = 1, 16 unless ``--moe-tile-tokens``;
   ``--moe-formats`` filters) under the default config and one change at a time
   (``moe_tile_candidates``: GEMM 1 / GEMM 2 column tile, K tile, stages, warps; the per-pair
   combine), each checked once against the torch reference (``BAD`` past atol = rtol = 5e-2, as
   the GPU test) and timed (cold L2 only): the evidence for the quantized formats' tiles.
+
+The block-FP8 GEMM and group-quant work alone, in one GPU call (a few minutes):
+
+    python benchmarks/quant_kernels.py --only gemm,group_quant,gemm_tiles --out $OUT/q.json
 
 Timing (as benchmarks/kernels.py): every op runs as a CUDA graph, ``ms_cold`` with the L2
 flushed before each call (GPU time alone; what the rates come from), ``ms_graph`` with a warm L2
@@ -64,10 +70,27 @@ GEMM_SHAPES = {  # DeepSeek-V3 projections, name: (N, K)
     "shared_down": (7168, 2048),
 }
 GEMM_ROWS = (1, 16, 4096)
-W8A8_TILES = {  # gemm_tiles: (BLOCK_M, BLOCK_N, num_warps, num_stages) by M; w8a8_gemm's own first
-    "small": ((16, 128, 4, 3), (16, 64, 4, 4), (16, 32, 4, 4)),
-    "large": ((64, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3), (128, 128, 4, 4)),
-}
+TILE_ROWS = (1, 16, 4096)  # gemm_tiles: the M each shape's candidates are swept at
+
+
+def _tile(bm, bn, warps, stages, split=1, group_m=1, tma=False) -> dict:
+    """A w8a8_gemm launch (``quant.GEMM_CONFIG_KEYS``); split None: w8a8_gemm's own choice."""
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, SPLIT_K=split,
+                GROUP_M=group_m, TMA=tma)  # fmt: skip
+
+
+W8A8_TILES = {  # gemm_tiles' candidates by M (<= 64: "small"), each after w8a8_gemm's own
+    "small": tuple(
+        _tile(16, bn, 4, 4, split) for bn in (32, 64, 128) for split in (1, None, 2, 4, 8, 16)
+    ) + (_tile(16, 64, 4, 3, None), _tile(16, 64, 2, 4, None), _tile(16, 32, 2, 6, None)),
+    "large": (
+        _tile(64, 128, 4, 3, 1, 8), _tile(64, 128, 4, 4, 1, 8), _tile(128, 128, 8, 3, 1, 8),
+        _tile(128, 128, 8, 4, 1, 8), _tile(64, 256, 8, 3, 1, 8), _tile(128, 64, 4, 3, 1, 8),
+        _tile(128, 256, 8, 3, 1, 8), _tile(64, 128, 4, 3, 1, 1),
+        _tile(64, 128, 4, 3, 1, 8, True), _tile(128, 128, 8, 3, 1, 8, True),
+        _tile(128, 128, 8, 4, 1, 8, True), _tile(64, 256, 8, 3, 1, 8, True),
+    ),
+}  # fmt: skip
 GROUP_QUANT_SHAPES = ((1, 7168), (16, 7168), (4096, 7168), (16384, 7168), (4096, 16384))
 MOE_SHAPES = {  # name: (E, top-k, H, I, formats, GPT-OSS layer: swiglu_oai, interleaved, biases)
     "deepseek-v3": (256, 8, 7168, 2048, ("fp8_block", "fp8_channel", "bf16"), False),
@@ -314,39 +337,74 @@ def bench_gemm(torch, bench: Bench) -> None:
         torch.cuda.empty_cache()
 
 
-def bench_gemm_tiles(torch, bench: Bench) -> None:
-    """The w8a8 kernel under other tiles than w8a8_gemm's (W8A8_TILES; cold L2 only): what a
-    narrower N tile (more programs at small M) or a larger one (at M = 4096) would give."""
+def tile_name(cfg: dict | None) -> str:
+    if cfg is None:
+        return "w8a8_gemm's own"
+    split = "auto" if cfg["SPLIT_K"] is None else cfg["SPLIT_K"]
+    return (
+        f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} "
+        f"split {split} G{cfg['GROUP_M']}{' tma' if cfg['TMA'] else ''}"
+    )
+
+
+def bench_gemm_tiles(torch, bench: Bench) -> dict:
+    """The w8a8 GEMM alone (FP8 activations) under w8a8_gemm's own launch and each candidate of
+    W8A8_TILES, at each shape and TILE_ROWS (cold L2 only). Every candidate's output is checked
+    against the float32 product of the same quantized operands before it is timed (a wrong one
+    is recorded as an error). Returns and prints the fastest per (shape, M)."""
     from atom_kernels.backends.triton import quant
 
     block_k = quant.block_k_for(BLOCK[1], DEVICE == "cpu")
+    bf16 = torch.bfloat16
+    best = {}
     for name, (n, k) in GEMM_SHAPES.items():
-        w = torch.randn(n, k, device=DEVICE).to(torch.float8_e4m3fn)
-        w_s = torch.full((cdiv(n, BLOCK[0]), cdiv(k, BLOCK[1])), 1 / 64, device=DEVICE)
-        for rows in GEMM_ROWS:
-            x = torch.randn(rows, k, device=DEVICE).to(torch.bfloat16)
+        w = (torch.randn(n, k, device=DEVICE) * 2).to(torch.float8_e4m3fn)
+        w_s = torch.rand(cdiv(n, BLOCK[0]), cdiv(k, BLOCK[1]), device=DEVICE) / 64 + 1 / 128
+        w_deq = w.float() * w_s.repeat_interleave(BLOCK[0], 0)[:n].repeat_interleave(BLOCK[1], 1)
+        w_deq = w_deq[:, :k]
+        for rows in TILE_ROWS:
+            x = torch.randn(rows, k, device=DEVICE).to(bf16)
             x_q, x_s = quant.per_token_group_quant_fp8(x, BLOCK[1])
-            out = torch.empty(rows, n, dtype=torch.bfloat16, device=DEVICE)
-            for tiles in W8A8_TILES["small" if rows <= 16 else "large"]:
-                bm, bn, warps, stages = tiles
-                grid = (cdiv(rows, bm), cdiv(n, bn))
+            x_deq = x_q.float() * x_s.repeat_interleave(BLOCK[1], 1)[:, :k]
+            expected = x_deq @ w_deq.T  # [M, N] float32
+            shape = f"{name} M={rows} N={n} K={k}"
+            nbytes = gemm_bytes(rows, n, k, "fp8_block_gemm")
+            candidates = (None, *W8A8_TILES["small" if rows <= 64 else "large"])
+            for cfg in candidates:
 
-                def fn(x_q=x_q, x_s=x_s, w=w, w_s=w_s, out=out, grid=grid, tiles=tiles):
-                    bm, bn, warps, stages = tiles
-                    quant._w8a8_kernel[grid](
-                        x_q, x_s, w, w_s, out, out, x_q.shape[0], w.shape[0], x_q.shape[1],
-                        BLOCK[0], BLOCK[1], x_q.stride(0), x_s.stride(0), x_s.stride(1),
-                        w.stride(0), w_s.stride(0), w_s.stride(1), out.stride(0),
-                        HAS_BIAS=False, UPCAST=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k,
-                        num_warps=warps, num_stages=stages,
-                    )  # fmt: skip
+                def fn(x_q=x_q, x_s=x_s, w=w, w_s=w_s, cfg=cfg):
+                    return quant.w8a8_gemm(
+                        x_q, x_s, w, w_s, BLOCK[0], BLOCK[1], block_k, None, bf16, cfg
+                    )
 
-                shape = f"{name} M={rows} N={n} K={k}"
-                impl = f"w8a8 {bm}x{bn}x{block_k} w{warps} s{stages} ({grid[0] * grid[1]} programs)"
-                nbytes = gemm_bytes(rows, n, k, "fp8_block_gemm")
-                bench.add("gemm_tiles", shape, impl, fn, nbytes, 2.0 * rows * n * k, "fp8",
-                          warm=False)  # fmt: skip
-        torch.cuda.empty_cache()
+                impl = f"w8a8 {tile_name(cfg)}"
+                try:
+                    err = (fn().float() - expected).abs()
+                    bad = int((err > 2e-2 + 1.6e-2 * expected.abs()).sum())
+                except Exception as exc:  # a candidate that does not compile: keep the others
+                    bad, err = -1, exc
+                if bad:
+                    why = f"{bad} outputs off (max {err.max().item():.4g})" if bad > 0 else err
+                    print(f"FAILED gemm_tiles {shape} {impl}: {why}", flush=True)
+                    bench.rows.append({"group": "gemm_tiles", "shape": shape, "impl": impl,
+                                       "error": repr(why)[:500]})  # fmt: skip
+                    continue
+                row = bench.add("gemm_tiles", shape, impl, fn, nbytes, 2.0 * rows * n * k, "fp8",
+                                warm=False, config=cfg)  # fmt: skip
+                if "error" not in row and (
+                    shape not in best or row["ms_cold"] < best[shape]["ms_cold"]
+                ):
+                    best[shape] = row
+            del expected, x_deq
+        del w_deq
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    print("\nfastest w8a8 launch per shape (gemm_tiles):")
+    for shape, row in best.items():
+        print(f"  {shape}: {row['impl']}  {row['ms_cold'] * 1e3:.1f} us  "
+              f"{100 * row['of_roofline']:.0f}% of roofline ({row['bound']})")  # fmt: skip
+    return {shape: {k: row[k] for k in ("impl", "config", "ms_cold", "of_roofline", "bound")}
+            for shape, row in best.items()}  # fmt: skip
 
 
 def bench_group_quant(torch, bench: Bench) -> None:
@@ -523,6 +581,7 @@ def bench_mla(torch, bench: Bench) -> None:
 def _shrink_for_smoke() -> None:
     """Tiny shapes on the CPU (the interpreter), same code paths."""
     global DEVICE, GEMM_SHAPES, GEMM_ROWS, GROUP_QUANT_SHAPES, MOE_SHAPES, MOE_TOKENS, W8A8_TILES
+    global TILE_ROWS
     global MLA_HEADS, MLA_BATCHES, MLA_CONTEXTS, MOE_TILE_TOKENS
     DEVICE = "cpu"
     MOE_TILE_TOKENS = (1, 5)
@@ -534,7 +593,11 @@ def _shrink_for_smoke() -> None:
         "gpt-oss-tiny": (8, 2, 64, 64, ("mxfp4", "bf16"), True),
     }
     MOE_TOKENS = (1, 5)
-    W8A8_TILES = {"small": ((16, 32, 4, 1),), "large": ((16, 64, 4, 1),)}
+    TILE_ROWS = (1, 70)
+    W8A8_TILES = {
+        "small": (_tile(16, 32, 4, 1, 2), _tile(16, 64, 4, 1, None)),
+        "large": (_tile(16, 64, 4, 1, 1, 2), _tile(16, 32, 4, 1, 1, 2, True)),
+    }
     MLA_HEADS, MLA_BATCHES, MLA_CONTEXTS = (16,), (2,), (40,)
 
 
@@ -629,7 +692,9 @@ def main(argv: list[str] | None = None) -> int:
     for group in groups:
         t0 = time.perf_counter()
         try:
-            runners[group]()
+            best = runners[group]()
+            if best:
+                report[f"{group}_best"] = best
         except Exception as exc:  # keep the other groups
             print(f"FAILED group {group}: {type(exc).__name__}: {exc}", flush=True)
             report.setdefault("errors", {})[group] = repr(exc)[:1000]

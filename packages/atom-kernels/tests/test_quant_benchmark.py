@@ -89,3 +89,22 @@ def test_moe_tile_candidates_change_one_thing_at_a_time(bench):
     assert len(sorted_out) == len(out) - 1 - 2
     assert all(c["combine"] == "sum" for c in sorted_out)
     assert "1:16x16x128 w4 s4" in bench.short_config(sorted_out[0])
+
+
+def test_gemm_tile_candidates_are_launchable(bench):
+    """Every gemm_tiles candidate is a full w8a8_gemm config: power-of-two tiles the dot takes
+    (>= 16), at most 256 wide, a split count or None (auto), and names that tell them apart."""
+    pytest.importorskip("triton")
+    from atom_kernels.backends.triton.quant import GEMM_CONFIG_KEYS
+
+    names = set()
+    for size, candidates in bench.W8A8_TILES.items():
+        for cfg in candidates:
+            assert set(cfg) == set(GEMM_CONFIG_KEYS), cfg
+            for key in ("BLOCK_M", "BLOCK_N"):
+                assert 16 <= cfg[key] <= 256 and cfg[key] & (cfg[key] - 1) == 0, cfg
+            assert cfg["SPLIT_K"] is None or cfg["SPLIT_K"] >= 1
+            assert size == "large" or cfg["BLOCK_M"] == 16  # M <= 64 rows: 16-row tiles
+            names.add(bench.tile_name(cfg))
+    assert len(names) == sum(len(c) for c in bench.W8A8_TILES.values())
+    assert bench.tile_name(None) == "w8a8_gemm's own"
