@@ -151,15 +151,15 @@ GEMM_LAUNCHES = {
 }
 LARGE_M_LAUNCHES = ("128 wide, GROUP_M 2", "split 2, 128 wide")  # 300 rows (interpreter time)
 LAUNCH_CASES = [
-    (rows, launch)
+    (rows, k, launch)
     for rows in (1, 3, 16, 33, 300)
+    for k in ((320,) if rows == 300 else (384, 320))
     for launch in GEMM_LAUNCHES
     if (rows == 300) == (launch in LARGE_M_LAUNCHES)
 ]
 
 
-@pytest.mark.parametrize("k", [384, 320])
-@pytest.mark.parametrize(("rows", "launch"), LAUNCH_CASES)
+@pytest.mark.parametrize(("rows", "k", "launch"), LAUNCH_CASES)
 def test_w8a8_gemm_launches(triton_backend, quant, rows, k, launch):
     device, n, block, dtype = triton_backend.device, 576, (128, 128), torch.bfloat16
     w, s = quantize_fp8_block(_randn(n, k, seed=k, device=device, scale=k**-0.5), block)
@@ -174,7 +174,7 @@ def test_w8a8_gemm_launches(triton_backend, quant, rows, k, launch):
     expected = _w8a8_expected(x_q, x_s, block[1], w, full_scale, bias, dtype)
     atol, rtol = W8A8_TOLERANCES[dtype]
     assert_close(out, expected, atol=atol, rtol=rtol, name=f"w8a8_gemm ({launch})")
-    if launch == "split 3":  # the splits are summed in a fixed order: bitwise reproducible
+    if launch == "split 3" and rows == 3:  # splits summed in a fixed order: bitwise reproducible
         again = mod.w8a8_gemm(x_q, x_s, w, s, *block, block_k, bias, dtype, GEMM_LAUNCHES[launch])
         assert_equal(again, out)
 

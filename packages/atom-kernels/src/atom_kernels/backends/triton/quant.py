@@ -5,6 +5,8 @@ M = rows of x, N = output features, K = input features. The w8a8 GEMM takes FP8 
 per-(row, K group) scales and an FP8 weight with per-(N group, K group) scales: each K tile lies in
 one K group (BLOCK_K divides group_k), so a tile's dot is scaled once, by a_s[m] * w_s[n], and
 accumulated in float32. Per-token x per-channel scaling is the same kernel with one K group.
+Few rows (decode) split K across programs when the output tiles cannot fill the SMs: fp32
+partials in a workspace, summed in order by a second kernel (``w8a8_gemm``, ``gemm_config``).
 
 The e2m1 / e8m0 decoders (``e2m1_to_f32``, ``e8m0_to_f32``) are shared with the fused MoE kernel.
 """
