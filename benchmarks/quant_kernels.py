@@ -73,16 +73,18 @@ GEMM_ROWS = (1, 16, 4096)
 TILE_ROWS = (1, 16, 4096)  # gemm_tiles: the M each shape's candidates are swept at
 
 
-def _tile(bm, bn, warps, stages, split=1, group_m=1, tma=False) -> dict:
-    """A w8a8_gemm launch (``quant.GEMM_CONFIG_KEYS``); split None: w8a8_gemm's own choice."""
+def _tile(bm, bn, warps, stages, split=1, group_m=1, tma=False, fused=True) -> dict:
+    """A w8a8_gemm launch (``quant.GEMM_CONFIG_KEYS``); split None: w8a8_gemm's own choice;
+    fused False: split-K summed by the separate reduce kernel."""
     return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, SPLIT_K=split,
-                GROUP_M=group_m, TMA=tma)  # fmt: skip
+                GROUP_M=group_m, TMA=tma, FUSED_REDUCE=fused)  # fmt: skip
 
 
 W8A8_TILES = {  # gemm_tiles' candidates by M (<= 64: "small"), each after w8a8_gemm's own
     "small": tuple(
         _tile(16, bn, 4, 4, split) for bn in (32, 64, 128) for split in (1, None, 2, 4, 8, 16)
-    ) + (_tile(16, 64, 4, 3, None), _tile(16, 64, 2, 4, None), _tile(16, 32, 2, 6, None)),
+    ) + (_tile(16, 64, 4, 3, None), _tile(16, 64, 2, 4, None), _tile(16, 32, 2, 6, None),
+         _tile(16, 32, 4, 4, None, fused=False), _tile(16, 64, 4, 4, None, fused=False)),
     "large": (
         _tile(64, 128, 4, 3, 1, 8), _tile(64, 128, 4, 4, 1, 8), _tile(128, 128, 8, 3, 1, 8),
         _tile(128, 128, 8, 4, 1, 8), _tile(64, 256, 8, 3, 1, 8), _tile(128, 64, 4, 3, 1, 8),
@@ -343,7 +345,8 @@ def tile_name(cfg: dict | None) -> str:
     split = "auto" if cfg["SPLIT_K"] is None else cfg["SPLIT_K"]
     return (
         f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']} "
-        f"split {split} G{cfg['GROUP_M']}{' tma' if cfg['TMA'] else ''}"
+        f"split {split}{'' if cfg['FUSED_REDUCE'] else ' (reduce kernel)'} G{cfg['GROUP_M']}"
+        f"{' tma' if cfg['TMA'] else ''}"
     )
 
 
@@ -595,7 +598,7 @@ def _shrink_for_smoke() -> None:
     MOE_TOKENS = (1, 5)
     TILE_ROWS = (1, 70)
     W8A8_TILES = {
-        "small": (_tile(16, 32, 4, 1, 2), _tile(16, 64, 4, 1, None)),
+        "small": (_tile(16, 32, 4, 1, 2), _tile(16, 64, 4, 1, None, fused=False)),
         "large": (_tile(16, 64, 4, 1, 1, 2), _tile(16, 32, 4, 1, 1, 2, True)),
     }
     MLA_HEADS, MLA_BATCHES, MLA_CONTEXTS = (16,), (2,), (40,)

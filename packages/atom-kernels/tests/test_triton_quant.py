@@ -144,6 +144,7 @@ def test_fp8_block_linear(triton_backend, quant, rows, n, k, block, dtype):
 GEMM_LAUNCHES = {
     "no split": dict(SPLIT_K=1),
     "split 3": dict(SPLIT_K=3),
+    "split 3, reduce kernel": dict(SPLIT_K=3, FUSED_REDUCE=False),
     "split 5, 64 wide": dict(SPLIT_K=5, BLOCK_N=64),
     "split 2, TMA": dict(SPLIT_K=2, TMA=True),
     "128 wide, GROUP_M 2": dict(SPLIT_K=1, BLOCK_N=128, GROUP_M=2),
@@ -176,7 +177,9 @@ def test_w8a8_gemm_launches(triton_backend, quant, rows, k, launch):
     assert_close(out, expected, atol=atol, rtol=rtol, name=f"w8a8_gemm ({launch})")
     if launch == "split 3" and rows == 3:  # splits summed in a fixed order: bitwise reproducible
         again = mod.w8a8_gemm(x_q, x_s, w, s, *block, block_k, bias, dtype, GEMM_LAUNCHES[launch])
-        assert_equal(again, out)
+        assert_equal(again, out)  # (and the counters were reset by the first call)
+        unfused = dict(GEMM_LAUNCHES[launch], FUSED_REDUCE=False)
+        assert_equal(mod.w8a8_gemm(x_q, x_s, w, s, *block, block_k, bias, dtype, unfused), out)
 
 
 def test_gemm_config_fills_the_sms_at_deepseek_shapes(quant):

@@ -18,7 +18,13 @@ import triton
 import triton.language as tl
 
 from atom_kernels.backends.torch import quant as reference
-from atom_kernels.backends.triton.common import as_rows, is_interpreted, next_pow2, num_sms
+from atom_kernels.backends.triton.common import (
+    as_rows,
+    is_interpreted,
+    next_pow2,
+    num_sms,
+    zeroed_counters,
+)
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -189,7 +195,9 @@ def _w8a8_kernel(
     b_ptr,  # [N, K] fp8
     bs_ptr,  # [ceil(N / group_n), ceil(K / group_k)] fp32
     bias_ptr,  # [N] or dummy
-    out_ptr,  # [M, N]; SPLIT: the fp32 workspace [S, M, N]
+    out_ptr,  # [M, N]
+    ws_ptr,  # SPLIT: the fp32 workspace [S, M, N] (contiguous); else out_ptr again (unused)
+    count_ptr,  # FUSED_REDUCE: a zeroed int32 counter per output tile; else unused
     a_desc,  # TMA: descriptor over a, blocks [BLOCK_M, BLOCK_K]; else a_ptr again (unused)
     b_desc,  # TMA: descriptor over b, blocks [BLOCK_N, BLOCK_K]; else b_ptr again (unused)
     M,
@@ -209,15 +217,19 @@ def _w8a8_kernel(
     stride_os,  # SPLIT: the workspace's split stride
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,  # no fp8 MMA on this device: dot on exact fp16 copies
-    SPLIT: tl.constexpr,  # split-K: store fp32 partials (the reduce kernel adds bias, casts)
+    SPLIT: tl.constexpr,  # split-K: store fp32 partials to ws_ptr
+    FUSED_REDUCE: tl.constexpr,  # SPLIT: the tile's last split sums them (else the reduce kernel)
     SCALAR_BS: tl.constexpr,  # BLOCK_N divides group_n: one weight scale per tile and K group
     TMA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides group_k: a K tile has one scale per row / column
 ):
-    """Program (tile, split): out[tile] (+)= sum over the split's K tiles of
-    dot(a, b^T) * a_s[:, None] * b_s[None, :], the scales of the tile's K group."""
+    """Program (tile, split): the sum over the split's K tiles of dot(a, b^T) * a_s[:, None] *
+    b_s[None, :] (the scales of the tile's K group). Not split: + bias, stored in out's dtype.
+    Split: the fp32 partial goes to the workspace; with FUSED_REDUCE the tile's last program to
+    arrive (an acq_rel counter) sums the partials in split order (deterministic), resets the
+    counter, adds the bias and stores."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -269,13 +281,22 @@ def _w8a8_kernel(
         b_ptrs += BLOCK_K
     mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT:
-        ws_ptrs = out_ptr + split.to(tl.int64) * stride_os + offs_m[:, None] * stride_om
-        tl.store(ws_ptrs + offs_n[None, :], acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        ws_tile = ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]  # [BM, BN]
+        tl.store(ws_tile + split.to(tl.int64) * stride_os, acc, mask=mask)
+        if not FUSED_REDUCE:
+            return
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        if tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") != tl.num_programs(1) - 1:
+            return
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for _ in range(0, tl.num_programs(1)):  # split order: the same sum on every run
+            acc += tl.load(ws_tile, mask=mask, other=0.0, cache_modifier=".cg")
+            ws_tile += stride_os
+        tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch (and graph replay)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -327,7 +348,9 @@ def block_k_for(group_k: int, interpreted: bool) -> int | None:
 # and read once: 8 bytes an output a split) at most a quarter of the weight's (N x K bytes).
 SPLIT_MIN_K_TILES = 2
 SPLIT_MAX_WORKSPACE_FRACTION = 0.25
-GEMM_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "SPLIT_K", "GROUP_M", "TMA")
+GEMM_CONFIG_KEYS = (
+    "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "SPLIT_K", "GROUP_M", "TMA", "FUSED_REDUCE"
+)  # fmt: skip
 
 
 def _tiles(num_rows: int, n: int, cfg: dict) -> int:
@@ -371,6 +394,7 @@ def gemm_config(
     else:
         cfg = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, GROUP_M=8, TMA=False)
     cfg["SPLIT_K"] = auto_split_k(num_rows, n, k, block_k, _tiles(num_rows, n, cfg), sms)
+    cfg["FUSED_REDUCE"] = True
     return cfg
 
 
@@ -413,8 +437,11 @@ def w8a8_gemm(
     (keys of GEMM_CONFIG_KEYS; SPLIT_K None: chosen) overrides ``gemm_config``'s launch.
 
     Split-K (SPLIT_K > 1): program (tile, split) writes its fp32 partial to a workspace
-    [S, M, N]; a second kernel sums the splits in order (deterministic), adds the bias and casts.
-    The grid and the workspace come from the shapes alone (CUDA-graph capturable)."""
+    [S, M, N]; the tile's last program (FUSED_REDUCE: self-resetting counters, common's
+    ``zeroed_counters``) or a second kernel (no counters: FUSED_REDUCE False, or the counters
+    would have to grow inside a graph capture) sums the splits in order (deterministic), adds the
+    bias and casts. The grid and the workspace come from the shapes alone (CUDA-graph capturable).
+    """
     num_rows, k = a.shape
     n = b.shape[0]
     out = torch.empty((num_rows, n), dtype=out_dtype, device=a.device)
@@ -434,29 +461,33 @@ def w8a8_gemm(
     split_len = triton.cdiv(k_tiles, max(1, min(cfg["SPLIT_K"], k_tiles))) * block_k
     num_splits = triton.cdiv(k, split_len) if k else 1
     split = num_splits > 1
+    tiles = _tiles(num_rows, n, cfg)
+    counters = None
     if split:
-        dest = torch.empty((num_splits, num_rows, n), dtype=torch.float32, device=a.device)
+        ws = torch.empty((num_splits, num_rows, n), dtype=torch.float32, device=a.device)
+        if cfg.get("FUSED_REDUCE", True):
+            counters = zeroed_counters(a.device, tiles)
     else:
-        dest, split_len = out, max(k, 1)
+        ws, split_len = out, max(k, 1)
     descriptors = _descriptors(a, b, cfg, block_k)
     a_desc, b_desc = descriptors if descriptors is not None else (a, b)
     block_n = cfg["BLOCK_N"]
-    grid = (_tiles(num_rows, n, cfg), num_splits)
-    _w8a8_kernel[grid](
-        a, a_scale, b, b_scale, bias if bias is not None else out, dest, a_desc, b_desc,
+    _w8a8_kernel[(tiles, num_splits)](
+        a, a_scale, b, b_scale, bias if bias is not None else out, out, ws,
+        counters if counters is not None else out, a_desc, b_desc,
         num_rows, n, k, group_n, group_k, split_len, max(1, cfg["GROUP_M"]), a.stride(0),
         a_scale.stride(0), a_scale.stride(1), b.stride(0), b_scale.stride(0), b_scale.stride(1),
-        dest.stride(-2), dest.stride(0) if split else 0,
+        out.stride(0), ws.stride(0) if split else 0,
         HAS_BIAS=bias is not None, UPCAST=not has_fp8_mma(a.device), SPLIT=split,
-        SCALAR_BS=group_n % block_n == 0, TMA=descriptors is not None, BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        FUSED_REDUCE=counters is not None, SCALAR_BS=group_n % block_n == 0,
+        TMA=descriptors is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    if split:
+    if split and counters is None:
         size = num_rows * n
         block = 4096 if is_interpreted(a.device) else 1024
         _split_k_reduce_kernel[(triton.cdiv(size, block),)](
-            dest, bias if bias is not None else out, out, num_splits, size, n,
+            ws, bias if bias is not None else out, out, num_splits, size, n,
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return out
