@@ -419,6 +419,13 @@ def bench_group_quant(torch, bench: Bench) -> None:
         groups = cdiv(k, BLOCK[1])
         nbytes = float(rows * k * (2 + 1) + 4 * rows * groups)  # x read, x_q and x_s written
         shape = f"M={rows} K={k} group={BLOCK[1]}"
+        x_q, x_s = quant.per_token_group_quant_fp8(x, BLOCK[1])
+        q_ref, s_ref = reference.per_token_group_quant_fp8(x, BLOCK[1])
+        codes_off = int((x_q.view(torch.uint8) != q_ref.view(torch.uint8)).sum())
+        scales_off = int((x_s != s_ref).sum())
+        if codes_off or scales_off:  # the kernel must match the reference bit for bit
+            print(f"FAILED group_quant {shape}: {codes_off} codes, {scales_off} scales differ "
+                  "from the torch reference", flush=True)  # fmt: skip
         for impl, fn in (
             ("triton", lambda x=x: quant.per_token_group_quant_fp8(x, BLOCK[1])),
             ("torch", lambda x=x: reference.per_token_group_quant_fp8(x, BLOCK[1])),

@@ -399,17 +399,21 @@ def gemm_config(
 
 
 def tma_capable(device: torch.device) -> bool:
-    """TMA loads: NVIDIA Hopper or newer (compute capability 9+), with host descriptors."""
-    if TensorDescriptor is None or device.type != "cuda" or torch.version.hip is not None:
+    """TMA loads: NVIDIA Hopper or newer (compute capability 9+) or the CPU interpreter, with
+    host descriptors."""
+    if TensorDescriptor is None:
         return False
+    if device.type != "cuda" or torch.version.hip is not None:
+        return device.type == "cpu"  # the interpreter emulates descriptors
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _descriptors(a: torch.Tensor, b: torch.Tensor, cfg: dict, block_k: int):
     """(descriptor over a [M, K], blocks [BLOCK_M, block_k]; over b [N, K], blocks [BLOCK_N,
-    block_k]) or None where TMA cannot serve: not asked, no host descriptors, a row stride or a
-    base not 16-byte aligned (TMA's rule), a non-unit column stride."""
-    if not cfg.get("TMA") or TensorDescriptor is None:
+    block_k]) or None where TMA cannot serve: not asked, not Hopper or newer (the interpreter
+    emulates it), a row stride or a base not 16-byte aligned (TMA's rule), a non-unit column
+    stride."""
+    if not cfg.get("TMA") or not tma_capable(a.device):
         return None
     for t in (a, b):
         if t.stride(-1) != 1 or t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16:
