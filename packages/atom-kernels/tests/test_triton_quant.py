@@ -191,13 +191,19 @@ def test_gemm_config_fills_the_sms_at_deepseek_shapes(quant):
         for rows in (1, 4, 16):
             cfg = mod.gemm_config(rows, n, k, 128, sms=132)
             tiles = -(-rows // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
-            assert cfg["BLOCK_M"] == 16 and tiles * cfg["SPLIT_K"] >= 132, (n, k, rows, cfg)
+            # the SMs filled, or the split at its cap (whole K tiles, the workspace's bytes)
+            cap = min(k // 128 // mod.SPLIT_MIN_K_TILES,
+                      int(mod.SPLIT_MAX_WORKSPACE_FRACTION * k / (8 * rows)))  # fmt: skip
+            filled = tiles * cfg["SPLIT_K"] >= 132 or cfg["SPLIT_K"] == cap
+            assert cfg["BLOCK_M"] == 16 and filled, (n, k, rows, cfg)
             assert cfg["SPLIT_K"] <= k // 128 // mod.SPLIT_MIN_K_TILES or cfg["SPLIT_K"] == 1
             assert 8 * cfg["SPLIT_K"] * rows * n <= mod.SPLIT_MAX_WORKSPACE_FRACTION * n * k
         big = mod.gemm_config(4096, n, k, 128, sms=132)
         assert big["SPLIT_K"] == 1 and big["BLOCK_M"] >= 64
-    # kv_a_proj at M = 1: 32-column tiles (18) cannot fill 132 SMs; 15 splits of 4 K blocks
-    assert mod.gemm_config(1, 576, 7168, 128, sms=132)["BLOCK_N"] == 32
+    # kv_a_proj at M = 1: 64-column tiles (9) cannot fill 132 SMs: split K
+    small = mod.gemm_config(1, 576, 7168, 128, sms=132)
+    assert small["BLOCK_N"] == 64
+    assert small["SPLIT_K"] == mod.auto_split_k(1, 576, 7168, 128, tiles=9, sms=132)
     assert mod.auto_split_k(1, 576, 7168, 128, tiles=18, sms=132) == 15
     assert mod.auto_split_k(1, 7168, 16384, 128, tiles=56, sms=132) == 5
 

@@ -280,23 +280,25 @@ def _w8a8_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     mask = m_mask[:, None] & n_mask[None, :]
+    # NOTE: no `return` under a constexpr `if` (triton 3.6 fails to compile it): the reduce
+    # kernel's path writes its partial and skips the output by the last condition instead.
     if SPLIT:
         ws_tile = ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]  # [BM, BN]
         tl.store(ws_tile + split.to(tl.int64) * stride_os, acc, mask=mask)
-        if not FUSED_REDUCE:
-            return
-        tl.debug_barrier()  # every thread's partial stored before the release below
-        if tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") != tl.num_programs(1) - 1:
-            return
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for _ in range(0, tl.num_programs(1)):  # split order: the same sum on every run
-            acc += tl.load(ws_tile, mask=mask, other=0.0, cache_modifier=".cg")
-            ws_tile += stride_os
-        tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch (and graph replay)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if FUSED_REDUCE:
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            if tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") != tl.num_programs(1) - 1:
+                return
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for _ in range(0, tl.num_programs(1)):  # split order: the same sum on every run
+                acc += tl.load(ws_tile, mask=mask, other=0.0, cache_modifier=".cg")
+                ws_tile += stride_os
+            tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next launch (and graph replay)
+    if FUSED_REDUCE or not SPLIT:  # else the reduce kernel writes the output
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -375,24 +377,26 @@ def gemm_config(
     """The launch of ``w8a8_gemm`` for a shape on ``sms`` SMs: tiles, warps, stages, K splits,
     GROUP_M, TMA.
 
-    Small M (<= 64 rows) is bound by the weight's bytes: 16-row tiles (the dot's minimum) and
-    the widest N tile (128, 64, 32) whose tiles still fill the SMs, else 32 columns and split-K.
-    Large M is bound by the FP8 MMA: 64 x 128 / 4 warps / 3 stages.
-    NOTE: 64 x 128 x 128 / 4 warps / 3 stages was the best of four tiles at M = 4096 (H100,
-    2026-11-23: 47-52% of the FP8 rate; 128 x 128 / 8 warps 6-18% slower, 128 x 256 1.9-2.9x);
-    the rest is untuned: ``benchmarks/quant_kernels.py --only gemm_tiles`` sweeps the candidates.
+    Small M (<= 64 rows) is bound by the weight's bytes: 16-row tiles (the dot's minimum), 64
+    columns, K split until the programs fill the SMs. Large M is bound by the FP8 MMA: TMA loads
+    (where the device has them; pointers otherwise), 128 x 128 / 8 warps / 4 stages over a long K
+    (>= 4096) and N >= 1024, else 64 x 128 / 4 warps / 3 stages; GROUP_M 8.
+    NOTE (benchmarks/results/quant-gemm-s9-h100.json, H100, triton 3.6, 2026-11-24, the
+    ``gemm_tiles`` sweep at DeepSeek-V3's projections): at M = 4096 the TMA tiles above took
+    104 / 405 / 65 / 1152 / 270 / 147 us (q_a, q_b, kv_a, o, shared gate_up, shared down:
+    41-71% of the FP8 rate) against 119 / 483 / 78 / 1372 / 317 / 175 for 64 x 128 pointer
+    loads; at M = 1-16, 16 x 64 with split-K was within 5% of the best launch on every shape
+    (o_proj 54 us against 65 for 16 x 32 without it).
     """
     if interpreted:
         cfg = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, GROUP_M=1, TMA=False)
     elif num_rows <= 64:
         block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
-        cfg = dict(BLOCK_M=block_m, BLOCK_N=32, num_warps=4, num_stages=4, GROUP_M=1, TMA=False)
-        for block_n in (128, 64):
-            if triton.cdiv(num_rows, block_m) * triton.cdiv(n, block_n) >= sms:
-                cfg["BLOCK_N"] = block_n
-                break
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4, num_stages=4, GROUP_M=1, TMA=False)
+    elif k >= 4096 and n >= 1024:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, GROUP_M=8, TMA=True)
     else:
-        cfg = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, GROUP_M=8, TMA=False)
+        cfg = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, GROUP_M=8, TMA=True)
     cfg["SPLIT_K"] = auto_split_k(num_rows, n, k, block_k, _tiles(num_rows, n, cfg), sms)
     cfg["FUSED_REDUCE"] = True
     return cfg
