@@ -1099,10 +1099,13 @@ def fused_moe(
             for gemm in ("gemm1", "gemm2"):
                 config[gemm] = dict(config[gemm], BLOCK_K=max(16, config[gemm]["BLOCK_K"] // 2))
             config["ws"] = False
-        if quant == "mxfp4" and not config["per_pair"] and config["gemm1"]["BLOCK_M"] == 16:
-            # NOTE (benchmarks/results/quant-moe-tiles-s9-h100.json, H100, triton 3.6): GPT-OSS-
-            # 120B layer at T=16, GEMM 1 in 8 warps 1.03 ms against 1.42 with 4 (the dequantizing
-            # arithmetic spread over more threads); at T=1 (per-pair) 8 warps were slower.
+        decode_tiles = not config["per_pair"] and config["gemm1"]["BLOCK_M"] == 16
+        if quant == "mxfp4" and decode_tiles and num_pairs < 1024:
+            # NOTE (benchmarks/results/quant-moe-tiles-s9-h100.json and s9-final-h100, H100,
+            # triton 3.6): GPT-OSS-120B layer at T=16 (the 16-row decode tiles), GEMM 1 in 8 warps
+            # 1.03 ms against 1.42 with 4 (the dequantizing arithmetic over more threads); at
+            # T=1 (per-pair) and T=256 (1024 pairs, the hist-align tiles) 8 warps were slower
+            # (T=256: 4.52 against 3.25 ms).
             config["gemm1"] = dict(config["gemm1"], num_warps=8)
     if quant is not None:
         config = _quant_config(config, quant, block_size)
