@@ -54,7 +54,7 @@ class SkinnyConfig:
     split_k: int = 1
 
 
-@triton.jit(do_not_specialize=["k_per_split"])
+@triton.jit(do_not_specialize=["k_tiles_per_split"])
 def _skinny_kernel(
     x_ptr,
     w_ptr,
@@ -65,7 +65,7 @@ def _skinny_kernel(
     num_rows,
     N,
     K,
-    k_per_split,
+    k_tiles_per_split,
     stride_xm,
     stride_wn,
     stride_om,
@@ -78,13 +78,17 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr,
 ):
     # M = rows of x (<= BLOCK_M), N = output features, K = input features; split s of SPLIT_K
-    # walks K in [s * k_per_split, (s + 1) * k_per_split) (k_per_split a multiple of BLOCK_K)
+    # walks K in [s, s + 1) * k_tiles_per_split * BLOCK_K (a multiple of BLOCK_K: the compiler
+    # keeps its alignment, so the W loads stay vectorized)
     pid = tl.program_id(0)
-    split = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = K
+    else:
+        k_lo = tl.program_id(1) * k_tiles_per_split * BLOCK_K
+        k_hi = tl.minimum(K, k_lo + k_tiles_per_split * BLOCK_K)
     offs_k = k_lo + tl.arange(0, BLOCK_K)
     m_mask = offs_m < num_rows
     n_mask = offs_n < N
@@ -116,7 +120,7 @@ def _skinny_kernel(
     if SPLIT_K > 1:
         # [SPLIT_K, num_rows, N] fp32 partials; the last program of this N tile sums them.
         tile = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + split * num_rows * N + tile, acc, mask=out_mask)
+        tl.store(part_ptr + tl.program_id(1) * num_rows * N + tile, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial stored before the release below
         arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
         if arrived != SPLIT_K - 1:
@@ -149,6 +153,8 @@ def default_config(num_rows: int, n: int, k: int, sms: int, interpreted: bool) -
         config = SkinnyConfig(16, 512, 4, 5, use_dot=False)
     else:
         config = SkinnyConfig(32, 256 if k >= 8192 else 128, 4, 5)
+    if not SPLIT_K_ENABLED:  # measured no faster than cuBLAS / the unsplit kernel (see above)
+        return config
     return dataclasses.replace(config, split_k=split_k_for(n, k, config, sms))
 
 
@@ -198,11 +204,12 @@ def skinny_linear(
     out2 = out.view(-1, n)
     tiles = triton.cdiv(n, config.block_n)
     # Each split a whole number of K tiles; the last may be short (or empty: it adds zeros).
-    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    split_k = triton.cdiv(k, k_per_split)
+    k_tiles = triton.cdiv(k, config.block_k)
+    k_tiles_per_split = triton.cdiv(k_tiles, config.split_k)
+    split_k = triton.cdiv(k_tiles, k_tiles_per_split)
     counters = zeroed_counters(x.device, tiles) if split_k > 1 else None
     if counters is None:  # no split (or no counters yet inside a graph capture)
-        split_k, k_per_split, counters = 1, k, weight
+        split_k, k_tiles_per_split, counters = 1, k_tiles, weight
     partials = x2.new_empty((split_k, num_rows, n), dtype=torch.float32) if split_k > 1 else out2
     _skinny_kernel[(tiles, split_k)](
         x2,
@@ -214,7 +221,7 @@ def skinny_linear(
         num_rows,
         n,
         k,
-        k_per_split,
+        k_tiles_per_split,
         x2.stride(0),
         weight.stride(0),
         out2.stride(0),
