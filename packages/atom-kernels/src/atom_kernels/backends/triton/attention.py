@@ -30,15 +30,16 @@ from atom_kernels.backends.triton.common import (
 # writes and the reduce than they win in parallelism), and there are at most MAX_SPLITS of them.
 MIN_SPLIT_TOKENS = 128
 MAX_SPLITS = 64
-# Eager launches: the decode kernel's last split merges the partials (see attention_decode), one
-# launch fewer from Python (the piecewise graphs run attention eagerly between their pieces).
-# Inside a CUDA graph capture the separate reduce kernel runs: launches cost nothing there and
-# the merge by one program adds a serial tail. "0" keeps the reduce kernel everywhere.
-# NOTE (benchmarks/results/fused-reduce-h100, one H100, 2026-11-24, engine_bench decode, Qwen3-0.6B
-# shape, decode graphs, 2 alternating rounds): merging in the kernel inside the graphs took
-# 1.50 / 1.50 ms a step at batch 1 against 1.47 / 1.47 with the reduce kernel; batch 8 and 64
-# within 1%.
-FUSED_DECODE_REDUCE = os.environ.get("ATOM_FUSED_DECODE_REDUCE", "1") != "0"
+# ATOM_FUSED_DECODE_REDUCE=1: eager launches merge a decode's splits in the decode kernel (its
+# last split, see attention_decode) instead of a second kernel; graph captures keep the reduce
+# kernel. Off by default.
+# NOTE (benchmarks/results/fused-reduce-h100 and s9-final-h100, one H100, 2026-11-24, two
+# alternating rounds each, Qwen3-0.6B shape): merging in the kernel inside the decode graphs took
+# 1.50 / 1.50 ms a step at batch 1 against 1.47 / 1.47 with the reduce kernel; in the eager
+# attention between piecewise graphs (eager_steps.py, 128 x 512/128) the mixed steps' median was
+# 13.9 / 14.1 ms against 13.1 / 13.3: one launch fewer from Python does not pay for the merge's
+# serial tail.
+FUSED_DECODE_REDUCE = os.environ.get("ATOM_FUSED_DECODE_REDUCE", "0") == "1"
 
 
 def fuse_decode_reduce(device: torch.device) -> bool:
@@ -46,6 +47,8 @@ def fuse_decode_reduce(device: torch.device) -> bool:
     if not FUSED_DECODE_REDUCE:
         return False
     return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+
 # Programs the decode grid aims for, per SM: enough resident programs to cover memory latency.
 PROGRAMS_PER_SM = 2
 # From this many (sequence, kv head) programs an SM, the decode kernel takes the config's large
