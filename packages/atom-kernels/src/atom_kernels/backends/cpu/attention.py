@@ -210,35 +210,28 @@ def paged_attention(
     num_tokens, num_heads, _ = query.shape
     head_dim_v = value_cache.shape[3]
     block_size = key_cache.shape[1]
-    result = out if out is not None else query.new_empty(num_tokens, num_heads, head_dim_v)
     starts, lens, q_lens = per_step(
         "layout", (seq_lens, query_start_loc), (), lambda: _layout(seq_lens, query_start_loc)
     )
+    decodes = [b for b, q_len in enumerate(q_lens) if q_len == 1]
+    is_all = len(decodes) == len(q_lens)  # a decode-only batch: rows 0..B-1 in order
+    if decodes and is_all and out is None and starts[-1] == num_tokens:
+        # Every row a decode row, none padding: the attention's own output is the result (no
+        # [T, H, Dv] allocation and copy).
+        return _decode(
+            query, key_cache, value_cache, block_tables, seq_lens, lens, decodes, is_all,
+            block_size, scale, sliding_window, sinks, soft_cap, k_scale, v_scale,
+        ).to(query.dtype)  # fmt: skip
+    result = out if out is not None else query.new_empty(num_tokens, num_heads, head_dim_v)
     if starts[-1] < num_tokens:  # padding rows
         result[starts[-1] :].zero_()
-    decodes = [b for b, q_len in enumerate(q_lens) if q_len == 1]
     if decodes:
-        is_all = len(decodes) == len(q_lens)  # a decode-only batch: rows 0..B-1 in order
-        if is_all:
-            seqs, rows = slice(None), slice(0, len(decodes))
-        else:
-            seqs = torch.tensor(decodes)
-            rows = torch.tensor([starts[b] for b in decodes])
-        max_seq_len = max(lens[b] for b in decodes)
-        flat_k, flat_v = slot_view(key_cache), slot_view(value_cache)
-        if sinks is None and soft_cap is None and flat_k is not None and flat_v is not None:
-            args = (None if is_all else tuple(decodes), max_seq_len, block_size, sliding_window)
-            plan = per_step(
-                "decode_plan", (block_tables, seq_lens), args,
-                lambda: _decode_plan(block_tables, seq_lens, *args),
-            )  # fmt: skip
-            o = _decode_rows_sdpa(query[rows], flat_k, flat_v, plan, scale, k_scale, v_scale)
-        else:  # no SDPA equivalent (sinks, soft cap), or a cache with no slot view
-            o = _decode_rows(
-                query[rows], key_cache, value_cache, block_tables[seqs], seq_lens[seqs],
-                max_seq_len, scale, sliding_window, sinks, soft_cap, k_scale, v_scale,
-            )  # fmt: skip
-        result[rows] = o.to(result.dtype)
+        rows = slice(0, len(decodes)) if is_all else torch.tensor([starts[b] for b in decodes])
+        o = _decode(
+            query[rows], key_cache, value_cache, block_tables, seq_lens, lens, decodes, is_all,
+            block_size, scale, sliding_window, sinks, soft_cap, k_scale, v_scale,
+        )  # fmt: skip
+        result[rows] = o.to(result.dtype)  # index_put_ (a tensor of rows) does not cast
     for b, q_len in enumerate(q_lens):
         if q_len <= 1:
             continue
@@ -255,5 +248,40 @@ def paged_attention(
                 query[q_start : q_start + q_len], key_cache, value_cache, block_ids, seq_len,
                 scale, sliding_window, k_scale, v_scale,
             )  # fmt: skip
-        result[q_start : q_start + q_len] = o.to(result.dtype)
+        result[q_start : q_start + q_len] = o  # a slice: copy_, which casts
     return result
+
+
+def _decode(
+    query: torch.Tensor,  # [b, H, D] the decode rows
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    lens: list[int],
+    decodes: list[int],
+    is_all: bool,
+    block_size: int,
+    scale: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+    soft_cap: float | None,
+    k_scale,
+    v_scale,
+) -> torch.Tensor:
+    """The decode rows' attention [b, H, Dv], fp32."""
+    max_seq_len = max(lens[b] for b in decodes)
+    flat_k, flat_v = slot_view(key_cache), slot_view(value_cache)
+    if sinks is None and soft_cap is None and flat_k is not None and flat_v is not None:
+        args = (None if is_all else tuple(decodes), max_seq_len, block_size, sliding_window)
+        plan = per_step(
+            "decode_plan", (block_tables, seq_lens), args,
+            lambda: _decode_plan(block_tables, seq_lens, *args),
+        )  # fmt: skip
+        return _decode_rows_sdpa(query, flat_k, flat_v, plan, scale, k_scale, v_scale)
+    # no SDPA equivalent (sinks, soft cap), or a cache with no slot view
+    seqs = slice(None) if is_all else torch.tensor(decodes)
+    return _decode_rows(
+        query, key_cache, value_cache, block_tables[seqs], seq_lens[seqs], max_seq_len, scale,
+        sliding_window, sinks, soft_cap, k_scale, v_scale,
+    )  # fmt: skip
