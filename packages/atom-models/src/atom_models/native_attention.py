@@ -276,6 +276,7 @@ class NativeAttention(NativeCacheLayer):
         # too (a call of an earlier step; the token count is in the step's key): the backend's
         # ops, unchecked. NOTE: the two ops' argument checks were ~10% of a layer call on the
         # CPU (SmolLM2-135M, 1 thread, issue 21), 30 layers a step.
+        # get_op each call: a backend switch (atom_kernels.use_backend) resolves anew
         get_op("reshape_and_cache", q.device)(
             k, v, self.k_cache, self.v_cache, md.slot_mapping, self.k_scale, self.v_scale
         )
