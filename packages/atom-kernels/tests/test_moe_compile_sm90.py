@@ -50,7 +50,11 @@ def _compile(kernel, pointers: dict, constexprs: dict, cfg: dict):
 
 @pytest.mark.parametrize(
     ("quant", "shape", "num_tokens"),
-    [("fp8_block", (256, 8, 7168, 2048), 1), ("mxfp4", (128, 4, 2880, 2880), 16)],
+    [
+        ("fp8_block", (256, 8, 7168, 2048), 1),
+        ("mxfp4", (128, 4, 2880, 2880), 16),
+        ("mxfp4", (128, 4, 2880, 2880), 1),  # per-pair: the register multiply-adds
+    ],
 )
 def test_quantized_moe_kernels_compile_for_sm90(monkeypatch, quant, shape, num_tokens):
     num_experts, top_k, hidden, inter = shape

@@ -360,6 +360,22 @@ def _mxfp4_dot(acc, x_even, x_odd, w_ptrs, w_mask, s_ptrs, s_mask, PRECISION: tl
 
 
 @triton.jit
+def _mxfp4_fma(part, x_even, x_odd, w_ptrs, w_mask, s_ptrs, s_mask):
+    """``_mxfp4_dot`` for one live row, without the MMA: ``part`` [16, N] float32 partial sums
+    (summed over axis 0 by the caller) + the group's values times ``x_even`` / ``x_odd`` [16]
+    (the row's even / odd inputs). Each value is rounded to x's dtype first, as the dot's
+    operand is, so the sum is the same products in another order. At one row the MMA's 16-row
+    tile wastes 15 rows and each [16, N] operand is converted into the MMA's register layout;
+    here the values stay in the layout they were loaded in."""
+    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.uint16)
+    scale = e8m0_to_f32(tl.load(s_ptrs, mask=s_mask, other=127))[None, :]
+    low = (_e2m1_f32(packed & 0xF) * scale).to(x_even.dtype).to(tl.float32)
+    high = (_e2m1_f32(packed >> 4) * scale).to(x_even.dtype).to(tl.float32)
+    part += low * x_even.to(tl.float32)[:, None]
+    return part + high * x_odd.to(tl.float32)[:, None]
+
+
+@triton.jit
 def _quant_dot(
     acc, a_rows, a_valid, w_rows, s_rows, k0, num_k, col_valid, stride_wk, stride_sk, group_k,
     QUANT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -457,21 +473,36 @@ def _gemm1_tile(
         wu_rows = w_base + up_rows[None, :].to(tl.int64) * stride_wn
         x_rows = x_ptr + tokens[:, None] * stride_xt  # [M, 1]
         offs_p = tl.arange(0, 16)
+        if PER_PAIR:  # one live row: multiply-adds in registers (_mxfp4_fma), no MMA
+            x_row = x_ptr + (row0 // top_k).to(tl.int64) * stride_xt
+            part_g = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+            part_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, hidden_size, BLOCK_K):
             for g in tl.static_range(0, BLOCK_K // 32):
                 kg = k0 + g * 32  # first input of the scale group
                 ks = kg + 2 * offs_p  # [16] its even inputs
                 k_valid = ks < hidden_size
-                x_mask = row_valid[:, None] & k_valid[None, :]
-                x_even = tl.load(x_rows + ks[None, :] * stride_xh, mask=x_mask, other=0.0)
-                x_odd = tl.load(x_rows + (ks + 1)[None, :] * stride_xh, mask=x_mask, other=0.0)
                 w_mask = k_valid[:, None] & col_valid[None, :]
                 s_mask = col_valid & (kg + 0 * gate_rows < hidden_size)  # [N]
                 wp = (kg // 2 + offs_p)[:, None] * stride_wh  # [16, 1] packed bytes
-                acc_g = _mxfp4_dot(acc_g, x_even, x_odd, wg_rows + wp, w_mask,
-                                   sg_rows + (kg // 32) * stride_sk, s_mask, PRECISION)  # fmt: skip
-                acc_u = _mxfp4_dot(acc_u, x_even, x_odd, wu_rows + wp, w_mask,
-                                   su_rows + (kg // 32) * stride_sk, s_mask, PRECISION)  # fmt: skip
+                sg, su = sg_rows + (kg // 32) * stride_sk, su_rows + (kg // 32) * stride_sk
+                if PER_PAIR:
+                    x_even = tl.load(x_row + ks * stride_xh, mask=k_valid, other=0.0)
+                    x_odd = tl.load(x_row + (ks + 1) * stride_xh, mask=k_valid, other=0.0)
+                    part_g = _mxfp4_fma(part_g, x_even, x_odd, wg_rows + wp, w_mask, sg, s_mask)
+                    part_u = _mxfp4_fma(part_u, x_even, x_odd, wu_rows + wp, w_mask, su, s_mask)
+                else:
+                    x_mask = row_valid[:, None] & k_valid[None, :]
+                    x_even = tl.load(x_rows + ks[None, :] * stride_xh, mask=x_mask, other=0.0)
+                    x_odd = tl.load(x_rows + (ks + 1)[None, :] * stride_xh, mask=x_mask,
+                                    other=0.0)  # fmt: skip
+                    acc_g = _mxfp4_dot(acc_g, x_even, x_odd, wg_rows + wp, w_mask, sg, s_mask,
+                                       PRECISION)  # fmt: skip
+                    acc_u = _mxfp4_dot(acc_u, x_even, x_odd, wu_rows + wp, w_mask, su, s_mask,
+                                       PRECISION)  # fmt: skip
+        if PER_PAIR:
+            acc_g += tl.sum(part_g, 0)[None, :]
+            acc_u += tl.sum(part_u, 0)[None, :]
     else:
         s_base = s_ptr + expert.to(tl.int64) * stride_se
         sg_rows = s_base + (gate_rows // group_n).to(tl.int64) * stride_sn  # [N] (FP8)
@@ -842,7 +873,26 @@ def _gemm2_pair_kernel(
         + cols[None, :].to(tl.int64) * stride_wn
     )  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if QUANT > 0:
+    if QUANT == 2:  # MXFP4, one live row: multiply-adds in registers (_mxfp4_fma), no MMA
+        a_row = a_ptr + pair * stride_am
+        w_rows = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn  # [1, N]
+        s_rows = s_ptr + expert * stride_se + cols.to(tl.int64) * stride_sn  # [N]
+        offs_p = tl.arange(0, 16)
+        part = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter_size, BLOCK_K):
+            for g in tl.static_range(0, BLOCK_K // 32):
+                kg = k0 + g * 32  # first input of the scale group
+                ks = kg + 2 * offs_p  # [16] its even inputs
+                k_valid = ks < inter_size
+                a_even = tl.load(a_row + ks, mask=k_valid, other=0.0)
+                a_odd = tl.load(a_row + ks + 1, mask=k_valid, other=0.0)
+                w_mask = k_valid[:, None] & col_valid[None, :]
+                s_mask = col_valid & (kg + 0 * cols < inter_size)  # [N]
+                wp = (kg // 2 + offs_p)[:, None] * stride_wk  # [16, 1] packed bytes
+                part = _mxfp4_fma(part, a_even, a_odd, w_rows + wp, w_mask,
+                                  s_rows + (kg // 32) * stride_sk, s_mask)  # fmt: skip
+        acc += tl.sum(part, 0)[None, :]
+    elif QUANT > 0:
         a_rows = a_ptr + pair * stride_am + offs_m[:, None] * 0  # [M, 1]
         w_rows = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
         s_rows = s_ptr + expert * stride_se + (cols // group_n).to(tl.int64) * stride_sn
