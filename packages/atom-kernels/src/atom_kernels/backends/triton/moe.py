@@ -1180,7 +1180,12 @@ def fused_moe(
     w13_desc, w2_desc = descriptors if tma else (w13, w2)
     # NOTE: Triton 3.6's warp specialization fails to compile ("PassManager::run failed") on
     # 16-row tiles (no warpgroup MMA below 64 rows): honoured from 64-row tiles on.
-    warp_specialize = tma and bool(config.get("ws")) and config["gemm1"]["BLOCK_M"] >= 64
+    # NOTE (H100, triton 3.6): the warp-specialization pass fails to compile 16-row tiles and
+    # float32 weights (an assertion in NVGPUWarpSpecialization, 2026-11-24): honoured from 64-row
+    # tiles of 16-bit weights only.
+    warp_specialize = (
+        tma and bool(config.get("ws")) and config["gemm1"]["BLOCK_M"] >= 64 and dtype.itemsize == 2
+    )
 
     if per_pair:
         gemm1, group1 = _split_group(config["gemm1"], num_pairs)
