@@ -73,10 +73,11 @@ def generate(llm, batch, n=16):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("mode", ["none", "full_decode_only", "full_and_piecewise"])
+@pytest.mark.parametrize("mode", ["none", "full_decode_only", "full_and_piecewise", "full"])
 def test_float32_greedy_matches_transformers(tiny, mode):
-    """Eager, decode graphs only, and decode graphs with piecewise graphs for the steps with a
-    prefill (prompts of 1-150 tokens: steps padded to the capture ladder), prefix caching on."""
+    """Eager, decode graphs only, and decode graphs with piecewise graphs (or whole-forward
+    graphs, `full`) for the steps with a prefill (prompts of 1-150 tokens: steps padded to the
+    capture ladder), prefix caching on."""
     path, hf = tiny
     batch = prompts()
     expected = [hf_greedy(hf, p, 16) for p in batch]
@@ -93,15 +94,19 @@ def test_float32_greedy_matches_transformers(tiny, mode):
     assert generate(llm, batch) == expected
     assert (runner.graphs is not None) == (mode != "none")
     assert (runner.pieces is not None) == (mode == "full_and_piecewise")
+    assert (runner.mixed is not None) == (mode == "full")
     if runner.pieces is not None:
         assert runner.pieces.replays > 0 and runner.pieces.sizes[-1] == 256
+    if runner.mixed is not None:
+        assert runner.mixed.replays > 0 and runner.mixed.sizes[-1] == 256
     # Prefix caching: the second pass hits the cache and decodes the same tokens.
     hits = llm.engine.block_manager.num_hit_tokens
     assert generate(llm, batch) == expected
     assert llm.engine.block_manager.num_hit_tokens > hits
 
 
-def test_preemption_on_gpu(tiny):
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "full"])
+def test_preemption_on_gpu(tiny, mode):
     path, hf = tiny
     batch = prompts(12)
     expected = [hf_greedy(hf, p, 16) for p in batch]
@@ -112,10 +117,12 @@ def test_preemption_on_gpu(tiny):
         skip_tokenizer_init=True,
         block_size=16,
         num_kv_blocks=24,
+        cudagraph_mode=mode,
     )
     assert generate(llm, batch) == expected
     assert llm.engine.stats().num_preemptions > 0
-    assert llm.engine.runner.pieces.replays > 0  # the recomputed prompts' steps too
+    graphs = llm.engine.runner.pieces if mode == "full_and_piecewise" else llm.engine.runner.mixed
+    assert graphs.replays > 0  # the recomputed prompts' steps too
 
 
 @torch.no_grad()
@@ -155,13 +162,14 @@ def test_kv_cache_sized_from_gpu_memory(tiny):
 
 @torch.no_grad()
 def test_piecewise_prompt_logprobs_and_async_placeholders_match_eager(tiny):
-    """Steps through the piecewise graphs against eager ones: the same prompt log-probs (read
-    from every row of a prefill's hidden states) and, with async scheduling, the same sampled
-    tokens where a running sequence's input id is the previous launch's sampled id."""
+    """Steps through the piecewise (and the whole-forward) graphs against eager ones: the same
+    prompt log-probs (read from every row of a prefill's hidden states) and, with async
+    scheduling, the same sampled tokens where a running sequence's input id is the previous
+    launch's sampled id."""
     path, _ = tiny
     batch = prompts(8)
     results = {}
-    for mode in ("none", "full_and_piecewise"):
+    for mode in ("none", "full_and_piecewise", "full"):
         llm = LLM(
             str(path),
             dtype="float32",
@@ -175,13 +183,16 @@ def test_piecewise_prompt_logprobs_and_async_placeholders_match_eager(tiny):
         params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         results[mode] = (plain, [o.prompt_logprobs for o in outs])
+        runner = llm.engine.runner
         if mode != "none":
-            assert llm.engine.runner.pieces.replays > 0
-        del llm
+            graphs = runner.pieces if mode == "full_and_piecewise" else runner.mixed
+            assert graphs.replays > 0
+        del llm, runner
         gc.collect()
-    (eager_tokens, eager_lp), (piece_tokens, piece_lp) = results.values()
-    assert piece_tokens == eager_tokens
-    for ref, got in zip(eager_lp, piece_lp, strict=True):
-        for r, g in zip(ref[1:], got[1:], strict=True):
-            for tid in r:
-                assert abs(r[tid].logprob - g[tid].logprob) < 1e-4
+    eager_tokens, eager_lp = results.pop("none")
+    for graph_tokens, graph_lp in results.values():
+        assert graph_tokens == eager_tokens
+        for ref, got in zip(eager_lp, graph_lp, strict=True):
+            for r, g in zip(ref[1:], got[1:], strict=True):
+                for tid in r:
+                    assert abs(r[tid].logprob - g[tid].logprob) < 1e-4

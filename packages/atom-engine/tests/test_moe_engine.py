@@ -124,11 +124,13 @@ def test_greedy_matches_transformers_with_prefix_caching(moe, greedy_reference):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "full"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_gpu_greedy_matches_transformers(name, tmp_path, greedy_reference):
-    """On a GPU (float32, CUDA graphs): the same tokens as transformers on the CPU. Two long
-    prompts put ~150 pairs on each expert in the first step, so the Triton fused MoE's prefill
-    configuration runs (TMA weight loads on Hopper), beside the decode and mid-size ones."""
+def test_gpu_greedy_matches_transformers(name, mode, tmp_path, greedy_reference):
+    """On a GPU (float32, CUDA graphs: the prefills piecewise, or whole-forward with `full`):
+    the same tokens as transformers on the CPU. Two long prompts put ~150 pairs on each expert in
+    the first step, so the Triton fused MoE's prefill configuration runs (TMA weight loads on
+    Hopper), beside the decode and mid-size ones."""
     from atom_models.testing import save_random_checkpoint
 
     hf = save_random_checkpoint(CONFIGS[name](), tmp_path, seed=13)  # no tokenizer: ids only
@@ -144,12 +146,15 @@ def test_gpu_greedy_matches_transformers(name, tmp_path, greedy_reference):
         skip_tokenizer_init=True,
         block_size=16,
         num_kv_blocks=256,
+        cudagraph_mode=mode,
     )
-    assert llm.engine.runner.graphs is not None
+    runner = llm.engine.runner
+    assert runner.graphs is not None
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected, name
-    assert llm.engine.runner.pieces.replays > 0  # the prefills ran as piecewise graphs
+    graphs = runner.pieces if mode == "full_and_piecewise" else runner.mixed
+    assert graphs.replays > 0  # the prefills ran as piecewise (or whole-forward) graphs
 
 
 # -- atom serve --------------------------------------------------------------------------------

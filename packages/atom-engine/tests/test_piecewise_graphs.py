@@ -41,6 +41,32 @@ def test_cudagraph_mode_is_checked_and_is_a_flag():
     assert EngineConfig().cudagraph_mode == "full_and_piecewise"
     args = build_parser().parse_args(["serve", "--cudagraph-mode", "full_decode_only"])
     assert engine_config_from_args(args).cudagraph_mode == "full_decode_only"
+    args = build_parser().parse_args(["serve", "--cudagraph-mode", "full"])
+    assert engine_config_from_args(args).cudagraph_mode == "full"
+
+
+def test_whole_forward_graphs_only_for_models_whose_attention_reads_device_metadata(tmp_path):
+    """`cudagraph_mode="full"` captures the steps with a prefill whole only when every cache
+    layer is a NativeAttention (device metadata alone); MLA (host lengths) keeps the pieces."""
+    from transformers import DeepseekV3Config
+
+    from atom_engine.mixed_graphs import supports_mixed_graphs
+
+    qwen3 = Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    save_random_checkpoint(qwen3, tmp_path / "qwen3", seed=5)
+    assert supports_mixed_graphs(load_model(tmp_path / "qwen3"))
+    deepseek = DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    save_random_checkpoint(deepseek, tmp_path / "deepseek", seed=5)
+    assert not supports_mixed_graphs(load_model(tmp_path / "deepseek"))
 
 
 @torch.no_grad()

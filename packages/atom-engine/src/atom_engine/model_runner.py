@@ -30,6 +30,7 @@ from atom_engine.config import EngineConfig
 from atom_engine.cpu_compile import cpu_forward, pack_lm_head
 from atom_engine.cpu_threads import set_cpu_threads
 from atom_engine.cuda_graphs import DecodeGraphs
+from atom_engine.mixed_graphs import MixedGraphs, supports_mixed_graphs
 from atom_engine.piecewise_graphs import PiecewiseGraphs
 from atom_engine.sampler import Sampler, TopLogprobs, to_device
 from atom_engine.scheduler import ScheduledBatch
@@ -129,7 +130,11 @@ class ModelRunner:
         max_sampled = max(1, config.max_num_seqs)
         self.graphs = DecodeGraphs(self, max_sampled) if self._use_graphs() else None
         self.pieces = None  # the piecewise graphs of the steps with a prefill
-        if self.graphs is not None and config.cudagraph_mode == "full_and_piecewise":
+        self.mixed = None  # or their whole-forward graphs (cudagraph_mode="full")
+        mode = config.cudagraph_mode
+        if self.graphs is not None and mode == "full" and supports_mixed_graphs(self.model):
+            self.mixed = MixedGraphs(self, config.max_num_batched_tokens, self.graphs.pool)
+        elif self.graphs is not None and mode in ("full", "full_and_piecewise"):
             self.pieces = PiecewiseGraphs(self, config.max_num_batched_tokens, self.graphs.pool)
         if self.graphs is not None:
             self.sampled = self.graphs.sampled
@@ -227,6 +232,16 @@ class ModelRunner:
         num_tokens = self.config.max_num_batched_tokens
         blocks = -(-num_tokens // self.block_size)
         bind_kv_cache(self.model, blocks, self.block_size, self.kv_cache_dtype, self.device)
+        if self.mixed is not None and self.mixed.fits(len(inputs.ids), len(inputs.seq_lens)):
+            return self.mixed.run(
+                inputs.ids,
+                positions,
+                inputs.seq_lens,
+                inputs.query_lens,
+                inputs.tables,
+                inputs.gathers,
+                self.sampled,
+            )
         md = PagedAttentionMetadata.build(
             [num_tokens], [num_tokens], [list(range(blocks))], self.block_size, self.device
         )
@@ -290,6 +305,16 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(inputs.query_lens):
             return self.graphs.run(
                 inputs.ids, positions, inputs.seq_lens, inputs.tables, inputs.gathers
+            )
+        if self.mixed is not None and self.mixed.fits(len(inputs.ids), len(inputs.seq_lens)):
+            return self.mixed.run(
+                inputs.ids,
+                positions,
+                inputs.seq_lens,
+                inputs.query_lens,
+                inputs.tables,
+                inputs.gathers,
+                self.sampled,
             )
         md = PagedAttentionMetadata.build(
             inputs.seq_lens, inputs.query_lens, inputs.tables, self.block_size, self.device
@@ -383,6 +408,16 @@ class ModelRunner:
         the cache and the token following each, fed with the last step's hidden states at
         `hidden_rows` (or `previous`, the layer's own output of the previous pass); returns the
         argmax draft of each `sample_rows` row and the layer's output there."""
+        if self.mixed is not None and self.mixed.fits(len(inputs.ids), len(inputs.seq_lens)):
+            return self.mixed.run(
+                inputs.ids,
+                positions,
+                inputs.seq_lens,
+                inputs.query_lens,
+                inputs.tables,
+                inputs.gathers,
+                self.sampled,
+            )
         md = PagedAttentionMetadata.build(
             inputs.seq_lens, inputs.query_lens, inputs.tables, self.block_size, self.device
         )
