@@ -232,16 +232,6 @@ class ModelRunner:
         num_tokens = self.config.max_num_batched_tokens
         blocks = -(-num_tokens // self.block_size)
         bind_kv_cache(self.model, blocks, self.block_size, self.kv_cache_dtype, self.device)
-        if self.mixed is not None and self.mixed.fits(len(inputs.ids), len(inputs.seq_lens)):
-            return self.mixed.run(
-                inputs.ids,
-                positions,
-                inputs.seq_lens,
-                inputs.query_lens,
-                inputs.tables,
-                inputs.gathers,
-                self.sampled,
-            )
         md = PagedAttentionMetadata.build(
             [num_tokens], [num_tokens], [list(range(blocks))], self.block_size, self.device
         )
@@ -408,16 +398,6 @@ class ModelRunner:
         the cache and the token following each, fed with the last step's hidden states at
         `hidden_rows` (or `previous`, the layer's own output of the previous pass); returns the
         argmax draft of each `sample_rows` row and the layer's output there."""
-        if self.mixed is not None and self.mixed.fits(len(inputs.ids), len(inputs.seq_lens)):
-            return self.mixed.run(
-                inputs.ids,
-                positions,
-                inputs.seq_lens,
-                inputs.query_lens,
-                inputs.tables,
-                inputs.gathers,
-                self.sampled,
-            )
         md = PagedAttentionMetadata.build(
             inputs.seq_lens, inputs.query_lens, inputs.tables, self.block_size, self.device
         )
