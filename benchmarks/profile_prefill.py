@@ -12,6 +12,7 @@ and the kernels of one eager step by total GPU time (torch.profiler), grouped by
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -105,7 +106,9 @@ def main() -> None:
             print(f"kernels: {total:.2f} ms a step")
             for n, c, t in rows[: args.top]:
                 print(f"  {t / 2:8.3f} ms  {c // 2:5d}  {n[:110]}")
-        del engine
+        engine.shutdown()
+        del engine, model
+        gc.collect()  # engines hold reference cycles (runner <-> CUDA graphs)
         torch.cuda.empty_cache()
     result.update(device=torch.cuda.get_device_name(), torch=torch.__version__)
     Path(args.out).write_text(json.dumps(result, indent=1))
