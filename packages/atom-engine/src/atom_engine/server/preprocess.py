@@ -3,7 +3,11 @@ checks and rejections stay instant) nor on the engine thread (generation never w
 tokenizer).
 
 Each worker thread has its own copy of the tokenizer (a fast tokenizer's Rust core is borrowed
-mutably while it encodes, so one object must not encode on two threads at once). A prompt is
+mutably while it encodes, so one object must not encode on two threads at once), made when the
+server starts: copied on a thread's first request instead, Qwen3's tokenizer (151K entries) took
+~130 ms a copy with the GIL held, and the first burst of 16 concurrent requests stalled the
+engine thread 450-580 ms (one H100, `atom bench serve` at concurrency 16; benchmarks/README.md,
+"Whole-forward graphs"). A prompt is
 rejected before it is tokenized when its text is longer than any prompt that fits the context.
 """
 
@@ -37,6 +41,21 @@ class Preprocessor:
         self._copy_lock = threading.Lock()
         workers = num_workers or min(4, os.cpu_count() or 1)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="atom-tokenize")
+        self.copies = 0  # tokenizer copies made (one per worker thread)
+        if tokenizer is not None:
+            self._copy_tokenizers(workers)
+
+    def _copy_tokenizers(self, workers: int) -> None:
+        """Start every worker thread now, each with its tokenizer copy: `workers` tasks that wait
+        for each other keep any thread from taking two, so the pool starts all of its threads."""
+        barrier = threading.Barrier(workers)
+
+        def copy_one() -> None:
+            _ = self.tokenizer
+            barrier.wait(timeout=120)
+
+        for future in [self._pool.submit(copy_one) for _ in range(workers)]:
+            future.result()
         self.max_prompt_chars = self._max_prompt_chars()
 
     def _max_prompt_chars(self) -> int | None:
@@ -60,6 +79,7 @@ class Preprocessor:
         if tokenizer is None:
             with self._copy_lock:
                 tokenizer = self._local.tokenizer = copy.deepcopy(self._tokenizer)
+                self.copies += 1
         return tokenizer
 
     # -- on a worker thread --------------------------------------------------------------------
