@@ -6,7 +6,7 @@ Run from the repo root (under 4 minutes on an H100):
     python benchmarks/tune_prefill.py --out $OUT/tune_prefill.json
 
 ``--compare``: the default against a few candidates (COMPARE_CONFIGS: other tiles / stages, the
-warp-specialized unmasked loop) at 4K and 2K causal and 4K over a 6K prefix (COMPARE_CASES, the
+warp-specialized unmasked loop, a 128-register cap) at 4K and 2K causal and 4K over a 6K prefix (COMPARE_CASES, the
 three prefill rows of benchmarks/kernels.py), same checks and timings (about 4 minutes).
 
 Case: the "prefill" case of benchmarks/kernels.py (Llama-3-8B heads) at T = 4096 and 2048: one
