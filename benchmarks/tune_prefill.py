@@ -6,8 +6,9 @@ Run from the repo root (under 4 minutes on an H100):
     python benchmarks/tune_prefill.py --out $OUT/tune_prefill.json
 
 ``--compare``: the default against a few candidates (COMPARE_CONFIGS: other tiles / stages, the
-warp-specialized unmasked loop, a 128-register cap) at 4K and 2K causal and 4K over a 6K prefix (COMPARE_CASES, the
-three prefill rows of benchmarks/kernels.py), same checks and timings (about 4 minutes).
+warp-specialized unmasked loop, a 128-register cap) at 4K and 2K causal and 4K over a 6K prefix
+(COMPARE_CASES, the three prefill rows of benchmarks/kernels.py), same checks and timings (about
+4 minutes).
 
 Case: the "prefill" case of benchmarks/kernels.py (Llama-3-8B heads) at T = 4096 and 2048: one
 sequence, causal (its query is the context's last rows: a prefix when the context is longer), 32
@@ -100,7 +101,7 @@ COLD_TOP = 4  # configs re-timed with a cold L2 (plus the default)
 def normalize(config: tuple) -> tuple:
     """(block_m, block_n, warps, stages, heavy_first, warp_specialize, maxnreg); a shorter tuple
     has no warp specialization and no register cap (None)."""
-    return (*config, False, None)[:7]
+    return (*config, *(False, None)[len(config) - 5 :])
 
 
 def name(config: tuple) -> str:
@@ -185,7 +186,7 @@ def precompile(configs: list[tuple], jobs: int) -> dict[tuple, str]:
             try:
                 _, error = future.result()
             except BrokenProcessPool:
-                error = "the compile process died (a compiler crash)"
+                error = "the compile process died (a compiler crash, or its setup failed)"
             if error:
                 errors[config] = error
             pool.shutdown()
@@ -230,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="path of the JSON results file")
     parser.add_argument("--jobs", type=int, default=8, help="compile processes (0: compile inline)")
     parser.add_argument(
-        "--only", default="", help="comma-separated configs BMxBNxWxS[xfwd], e.g. 128x64x8x3"
+        "--only",
+        default="",
+        help="comma-separated configs BMxBNxWxS[xfwd][xws][xr<maxnreg>], e.g. 128x32x8x3xr128",
     )
     parser.add_argument("--rep", type=int, default=30, help="do_bench_cudagraph rep (ms)")
     parser.add_argument(
