@@ -289,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
                 "config": name(config),
                 "params": config,
                 "default": config == default_key,
+                # False where this Triton lacks tl.range(warp_specialize=...): the plain loop ran
+                "warp_specialized": attention.prefill_warp_specialize(
+                    attention_config(default, config), torch.bfloat16, False
+                ),
             }
             rows.append(row)
             if config in errors:  # failed to compile or launch in a worker: not retried
