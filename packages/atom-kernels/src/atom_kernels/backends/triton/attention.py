@@ -10,11 +10,13 @@ one launch of programs that exit after reading query_start_loc.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
+import triton.language as tl
 
 from atom_kernels.backends.triton.attention_decode import decode_kernel, decode_reduce_kernel
 from atom_kernels.backends.triton.attention_prefill import prefill_kernel
@@ -85,6 +87,34 @@ class AttentionConfig:
     decode_num_stages_large: int | None = None
     # Prefill query tiles in reverse order (heaviest causal tiles first; see attention_prefill).
     prefill_heavy_first: bool = True
+    # The prefill's unmasked KV loop as tl.range(warp_specialize=True), where this Triton has it
+    # and the inputs are 16-bit (see prefill_warp_specialize). Off: see the NOTE there.
+    prefill_warp_specialize: bool = False
+    # A register cap for the prefill kernel (Triton's maxnreg; None: the compiler's choice): at
+    # 8 warps, 128 registers let two programs share an SM (see default_config's NOTE).
+    prefill_maxnreg: int | None = None
+
+
+# Triton >= 3.4 has tl.range(warp_specialize=...); the prefill kernel only names it when asked.
+HAS_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+
+
+def prefill_warp_specialize(config: AttentionConfig, dtype: torch.dtype, interpreted: bool) -> bool:
+    """Whether the prefill launch warp-specializes its unmasked loop: asked for by the config,
+    supported by this Triton, 16-bit inputs (triton 3.6's pass asserts on fp32 tiles), compiled.
+
+    NOTE (sm_90 TTGIR from an AOT compile, triton 3.9, bf16 128x128 / 8 warps): the loop keeps
+    its ``tt.warp_specialize`` attribute but no ``ttg.warp_specialize`` partitions are made, and
+    the cubin has the plain loop's 255 registers and 160 KB shared: on Hopper, with gathered
+    (cp.async, not TMA) K/V the pass does nothing. benchmarks/tune_prefill.py --compare times
+    it on the GPU's own Triton.
+    """
+    return (
+        config.prefill_warp_specialize
+        and HAS_WARP_SPECIALIZE
+        and not interpreted
+        and dtype in (torch.float16, torch.bfloat16)
+    )
 
 
 def default_config(
@@ -110,6 +140,17 @@ def default_config(
     3.6, torch 2.11, CUDA graphs, 32 / 8 heads, bf16, 2026-11-22): 4K causal 128x128/8w/2 stages
     364 TFLOP/s, 128x64/8w/3 350, 64x64/4w/3 329; 2K causal 299 / 293 / 306
     (benchmarks/results/tune-prefill-h100.json).
+
+    NOTE (why the 8-warp tiles run one program an SM; sm_90 cubins, triton 3.9 AOT, bf16, D=128,
+    read with cuobjdump): 128x128/8w/2 stages takes 255 registers and 160 KB shared, 128x64/8w/2
+    194 registers, so one 256-thread program an SM, whose two warpgroups meet at a barrier every
+    KV tile (the cp.async wait): softmax and MMA of the SM do not overlap. With 2 stages the K/V
+    copies of tile i+1 are issued at the end of tile i and waited for at the top of i+1 (async_wait
+    num=0): their latency is covered by the PV product only. 128x32/8w/3 or 4 stages fit 128
+    registers (prefill_maxnreg=128) with no spill inside the KV loops (the 10 spilled registers
+    are loads and stores outside them) in 80 / 96 KB shared: two programs an SM, out of step.
+    128x64/8w/2 at 128 registers spills inside the loops (5 and 25 LDL/STL). Not measured yet:
+    benchmarks/tune_prefill.py --compare times them against the default.
 
     NOTE (benchmarks/tune_decode.py --large-tiles, one H100, triton 3.6, 2026-11-22,
     results/tune-decode-large-tiles-h100.json): unsplit batches, D=128: 128-token KV tiles, 4
@@ -276,12 +317,14 @@ def paged_attention(
             *values,
             EVEN_D=head_dim == block_d and head_dim_v == block_dv,
             HEAVY_FIRST=config.prefill_heavy_first,
+            WARP_SPECIALIZE=prefill_warp_specialize(config, query.dtype, interpreted),
             BLOCK_SIZE=block_size,
             BLOCK_M=block_m,
             BLOCK_N=config.prefill_block_n,
             num_warps=config.prefill_num_warps,
             num_stages=config.prefill_num_stages,
             **flags,
+            **({"maxnreg": config.prefill_maxnreg} if config.prefill_maxnreg else {}),
         )
 
     max_context = max(block_tables.shape[1] * block_size, 1)

@@ -106,6 +106,77 @@ def _gather_kv(
 
 
 @triton.jit
+def _prefill_tile(
+    acc,
+    l_i,
+    m_i,
+    block,
+    start,
+    q,
+    q_pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    kv_head,
+    seq_len,
+    window,
+    qk_scale,
+    log2_scale,
+    softcap,
+    head_dim,
+    head_dim_v,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """One online-softmax step over the KV tile at ``start`` whose pages are ``block``; returns
+    the new (acc, l_i, m_i) and the pages of the next tile."""
+    tokens = start + tl.arange(0, BLOCK_N)
+    k, v = _gather_kv(
+        k_cache_ptr, v_cache_ptr, block, tokens, seq_len, kv_head, head_dim, head_dim_v,
+        stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
+        stride_vd, q.dtype, MASKED, EVEN_D, BLOCK_SIZE, BLOCK_D, BLOCK_DV,
+    )  # fmt: skip
+    block = _pages(block_table_ptr, start + BLOCK_N, seq_len, BLOCK_SIZE, BLOCK_N)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [M, N]
+    if HAS_SOFTCAP:
+        s = (softcap * LOG2E) * tanh(s * (qk_scale / softcap))
+    if MASKED:
+        # Valid rows sit below seq_len, so the causal test also drops the tokens past it.
+        visible = tokens[None, :] <= q_pos[:, None]
+        if HAS_WINDOW:
+            visible = visible & (q_pos[:, None] - tokens[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * log2_scale)
+        # A row with no visible key so far keeps m = -inf; exp2(-inf - 0) adds nothing.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:  # every row sees every key of the tile: the maximum is finite
+        m_new = tl.maximum(m_i, tl.max(s, 1) * log2_scale)
+        m_safe = m_new
+    p = tl.exp2(s * log2_scale - m_safe[:, None])  # one FMA and one exp2 per logit
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # The rescale comes after the logits so the previous tile's PV product can still run.
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    return acc, l_i, m_new, block
+
+
+@triton.jit
 def _prefill_tiles(
     acc,
     l_i,
@@ -137,6 +208,7 @@ def _prefill_tiles(
     HAS_SOFTCAP: tl.constexpr,
     EVEN_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -144,8 +216,8 @@ def _prefill_tiles(
 ):
     """Online softmax over the KV tiles [tile_lo, tile_hi) (multiples of BLOCK_N). acc is
     unnormalised (divided by l_i once, at the end); m_i is the running row maximum of the scaled
-    log2-domain logits."""
-    offs_n = tl.arange(0, BLOCK_N)
+    log2-domain logits. WARP_SPECIALIZE: the loop is a ``tl.range(warp_specialize=True)`` (only
+    set by the launcher where this Triton has it; the other branch never sees the keyword)."""
     # Logit -> log2-domain factor. With a soft-cap the transform is not linear: the capped
     # logits are computed in the log2 domain and the factor is 1.
     if HAS_SOFTCAP:
@@ -159,36 +231,24 @@ def _prefill_tiles(
     # loop top). Carried, the table loads stay plain loads and the K/V copies run
     # num_stages - 1 tiles ahead (three buffers, async_wait num=2 at 3 stages).
     block = _pages(block_table_ptr, tile_lo, seq_len, BLOCK_SIZE, BLOCK_N)
-    for start in range(tile_lo, tile_hi, BLOCK_N):
-        tokens = start + offs_n
-        k, v = _gather_kv(
-            k_cache_ptr, v_cache_ptr, block, tokens, seq_len, kv_head, head_dim, head_dim_v,
-            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh,
-            stride_vd, q.dtype, MASKED, EVEN_D, BLOCK_SIZE, BLOCK_D, BLOCK_DV,
-        )  # fmt: skip
-        block = _pages(block_table_ptr, start + BLOCK_N, seq_len, BLOCK_SIZE, BLOCK_N)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [M, N]
-        if HAS_SOFTCAP:
-            s = (softcap * LOG2E) * tanh(s * (qk_scale / softcap))
-        if MASKED:
-            # Valid rows sit below seq_len, so the causal test also drops the tokens past it.
-            visible = tokens[None, :] <= q_pos[:, None]
-            if HAS_WINDOW:
-                visible = visible & (q_pos[:, None] - tokens[None, :] < window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1) * log2_scale)
-            # A row with no visible key so far keeps m = -inf; exp2(-inf - 0) adds nothing.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:  # every row sees every key of the tile: the maximum is finite
-            m_new = tl.maximum(m_i, tl.max(s, 1) * log2_scale)
-            m_safe = m_new
-        p = tl.exp2(s * log2_scale - m_safe[:, None])  # one FMA and one exp2 per logit
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # The rescale comes after the logits so the previous tile's PV product can still run.
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        m_i = m_new
+    if WARP_SPECIALIZE:
+        for start in tl.range(tile_lo, tile_hi, BLOCK_N, warp_specialize=True):
+            acc, l_i, m_i, block = _prefill_tile(
+                acc, l_i, m_i, block, start, q, q_pos, k_cache_ptr, v_cache_ptr,
+                block_table_ptr, kv_head, seq_len, window, qk_scale, log2_scale, softcap,
+                head_dim, head_dim_v, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb,
+                stride_vs, stride_vh, stride_vd, MASKED, HAS_WINDOW, HAS_SOFTCAP, EVEN_D,
+                PRECISION, BLOCK_SIZE, BLOCK_N, BLOCK_D, BLOCK_DV,
+            )  # fmt: skip
+    else:
+        for start in range(tile_lo, tile_hi, BLOCK_N):
+            acc, l_i, m_i, block = _prefill_tile(
+                acc, l_i, m_i, block, start, q, q_pos, k_cache_ptr, v_cache_ptr,
+                block_table_ptr, kv_head, seq_len, window, qk_scale, log2_scale, softcap,
+                head_dim, head_dim_v, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb,
+                stride_vs, stride_vh, stride_vd, MASKED, HAS_WINDOW, HAS_SOFTCAP, EVEN_D,
+                PRECISION, BLOCK_SIZE, BLOCK_N, BLOCK_D, BLOCK_DV,
+            )  # fmt: skip
     return acc, l_i, m_i
 
 
@@ -241,6 +301,7 @@ def prefill_kernel(
     PRECISION: tl.constexpr,
     EVEN_D: tl.constexpr,
     HEAVY_FIRST: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -308,19 +369,22 @@ def prefill_kernel(
             acc, l_i, m_i, q, q_pos, kv_lo, full_lo, k_cache_ptr, v_cache_ptr, block_table_ptr,
             kv_head, seq_len, window, qk_scale, softcap, head_dim, head_dim_v, stride_kb,
             stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, True,
-            HAS_WINDOW, HAS_SOFTCAP, EVEN_D, PRECISION, BLOCK_SIZE, BLOCK_N, BLOCK_D, BLOCK_DV,
+            HAS_WINDOW, HAS_SOFTCAP, EVEN_D, PRECISION, False, BLOCK_SIZE, BLOCK_N, BLOCK_D,
+            BLOCK_DV,
         )  # fmt: skip
     acc, l_i, m_i = _prefill_tiles(
         acc, l_i, m_i, q, q_pos, full_lo, full_hi, k_cache_ptr, v_cache_ptr, block_table_ptr,
         kv_head, seq_len, window, qk_scale, softcap, head_dim, head_dim_v, stride_kb,
         stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, False,
-        HAS_WINDOW, HAS_SOFTCAP, EVEN_D, PRECISION, BLOCK_SIZE, BLOCK_N, BLOCK_D, BLOCK_DV,
+        HAS_WINDOW, HAS_SOFTCAP, EVEN_D, PRECISION, WARP_SPECIALIZE, BLOCK_SIZE, BLOCK_N,
+        BLOCK_D, BLOCK_DV,
     )  # fmt: skip
     acc, l_i, m_i = _prefill_tiles(
         acc, l_i, m_i, q, q_pos, full_hi, kv_hi, k_cache_ptr, v_cache_ptr, block_table_ptr,
         kv_head, seq_len, window, qk_scale, softcap, head_dim, head_dim_v, stride_kb,
         stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, True,
-        HAS_WINDOW, HAS_SOFTCAP, EVEN_D, PRECISION, BLOCK_SIZE, BLOCK_N, BLOCK_D, BLOCK_DV,
+        HAS_WINDOW, HAS_SOFTCAP, EVEN_D, PRECISION, False, BLOCK_SIZE, BLOCK_N, BLOCK_D,
+        BLOCK_DV,
     )  # fmt: skip
 
     v_scale = load_scale(v_scale_ptr, v_scale, V_SCALE_IS_PTR)
