@@ -149,8 +149,14 @@ def default_config(
     num=0): their latency is covered by the PV product only. 128x32/8w/3 or 4 stages fit 128
     registers (prefill_maxnreg=128) with no spill inside the KV loops (the 10 spilled registers
     are loads and stores outside them) in 80 / 96 KB shared: two programs an SM, out of step.
-    128x64/8w/2 at 128 registers spills inside the loops (5 and 25 LDL/STL). Not measured yet:
-    benchmarks/tune_prefill.py --compare times them against the default.
+    128x64/8w/2 at 128 registers spills inside the loops (5 and 25 LDL/STL) at triton 3.9.
+
+    NOTE (benchmarks/tune_prefill.py --compare, one H100, triton 3.6, torch 2.11, 32 / 8 heads,
+    bf16, D=128, 2026-11-24, results/s10-h100/tune-prefill-compare.json; every launch checked
+    against the reference): 128x64/8w/2 stages capped at 128 registers (two programs an SM) is
+    the fastest of 12: 4K causal 406 TFLOP/s against 366 for the former default 128x128/8w/2,
+    2K causal 357 / 301, 4K over a 6K prefix 428 / 392. 128x32/8w at 128 registers: 348-364
+    (4K); warp specialization changes nothing (Hopper: no partitions made).
 
     NOTE (benchmarks/tune_decode.py --large-tiles, one H100, triton 3.6, 2026-11-22,
     results/tune-decode-large-tiles-h100.json): unsplit batches, D=128: 128-token KV tiles, 4
@@ -168,7 +174,7 @@ def default_config(
     if block_d <= 64:
         config = AttentionConfig(64, 64, 4, 3, 64, 4, 3, 2)
     elif block_d <= 128:
-        config = AttentionConfig(128, 128, 8, 2, 64, 4, 3, 2, 128, 4, 2)
+        config = AttentionConfig(128, 64, 8, 2, 64, 4, 3, 2, 128, 4, 2, prefill_maxnreg=128)
     else:
         config = AttentionConfig(64, 32, 8, 2, 32, 4, 2, 4)
     block_g = next_pow2(group, 16)
