@@ -33,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--custom-op-dispatch", action="store_true")
-    parser.add_argument("--cudagraph-mode", default="full_and_piecewise")
+    parser.add_argument("--cudagraph-mode", default="full")
     parser.add_argument(
         "--profile-host", metavar="FILE", help="cProfile the timed steps; top functions to FILE"
     )

@@ -481,7 +481,7 @@ def main() -> None:
     t.add_argument("--num-prompts", type=int, default=256)
     t.add_argument("--max-num-seqs", type=int, default=256)
     t.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    t.add_argument("--cudagraph-mode", default="full_and_piecewise")
+    t.add_argument("--cudagraph-mode", default="full")
     h = sub.add_parser("hf", help="transformers generate alone (throughput runs it in a child)")
     h.add_argument("--shape", choices=sorted(SHAPES), required=True)
     h.add_argument("--workload", choices=["nanovllm", "512x256", "512x128"], required=True)

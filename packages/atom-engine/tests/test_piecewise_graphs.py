@@ -36,9 +36,9 @@ def test_capture_sizes_cover_the_budget_without_padding_a_full_step():
 
 
 def test_cudagraph_mode_is_checked_and_is_a_flag():
-    with pytest.raises(ValueError, match="cudagraph_mode must be one of full_and_piecewise"):
+    with pytest.raises(ValueError, match="cudagraph_mode must be one of full, full_and_piecewise"):
         EngineConfig(cudagraph_mode="piecewise_only")
-    assert EngineConfig().cudagraph_mode == "full_and_piecewise"
+    assert EngineConfig().cudagraph_mode == "full"
     args = build_parser().parse_args(["serve", "--cudagraph-mode", "full_decode_only"])
     assert engine_config_from_args(args).cudagraph_mode == "full_decode_only"
     args = build_parser().parse_args(["serve", "--cudagraph-mode", "full"])

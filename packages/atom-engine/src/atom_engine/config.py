@@ -17,7 +17,7 @@ from atom_engine.spec_decode import SpeculativeConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KV-cache dtypes besides "auto" (the model's dtype); fp8 caches carry per-tensor scales.
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
-CUDAGRAPH_MODES = ("full_and_piecewise", "full", "full_decode_only", "none")
+CUDAGRAPH_MODES = ("full", "full_and_piecewise", "full_decode_only", "none")
 
 
 def _help(text: str) -> dict:
@@ -120,14 +120,16 @@ class EngineConfig:
         metadata=_help("never capture CUDA graphs, never torch.compile the model on the CPU"),
     )
     cudagraph_mode: str = field(
-        default="full_and_piecewise",
+        default="full",
         metadata=_help(
-            "CUDA graphs, as vLLM names the modes: full_and_piecewise (decode steps replay a "
-            "whole-forward graph; steps with a prefill, up to 8192 tokens, replay the forward in "
-            "pieces cut at the attention layers, which run eagerly), full (those steps replay "
-            "a whole-forward graph too, attention included, when every attention layer is "
-            "ATOM's paged attention; MLA models keep the pieces), full_decode_only (steps "
-            "with a prefill run eagerly) or none (as --enforce-eager)"
+            "CUDA graphs, as vLLM names the modes: full (a step of up to 8192 tokens and 512 "
+            "sequences replays a whole-forward graph, attention included: decode steps at their "
+            "batch size, steps with a prefill padded to a ladder of token counts; models with "
+            "MLA attention, which reads the step's lengths on the host, take "
+            "full_and_piecewise's pieces for the latter), full_and_piecewise (steps with a "
+            "prefill replay the forward in pieces cut at the attention layers, which run "
+            "eagerly), full_decode_only (steps with a prefill run eagerly) or none (as "
+            "--enforce-eager)"
         ),
     )
     async_scheduling: bool | None = field(
