@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from atom_engine.cuda_graphs import _aligned
-from atom_engine.piecewise_graphs import MAX_CAPTURE_TOKENS, capture_sizes
+from atom_engine.piecewise_graphs import MAX_CAPTURE_TOKENS, _weak, capture_sizes
 from atom_engine.sampler import to_device
 from atom_models import set_forward_context
 from atom_models.native_attention import (
@@ -127,7 +127,10 @@ class MixedGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     out = model(self.ids[:size], self.positions[:size])
-            self.graphs[size] = (graph, out)
+            # Weak, as the piecewise graphs' (see there): a replay writes it before the step
+            # reads it, so the pool may lend its memory to the other sizes.
+            self.graphs[size] = (graph, _weak(out))
+            del out
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured whole-forward CUDA graphs of the steps with a prefill (%d sequence slots) "
