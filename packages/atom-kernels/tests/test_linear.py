@@ -27,3 +27,30 @@ def test_linear_matches_functional_linear():
 def test_linear_rejects_bad_arguments(x, w, b, message):
     with pytest.raises(ValueError, match=message):
         atom_kernels.linear(x, w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_silu_and_mul_is_the_two_ops(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 8, generator=g).to(dtype)
+    w, b = torch.randn(10, 8, generator=g).to(dtype), torch.randn(10, generator=g).to(dtype)
+    for bias in (b, None):
+        expected = atom_kernels.silu_and_mul(atom_kernels.linear(x, w, bias))
+        out = atom_kernels.linear_silu_and_mul(x, w, bias)
+        assert out.shape == (2, 3, 5) and out.dtype == dtype
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize(
+    "x, w, b, message",
+    [
+        (torch.randn(2, 8), torch.randn(6, 7), None, "to match x's last dim"),
+        (torch.randn(2, 8), torch.randn(5, 8), None, "rows must be even"),
+        (torch.randn(2, 8), torch.randn(6, 8, dtype=torch.bfloat16), None, "dtype"),
+        (torch.randn(2, 8), torch.randn(6, 8), torch.randn(3), "to match weight's rows"),
+        (torch.ones(2, 8, dtype=torch.int32), torch.randn(6, 8), None, "expected one of"),
+    ],
+)
+def test_linear_silu_and_mul_rejects_bad_arguments(x, w, b, message):
+    with pytest.raises(ValueError, match=message):
+        atom_kernels.linear_silu_and_mul(x, w, b)

@@ -3,7 +3,7 @@
 from atom_kernels.ops.activation import gelu_and_mul, silu_and_mul
 from atom_kernels.ops.attention import paged_attention
 from atom_kernels.ops.cache import reshape_and_cache
-from atom_kernels.ops.linear import linear
+from atom_kernels.ops.linear import linear, linear_silu_and_mul
 from atom_kernels.ops.mla import mla_cache_write, mla_paged_attention
 from atom_kernels.ops.moe import fused_moe, grouped_topk, topk_softmax, topk_then_softmax
 from atom_kernels.ops.norm import fused_add_rms_norm, rms_norm
@@ -36,6 +36,7 @@ __all__ = [
     "gelu_and_mul",
     "grouped_topk",
     "linear",
+    "linear_silu_and_mul",
     "mla_cache_write",
     "mla_paged_attention",
     "paged_attention",

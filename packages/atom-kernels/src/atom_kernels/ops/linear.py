@@ -32,3 +32,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         check_dim(op, "bias", bias, 0, weight.shape[0], "to match weight's rows")
         check_same_dtype(op, "x", x, bias=bias)
     return get_op(op, x.device)(x, weight, bias)
+
+
+def linear_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``silu_and_mul(linear(x, weight, bias))``: a gated MLP's gate/up projection and activation.
+
+    x [..., K], weight [2N, K] (N gate rows, then N up rows), bias [2N] or None -> [..., N], all in
+    one float dtype. The GEMM's output is rounded to x's dtype before the activation (fp32 math),
+    as the two ops in a row would. The Triton backend runs both in one kernel when x has only a
+    few rows (batch-1 decode); elsewhere it is the two ops.
+    """
+    op = "linear_silu_and_mul"
+    check_tensor(op, "x", x, min_ndim=1, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
+    check_dim(op, "weight", weight, 1, x.shape[-1], "to match x's last dim")
+    if weight.shape[0] % 2:
+        raise ValueError(
+            f"{op}: weight has shape {tuple(weight.shape)}; its rows must be even ([gate | up], 2N)"
+        )
+    check_same_dtype(op, "x", x, weight=weight)
+    check_same_device(op, "x", x, weight=weight, bias=bias)
+    if bias is not None:
+        check_tensor(op, "bias", bias, ndim=1, dtypes=FLOAT_DTYPES)
+        check_dim(op, "bias", bias, 0, weight.shape[0], "to match weight's rows")
+        check_same_dtype(op, "x", x, bias=bias)
+    return get_op(op, x.device)(x, weight, bias)

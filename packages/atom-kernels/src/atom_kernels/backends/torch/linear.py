@@ -11,3 +11,11 @@ from atom_kernels.registry import register_op
 @register_op("linear", "torch")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x, weight, bias)
+
+
+@register_op("linear_silu_and_mul", "torch")
+def linear_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    gate, up = F.linear(x, weight, bias).float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)

@@ -21,6 +21,7 @@ from atom_kernels.backends.triton import (
     activation,
     attention,
     cache,
+    gated_linear,
     linear,
     mla_cache,
     mla_custom_ops,
@@ -313,6 +314,33 @@ def _linear_router(skinny):
 linear_op = _linear_router(skinny_linear)
 
 
+@torch.library.custom_op(
+    "atom::triton_gated_skinny_linear",
+    mutates_args=(),
+    schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+)
+def gated_skinny_linear(x, weight, bias):
+    return gated_linear.gated_skinny_linear(x, weight, bias)
+
+
+@gated_skinny_linear.register_fake
+def _(x, weight, bias):
+    return _new_like(x, (*x.shape[:-1], weight.shape[0] // 2))
+
+
+def _gated_linear_router(fused, linear_op, silu_and_mul):
+    def linear_silu_and_mul_op(x, weight, bias):
+        """The fused kernel (``fused``) where it applies; else the GEMM, then SiLU-and-mul."""
+        if gated_linear.takes(x, weight):
+            return fused(x, weight, bias)
+        return silu_and_mul(linear_op(x, weight, bias))
+
+    return linear_silu_and_mul_op
+
+
+linear_silu_and_mul_op = _gated_linear_router(gated_skinny_linear, linear_op, silu_and_mul)
+
+
 # --- sampling ---------------------------------------------------------------------------------
 
 
@@ -398,6 +426,14 @@ ENTRIES = {
         ),
         "fused_moe": (fused_moe, moe.fused_moe),
         "linear": (linear_op, _linear_router(linear.skinny_linear)),
+        "linear_silu_and_mul": (
+            linear_silu_and_mul_op,
+            _gated_linear_router(
+                gated_linear.gated_skinny_linear,
+                _linear_router(linear.skinny_linear),
+                activation.silu_and_mul,
+            ),
+        ),
         "sample": (sample_op, _sample_router(sampling.fused_sample)),
     }.items()
 }

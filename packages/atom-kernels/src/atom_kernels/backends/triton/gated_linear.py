@@ -1,0 +1,183 @@
+"""Triton gate/up GEMM with SiLU-and-mul in its epilogue, for a few rows of x (batch-1 decode).
+
+``out = silu(x W_gate^T + b_gate) * (x W_up^T + b_up)`` with W = [W_gate; W_up] ([2N, K], the
+packed gate_up weight of a gated MLP). Unfused, a decode step runs the gate_up GEMM, writes
+[rows, 2N], and launches ``silu_and_mul`` to read it back: a second launch per layer, about 1.2 us
+of GPU time plus its launch gap at batch 1 (Qwen3-0.6B on an H100, results/
+profile-decode-qwen3-0.6b-bs1-h100.json: 28 ``_gated_kernel`` launches, 34 us of a 1.45 ms step).
+
+``_gated_skinny_kernel`` is ``linear._skinny_kernel`` (no split-K) walking two W streams: program
+n owns output features [n * BLOCK_N, (n + 1) * BLOCK_N) and reads those rows of W_gate and of
+W_up over all of K, so both halves of each output meet in its registers. Each half is rounded to
+x's dtype before the activation, so the result is what ``linear`` then ``silu_and_mul`` give.
+
+Where it runs (``takes``): one row of x, or up to SKINNY_MAX_ROWS rows when the plain GEMM would
+take the Triton skinny kernel anyway (big weights); 16-bit dtypes; not interpreted.
+ATOM_FUSED_GATE_UP=0 turns it off (the GEMM and ``silu_and_mul``, for A/B measurements).
+NOTE: at 4-8 rows on Qwen3-0.6B's gate_up the Triton dot path took 13.6-13.8 us against
+cuBLAS's 7.1 (results/splitk-h100/tune-linear-qwen3-splitk-h100.json), so small weights keep
+cuBLAS at more than one row.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms
+from atom_kernels.backends.triton.linear import SKINNY_MAX_ROWS, SkinnyConfig, use_skinny
+
+ENABLED = os.environ.get("ATOM_FUSED_GATE_UP", "1") != "0"
+
+
+@triton.jit
+def _gated_skinny_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    num_rows,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # M = rows of x (<= BLOCK_M), N = output features (W has 2N rows: gate, then up), K = inputs
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < num_rows
+    n_mask = offs_n < N
+    # Rows past N read row N - 1 (in bounds, discarded at the store): no mask on the W streams.
+    gate_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    up_rows = gate_rows + N
+    g_ptrs = w_ptr + gate_rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    u_ptrs = w_ptr + up_rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    if USE_DOT:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:  # one row: elementwise products, summed over K once at the end
+        acc_g2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = (k + offs_k) < K
+            g = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if USE_DOT:
+            acc_g = tl.dot(x, tl.trans(g), acc_g)
+            acc_u = tl.dot(x, tl.trans(u), acc_u)
+        else:
+            xf = x.to(tl.float32)  # [1, BLOCK_K]
+            acc_g2 += g.to(tl.float32) * xf
+            acc_u2 += u.to(tl.float32) * xf
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if not USE_DOT:
+        acc_g = tl.reshape(tl.sum(acc_g2, axis=1), [BLOCK_M, BLOCK_N])
+        acc_u = tl.reshape(tl.sum(acc_u2, axis=1), [BLOCK_M, BLOCK_N])
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    # The GEMM's rounding to the output dtype, as linear then silu_and_mul would round.
+    gate = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
+    up = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def default_config(num_rows: int, interpreted: bool) -> SkinnyConfig:
+    """Tiles for [num_rows, K] x [2N, K]^T. Each program streams two [BLOCK_N, BLOCK_K] W tiles
+    per step, so BLOCK_N is half the plain kernel's for the same bytes in flight.
+
+    NOTE: not tuned on a GPU yet (benchmarks/tune_gated_linear.py sweeps the tiles); the one-row
+    tile follows the plain kernel's best at Qwen3-0.6B's gate_up (16 x 256 over 2N rows:
+    results/splitk-h100/tune-linear-qwen3-splitk-h100.json, 8.6 us).
+    """
+    if interpreted:
+        return SkinnyConfig(16, 32, 4, 1, use_dot=num_rows > 1)
+    if num_rows == 1:
+        return SkinnyConfig(8, 256, 4, 4, use_dot=False)
+    return SkinnyConfig(16, 128, 4, 4)
+
+
+def gated_skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """The fused kernel on x [..., K], weight [2N, K], bias [2N] or None -> [..., N], for any row
+    count <= 16 (tests call it directly; ``takes`` says where models get it)."""
+    two_n, k = weight.shape
+    n = two_n // 2
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if k == 0:  # no products: the biases alone (or zeros), the same for every row
+        gate_up = x.new_zeros(two_n) if bias is None else bias
+        gate, up = gate_up.float().chunk(2)
+        return out.copy_((torch.nn.functional.silu(gate) * up).expand_as(out))
+    x2 = as_rows(x)
+    num_rows = x2.shape[0]
+    if num_rows > 16:
+        raise ValueError(f"gated_skinny_linear: x has {num_rows} rows; the kernel takes <= 16")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    config = config or default_config(num_rows, is_interpreted(x.device))
+    use_dot = config.use_dot or num_rows > 1
+    out2 = out.view(-1, n)
+    _gated_skinny_kernel[(triton.cdiv(n, config.block_n),)](
+        x2,
+        weight,
+        bias if bias is not None else weight,
+        out2,
+        num_rows,
+        n,
+        k,
+        x2.stride(0),
+        weight.stride(0),
+        out2.stride(0),
+        HAS_BIAS=bias is not None,
+        USE_DOT=use_dot,
+        EVEN_K=k % config.block_k == 0,
+        BLOCK_M=16 if use_dot else 1,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the fused kernel runs this gate/up GEMM (see the module docstring)."""
+    if not ENABLED or is_interpreted(x.device) or x.dtype == torch.float32:
+        return False
+    num_rows = math.prod(x.shape[:-1])
+    if num_rows == 1:
+        return True
+    return num_rows <= SKINNY_MAX_ROWS and use_skinny(
+        num_rows, *weight.shape, x.dtype, num_sms(x.device)
+    )
