@@ -7,10 +7,12 @@ from itertools import islice
 import torch
 from torch import nn
 
+import atom_kernels
 from atom_models.layers.activation import SiluAndMul
 from atom_models.layers.attention import Attention
 from atom_models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atom_models.layers.linear import (
+    UNQUANTIZED,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -48,7 +50,13 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if gate_up.quant_method is UNQUANTIZED:
+            # One op (one launch at batch-1 decode on the Triton backend): the GEMM, then SiLU.
+            h = atom_kernels.linear_silu_and_mul(x, gate_up.weight, gate_up.bias)
+        else:  # a quantized (or host-supplied) GEMM
+            h = self.act_fn(gate_up(x))
+        return self.down_proj(h)
 
 
 class LlamaAttention(nn.Module):
