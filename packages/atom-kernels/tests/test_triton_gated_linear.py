@@ -14,7 +14,7 @@ from atom_kernels.testing import assert_close
 SHAPES = [(1, 48, 64), (1, 37, 100), (3, 24, 96), (8, 20, 64), (5, 123, 123), (2, 3, 5)]
 CONFIGS = [
     SkinnyConfig(16, 32, 4, 1),
-    SkinnyConfig(8, 64, 4, 2),
+    SkinnyConfig(8, 64, 4, 2),  # a dot: BLOCK_N 16
     SkinnyConfig(16, 32, 4, 1, False),
     SkinnyConfig(8, 16, 4, 1, False),
 ]
@@ -92,9 +92,9 @@ def test_where_the_fused_kernel_runs():
         x = torch.empty(rows, k, dtype=dtype, device="meta")
         return gated_linear.takes(x, torch.empty(n2, k, dtype=dtype, device="meta"))
 
-    assert takes(1, 6144, 1024)  # one row: always (small weights too)
+    assert takes(1, 6144, 1024)  # small weights too: Triton matched cuBLAS on them
+    assert takes(8, 6144, 1024)
+    assert takes(4, 28672, 4096)
     assert not takes(1, 6144, 1024, torch.float32)  # fp32 keeps cuBLAS (tests' precision)
-    assert not takes(4, 6144, 1024)  # small weights at 4 rows: cuBLAS was 2x faster
-    assert takes(4, 28672, 4096)  # big weights: where the plain GEMM is Triton's too
-    assert not takes(9, 28672, 4096)  # past SKINNY_MAX_ROWS
+    assert not takes(9, 28672, 4096)  # past SKINNY_MAX_ROWS: the GEMM is no weight stream
     assert not takes(0, 6144, 1024)

@@ -11,12 +11,12 @@ n owns output features [n * BLOCK_N, (n + 1) * BLOCK_N) and reads those rows of 
 W_up over all of K, so both halves of each output meet in its registers. Each half is rounded to
 x's dtype before the activation, so the result is what ``linear`` then ``silu_and_mul`` give.
 
-Where it runs (``takes``): one row of x, or up to SKINNY_MAX_ROWS rows when the plain GEMM would
-take the Triton skinny kernel anyway (big weights); 16-bit dtypes; not interpreted.
+Where it runs (``takes``): up to SKINNY_MAX_ROWS rows of x, 16-bit dtypes, not interpreted.
 ATOM_FUSED_GATE_UP=0 turns it off (the GEMM and ``silu_and_mul``, for A/B measurements).
-NOTE: at 4-8 rows on Qwen3-0.6B's gate_up the Triton dot path took 13.6-13.8 us against
-cuBLAS's 7.1 (results/splitk-h100/tune-linear-qwen3-splitk-h100.json), so small weights keep
-cuBLAS at more than one row.
+NOTE (results/tune-linear-h100.json, one H100, triton 3.6, 2026-11-22): on Qwen3-0.6B's gate_up
+(6144 x 1024, a 12.6 MB weight: below the size where the plain GEMM leaves cuBLAS) the plain
+Triton kernel took 6.8-7.3 us at 1 / 4 / 8 rows against cuBLAS's 7.1, so streaming both halves
+in Triton should cost no more than cuBLAS and saves the activation's launch.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms
-from atom_kernels.backends.triton.linear import SKINNY_MAX_ROWS, SkinnyConfig, use_skinny
+from atom_kernels.backends.triton.common import as_rows, is_interpreted
+from atom_kernels.backends.triton.linear import SKINNY_MAX_ROWS, SkinnyConfig
 
 ENABLED = os.environ.get("ATOM_FUSED_GATE_UP", "1") != "0"
 
@@ -110,15 +110,16 @@ def default_config(num_rows: int, interpreted: bool) -> SkinnyConfig:
     """Tiles for [num_rows, K] x [2N, K]^T. Each program streams two [BLOCK_N, BLOCK_K] W tiles
     per step, so BLOCK_N is half the plain kernel's for the same bytes in flight.
 
-    NOTE: not tuned on a GPU yet (benchmarks/tune_gated_linear.py sweeps the tiles); the one-row
-    tile follows the plain kernel's best at Qwen3-0.6B's gate_up (16 x 256 over 2N rows:
-    results/splitk-h100/tune-linear-qwen3-splitk-h100.json, 8.6 us).
+    NOTE: not tuned on a GPU yet (benchmarks/tune_gated_linear.py sweeps the tiles). These halve
+    the plain kernel's defaults (linear.default_config), which were within 1-5% of its best tiles
+    on Qwen3-0.6B's and Llama-3-8B's gate_up at 1-8 rows: one row 16 x 512 multiply-adds, more
+    rows 32 x 128 dots. A dot's BLOCK_N stays >= 16 (the MMA's smallest N).
     """
     if interpreted:
         return SkinnyConfig(16, 32, 4, 1, use_dot=num_rows > 1)
     if num_rows == 1:
-        return SkinnyConfig(8, 256, 4, 4, use_dot=False)
-    return SkinnyConfig(16, 128, 4, 4)
+        return SkinnyConfig(8, 512, 4, 5, use_dot=False)
+    return SkinnyConfig(16, 128, 4, 5)
 
 
 def gated_skinny_linear(
@@ -147,8 +148,9 @@ def gated_skinny_linear(
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     config = config or default_config(num_rows, is_interpreted(x.device))
     use_dot = config.use_dot or num_rows > 1
+    block_n = max(config.block_n, 16) if use_dot else config.block_n  # an MMA's N >= 16
     out2 = out.view(-1, n)
-    _gated_skinny_kernel[(triton.cdiv(n, config.block_n),)](
+    _gated_skinny_kernel[(triton.cdiv(n, block_n),)](
         x2,
         weight,
         bias if bias is not None else weight,
@@ -163,7 +165,7 @@ def gated_skinny_linear(
         USE_DOT=use_dot,
         EVEN_K=k % config.block_k == 0,
         BLOCK_M=16 if use_dot else 1,
-        BLOCK_N=config.block_n,
+        BLOCK_N=block_n,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -175,9 +177,4 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the fused kernel runs this gate/up GEMM (see the module docstring)."""
     if not ENABLED or is_interpreted(x.device) or x.dtype == torch.float32:
         return False
-    num_rows = math.prod(x.shape[:-1])
-    if num_rows == 1:
-        return True
-    return num_rows <= SKINNY_MAX_ROWS and use_skinny(
-        num_rows, *weight.shape, x.dtype, num_sms(x.device)
-    )
+    return 0 < math.prod(x.shape[:-1]) <= SKINNY_MAX_ROWS
