@@ -26,15 +26,19 @@ from atom_kernels.backends.triton import gated_linear  # noqa: E402
 H100_SHARED_BYTES = 227 * 1024
 # Arguments a real launch passes as multiples of 16 (Triton specializes them): the pointers,
 # Qwen3-0.6B's N (3072) and K (1024), the strides.
-ALIGNED = {"x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om"}
+ALIGNED = {
+    "x_ptr", "w_ptr", "b_ptr", "out_ptr", "res_ptr", "norm_w_ptr", "res_out_ptr", "N", "K",
+    "stride_xm", "stride_rm", "stride_wn", "stride_om", "stride_rom",
+}  # fmt: skip
 
 
-def _compile(num_rows: int, k: int, has_bias: bool):
+def _compile(num_rows: int, k: int, has_bias: bool, has_norm: bool):
     kernel = gated_linear._gated_skinny_kernel
     config = gated_linear.default_config(num_rows, interpreted=False)
     use_dot = config.use_dot or num_rows > 1
     constexprs = dict(
         HAS_BIAS=has_bias,
+        HAS_NORM=has_norm,
         USE_DOT=use_dot,
         EVEN_K=k % config.block_k == 0,
         BLOCK_M=16 if use_dot else 1,
@@ -42,7 +46,13 @@ def _compile(num_rows: int, k: int, has_bias: bool):
         BLOCK_K=config.block_k,
     )
     signature = {
-        name: "constexpr" if name in constexprs else "*bf16" if name.endswith("_ptr") else "i32"
+        name: "constexpr"
+        if name in constexprs
+        else "*bf16"
+        if name.endswith("_ptr")
+        else "fp32"
+        if name == "eps"
+        else "i32"
         for name in kernel.arg_names
     }
     names = kernel.arg_names
@@ -55,9 +65,17 @@ def _compile(num_rows: int, k: int, has_bias: bool):
         pytest.skip(f"no CUDA toolchain for an AOT compile: {exc}")
 
 
-@pytest.mark.parametrize(("num_rows", "k", "has_bias"), [(1, 1024, False), (4, 4096, True)])
-def test_gated_skinny_kernel_compiles_for_sm90(num_rows, k, has_bias):
-    kernel = _compile(num_rows, k, has_bias)
+@pytest.mark.parametrize(
+    ("num_rows", "k", "has_bias", "has_norm"),
+    [
+        (1, 1024, False, False),
+        (1, 1024, False, True),  # the norm in front (what a batch-1 decode step runs)
+        (4, 4096, True, False),
+        (4, 4096, True, True),
+    ],
+)
+def test_gated_skinny_kernel_compiles_for_sm90(num_rows, k, has_bias, has_norm):
+    kernel = _compile(num_rows, k, has_bias, has_norm)
     assert 0 < len(kernel.asm["cubin"])
     assert kernel.metadata.shared <= H100_SHARED_BYTES
     ptx = kernel.asm["ptx"]

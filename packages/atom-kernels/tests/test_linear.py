@@ -54,3 +54,29 @@ def test_linear_silu_and_mul_is_the_two_ops(dtype):
 def test_linear_silu_and_mul_rejects_bad_arguments(x, w, b, message):
     with pytest.raises(ValueError, match=message):
         atom_kernels.linear_silu_and_mul(x, w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_linear_silu_and_mul_is_the_two_ops(dtype):
+    g = torch.Generator().manual_seed(2)
+    x, residual = (torch.randn(3, 8, generator=g).to(dtype) for _ in range(2))
+    norm_weight, w = torch.randn(8, generator=g).to(dtype), torch.randn(10, 8).to(dtype)
+    normed, expected_residual = atom_kernels.fused_add_rms_norm(x, residual, norm_weight, 1e-6)
+    expected = atom_kernels.linear_silu_and_mul(normed, w)
+    out, new_residual = atom_kernels.fused_add_rms_norm_linear_silu_and_mul(
+        x, residual, norm_weight, 1e-6, w
+    )
+    assert torch.equal(out, expected) and torch.equal(new_residual, expected_residual)
+
+
+def test_fused_add_rms_norm_linear_silu_and_mul_rejects_bad_arguments():
+    x, w = torch.randn(2, 8), torch.randn(6, 8)
+    op = atom_kernels.fused_add_rms_norm_linear_silu_and_mul
+    with pytest.raises(ValueError, match="to match x"):
+        op(x, torch.randn(2, 7), torch.randn(8), 1e-6, w)
+    with pytest.raises(ValueError, match="norm_weight"):
+        op(x, torch.randn(2, 8), torch.randn(7), 1e-6, w)
+    with pytest.raises(ValueError, match="eps"):
+        op(x, torch.randn(2, 8), torch.randn(8), -1.0, w)
+    with pytest.raises(ValueError, match="rows must be even"):
+        op(x, torch.randn(2, 8), torch.randn(8), 1e-6, torch.randn(5, 8))

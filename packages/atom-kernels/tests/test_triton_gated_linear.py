@@ -40,9 +40,11 @@ def _expected(x, w, b):
     return F.silu(gate) * up
 
 
-@pytest.mark.parametrize(
-    "config", CONFIGS, ids=lambda c: f"{c.block_n}x{c.block_k}-dot{c.use_dot}"
-)
+def _config_id(c: SkinnyConfig) -> str:
+    return f"{c.block_n}x{c.block_k}-dot{c.use_dot}"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -98,3 +100,52 @@ def test_where_the_fused_kernel_runs():
     assert not takes(1, 6144, 1024, torch.float32)  # fp32 keeps cuBLAS (tests' precision)
     assert not takes(9, 28672, 4096)  # past SKINNY_MAX_ROWS: the GEMM is no weight stream
     assert not takes(0, 6144, 1024)
+
+
+def _expected_norm(x, residual, norm_weight, eps, w, b):
+    """fused_add_rms_norm's roundings (the torch reference), then _expected."""
+    new_residual = (x.float() + residual.float()).to(x.dtype)
+    s = new_residual.float()
+    normed = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    normed = (norm_weight.float() * normed.float()).to(x.dtype)
+    return _expected(normed, w, b), new_residual
+
+
+@pytest.mark.parametrize("config", CONFIGS[:3], ids=_config_id)
+@pytest.mark.parametrize("shape", [(1, 48, 64), (1, 37, 100), (3, 24, 96), (5, 123, 123)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norm_gated_skinny_linear(triton_backend, dtype, shape, config):
+    rows, n, k = shape
+    if dtype == torch.float32 and (rows > 1 or config.use_dot):
+        pytest.skip("fp32 dots run in tf32 on a GPU: fp32 is checked on the one-row FMA path")
+    x, w, b = _inputs(rows, n, k, dtype, triton_backend.device, True)
+    g = torch.Generator().manual_seed(k)
+    residual = torch.randn(rows, k, generator=g).to(dtype).to(x.device)
+    norm_weight = (1 + torch.randn(k, generator=g) / 4).to(dtype).to(x.device)
+    out, new_residual = gated_linear.norm_gated_skinny_linear(
+        x, residual, norm_weight, 1e-6, w, b, config
+    )
+    expected, expected_residual = _expected_norm(x, residual, norm_weight, 1e-6, w, b)
+    assert out.shape == (rows, n) and new_residual.shape == (rows, k)
+    assert torch.equal(new_residual, expected_residual)  # one rounding of the same sum
+    assert_close(out.float(), expected, **TOLERANCES[dtype], name="norm_gated_skinny_linear")
+
+
+def test_norm_registry_entry_matches_the_reference(triton_backend):
+    x, w, b = _inputs(1, 37, 100, torch.bfloat16, triton_backend.device, False)
+    residual, norm_weight = torch.randn_like(x), torch.rand(100, device=x.device).to(x.dtype)
+    op = get_op("fused_add_rms_norm_linear_silu_and_mul", x.device)
+    out, new_residual = op(x, residual, norm_weight, 1e-5, w, b)
+    expected, expected_residual = _expected_norm(x, residual, norm_weight, 1e-5, w, b)
+    assert torch.equal(new_residual, expected_residual)
+    assert_close(out.float(), expected, **TOLERANCES[torch.bfloat16])
+
+
+def test_where_the_fused_norm_runs():
+    def takes(rows, dtype=torch.bfloat16):
+        x = torch.empty(rows, 1024, dtype=dtype, device="meta")
+        return gated_linear.takes_norm(x, torch.empty(6144, 1024, dtype=dtype, device="meta"))
+
+    assert takes(1)
+    assert not takes(2)  # more rows: the norm's own kernel (each program would reread them)
+    assert not takes(1, torch.float32)

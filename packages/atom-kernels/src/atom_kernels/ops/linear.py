@@ -9,6 +9,7 @@ from atom_kernels.ops._checks import (
     check_dim,
     check_same_device,
     check_same_dtype,
+    check_shape,
     check_tensor,
 )
 from atom_kernels.registry import get_op
@@ -46,6 +47,13 @@ def linear_silu_and_mul(
     """
     op = "linear_silu_and_mul"
     check_tensor(op, "x", x, min_ndim=1, dtypes=FLOAT_DTYPES)
+    _check_gated_weight(op, x, weight, bias)
+    return get_op(op, x.device)(x, weight, bias)
+
+
+def _check_gated_weight(
+    op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
     check_tensor(op, "weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
     check_dim(op, "weight", weight, 1, x.shape[-1], "to match x's last dim")
     if weight.shape[0] % 2:
@@ -58,4 +66,32 @@ def linear_silu_and_mul(
         check_tensor(op, "bias", bias, ndim=1, dtypes=FLOAT_DTYPES)
         check_dim(op, "bias", bias, 0, weight.shape[0], "to match weight's rows")
         check_same_dtype(op, "x", x, bias=bias)
-    return get_op(op, x.device)(x, weight, bias)
+
+
+def fused_add_rms_norm_linear_silu_and_mul(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_add_rms_norm`` then ``linear_silu_and_mul``: a decoder layer's post-attention norm
+    and its gated MLP's first half.
+
+    x, residual [..., K]; norm_weight [K]; weight [2N, K] (gate rows, then up rows); bias [2N] or
+    None -> (out [..., N], x + residual [..., K]), with the two ops' roundings. The Triton backend
+    runs all of it in one kernel at one row (batch-1 decode); elsewhere it is the two ops.
+    """
+    op = "fused_add_rms_norm_linear_silu_and_mul"
+    check_tensor(op, "x", x, min_ndim=1, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "residual", residual, dtypes=FLOAT_DTYPES)
+    check_shape(op, "residual", residual, tuple(x.shape), "to match x")
+    check_tensor(op, "norm_weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES)
+    check_dim(op, "norm_weight", norm_weight, 0, x.shape[-1], "to match x's last dim")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+        raise ValueError(f"{op}: eps must be a non-negative float, got {eps!r}")
+    _check_gated_weight(op, x, weight, bias)
+    check_same_dtype(op, "x", x, residual=residual)
+    check_same_device(op, "x", x, residual=residual, norm_weight=norm_weight)
+    return get_op(op, x.device)(x, residual, norm_weight, float(eps), weight, bias)

@@ -58,6 +58,20 @@ class LlamaMLP(nn.Module):
             h = self.act_fn(gate_up(x))
         return self.down_proj(h)
 
+    def forward_after_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self(norm(x, residual))`` -> (out, new residual); unquantized, the residual add and
+        norm go into the gate/up op (the same kernel at batch-1 decode on the Triton backend)."""
+        gate_up = self.gate_up_proj
+        if gate_up.quant_method is not UNQUANTIZED:
+            x, residual = norm(x, residual)
+            return self(x), residual
+        h, residual = atom_kernels.fused_add_rms_norm_linear_silu_and_mul(
+            x, residual, norm.weight, norm.eps, gate_up.weight, gate_up.bias
+        )
+        return self.down_proj(h), residual
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, prefix: str) -> None:
@@ -124,6 +138,10 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
+        if isinstance(self.mlp, LlamaMLP):
+            return self.mlp.forward_after_norm(
+                hidden_states, residual, self.post_attention_layernorm
+            )
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

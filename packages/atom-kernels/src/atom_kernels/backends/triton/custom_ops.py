@@ -341,6 +341,37 @@ def _gated_linear_router(fused, linear_op, silu_and_mul):
 linear_silu_and_mul_op = _gated_linear_router(gated_skinny_linear, linear_op, silu_and_mul)
 
 
+@torch.library.custom_op(
+    "atom::triton_norm_gated_skinny_linear",
+    mutates_args=(),
+    schema="(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, Tensor? bias)"
+    " -> (Tensor, Tensor)",
+)
+def norm_gated_skinny_linear(x, residual, norm_weight, eps, weight, bias):
+    return gated_linear.norm_gated_skinny_linear(x, residual, norm_weight, eps, weight, bias)
+
+
+@norm_gated_skinny_linear.register_fake
+def _(x, residual, norm_weight, eps, weight, bias):
+    return _new_like(x, (*x.shape[:-1], weight.shape[0] // 2)), _new_like(x)
+
+
+def _norm_gated_linear_router(fused, add_rms_norm, gated):
+    def norm_linear_silu_and_mul_op(x, residual, norm_weight, eps, weight, bias):
+        """The fused kernel (``fused``) where it applies; else the norm, then the gated op."""
+        if gated_linear.takes_norm(x, weight):
+            return fused(x, residual, norm_weight, eps, weight, bias)
+        normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+        return gated(normed, weight, bias), residual
+
+    return norm_linear_silu_and_mul_op
+
+
+norm_linear_silu_and_mul_op = _norm_gated_linear_router(
+    norm_gated_skinny_linear, fused_add_rms_norm, linear_silu_and_mul_op
+)
+
+
 # --- sampling ---------------------------------------------------------------------------------
 
 
@@ -432,6 +463,18 @@ ENTRIES = {
                 gated_linear.gated_skinny_linear,
                 _linear_router(linear.skinny_linear),
                 activation.silu_and_mul,
+            ),
+        ),
+        "fused_add_rms_norm_linear_silu_and_mul": (
+            norm_linear_silu_and_mul_op,
+            _norm_gated_linear_router(
+                gated_linear.norm_gated_skinny_linear,
+                norm.fused_add_rms_norm,
+                _gated_linear_router(
+                    gated_linear.gated_skinny_linear,
+                    _linear_router(linear.skinny_linear),
+                    activation.silu_and_mul,
+                ),
             ),
         ),
         "sample": (sample_op, _sample_router(sampling.fused_sample)),

@@ -11,6 +11,13 @@ n owns output features [n * BLOCK_N, (n + 1) * BLOCK_N) and reads those rows of 
 W_up over all of K, so both halves of each output meet in its registers. Each half is rounded to
 x's dtype before the activation, so the result is what ``linear`` then ``silu_and_mul`` give.
 
+With HAS_NORM the kernel also runs the decoder layer's post-attention ``fused_add_rms_norm`` in
+front (``norm_gated_skinny_linear``, one row only: ``takes_norm``): every program first walks
+x + residual for the row's statistics (a few KB, from L2), then normalizes each K tile as it
+feeds the GEMM; program 0 writes x + residual. Another launch per layer fewer (the norm took
+~1.75 us a launch in the same profile: 57 ``_rms_norm_kernel`` launches, 100 us).
+ATOM_FUSED_NORM_GATE_UP=0 turns that part off (the norm's own kernel, then the fused GEMM).
+
 Where it runs (``takes``): up to SKINNY_MAX_ROWS rows of x, 16-bit dtypes, not interpreted.
 ATOM_FUSED_GATE_UP=0 turns it off (the GEMM and ``silu_and_mul``, for A/B measurements).
 NOTE (results/tune-linear-h100.json, one H100, triton 3.6, 2026-11-22): on Qwen3-0.6B's gate_up
@@ -32,6 +39,7 @@ from atom_kernels.backends.triton.common import as_rows, is_interpreted
 from atom_kernels.backends.triton.linear import SKINNY_MAX_ROWS, SkinnyConfig
 
 ENABLED = os.environ.get("ATOM_FUSED_GATE_UP", "1") != "0"
+NORM_ENABLED = os.environ.get("ATOM_FUSED_NORM_GATE_UP", "1") != "0"
 
 
 @triton.jit
@@ -40,13 +48,20 @@ def _gated_skinny_kernel(
     w_ptr,
     b_ptr,
     out_ptr,
+    res_ptr,
+    norm_w_ptr,
+    res_out_ptr,
+    eps,
     num_rows,
     N,
     K,
     stride_xm,
+    stride_rm,
     stride_wn,
     stride_om,
+    stride_rom,
     HAS_BIAS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -66,6 +81,20 @@ def _gated_skinny_kernel(
     g_ptrs = w_ptr + gate_rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     u_ptrs = w_ptr + up_rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    if HAS_NORM:
+        # x + residual, RMS-normalized (fused_add_rms_norm's roundings), is the GEMM's input.
+        # Every program walks the rows once for their statistics; program 0 writes the sum.
+        r_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :]
+        ro_ptrs = res_out_ptr + offs_m[:, None] * stride_rom + offs_k[None, :]
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            mask = m_mask[:, None] & ((k + offs_k) < K)[None, :]
+            x = tl.load(x_ptrs + k, mask=mask, other=0.0)
+            r = tl.load(r_ptrs + k, mask=mask, other=0.0)
+            s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype).to(tl.float32)
+            squares += tl.sum(s * s, axis=1)
+        inv = tl.rsqrt(squares / K + eps)[:, None]  # [BLOCK_M, 1]
+        is_first = (offs_m[:, None] * 0 + pid) == 0  # program 0 writes x + residual
     if USE_DOT:
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -82,6 +111,16 @@ def _gated_skinny_kernel(
             g = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_mask[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if HAS_NORM:
+            mask = m_mask[:, None] & ((k + offs_k) < K)[None, :]
+            r = tl.load(r_ptrs, mask=mask, other=0.0)
+            s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(ro_ptrs, s, mask=mask & is_first)
+            nw = tl.load(norm_w_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0)
+            normed = (s.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
+            x = (nw.to(tl.float32)[None, :] * normed).to(x.dtype)
+            r_ptrs += BLOCK_K
+            ro_ptrs += BLOCK_K
         if USE_DOT:
             acc_g = tl.dot(x, tl.trans(g), acc_g)
             acc_u = tl.dot(x, tl.trans(u), acc_u)
@@ -130,21 +169,50 @@ def gated_skinny_linear(
 ) -> torch.Tensor:
     """The fused kernel on x [..., K], weight [2N, K], bias [2N] or None -> [..., N], for any row
     count <= 16 (tests call it directly; ``takes`` says where models get it)."""
+    return _launch(x, None, weight, bias, config)
+
+
+def norm_gated_skinny_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: SkinnyConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_add_rms_norm`` then the fused kernel, in one launch: x, residual [..., K],
+    norm_weight [K] -> (out [..., N], x + residual [..., K])."""
+    return _launch(x, (residual, norm_weight, float(eps)), weight, bias, config)
+
+
+def _launch(x, norm, weight, bias, config):
     two_n, k = weight.shape
     n = two_n // 2
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    res_out = None if norm is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    done = out if norm is None else (out, res_out)
     if out.numel() == 0:
-        return out
+        return done
     if k == 0:  # no products: the biases alone (or zeros), the same for every row
         gate_up = x.new_zeros(two_n) if bias is None else bias
         gate, up = gate_up.float().chunk(2)
-        return out.copy_((torch.nn.functional.silu(gate) * up).expand_as(out))
+        out.copy_((torch.nn.functional.silu(gate) * up).expand_as(out))
+        return done
     x2 = as_rows(x)
     num_rows = x2.shape[0]
     if num_rows > 16:
         raise ValueError(f"gated_skinny_linear: x has {num_rows} rows; the kernel takes <= 16")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if norm is not None:
+        residual, norm_weight, eps = norm
+        r2 = as_rows(residual)
+        r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+        norm_weight = norm_weight if norm_weight.stride(0) == 1 else norm_weight.contiguous()
+        ro2 = res_out.view(-1, k)
+    else:
+        r2, norm_weight, eps, ro2 = x2, weight, 0.0, x2  # unused (HAS_NORM off)
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     config = config or default_config(num_rows, is_interpreted(x.device))
     use_dot = config.use_dot or num_rows > 1
@@ -155,13 +223,20 @@ def gated_skinny_linear(
         weight,
         bias if bias is not None else weight,
         out2,
+        r2,
+        norm_weight,
+        ro2,
+        eps,
         num_rows,
         n,
         k,
         x2.stride(0),
+        r2.stride(0),
         weight.stride(0),
         out2.stride(0),
+        ro2.stride(0),
         HAS_BIAS=bias is not None,
+        HAS_NORM=norm is not None,
         USE_DOT=use_dot,
         EVEN_K=k % config.block_k == 0,
         BLOCK_M=16 if use_dot else 1,
@@ -170,7 +245,7 @@ def gated_skinny_linear(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    return out
+    return done
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -178,3 +253,9 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not ENABLED or is_interpreted(x.device) or x.dtype == torch.float32:
         return False
     return 0 < math.prod(x.shape[:-1]) <= SKINNY_MAX_ROWS
+
+
+def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the fused kernel also runs the residual add + RMSNorm before it: one row only
+    (every program reads the rows twice, from L2, for the statistics and the operand)."""
+    return NORM_ENABLED and takes(x, weight) and math.prod(x.shape[:-1]) == 1
