@@ -32,13 +32,17 @@ ALIGNED = {
 }  # fmt: skip
 
 
-def _compile(num_rows: int, k: int, has_bias: bool, has_norm: bool):
+def _compile(
+    num_rows: int, k: int, has_bias: bool, has_norm: bool, gated: bool = True, residual=None
+):
     kernel = gated_linear._gated_skinny_kernel
-    config = gated_linear.default_config(num_rows, interpreted=False)
+    config = gated_linear.default_config(num_rows, interpreted=False, gated=gated)
     use_dot = config.use_dot or num_rows > 1
     constexprs = dict(
         HAS_BIAS=has_bias,
+        GATED=gated,
         HAS_NORM=has_norm,
+        HAS_RESIDUAL=has_norm if residual is None else residual,
         USE_DOT=use_dot,
         EVEN_K=k % config.block_k == 0,
         BLOCK_M=16 if use_dot else 1,
@@ -83,3 +87,10 @@ def test_gated_skinny_kernel_compiles_for_sm90(num_rows, k, has_bias, has_norm):
         assert "ld.global.v4.b32" in ptx
     else:  # W pipelined through shared memory: 16-byte asynchronous copies
         assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
+
+
+@pytest.mark.parametrize("has_residual", [True, False])
+def test_norm_linear_kernel_compiles_for_sm90(has_residual):
+    # The input norm + QKV projection at one row (the first layer has no residual yet).
+    kernel = _compile(1, 1024, False, True, gated=False, residual=has_residual)
+    assert 0 < len(kernel.asm["cubin"]) and "ld.global.v4.b32" in kernel.asm["ptx"]

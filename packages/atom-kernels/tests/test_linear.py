@@ -80,3 +80,27 @@ def test_fused_add_rms_norm_linear_silu_and_mul_rejects_bad_arguments():
         op(x, torch.randn(2, 8), torch.randn(8), -1.0, w)
     with pytest.raises(ValueError, match="rows must be even"):
         op(x, torch.randn(2, 8), torch.randn(8), 1e-6, torch.randn(5, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_linear_is_the_two_ops(dtype):
+    g = torch.Generator().manual_seed(3)
+    x, residual = (torch.randn(3, 8, generator=g).to(dtype) for _ in range(2))
+    norm_weight, w = torch.randn(8, generator=g).to(dtype), torch.randn(5, 8).to(dtype)
+    normed, expected_residual = atom_kernels.fused_add_rms_norm(x, residual, norm_weight, 1e-6)
+    out, new_residual = atom_kernels.rms_norm_linear(x, residual, norm_weight, 1e-6, w)
+    assert torch.equal(out, atom_kernels.linear(normed, w))
+    assert torch.equal(new_residual, expected_residual)
+    out, new_residual = atom_kernels.rms_norm_linear(x, None, norm_weight, 1e-6, w)
+    assert torch.equal(out, atom_kernels.linear(atom_kernels.rms_norm(x, norm_weight, 1e-6), w))
+    assert torch.equal(new_residual, x)
+
+
+def test_rms_norm_linear_rejects_bad_arguments():
+    x, w = torch.randn(2, 8), torch.randn(5, 8)
+    with pytest.raises(ValueError, match="to match x"):
+        atom_kernels.rms_norm_linear(x, torch.randn(2, 7), torch.randn(8), 1e-6, w)
+    with pytest.raises(ValueError, match="norm_weight"):
+        atom_kernels.rms_norm_linear(x, None, torch.randn(7), 1e-6, w)
+    with pytest.raises(ValueError, match="to match x's last dim"):
+        atom_kernels.rms_norm_linear(x, None, torch.randn(8), 1e-6, torch.randn(5, 7))

@@ -88,7 +88,8 @@ def test_registry_entry_matches_the_reference(triton_backend):
     assert_close(out.float(), _expected(x, w, b), **TOLERANCES[torch.bfloat16])
 
 
-def test_where_the_fused_kernel_runs():
+def test_where_the_fused_kernel_runs(monkeypatch):
+    monkeypatch.setattr(gated_linear, "ENABLED", True)  # whatever ATOM_FUSED_GATE_UP says
     # meta tensors: the policy on a 4-SM "device" without running anything
     def takes(rows, n2, k, dtype=torch.bfloat16):
         x = torch.empty(rows, k, dtype=dtype, device="meta")
@@ -141,7 +142,9 @@ def test_norm_registry_entry_matches_the_reference(triton_backend):
     assert_close(out.float(), expected, **TOLERANCES[torch.bfloat16])
 
 
-def test_where_the_fused_norm_runs():
+def test_where_the_fused_norm_runs(monkeypatch):
+    monkeypatch.setattr(gated_linear, "ENABLED", True)
+    monkeypatch.setattr(gated_linear, "NORM_ENABLED", True)
     def takes(rows, dtype=torch.bfloat16):
         x = torch.empty(rows, 1024, dtype=dtype, device="meta")
         return gated_linear.takes_norm(x, torch.empty(6144, 1024, dtype=dtype, device="meta"))
@@ -149,3 +152,47 @@ def test_where_the_fused_norm_runs():
     assert takes(1)
     assert not takes(2)  # more rows: the norm's own kernel (each program would reread them)
     assert not takes(1, torch.float32)
+
+
+@pytest.mark.parametrize("has_residual", [True, False])
+@pytest.mark.parametrize("config", CONFIGS[:3], ids=_config_id)
+@pytest.mark.parametrize("shape", [(1, 48, 64), (1, 37, 100), (3, 24, 96), (5, 123, 123)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norm_skinny_linear(triton_backend, dtype, shape, config, has_residual):
+    rows, n, k = shape
+    if dtype == torch.float32 and (rows > 1 or config.use_dot):
+        pytest.skip("fp32 dots run in tf32 on a GPU: fp32 is checked on the one-row FMA path")
+    x, w, b = _inputs(rows, n, k, dtype, triton_backend.device, True)
+    w, b = w[:n], b[:n]  # one W stream: [N, K]
+    g = torch.Generator().manual_seed(k)
+    residual = torch.randn(rows, k, generator=g).to(dtype).to(x.device) if has_residual else None
+    norm_weight = (1 + torch.randn(k, generator=g) / 4).to(dtype).to(x.device)
+    out, new_residual = gated_linear.norm_skinny_linear(
+        x, residual, norm_weight, 1e-6, w, b, config
+    )
+    s = x if residual is None else (x.float() + residual.float()).to(dtype)
+    normed = (s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    normed = (norm_weight.float() * normed.float()).to(dtype)
+    expected = F.linear(normed.float(), w.float(), b.float())
+    assert out.shape == (rows, n) and torch.equal(new_residual, s)
+    assert_close(out.float(), expected, **TOLERANCES[dtype], name="norm_skinny_linear")
+
+
+def test_norm_linear_registry_entry_matches_the_reference(triton_backend):
+    x, w, _ = _inputs(1, 37, 100, torch.bfloat16, triton_backend.device, False)
+    norm_weight = torch.rand(100, device=x.device).to(x.dtype)
+    op = get_op("rms_norm_linear", x.device)
+    out, residual = op(x, None, norm_weight, 1e-5, w, None)
+    assert residual is x or torch.equal(residual, x)
+    normed = get_op("rms_norm", x.device)(x, norm_weight, 1e-5)
+    assert_close(out.float(), F.linear(normed.float(), w.float()), **TOLERANCES[torch.bfloat16])
+
+
+def test_where_the_fused_norm_linear_runs(monkeypatch):
+    monkeypatch.setattr(gated_linear, "NORM_LINEAR_ENABLED", True)
+
+    def takes(rows, dtype=torch.bfloat16):
+        x = torch.empty(rows, 1024, dtype=dtype, device="meta")
+        return gated_linear.takes_norm_linear(x, torch.empty(4096, 1024, device="meta"))
+
+    assert takes(1) and not takes(2) and not takes(1, torch.float32)

@@ -7,6 +7,7 @@ from atom_kernels.ops.linear import (
     fused_add_rms_norm_linear_silu_and_mul,
     linear,
     linear_silu_and_mul,
+    rms_norm_linear,
 )
 from atom_kernels.ops.mla import mla_cache_write, mla_paged_attention
 from atom_kernels.ops.moe import fused_moe, grouped_topk, topk_softmax, topk_then_softmax
@@ -49,6 +50,7 @@ __all__ = [
     "rejection_sample",
     "reshape_and_cache",
     "rms_norm",
+    "rms_norm_linear",
     "rotary_embedding",
     "sample",
     "silu_and_mul",

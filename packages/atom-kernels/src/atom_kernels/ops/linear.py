@@ -87,11 +87,50 @@ def fused_add_rms_norm_linear_silu_and_mul(
     check_tensor(op, "x", x, min_ndim=1, dtypes=FLOAT_DTYPES)
     check_tensor(op, "residual", residual, dtypes=FLOAT_DTYPES)
     check_shape(op, "residual", residual, tuple(x.shape), "to match x")
-    check_tensor(op, "norm_weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES)
-    check_dim(op, "norm_weight", norm_weight, 0, x.shape[-1], "to match x's last dim")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
-        raise ValueError(f"{op}: eps must be a non-negative float, got {eps!r}")
+    _check_norm_weight(op, x, norm_weight, eps)
     _check_gated_weight(op, x, weight, bias)
     check_same_dtype(op, "x", x, residual=residual)
-    check_same_device(op, "x", x, residual=residual, norm_weight=norm_weight)
+    check_same_device(op, "x", x, residual=residual)
     return get_op(op, x.device)(x, residual, norm_weight, float(eps), weight, bias)
+
+
+def rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm`` (``fused_add_rms_norm`` given a residual) then ``linear``: a decoder layer's
+    input norm and its QKV projection.
+
+    x, residual (or None) [..., K]; norm_weight [K]; weight [N, K]; bias [N] or None ->
+    (out [..., N], the new residual: x + residual, or x itself without one), with the two ops'
+    roundings. The Triton backend runs both in one kernel at one row (batch-1 decode).
+    """
+    op = "rms_norm_linear"
+    check_tensor(op, "x", x, min_ndim=1, dtypes=FLOAT_DTYPES)
+    if residual is not None:
+        check_tensor(op, "residual", residual, dtypes=FLOAT_DTYPES)
+        check_shape(op, "residual", residual, tuple(x.shape), "to match x")
+        check_same_dtype(op, "x", x, residual=residual)
+        check_same_device(op, "x", x, residual=residual)
+    _check_norm_weight(op, x, norm_weight, eps)
+    check_tensor(op, "weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
+    check_dim(op, "weight", weight, 1, x.shape[-1], "to match x's last dim")
+    check_same_dtype(op, "x", x, weight=weight)
+    check_same_device(op, "x", x, weight=weight, bias=bias)
+    if bias is not None:
+        check_tensor(op, "bias", bias, ndim=1, dtypes=FLOAT_DTYPES)
+        check_dim(op, "bias", bias, 0, weight.shape[0], "to match weight's rows")
+        check_same_dtype(op, "x", x, bias=bias)
+    return get_op(op, x.device)(x, residual, norm_weight, float(eps), weight, bias)
+
+
+def _check_norm_weight(op: str, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> None:
+    check_tensor(op, "norm_weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES)
+    check_dim(op, "norm_weight", norm_weight, 0, x.shape[-1], "to match x's last dim")
+    check_same_device(op, "x", x, norm_weight=norm_weight)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+        raise ValueError(f"{op}: eps must be a non-negative float, got {eps!r}")

@@ -372,6 +372,44 @@ norm_linear_silu_and_mul_op = _norm_gated_linear_router(
 )
 
 
+@torch.library.custom_op(
+    "atom::triton_norm_skinny_linear",
+    mutates_args=(),
+    schema="(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight, "
+    "Tensor? bias) -> (Tensor, Tensor)",
+)
+def norm_skinny_linear(x, residual, norm_weight, eps, weight, bias):
+    out, new_residual = gated_linear.norm_skinny_linear(
+        x, residual, norm_weight, eps, weight, bias
+    )
+    # A custom op's outputs may not alias its inputs: without a residual, x's copy.
+    return out, new_residual if residual is not None else new_residual.clone()
+
+
+@norm_skinny_linear.register_fake
+def _(x, residual, norm_weight, eps, weight, bias):
+    return _new_like(x, (*x.shape[:-1], weight.shape[0])), _new_like(x)
+
+
+def _norm_linear_router(fused, rms_norm_, add_rms_norm, linear_):
+    def rms_norm_linear_op(x, residual, norm_weight, eps, weight, bias):
+        """The fused kernel (``fused``) where it applies; else the norm, then the GEMM."""
+        if gated_linear.takes_norm_linear(x, weight):
+            return fused(x, residual, norm_weight, eps, weight, bias)
+        if residual is None:
+            normed, residual = rms_norm_(x, norm_weight, eps), x
+        else:
+            normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+        return linear_(normed, weight, bias), residual
+
+    return rms_norm_linear_op
+
+
+rms_norm_linear_op = _norm_linear_router(
+    norm_skinny_linear, rms_norm, fused_add_rms_norm, linear_op
+)
+
+
 # --- sampling ---------------------------------------------------------------------------------
 
 
@@ -463,6 +501,15 @@ ENTRIES = {
                 gated_linear.gated_skinny_linear,
                 _linear_router(linear.skinny_linear),
                 activation.silu_and_mul,
+            ),
+        ),
+        "rms_norm_linear": (
+            rms_norm_linear_op,
+            _norm_linear_router(
+                gated_linear.norm_skinny_linear,
+                norm.rms_norm,
+                norm.fused_add_rms_norm,
+                _linear_router(linear.skinny_linear),
             ),
         ),
         "fused_add_rms_norm_linear_silu_and_mul": (

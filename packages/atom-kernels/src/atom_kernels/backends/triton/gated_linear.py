@@ -40,6 +40,7 @@ from atom_kernels.backends.triton.linear import SKINNY_MAX_ROWS, SkinnyConfig
 
 ENABLED = os.environ.get("ATOM_FUSED_GATE_UP", "1") != "0"
 NORM_ENABLED = os.environ.get("ATOM_FUSED_NORM_GATE_UP", "1") != "0"
+NORM_LINEAR_ENABLED = os.environ.get("ATOM_FUSED_NORM_QKV", "1") != "0"
 
 
 @triton.jit
@@ -60,15 +61,18 @@ def _gated_skinny_kernel(
     stride_wn,
     stride_om,
     stride_rom,
+    GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    # M = rows of x (<= BLOCK_M), N = output features (W has 2N rows: gate, then up), K = inputs
+    # M = rows of x (<= BLOCK_M), N = output features (GATED: W has 2N rows, gate then up),
+    # K = input features
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,88 +81,104 @@ def _gated_skinny_kernel(
     n_mask = offs_n < N
     # Rows past N read row N - 1 (in bounds, discarded at the store): no mask on the W streams.
     gate_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    up_rows = gate_rows + N
     g_ptrs = w_ptr + gate_rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    u_ptrs = w_ptr + up_rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    if GATED:
+        u_ptrs = w_ptr + (gate_rows + N)[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     if HAS_NORM:
-        # x + residual, RMS-normalized (fused_add_rms_norm's roundings), is the GEMM's input.
-        # Every program walks the rows once for their statistics; program 0 writes the sum.
+        # (x + residual), RMS-normalized with rms_norm's roundings, is the GEMM's input. Every
+        # program walks the rows once for their statistics; program 0 writes x + residual.
         r_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :]
         ro_ptrs = res_out_ptr + offs_m[:, None] * stride_rom + offs_k[None, :]
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             mask = m_mask[:, None] & ((k + offs_k) < K)[None, :]
             x = tl.load(x_ptrs + k, mask=mask, other=0.0)
-            r = tl.load(r_ptrs + k, mask=mask, other=0.0)
-            s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype).to(tl.float32)
+            s = x.to(tl.float32)
+            if HAS_RESIDUAL:
+                r = tl.load(r_ptrs + k, mask=mask, other=0.0)
+                s = (s + r.to(tl.float32)).to(x.dtype).to(tl.float32)
             squares += tl.sum(s * s, axis=1)
         inv = tl.rsqrt(squares / K + eps)[:, None]  # [BLOCK_M, 1]
-        is_first = (offs_m[:, None] * 0 + pid) == 0  # program 0 writes x + residual
+        is_first = (offs_m[:, None] * 0 + pid) == 0
     if USE_DOT:
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if GATED:
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:  # one row: elementwise products, summed over K once at the end
         acc_g2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_u2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if GATED:
+            acc_u2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
             g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
+            if GATED:
+                u = tl.load(u_ptrs)
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
         else:
             k_mask = (k + offs_k) < K
             g = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=k_mask[None, :], other=0.0)
+            if GATED:
+                u = tl.load(u_ptrs, mask=k_mask[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if HAS_NORM:
             mask = m_mask[:, None] & ((k + offs_k) < K)[None, :]
-            r = tl.load(r_ptrs, mask=mask, other=0.0)
-            s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            tl.store(ro_ptrs, s, mask=mask & is_first)
+            if HAS_RESIDUAL:
+                r = tl.load(r_ptrs, mask=mask, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+                tl.store(ro_ptrs, x, mask=mask & is_first)
+                r_ptrs += BLOCK_K
+                ro_ptrs += BLOCK_K
             nw = tl.load(norm_w_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0)
-            normed = (s.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
+            normed = (x.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
             x = (nw.to(tl.float32)[None, :] * normed).to(x.dtype)
-            r_ptrs += BLOCK_K
-            ro_ptrs += BLOCK_K
         if USE_DOT:
             acc_g = tl.dot(x, tl.trans(g), acc_g)
-            acc_u = tl.dot(x, tl.trans(u), acc_u)
+            if GATED:
+                acc_u = tl.dot(x, tl.trans(u), acc_u)
         else:
             xf = x.to(tl.float32)  # [1, BLOCK_K]
             acc_g2 += g.to(tl.float32) * xf
-            acc_u2 += u.to(tl.float32) * xf
+            if GATED:
+                acc_u2 += u.to(tl.float32) * xf
         g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+        if GATED:
+            u_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if not USE_DOT:
         acc_g = tl.reshape(tl.sum(acc_g2, axis=1), [BLOCK_M, BLOCK_N])
-        acc_u = tl.reshape(tl.sum(acc_u2, axis=1), [BLOCK_M, BLOCK_N])
+        if GATED:
+            acc_u = tl.reshape(tl.sum(acc_u2, axis=1), [BLOCK_M, BLOCK_N])
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        acc_u += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    # The GEMM's rounding to the output dtype, as linear then silu_and_mul would round.
-    gate = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
-    up = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
+        if GATED:
+            acc_u += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, out, mask=m_mask[:, None] & n_mask[None, :])
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if GATED:
+        # The GEMM's rounding to the output dtype, as linear then silu_and_mul would round.
+        gate = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptrs, gate / (1.0 + tl.exp(-gate)) * up, mask=out_mask)
+    else:
+        tl.store(out_ptrs, acc_g, mask=out_mask)
 
 
-def default_config(num_rows: int, interpreted: bool) -> SkinnyConfig:
+def default_config(num_rows: int, interpreted: bool, gated: bool = True) -> SkinnyConfig:
     """Tiles for [num_rows, K] x [2N, K]^T. Each program streams two [BLOCK_N, BLOCK_K] W tiles
     per step, so BLOCK_N is half the plain kernel's for the same bytes in flight.
 
     NOTE: not tuned on a GPU yet (benchmarks/tune_gated_linear.py sweeps the tiles). These halve
     the plain kernel's defaults (linear.default_config), which were within 1-5% of its best tiles
     on Qwen3-0.6B's and Llama-3-8B's gate_up at 1-8 rows: one row 16 x 512 multiply-adds, more
-    rows 32 x 128 dots. A dot's BLOCK_N stays >= 16 (the MMA's smallest N).
+    rows 32 x 128 dots. A dot's BLOCK_N stays >= 16 (the MMA's smallest N). Not ``gated`` (one
+    W stream): the plain kernel's own defaults.
     """
     if interpreted:
         return SkinnyConfig(16, 32, 4, 1, use_dot=num_rows > 1)
     if num_rows == 1:
-        return SkinnyConfig(8, 512, 4, 5, use_dot=False)
-    return SkinnyConfig(16, 128, 4, 5)
+        return SkinnyConfig(8 if gated else 16, 512, 4, 5, use_dot=False)
+    return SkinnyConfig(16 if gated else 32, 128, 4, 5)
 
 
 def gated_skinny_linear(
@@ -169,7 +189,7 @@ def gated_skinny_linear(
 ) -> torch.Tensor:
     """The fused kernel on x [..., K], weight [2N, K], bias [2N] or None -> [..., N], for any row
     count <= 16 (tests call it directly; ``takes`` says where models get it)."""
-    return _launch(x, None, weight, bias, config)
+    return _launch(x, None, weight, bias, config, gated=True)
 
 
 def norm_gated_skinny_linear(
@@ -183,21 +203,39 @@ def norm_gated_skinny_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fused_add_rms_norm`` then the fused kernel, in one launch: x, residual [..., K],
     norm_weight [K] -> (out [..., N], x + residual [..., K])."""
-    return _launch(x, (residual, norm_weight, float(eps)), weight, bias, config)
+    return _launch(x, (residual, norm_weight, float(eps)), weight, bias, config, gated=True)
 
 
-def _launch(x, norm, weight, bias, config):
-    two_n, k = weight.shape
-    n = two_n // 2
+def norm_skinny_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: SkinnyConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``fused_add_``)``rms_norm`` then a plain GEMM, in one launch: x, residual (or None)
+    [..., K], norm_weight [K], weight [N, K] -> (out [..., N], x + residual (x) [..., K])."""
+    return _launch(x, (residual, norm_weight, float(eps)), weight, bias, config, gated=False)
+
+
+def _launch(x, norm, weight, bias, config, gated: bool):
+    rows_w, k = weight.shape
+    n = rows_w // 2 if gated else rows_w
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    res_out = None if norm is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    done = out if norm is None else (out, res_out)
-    if out.numel() == 0:
-        return done
-    if k == 0:  # no products: the biases alone (or zeros), the same for every row
-        gate_up = x.new_zeros(two_n) if bias is None else bias
-        gate, up = gate_up.float().chunk(2)
-        out.copy_((torch.nn.functional.silu(gate) * up).expand_as(out))
+    residual = None if norm is None else norm[0]
+    res_out = None
+    if residual is not None:
+        res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    done = out if norm is None else (out, x if residual is None else res_out)
+    if out.numel() == 0 or k == 0:
+        if out.numel() and k == 0:  # no products: the biases alone (or zeros), on every row
+            b = x.new_zeros(rows_w) if bias is None else bias
+            if gated:
+                gate, up = b.float().chunk(2)
+                b = torch.nn.functional.silu(gate) * up
+            out.copy_(b.expand_as(out))
         return done
     x2 = as_rows(x)
     num_rows = x2.shape[0]
@@ -205,16 +243,16 @@ def _launch(x, norm, weight, bias, config):
         raise ValueError(f"gated_skinny_linear: x has {num_rows} rows; the kernel takes <= 16")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    r2, norm_weight, eps, ro2 = x2, weight, 0.0, x2  # unused without a norm / a residual
     if norm is not None:
-        residual, norm_weight, eps = norm
+        _, norm_weight, eps = norm
+        norm_weight = norm_weight if norm_weight.stride(0) == 1 else norm_weight.contiguous()
+    if residual is not None:
         r2 = as_rows(residual)
         r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
-        norm_weight = norm_weight if norm_weight.stride(0) == 1 else norm_weight.contiguous()
         ro2 = res_out.view(-1, k)
-    else:
-        r2, norm_weight, eps, ro2 = x2, weight, 0.0, x2  # unused (HAS_NORM off)
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    config = config or default_config(num_rows, is_interpreted(x.device))
+    config = config or default_config(num_rows, is_interpreted(x.device), gated)
     use_dot = config.use_dot or num_rows > 1
     block_n = max(config.block_n, 16) if use_dot else config.block_n  # an MMA's N >= 16
     out2 = out.view(-1, n)
@@ -235,8 +273,10 @@ def _launch(x, norm, weight, bias, config):
         weight.stride(0),
         out2.stride(0),
         ro2.stride(0),
+        GATED=gated,
         HAS_BIAS=bias is not None,
         HAS_NORM=norm is not None,
+        HAS_RESIDUAL=residual is not None,
         USE_DOT=use_dot,
         EVEN_K=k % config.block_k == 0,
         BLOCK_M=16 if use_dot else 1,
@@ -259,3 +299,10 @@ def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the fused kernel also runs the residual add + RMSNorm before it: one row only
     (every program reads the rows twice, from L2, for the statistics and the operand)."""
     return NORM_ENABLED and takes(x, weight) and math.prod(x.shape[:-1]) == 1
+
+
+def takes_norm_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the norm + plain GEMM kernel runs (the input norm and QKV projection): one row."""
+    if not NORM_LINEAR_ENABLED or is_interpreted(x.device) or x.dtype == torch.float32:
+        return False
+    return math.prod(x.shape[:-1]) == 1
