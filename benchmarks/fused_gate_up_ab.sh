@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# One device call: the fused gate/up GEMM + SiLU-and-mul (ATOM_FUSED_GATE_UP) checked and A/B-timed.
+# One device call: the fused gate/up GEMM + SiLU-and-mul (ATOM_FUSED_GATE_UP) and the
+# post-attention norm in front of it (ATOM_FUSED_NORM_GATE_UP) checked and A/B-timed.
 #   bash benchmarks/fused_gate_up_ab.sh        # results under $OUT (or ./gpu-out)
-# Its kernel tests (compiled), the tile sweep against cuBLAS + silu_and_mul, Qwen3-0.6B decode at
-# batch 1 / 8 unfused (0) and fused (1), two rounds interleaved, and the fused step's kernel list.
+# Its kernel tests (compiled), the tile sweep against cuBLAS + silu_and_mul (TUNE=0 skips it),
+# Qwen3-0.6B decode at batch 1 / 8 for each variant of VARIANTS (two digits: ATOM_FUSED_GATE_UP,
+# ATOM_FUSED_NORM_GATE_UP; default "00 10 11": unfused, gate/up fused, norm too), ROUNDS rounds
+# (default 2) interleaved, and the kernel list of the last variant's step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -13,31 +16,35 @@ if [ -d .whl ]; then
 fi
 export PYTHONPATH=$(ls -d packages/*/src | paste -sd:):${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)" | tee "$OUT/device.txt"
+python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
 timeout 120 python3 -m pytest -q -p no:cacheprovider -x -rfE \
     packages/atom-kernels/tests/test_triton_gated_linear.py \
     packages/atom-kernels/tests/test_gated_linear_compile_sm90.py 2>&1 | tail -4
-timeout 150 python3 benchmarks/tune_gated_linear.py --budget-s "${TUNE_BUDGET_S:-90}" \
-    --out "$OUT/tune-gated-linear.json" 2>&1 | grep -v Warn | tail -8
-for round in 0 1; do
-    for fused in 0 1; do
-        ATOM_FUSED_GATE_UP=$fused timeout 110 python3 benchmarks/engine_bench.py decode \
-            --shape qwen3-0.6b --batch-sizes 1 8 --out "$OUT/decode-fused$fused-r$round.json" 2>&1 \
-            | grep -v Warn | tail -2
+if [ "${TUNE:-1}" != 0 ]; then
+    timeout 150 python3 benchmarks/tune_gated_linear.py --budget-s "${TUNE_BUDGET_S:-90}" \
+        --out "$OUT/tune-gated-linear.json" 2>&1 | grep -v Warn | tail -8
+fi
+variants=${VARIANTS:-00 10 11}
+for round in $(seq 0 $(( ${ROUNDS:-2} - 1 ))); do
+    for v in $variants; do
+        ATOM_FUSED_GATE_UP=${v:0:1} ATOM_FUSED_NORM_GATE_UP=${v:1:1} timeout 110 \
+            python3 benchmarks/engine_bench.py decode --shape qwen3-0.6b --batch-sizes 1 8 \
+            --out "$OUT/decode-fused$v-r$round.json" 2>&1 | grep -v Warn | tail -2
     done
 done
-ATOM_FUSED_GATE_UP=1 timeout 90 python3 benchmarks/profile_decode.py --shape qwen3-0.6b \
-    --batch-size 1 --out "$OUT/profile-fused1.json" 2>&1 | grep -v Warn | tail -2
+last=${variants##* }
+ATOM_FUSED_GATE_UP=${last:0:1} ATOM_FUSED_NORM_GATE_UP=${last:1:1} timeout 90 \
+    python3 benchmarks/profile_decode.py --shape qwen3-0.6b --batch-size 1 \
+    --out "$OUT/profile-fused$last.json" 2>&1 | grep -v Warn | tail -2
 OUT=$OUT python3 - <<'PY'
 import glob, json, os
 out = os.environ["OUT"]
 for f in sorted(glob.glob(f"{out}/decode-*.json")):
     d = json.load(open(f))
     print(os.path.basename(f), [(r["batch_size"], round(r["step_ms"], 4)) for r in d["results"]])
-p = f"{out}/profile-fused1.json"
-if os.path.exists(p):
+for p in glob.glob(f"{out}/profile-*.json"):
     d = json.load(open(p))
-    print("fused step: kernels", d["num_kernels"], "graph_ms", round(d["graph_ms"], 4))
+    print(os.path.basename(p), "kernels", d["num_kernels"], "graph_ms", round(d["graph_ms"], 4))
     for k in d["kernels"]:
         print(f"  {k['count']:4d} {k['total_ms']:.4f} ms  {k['kernel'][:70]}")
 PY

@@ -109,7 +109,30 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        return self.attend(positions, self.qkv_proj(hidden_states))
+
+    def forward_after_norm(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self(positions, norm(x, residual))`` -> (out, new residual: x without one);
+        unquantized, the norm goes into the QKV projection's op (one kernel at batch-1 decode
+        on the Triton backend)."""
+        qkv = self.qkv_proj
+        if qkv.quant_method is not UNQUANTIZED:
+            x, residual = (norm(x), x) if residual is None else norm(x, residual)
+            return self(positions, x), residual
+        h, residual = atom_kernels.rms_norm_linear(
+            x, residual, norm.weight, norm.eps, qkv.weight, qkv.bias
+        )
+        return self.attend(positions, h), residual
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Everything after the QKV projection (subclasses change this, not forward)."""
+        q, k, v = self.qkv_proj.split(qkv)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
@@ -133,11 +156,19 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
+        # Each norm goes into the op after it (one launch for both at batch-1 decode on the
+        # Triton backend), unless the attention customizes its forward.
+        attn = self.self_attn
+        if isinstance(attn, LlamaAttention) and type(attn).forward is LlamaAttention.forward:
+            hidden_states, residual = attn.forward_after_norm(
+                positions, hidden_states, residual, self.input_layernorm
+            )
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+            if residual is None:
+                hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
+            else:
+                hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states = attn(positions, hidden_states)
         if isinstance(self.mlp, LlamaMLP):
             return self.mlp.forward_after_norm(
                 hidden_states, residual, self.post_attention_layernorm
