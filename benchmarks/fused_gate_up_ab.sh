@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# One device call: the fused gate/up GEMM + SiLU-and-mul (ATOM_FUSED_GATE_UP) and the
-# post-attention norm in front of it (ATOM_FUSED_NORM_GATE_UP) checked and A/B-timed.
+# One device call: the batch-1 decode fusions of atom_kernels.backends.triton.gated_linear checked
+# and A/B-timed: gate/up GEMM + SiLU-and-mul (ATOM_FUSED_GATE_UP), the post-attention norm in
+# front of it (ATOM_FUSED_NORM_GATE_UP), the input norm in front of the QKV GEMM
+# (ATOM_FUSED_NORM_QKV).
 #   bash benchmarks/fused_gate_up_ab.sh        # results under $OUT (or ./gpu-out)
-# Its kernel tests (compiled), the tile sweep against cuBLAS + silu_and_mul (TUNE=0 skips it),
-# Qwen3-0.6B decode at batch 1 / 8 for each variant of VARIANTS (two digits: ATOM_FUSED_GATE_UP,
-# ATOM_FUSED_NORM_GATE_UP; default "00 10 11": unfused, gate/up fused, norm too), ROUNDS rounds
-# (default 2) interleaved, and the kernel list of the last variant's step.
+# Its kernel tests (compiled), the gate/up tile sweep against cuBLAS + silu_and_mul (TUNE=0
+# skips it), Qwen3-0.6B decode at batch 1 / 8 for each of VARIANTS (three digits: the three
+# switches in that order; default "000 100 111": unfused, gate/up fused, all), ROUNDS rounds
+# (default 2) interleaved, and the kernel list of the last variant's step. SHAPES="qwen3-0.6b
+# llama3-8b" times Llama-3-8B's decode too (default: Qwen3-0.6B only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -24,18 +27,21 @@ if [ "${TUNE:-1}" != 0 ]; then
     timeout 150 python3 benchmarks/tune_gated_linear.py --budget-s "${TUNE_BUDGET_S:-90}" \
         --out "$OUT/tune-gated-linear.json" 2>&1 | grep -v Warn | tail -8
 fi
-variants=${VARIANTS:-00 10 11}
+variants=${VARIANTS:-000 100 111}
 for round in $(seq 0 $(( ${ROUNDS:-2} - 1 ))); do
-    for v in $variants; do
-        ATOM_FUSED_GATE_UP=${v:0:1} ATOM_FUSED_NORM_GATE_UP=${v:1:1} timeout 110 \
-            python3 benchmarks/engine_bench.py decode --shape qwen3-0.6b --batch-sizes 1 8 \
-            --out "$OUT/decode-fused$v-r$round.json" 2>&1 | grep -v Warn | tail -2
+    for shape in ${SHAPES:-qwen3-0.6b}; do
+        for v in $variants; do
+            ATOM_FUSED_GATE_UP=${v:0:1} ATOM_FUSED_NORM_GATE_UP=${v:1:1} \
+                ATOM_FUSED_NORM_QKV=${v:2:1} timeout 110 python3 benchmarks/engine_bench.py \
+                decode --shape "$shape" --batch-sizes 1 8 \
+                --out "$OUT/decode-$shape-fused$v-r$round.json" 2>&1 | grep -v Warn | tail -2
+        done
     done
 done
 last=${variants##* }
-ATOM_FUSED_GATE_UP=${last:0:1} ATOM_FUSED_NORM_GATE_UP=${last:1:1} timeout 90 \
-    python3 benchmarks/profile_decode.py --shape qwen3-0.6b --batch-size 1 \
-    --out "$OUT/profile-fused$last.json" 2>&1 | grep -v Warn | tail -2
+ATOM_FUSED_GATE_UP=${last:0:1} ATOM_FUSED_NORM_GATE_UP=${last:1:1} \
+    ATOM_FUSED_NORM_QKV=${last:2:1} timeout 90 python3 benchmarks/profile_decode.py \
+    --shape qwen3-0.6b --batch-size 1 --out "$OUT/profile-fused$last.json" 2>&1 | grep -v Warn | tail -2
 OUT=$OUT python3 - <<'PY'
 import glob, json, os
 out = os.environ["OUT"]

@@ -1,4 +1,5 @@
-"""Triton gate/up GEMM with SiLU-and-mul in its epilogue, for a few rows of x (batch-1 decode).
+"""Triton skinny GEMMs with their neighbours fused in, for a few rows of x (batch-1 decode): the
+gate/up GEMM with SiLU-and-mul in its epilogue, an RMSNorm in front of it or of a plain GEMM.
 
 ``out = silu(x W_gate^T + b_gate) * (x W_up^T + b_up)`` with W = [W_gate; W_up] ([2N, K], the
 packed gate_up weight of a gated MLP). Unfused, a decode step runs the gate_up GEMM, writes
@@ -17,6 +18,12 @@ x + residual for the row's statistics (a few KB, from L2), then normalizes each 
 feeds the GEMM; program 0 writes x + residual. Another launch per layer fewer (the norm took
 ~1.75 us a launch in the same profile: 57 ``_rms_norm_kernel`` launches, 100 us).
 ATOM_FUSED_NORM_GATE_UP=0 turns that part off (the norm's own kernel, then the fused GEMM).
+
+GATED=False makes it a plain GEMM with the norm in front: ``norm_skinny_linear`` (the
+``rms_norm_linear`` op), a decoder layer's input norm (with or without a residual) and QKV
+projection in one launch at one row (``takes_norm_linear``; ATOM_FUSED_NORM_QKV=0 turns it off).
+That moves Qwen3-0.6B's QKV GEMM (4096 x 1024) off cuBLAS at one row: the plain Triton kernel
+took 5.5-5.7 us there against cuBLAS's 5.6 (results/tune-linear-h100.json).
 
 Where it runs (``takes``): up to SKINNY_MAX_ROWS rows of x, 16-bit dtypes, not interpreted.
 ATOM_FUSED_GATE_UP=0 turns it off (the GEMM and ``silu_and_mul``, for A/B measurements).
