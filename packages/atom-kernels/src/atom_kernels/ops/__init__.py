@@ -3,7 +3,12 @@
 from atom_kernels.ops.activation import gelu_and_mul, silu_and_mul
 from atom_kernels.ops.attention import paged_attention
 from atom_kernels.ops.cache import reshape_and_cache
-from atom_kernels.ops.linear import linear
+from atom_kernels.ops.linear import (
+    fused_add_rms_norm_linear_silu_and_mul,
+    linear,
+    linear_silu_and_mul,
+    rms_norm_linear,
+)
 from atom_kernels.ops.mla import mla_cache_write, mla_paged_attention
 from atom_kernels.ops.moe import fused_moe, grouped_topk, topk_softmax, topk_then_softmax
 from atom_kernels.ops.norm import fused_add_rms_norm, rms_norm
@@ -32,10 +37,12 @@ __all__ = [
     "fp8_block_linear",
     "fp8_linear",
     "fused_add_rms_norm",
+    "fused_add_rms_norm_linear_silu_and_mul",
     "fused_moe",
     "gelu_and_mul",
     "grouped_topk",
     "linear",
+    "linear_silu_and_mul",
     "mla_cache_write",
     "mla_paged_attention",
     "paged_attention",
@@ -43,6 +50,7 @@ __all__ = [
     "rejection_sample",
     "reshape_and_cache",
     "rms_norm",
+    "rms_norm_linear",
     "rotary_embedding",
     "sample",
     "silu_and_mul",

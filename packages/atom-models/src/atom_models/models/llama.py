@@ -7,10 +7,12 @@ from itertools import islice
 import torch
 from torch import nn
 
+import atom_kernels
 from atom_models.layers.activation import SiluAndMul
 from atom_models.layers.attention import Attention
 from atom_models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from atom_models.layers.linear import (
+    UNQUANTIZED,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -48,7 +50,27 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if gate_up.quant_method is UNQUANTIZED:
+            # One op (one launch at batch-1 decode on the Triton backend): the GEMM, then SiLU.
+            h = atom_kernels.linear_silu_and_mul(x, gate_up.weight, gate_up.bias)
+        else:  # a quantized (or host-supplied) GEMM
+            h = self.act_fn(gate_up(x))
+        return self.down_proj(h)
+
+    def forward_after_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self(norm(x, residual))`` -> (out, new residual); unquantized, the residual add and
+        norm go into the gate/up op (the same kernel at batch-1 decode on the Triton backend)."""
+        gate_up = self.gate_up_proj
+        if gate_up.quant_method is not UNQUANTIZED:
+            x, residual = norm(x, residual)
+            return self(x), residual
+        h, residual = atom_kernels.fused_add_rms_norm_linear_silu_and_mul(
+            x, residual, norm.weight, norm.eps, gate_up.weight, gate_up.bias
+        )
+        return self.down_proj(h), residual
 
 
 class LlamaAttention(nn.Module):
@@ -87,7 +109,30 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        return self.attend(positions, self.qkv_proj(hidden_states))
+
+    def forward_after_norm(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``self(positions, norm(x, residual))`` -> (out, new residual: x without one);
+        unquantized, the norm goes into the QKV projection's op (one kernel at batch-1 decode
+        on the Triton backend)."""
+        qkv = self.qkv_proj
+        if qkv.quant_method is not UNQUANTIZED:
+            x, residual = (norm(x), x) if residual is None else norm(x, residual)
+            return self(positions, x), residual
+        h, residual = atom_kernels.rms_norm_linear(
+            x, residual, norm.weight, norm.eps, qkv.weight, qkv.bias
+        )
+        return self.attend(positions, h), residual
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Everything after the QKV projection (subclasses change this, not forward)."""
+        q, k, v = self.qkv_proj.split(qkv)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
@@ -111,11 +156,23 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
+        # Each norm goes into the op after it (one launch for both at batch-1 decode on the
+        # Triton backend), unless the attention customizes its forward.
+        attn = self.self_attn
+        if isinstance(attn, LlamaAttention) and type(attn).forward is LlamaAttention.forward:
+            hidden_states, residual = attn.forward_after_norm(
+                positions, hidden_states, residual, self.input_layernorm
+            )
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+            if residual is None:
+                hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
+            else:
+                hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states = attn(positions, hidden_states)
+        if isinstance(self.mlp, LlamaMLP):
+            return self.mlp.forward_after_norm(
+                hidden_states, residual, self.post_attention_layernorm
+            )
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

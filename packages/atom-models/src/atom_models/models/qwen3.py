@@ -21,9 +21,9 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         # T = tokens, D = head dim
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        q, k, v = self.qkv_proj.split(qkv)
         # The per-head q/k RMSNorms run inside the rotary kernel (one launch for the three).
         q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v))

@@ -21,6 +21,7 @@ from atom_kernels.backends.triton import (
     activation,
     attention,
     cache,
+    gated_linear,
     linear,
     mla_cache,
     mla_custom_ops,
@@ -313,6 +314,102 @@ def _linear_router(skinny):
 linear_op = _linear_router(skinny_linear)
 
 
+@torch.library.custom_op(
+    "atom::triton_gated_skinny_linear",
+    mutates_args=(),
+    schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+)
+def gated_skinny_linear(x, weight, bias):
+    return gated_linear.gated_skinny_linear(x, weight, bias)
+
+
+@gated_skinny_linear.register_fake
+def _(x, weight, bias):
+    return _new_like(x, (*x.shape[:-1], weight.shape[0] // 2))
+
+
+def _gated_linear_router(fused, linear_op, silu_and_mul):
+    def linear_silu_and_mul_op(x, weight, bias):
+        """The fused kernel (``fused``) where it applies; else the GEMM, then SiLU-and-mul."""
+        if gated_linear.takes(x, weight):
+            return fused(x, weight, bias)
+        return silu_and_mul(linear_op(x, weight, bias))
+
+    return linear_silu_and_mul_op
+
+
+linear_silu_and_mul_op = _gated_linear_router(gated_skinny_linear, linear_op, silu_and_mul)
+
+
+@torch.library.custom_op(
+    "atom::triton_norm_gated_skinny_linear",
+    mutates_args=(),
+    schema="(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor weight, Tensor? bias)"
+    " -> (Tensor, Tensor)",
+)
+def norm_gated_skinny_linear(x, residual, norm_weight, eps, weight, bias):
+    return gated_linear.norm_gated_skinny_linear(x, residual, norm_weight, eps, weight, bias)
+
+
+@norm_gated_skinny_linear.register_fake
+def _(x, residual, norm_weight, eps, weight, bias):
+    return _new_like(x, (*x.shape[:-1], weight.shape[0] // 2)), _new_like(x)
+
+
+def _norm_gated_linear_router(fused, add_rms_norm, gated):
+    def norm_linear_silu_and_mul_op(x, residual, norm_weight, eps, weight, bias):
+        """The fused kernel (``fused``) where it applies; else the norm, then the gated op."""
+        if gated_linear.takes_norm(x, weight):
+            return fused(x, residual, norm_weight, eps, weight, bias)
+        normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+        return gated(normed, weight, bias), residual
+
+    return norm_linear_silu_and_mul_op
+
+
+norm_linear_silu_and_mul_op = _norm_gated_linear_router(
+    norm_gated_skinny_linear, fused_add_rms_norm, linear_silu_and_mul_op
+)
+
+
+@torch.library.custom_op(
+    "atom::triton_norm_skinny_linear",
+    mutates_args=(),
+    schema="(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor weight, "
+    "Tensor? bias) -> (Tensor, Tensor)",
+)
+def norm_skinny_linear(x, residual, norm_weight, eps, weight, bias):
+    out, new_residual = gated_linear.norm_skinny_linear(
+        x, residual, norm_weight, eps, weight, bias
+    )
+    # A custom op's outputs may not alias its inputs: without a residual, x's copy.
+    return out, new_residual if residual is not None else new_residual.clone()
+
+
+@norm_skinny_linear.register_fake
+def _(x, residual, norm_weight, eps, weight, bias):
+    return _new_like(x, (*x.shape[:-1], weight.shape[0])), _new_like(x)
+
+
+def _norm_linear_router(fused, rms_norm_, add_rms_norm, linear_):
+    def rms_norm_linear_op(x, residual, norm_weight, eps, weight, bias):
+        """The fused kernel (``fused``) where it applies; else the norm, then the GEMM."""
+        if gated_linear.takes_norm_linear(x, weight):
+            return fused(x, residual, norm_weight, eps, weight, bias)
+        if residual is None:
+            normed, residual = rms_norm_(x, norm_weight, eps), x
+        else:
+            normed, residual = add_rms_norm(x, residual, norm_weight, eps)
+        return linear_(normed, weight, bias), residual
+
+    return rms_norm_linear_op
+
+
+rms_norm_linear_op = _norm_linear_router(
+    norm_skinny_linear, rms_norm, fused_add_rms_norm, linear_op
+)
+
+
 # --- sampling ---------------------------------------------------------------------------------
 
 
@@ -398,6 +495,35 @@ ENTRIES = {
         ),
         "fused_moe": (fused_moe, moe.fused_moe),
         "linear": (linear_op, _linear_router(linear.skinny_linear)),
+        "linear_silu_and_mul": (
+            linear_silu_and_mul_op,
+            _gated_linear_router(
+                gated_linear.gated_skinny_linear,
+                _linear_router(linear.skinny_linear),
+                activation.silu_and_mul,
+            ),
+        ),
+        "rms_norm_linear": (
+            rms_norm_linear_op,
+            _norm_linear_router(
+                gated_linear.norm_skinny_linear,
+                norm.rms_norm,
+                norm.fused_add_rms_norm,
+                _linear_router(linear.skinny_linear),
+            ),
+        ),
+        "fused_add_rms_norm_linear_silu_and_mul": (
+            norm_linear_silu_and_mul_op,
+            _norm_gated_linear_router(
+                gated_linear.norm_gated_skinny_linear,
+                norm.fused_add_rms_norm,
+                _gated_linear_router(
+                    gated_linear.gated_skinny_linear,
+                    _linear_router(linear.skinny_linear),
+                    activation.silu_and_mul,
+                ),
+            ),
+        ),
         "sample": (sample_op, _sample_router(sampling.fused_sample)),
     }.items()
 }
