@@ -64,7 +64,7 @@ def main() -> None:
             row["unfused_us"] = time_per_gemm(
                 lambda x, w: activation.silu_and_mul(torch.nn.functional.linear(x, w)), x, weights
             )
-            row["default"] = gated_linear.default_config(rows, False).__dict__
+            row["default"] = gated_linear.default_config(rows, False, True, k).__dict__
             row["default_us"] = time_per_gemm(
                 lambda x, w: gated_linear.gated_skinny_linear(x, w, None), x, weights
             )

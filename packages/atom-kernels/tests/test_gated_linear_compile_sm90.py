@@ -36,7 +36,7 @@ def _compile(
     num_rows: int, k: int, has_bias: bool, has_norm: bool, gated: bool = True, residual=None
 ):
     kernel = gated_linear._gated_skinny_kernel
-    config = gated_linear.default_config(num_rows, interpreted=False, gated=gated)
+    config = gated_linear.default_config(num_rows, interpreted=False, gated=gated, k=k)
     use_dot = config.use_dot or num_rows > 1
     constexprs = dict(
         HAS_BIAS=has_bias,
@@ -74,7 +74,8 @@ def _compile(
     [
         (1, 1024, False, False),
         (1, 1024, False, True),  # the norm in front (what a batch-1 decode step runs)
-        (4, 4096, True, False),
+        (4, 1024, False, False),  # K < 4096: 32 x 128 tiles
+        (4, 4096, True, False),  # K >= 4096: 32 x 256
         (4, 4096, True, True),
     ],
 )

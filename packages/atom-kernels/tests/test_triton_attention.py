@@ -253,9 +253,7 @@ def test_decode_split_merge_fused_and_separate(triton_backend, monkeypatch, feat
     for fused in (True, False):
         monkeypatch.setattr(triton_backend.attention, "FUSED_DECODE_REDUCE", fused)
         outs[fused] = torch.full_like(batch.query, float("nan"))
-        triton_backend.attention.paged_attention(
-            *args, outs[fused], num_splits=4, min_split_len=16
-        )
+        triton_backend.attention.paged_attention(*args, outs[fused], num_splits=4, min_split_len=16)
     counters = zeroed_counters(batch.query.device, len(seqs) * GQA[1])
     assert int(counters.abs().sum()) == 0, "every merging program resets its counter"
     expected = reference.paged_attention(*args, None)

@@ -35,9 +35,7 @@ def test_matches_the_reference(triton_backend, with_draft_probs, vocab):
     expected = reference.rejection_sample(*args)
     from atom_kernels.backends.triton import spec_decode
 
-    got = spec_decode.rejection_sample(
-        *[a.to(device) if a is not None else None for a in args]
-    )
+    got = spec_decode.rejection_sample(*[a.to(device) if a is not None else None for a in args])
     assert_equal(got[0].cpu(), expected[0], name="tokens")
     assert_equal(got[1].cpu(), expected[1], name="num_emitted")
     assert (expected[1] >= 1).all() and expected[1].sum() > batch  # some drafts accepted

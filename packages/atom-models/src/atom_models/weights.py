@@ -71,9 +71,7 @@ def load_weights(
             raise CheckpointMismatchError(f"{name} -> {param_name}: {e}") from e
         # A loader may say which shards it filled: one fused tensor can fill every shard of a
         # packed parameter (3-D expert weights), or none (an expert another rank owns).
-        loaded_shards.setdefault(param_name, set()).update(
-            {shard_id} if filled is None else filled
-        )
+        loaded_shards.setdefault(param_name, set()).update({shard_id} if filled is None else filled)
     absent = tuple(
         f"{module}."
         for module in optional_modules

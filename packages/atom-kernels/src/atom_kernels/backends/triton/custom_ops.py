@@ -379,9 +379,7 @@ norm_linear_silu_and_mul_op = _norm_gated_linear_router(
     "Tensor? bias) -> (Tensor, Tensor)",
 )
 def norm_skinny_linear(x, residual, norm_weight, eps, weight, bias):
-    out, new_residual = gated_linear.norm_skinny_linear(
-        x, residual, norm_weight, eps, weight, bias
-    )
+    out, new_residual = gated_linear.norm_skinny_linear(x, residual, norm_weight, eps, weight, bias)
     # A custom op's outputs may not alias its inputs: without a residual, x's copy.
     return out, new_residual if residual is not None else new_residual.clone()
 

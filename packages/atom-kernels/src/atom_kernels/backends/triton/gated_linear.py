@@ -171,21 +171,31 @@ def _gated_skinny_kernel(
         tl.store(out_ptrs, acc_g, mask=out_mask)
 
 
-def default_config(num_rows: int, interpreted: bool, gated: bool = True) -> SkinnyConfig:
+def default_config(
+    num_rows: int, interpreted: bool, gated: bool = True, k: int = 0
+) -> SkinnyConfig:
     """Tiles for [num_rows, K] x [2N, K]^T. Each program streams two [BLOCK_N, BLOCK_K] W tiles
-    per step, so BLOCK_N is half the plain kernel's for the same bytes in flight.
+    per step. Not ``gated`` (one W stream): the plain kernel's own defaults.
 
-    NOTE: not tuned on a GPU yet (benchmarks/tune_gated_linear.py sweeps the tiles). These halve
-    the plain kernel's defaults (linear.default_config), which were within 1-5% of its best tiles
-    on Qwen3-0.6B's and Llama-3-8B's gate_up at 1-8 rows: one row 16 x 512 multiply-adds, more
-    rows 32 x 128 dots. A dot's BLOCK_N stays >= 16 (the MMA's smallest N). Not ``gated`` (one
-    W stream): the plain kernel's own defaults.
+    NOTE (benchmarks/tune_gated_linear.py, one H100, triton 3.6, torch 2.11, 2026-11-24,
+    results/s10-h100/tune-gated-linear.json; gate_up with SiLU-and-mul against cuBLAS's GEMM plus
+    silu_and_mul): Qwen3-0.6B (K=1024) one row 4 x 512 multiply-adds, 4 stages, 6.9 us (the
+    first guess 8 x 512 / 5 stages 7.2, unfused 8.9); 4-8 rows 32 x 128 dots, 4 stages, 7.0 us
+    (16 x 128: 8.4). Llama-3-8B (K=4096) one row 78.6 us (80.5, unfused 85.5); 4-8 rows 32 x 256
+    dots, 3 stages, 80.9-81.3 us (87.1-87.4, unfused 84.1-84.6). A dot's BLOCK_N stays >= 16
+    (the MMA's smallest N).
     """
     if interpreted:
         return SkinnyConfig(16, 32, 4, 1, use_dot=num_rows > 1)
+    if not gated:
+        return (
+            SkinnyConfig(16, 512, 4, 5, use_dot=False)
+            if num_rows == 1
+            else SkinnyConfig(32, 128, 4, 5)
+        )
     if num_rows == 1:
-        return SkinnyConfig(8 if gated else 16, 512, 4, 5, use_dot=False)
-    return SkinnyConfig(16 if gated else 32, 128, 4, 5)
+        return SkinnyConfig(4, 512, 4, 4, use_dot=False)
+    return SkinnyConfig(32, 256, 4, 3) if k >= 4096 else SkinnyConfig(32, 128, 4, 4)
 
 
 def gated_skinny_linear(
@@ -259,7 +269,7 @@ def _launch(x, norm, weight, bias, config, gated: bool):
         r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
         ro2 = res_out.view(-1, k)
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    config = config or default_config(num_rows, is_interpreted(x.device), gated)
+    config = config or default_config(num_rows, is_interpreted(x.device), gated, k)
     use_dot = config.use_dot or num_rows > 1
     block_n = max(config.block_n, 16) if use_dot else config.block_n  # an MMA's N >= 16
     out2 = out.view(-1, n)
