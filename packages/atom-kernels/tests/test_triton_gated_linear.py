@@ -153,13 +153,14 @@ def test_where_the_fused_norm_runs(monkeypatch):
     monkeypatch.setattr(gated_linear, "ENABLED", True)
     monkeypatch.setattr(gated_linear, "NORM_ENABLED", True)
 
-    def takes(rows, dtype=torch.bfloat16):
-        x = torch.empty(rows, 1024, dtype=dtype, device="meta")
-        return gated_linear.takes_norm(x, torch.empty(6144, 1024, dtype=dtype, device="meta"))
+    def takes(rows, dtype=torch.bfloat16, k=1024):
+        x = torch.empty(rows, k, dtype=dtype, device="meta")
+        return gated_linear.takes_norm(x, torch.empty(6144, k, dtype=dtype, device="meta"))
 
     assert takes(1)
     assert not takes(2)  # more rows: the norm's own kernel (each program would reread them)
     assert not takes(1, torch.float32)
+    assert not takes(1, k=4096)  # wide rows: measured slower (Llama-3-8B)
 
 
 @pytest.mark.parametrize("has_residual", [True, False])
@@ -198,8 +199,9 @@ def test_norm_linear_registry_entry_matches_the_reference(triton_backend):
 def test_where_the_fused_norm_linear_runs(monkeypatch):
     monkeypatch.setattr(gated_linear, "NORM_LINEAR_ENABLED", True)
 
-    def takes(rows, dtype=torch.bfloat16):
-        x = torch.empty(rows, 1024, dtype=dtype, device="meta")
-        return gated_linear.takes_norm_linear(x, torch.empty(4096, 1024, device="meta"))
+    def takes(rows, dtype=torch.bfloat16, k=1024):
+        x = torch.empty(rows, k, dtype=dtype, device="meta")
+        return gated_linear.takes_norm_linear(x, torch.empty(4096, k, device="meta"))
 
     assert takes(1) and not takes(2) and not takes(1, torch.float32)
+    assert not takes(1, k=4096)  # wide rows: measured slower (Llama-3-8B)

@@ -312,14 +312,29 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return 0 < math.prod(x.shape[:-1]) <= SKINNY_MAX_ROWS
 
 
+# The norm fusions take rows of at most this many features: every program reads its row (and
+# the residual) once more, from L2, for the statistics before its weights stream.
+# NOTE (engine_bench.py decode, one H100, triton 3.6, 2026-11-24, results/s10-h100/decode-*,
+# two alternating rounds): all three fusions took Qwen3-0.6B's (hidden 1024) batch-1 step from
+# 1.42 to 1.32-1.34 ms, but Llama-3-8B's (hidden 4096) from 6.15 to 6.48-6.49 ms.
+NORM_MAX_FEATURES = 2048
+
+
 def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the fused kernel also runs the residual add + RMSNorm before it: one row only
-    (every program reads the rows twice, from L2, for the statistics and the operand)."""
-    return NORM_ENABLED and takes(x, weight) and math.prod(x.shape[:-1]) == 1
+    """Whether the fused kernel also runs the residual add + RMSNorm before it: one row of at
+    most NORM_MAX_FEATURES features (every program reads it twice, from L2, for the statistics
+    and the operand)."""
+    return (
+        NORM_ENABLED
+        and takes(x, weight)
+        and math.prod(x.shape[:-1]) == 1
+        and x.shape[-1] <= NORM_MAX_FEATURES
+    )
 
 
 def takes_norm_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the norm + plain GEMM kernel runs (the input norm and QKV projection): one row."""
+    """Whether the norm + plain GEMM kernel runs (the input norm and QKV projection): one row
+    of at most NORM_MAX_FEATURES features."""
     if not NORM_LINEAR_ENABLED or is_interpreted(x.device) or x.dtype == torch.float32:
         return False
-    return math.prod(x.shape[:-1]) == 1
+    return math.prod(x.shape[:-1]) == 1 and x.shape[-1] <= NORM_MAX_FEATURES
