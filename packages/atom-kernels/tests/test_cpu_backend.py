@@ -231,3 +231,61 @@ def test_packed_linear_matches_reference(rows):
     strided = torch.randn(rows, 2 * 77, generator=g)[:, ::2]
     assert_close(gemm(strided), ref_linear(strided, weight, None).double(), atol=2e-5,
                  rtol=2e-5, name="strided x")  # fmt: skip
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 13, 16, 17, 136])
+@pytest.mark.parametrize("shape", [(960, 576), (123, 77)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_packed_linear_matches_reference(rows, shape, with_bias):
+    """oneDNN-packed at MIN_ROWS..MAX_ROWS rows, F.linear at the others; the torch reference in
+    float64 is the oracle, for contiguous and strided inputs."""
+    from atom_kernels.backends.cpu import onednn_linear
+    from atom_kernels.backends.torch.linear import linear as ref_linear
+
+    g = torch.Generator().manual_seed(rows * 7 + shape[1])
+    out_features, in_features = shape
+    weight = torch.randn(out_features, in_features, generator=g) / in_features**0.5
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    if not onednn_linear.can_pack(weight):
+        pytest.skip("torch without oneDNN")
+    key = onednn_linear.pack(weight)
+    bias64 = None if bias is None else bias.double()
+    x = torch.randn(rows, in_features, generator=g)
+    strided = torch.randn(rows, 2 * in_features, generator=g)[:, ::2]
+    for name, inputs in (("contiguous", x), ("strided", strided)):
+        got = onednn_linear.packed_linear(inputs, weight, bias, key)
+        assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        expected = ref_linear(inputs.double(), weight.double(), bias64)
+        assert_close(got, expected, atol=2e-5, rtol=2e-5, name=f"{name} x, {rows} rows")
+
+
+def test_onednn_packed_linear_compiles():
+    """Inside a compiled graph (dynamic row count) the op runs as eager: packed and not."""
+    from atom_kernels.backends.cpu import onednn_linear
+    from atom_kernels.backends.torch.linear import linear as ref_linear
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(123, 77, generator=g) / 77**0.5
+    if not onednn_linear.can_pack(weight):
+        pytest.skip("torch without oneDNN")
+    key = onednn_linear.pack(weight)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(onednn_linear.packed_linear(x * 2, weight, None, key))
+
+    compiled = torch.compile(forward, dynamic=True, fullgraph=True)
+    for rows in (1, 8, 40):
+        x = torch.randn(rows, 77, generator=g)
+        with torch.no_grad():
+            got = compiled(x)
+        expected = torch.relu(ref_linear(x.double() * 2, weight.double(), None))
+        assert_close(got, expected, atol=2e-5, rtol=2e-5, name=f"compiled, {rows} rows")
+
+
+def test_onednn_packed_linear_refuses_what_it_cannot_pack():
+    from atom_kernels.backends.cpu import onednn_linear
+
+    assert not onednn_linear.can_pack(torch.randn(8, 8, dtype=torch.float64))
+    assert not onednn_linear.can_pack(torch.randn(8))
+    with pytest.raises(ValueError, match="float32 CPU weight"):
+        onednn_linear.pack(torch.randn(8, 8, dtype=torch.bfloat16))

@@ -28,6 +28,7 @@ import torch
 import atom_kernels
 from atom_engine.config import EngineConfig
 from atom_engine.cpu_compile import cpu_forward, pack_lm_head
+from atom_engine.cpu_linear import pack_linears
 from atom_engine.cpu_threads import set_cpu_threads
 from atom_engine.cuda_graphs import DecodeGraphs
 from atom_engine.mixed_graphs import MixedGraphs, supports_mixed_graphs
@@ -152,6 +153,7 @@ class ModelRunner:
             self._warm_up_sampling()
         if pack_lm_head(self.model, self.device, config.tensor_parallel_size):
             logger.info("CPU: the LM head runs on MKL-packed weights at 1 and 8 rows")
+        pack_linears(self.model, self.device, config.tensor_parallel_size)
         # The forward `_execute` calls: on the CPU compiled by torch.compile (`cpu_compile`).
         self.forward = cpu_forward(
             self.model,
