@@ -213,10 +213,13 @@ def test_cpu_is_the_automatic_choice_on_cpu(monkeypatch):
         registry._reset_for_tests()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_packed_linear_matches_reference(rows):
-    """MKL-packed at 1 and 8 rows; other row counts run F.linear. The torch reference (the
-    `linear` op of the torch backend) is the oracle."""
+@pytest.mark.parametrize("onednn", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+def test_packed_linear_matches_reference(rows, onednn):
+    """MKL-packed at 1 and 8 rows, with `onednn` oneDNN-packed at 2-16 where MKL has no copy;
+    other row counts run F.linear. The torch reference (the `linear` op of the torch backend) is
+    the oracle."""
+    from atom_kernels.backends.cpu import onednn_linear
     from atom_kernels.backends.cpu.packed_linear import PackedLinear, can_pack
     from atom_kernels.backends.torch.linear import linear as ref_linear
 
@@ -224,7 +227,8 @@ def test_packed_linear_matches_reference(rows):
     weight = torch.randn(1001, 77, generator=g)
     if not can_pack(weight):
         pytest.skip("torch without MKL")
-    gemm = PackedLinear(weight, rows=(1, 8))
+    gemm = PackedLinear(weight, rows=(1, 8), onednn=onednn)
+    assert (gemm.onednn_key is not None) == (onednn and onednn_linear.can_pack(weight))
     x = torch.randn(rows, 77, generator=g)
     assert_close(gemm(x), ref_linear(x, weight, None).double(), atol=2e-5, rtol=2e-5,
                  name=f"packed linear, {rows} rows")  # fmt: skip

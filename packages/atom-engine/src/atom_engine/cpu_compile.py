@@ -86,16 +86,17 @@ def warm_up(forward: Forward, block_size: int, device: torch.device) -> float:
     return time.perf_counter() - started
 
 
-# NOTE: an MKL-packed copy of the LM head per row count (1 row: c1 decode; 8: 8 decoding
-# sequences) saved 4.5 and 4.4 ms of a step on SmolLM2 (atom_kernels.backends.cpu.packed_linear);
-# heads above this size keep F.linear rather than spend two more copies of their memory.
+# NOTE: an MKL-packed copy of the LM head for 1 row (c1 decode) saved 4.5 ms of a step on SmolLM2
+# (atom_kernels.backends.cpu.packed_linear); a oneDNN-packed copy serves 2-16 rows (batched
+# decode: 26-30 ms against MKL's 48-51 ms for 8 rows packed for 8, session 10); heads above this
+# size keep F.linear rather than spend two more copies of their memory.
 MAX_PACKED_LM_HEAD_BYTES = 256 << 20
-PACKED_LM_HEAD_ROWS = (1, 8)
+PACKED_LM_HEAD_ROWS = (1,)
 
 
 def pack_lm_head(model: nn.Module, device: torch.device, tp_size: int) -> bool:
-    """On a CPU with MKL, give a float32 LM head MKL-packed weights (`logits_gemm`); whether it
-    did."""
+    """On a CPU with MKL, give a float32 LM head packed weights (`logits_gemm`: MKL's for 1 row,
+    oneDNN's for 2-16); whether it did."""
     from atom_kernels.backends.cpu.packed_linear import PackedLinear, can_pack
 
     head = getattr(model, "lm_head", None)
@@ -104,7 +105,7 @@ def pack_lm_head(model: nn.Module, device: torch.device, tp_size: int) -> bool:
         return False
     if not can_pack(weight) or weight.numel() * weight.element_size() > MAX_PACKED_LM_HEAD_BYTES:
         return False
-    head.logits_gemm = PackedLinear(weight.detach(), PACKED_LM_HEAD_ROWS)
+    head.logits_gemm = PackedLinear(weight.detach(), PACKED_LM_HEAD_ROWS, onednn=True)
     return True
 
 

@@ -152,7 +152,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warm_up_sampling()
         if pack_lm_head(self.model, self.device, config.tensor_parallel_size):
-            logger.info("CPU: the LM head runs on MKL-packed weights at 1 and 8 rows")
+            logger.info("CPU: the LM head runs on packed weights (MKL: 1 row, oneDNN: 2-16)")
         pack_linears(self.model, self.device, config.tensor_parallel_size)
         # The forward `_execute` calls: on the CPU compiled by torch.compile (`cpu_compile`).
         self.forward = cpu_forward(

@@ -4,10 +4,10 @@ NOTE: SmolLM2-135M's four decoder projections (960x576, 576x576, 3072x576, 576x1
 1 thread, this 2-core AMD EPYC (AVX2, no AVX-512), torch 2.15, load 1.2-2.1 (issue 21, session
 10): `F.linear` 61-82 ms at 8 rows, the weights oneDNN-packed for 8 rows
 (`mkldnn._reorder_linear_weight` + `mkldnn._linear_pointwise`, what Inductor's freezing emits and
-what vLLM's CPU GEMM does) 47-55 ms; at 2 rows 45 -> 38 ms, at 9 rows 66 -> 43 ms; at 1 row and
-at 136 rows (a prefill) within noise of `F.linear` either way (19-38 ms, 398-430 ms). So the packed
-copy serves `MIN_ROWS`..`MAX_ROWS` rows and every other count keeps `F.linear` on the plain weight
-(which the layer keeps: two copies of each weight).
+what vLLM's CPU GEMM does) 47-55 ms; at 2 rows 45 -> 38 ms, at 9 rows 66 -> 43 ms, at 16 rows
+equal (74-75 ms); at 1 row and at 136 rows (a prefill) within noise of `F.linear` either way
+(19-38 ms, 398-430 ms). So the packed copy serves `MIN_ROWS`..`MAX_ROWS` rows and every other
+count keeps `F.linear` on the plain weight (which the layer keeps: two copies of each weight).
 
 The GEMM is one opaque op, `atom::cpu_packed_linear`, so that a compiled graph (`torch.compile`
 of the engine's forward) calls it like `aten::mm`: the packed weight (an MKLDNN tensor, which
