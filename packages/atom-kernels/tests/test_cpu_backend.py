@@ -252,7 +252,7 @@ def test_onednn_packed_linear_matches_reference(rows, shape, with_bias):
     bias = torch.randn(out_features, generator=g) if with_bias else None
     if not onednn_linear.can_pack(weight):
         pytest.skip("torch without oneDNN")
-    key = onednn_linear.pack(weight)
+    key, packed = onednn_linear.pack(weight)
     bias64 = None if bias is None else bias.double()
     x = torch.randn(rows, in_features, generator=g)
     strided = torch.randn(rows, 2 * in_features, generator=g)[:, ::2]
@@ -272,7 +272,7 @@ def test_onednn_packed_linear_compiles():
     weight = torch.randn(123, 77, generator=g) / 77**0.5
     if not onednn_linear.can_pack(weight):
         pytest.skip("torch without oneDNN")
-    key = onednn_linear.pack(weight)
+    key, packed = onednn_linear.pack(weight)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.relu(onednn_linear.packed_linear(x * 2, weight, None, key))
@@ -286,8 +286,16 @@ def test_onednn_packed_linear_compiles():
         assert_close(got, expected, atol=2e-5, rtol=2e-5, name=f"compiled, {rows} rows")
 
 
-def test_onednn_packed_linear_refuses_what_it_cannot_pack():
+def test_onednn_packed_linear_refuses_what_it_cannot_pack_and_frees_what_it_packed():
+    import gc
+
     from atom_kernels.backends.cpu import onednn_linear
+
+    key, packed = onednn_linear.pack(torch.randn(8, 8))
+    assert key in onednn_linear._PACKED
+    del packed
+    gc.collect()
+    assert key not in onednn_linear._PACKED  # the owner's copy was the only one
 
     assert not onednn_linear.can_pack(torch.randn(8, 8, dtype=torch.float64))
     assert not onednn_linear.can_pack(torch.randn(8))

@@ -49,7 +49,8 @@ def pack_linears(model: nn.Module, device: torch.device, tp_size: int) -> int:
             continue
         if not onednn_linear.can_pack(module.weight):
             continue
-        module.onednn_key = onednn_linear.pack(module.weight)
+        # The layer holds its packed copy (not a parameter or buffer: never saved or moved).
+        module.onednn_key, module.onednn_packed = onednn_linear.pack(module.weight)
         module.quant_method = ONEDNN_LINEAR
         count += 1
     if count:

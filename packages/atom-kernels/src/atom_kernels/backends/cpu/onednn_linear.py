@@ -18,6 +18,9 @@ for a `torch.library.custom_op` (issue 21's fourth pass measured that for `atom:
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -25,7 +28,9 @@ MIN_ROWS = 2
 MAX_ROWS = 16
 PACKED_FOR_ROWS = 8  # the row count oneDNN lays the weight out for
 
-_PACKED: list[torch.Tensor] = []  # key -> the MKLDNN-packed weight
+# key -> the MKLDNN-packed weight, held by its owner (a layer): freed with it
+_PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
 
 _lib = torch.library.Library("atom", "FRAGMENT")
 _lib.define("cpu_packed_linear(Tensor x, Tensor weight, Tensor? bias, int key) -> Tensor")
@@ -43,12 +48,15 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-def pack(weight: torch.Tensor) -> int:
-    """Pack `weight` [N, K] for oneDNN; the key `packed_linear` takes."""
+def pack(weight: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Pack `weight` [N, K] for oneDNN: (the key `packed_linear` takes, the packed weight). The
+    caller keeps the packed weight alive as long as it uses the key."""
     if not can_pack(weight):
         raise ValueError("oneDNN packing needs a float32 CPU weight and torch built with oneDNN")
-    _PACKED.append(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS))
-    return len(_PACKED) - 1
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)
+    key = next(_KEYS)
+    _PACKED[key] = packed
+    return key, packed
 
 
 def packed_linear(

@@ -40,9 +40,9 @@ class PackedLinear:
             raise ValueError("PackedLinear needs a float32 CPU weight and torch built with MKL")
         self.weight = weight
         self.packed = {m: torch.ops.mkl._mkl_reorder_linear_weight(weight, m) for m in rows}
-        self.onednn_key = None
+        self.onednn_key = self.onednn_packed = None
         if onednn and onednn_linear.can_pack(weight):
-            self.onednn_key = onednn_linear.pack(weight)
+            self.onednn_key, self.onednn_packed = onednn_linear.pack(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed.get(x.shape[0]) if x.dim() == 2 and x.dtype == torch.float32 else None
