@@ -354,7 +354,7 @@ def main() -> None:
             lines = log_path.read_text().splitlines()
             messages = [ln.split("ATOM:", 1)[1].strip()[:300] for ln in lines if "ATOM:" in ln]
             cpu_lines = ("CPU: torch computes with", "CPU: compiled", "CPU: the model's forward",
-                         "CPU: the LM head")  # fmt: skip
+                         "CPU: the LM head", "linear layers run on")  # fmt: skip
             messages += [ln.strip()[-200:] for ln in lines if any(c in ln for c in cpu_lines)]
             run["atom_log"] = list(dict.fromkeys(messages))
             result["runs"].append(run)
