@@ -24,14 +24,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     op = "linear"
     check_tensor(op, "x", x, min_ndim=1, dtypes=FLOAT_DTYPES)
-    check_tensor(op, "weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
-    check_dim(op, "weight", weight, 1, x.shape[-1], "to match x's last dim")
-    check_same_dtype(op, "x", x, weight=weight)
-    check_same_device(op, "x", x, weight=weight, bias=bias)
-    if bias is not None:
-        check_tensor(op, "bias", bias, ndim=1, dtypes=FLOAT_DTYPES)
-        check_dim(op, "bias", bias, 0, weight.shape[0], "to match weight's rows")
-        check_same_dtype(op, "x", x, bias=bias)
+    _check_weight(op, x, weight, bias)
     return get_op(op, x.device)(x, weight, bias)
 
 
@@ -117,6 +110,14 @@ def rms_norm_linear(
         check_same_dtype(op, "x", x, residual=residual)
         check_same_device(op, "x", x, residual=residual)
     _check_norm_weight(op, x, norm_weight, eps)
+    _check_weight(op, x, weight, bias)
+    return get_op(op, x.device)(x, residual, norm_weight, float(eps), weight, bias)
+
+
+def _check_weight(
+    op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """weight [N, K] for x [..., K], bias [N] or None: x's dtype and device."""
     check_tensor(op, "weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
     check_dim(op, "weight", weight, 1, x.shape[-1], "to match x's last dim")
     check_same_dtype(op, "x", x, weight=weight)
@@ -125,7 +126,6 @@ def rms_norm_linear(
         check_tensor(op, "bias", bias, ndim=1, dtypes=FLOAT_DTYPES)
         check_dim(op, "bias", bias, 0, weight.shape[0], "to match weight's rows")
         check_same_dtype(op, "x", x, bias=bias)
-    return get_op(op, x.device)(x, residual, norm_weight, float(eps), weight, bias)
 
 
 def _check_norm_weight(op: str, x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> None:
