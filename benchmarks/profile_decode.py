@@ -8,7 +8,10 @@ Reports, for one batch size of the real shape (random weights):
 - ``graph_ms``: one replay of the captured decode graph alone (GPU time, CUDA events);
 - ``tail_ms``: the logits and the greedy argmax after the graph (GPU time);
 - ``sample_ms``: ``atom_kernels.sample`` over those logits at ``--temperature`` (GPU time);
-- the kernels of one eager decode forward, by total GPU time (torch.profiler).
+- the kernels of one eager decode forward, by total GPU time (torch.profiler);
+- ``timeline``: ``--timeline-steps`` engine steps under torch.profiler: their wall time, the GPU's
+  busy time (the union of the kernels' intervals) and idle gaps, and the kernels outside the
+  graph replays (the logits, sampling and copies every step launches from the host).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="of the timed steps")
+    parser.add_argument("--timeline-steps", type=int, default=8)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -106,7 +110,11 @@ def main() -> None:
         ({"kernel": k[:120], "count": len(v), "total_ms": sum(v)} for k, v in kernels.items()),
         key=lambda r: -r["total_ms"],
     )
+    timeline = None
+    if args.timeline_steps:
+        timeline = step_timeline(engine, args.timeline_steps, set(kernels))
     result = {
+        "timeline": timeline,
         "shape": args.shape,
         "batch_size": bs,
         "step_ms": step_ms,
@@ -129,7 +137,60 @@ def main() -> None:
     )
     for r in table[:25]:
         print(f"  {r['total_ms']:8.4f} ms  x{r['count']:<4d} {r['kernel'][:100]}")
+    if timeline:
+        print(
+            f"timeline, {timeline['steps']} steps: wall {timeline['wall_ms_per_step']:.3f} ms | "
+            f"GPU busy {timeline['gpu_busy_ms_per_step']:.3f} ms | "
+            f"largest idle gaps (us) {timeline['largest_gaps_us'][:8]}"
+        )
+        for r in timeline["outside_graph_kernels"][:12]:
+            print(f"  outside graph: {r['total_ms']:8.4f} ms x{r['count']:<4d} {r['kernel'][:90]}")
     Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+def step_timeline(engine, steps: int, forward_kernels: set[str]) -> dict:
+    """Engine steps under torch.profiler: wall, GPU busy (union of kernel intervals), idle gaps,
+    and the kernels that are not the forward's (`forward_kernels`: the names in the eager
+    forward's profile; the graph replays those)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    spans, outside = [], {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        start, end = e.time_range.start, e.time_range.end  # us
+        spans.append((start, end))
+        if e.name not in forward_kernels:
+            outside.setdefault(e.name[:120], []).append((end - start) / 1e3)
+    spans.sort()
+    busy, gaps, cur_s, cur_e = 0.0, [], None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+                gaps.append(s - cur_e)
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall_ms / steps,
+        "gpu_busy_ms_per_step": busy / 1e3 / steps,
+        "largest_gaps_us": sorted((round(g, 1) for g in gaps), reverse=True)[:32],
+        "outside_graph_kernels": sorted(
+            ({"kernel": k, "count": len(v), "total_ms": sum(v)} for k, v in outside.items()),
+            key=lambda r: -r["total_ms"],
+        ),
+    }
 
 
 if __name__ == "__main__":
