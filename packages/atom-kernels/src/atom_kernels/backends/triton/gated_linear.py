@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.common import as_rows, is_interpreted
 from atom_kernels.backends.triton.linear import SKINNY_MAX_ROWS, SkinnyConfig
 
@@ -77,6 +78,9 @@ def _gated_skinny_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+    LINE: tl.constexpr = 64,
+    LINES: tl.constexpr = 8,
 ):
     # M = rows of x (<= BLOCK_M), N = output features (GATED: W has 2N rows, gate then up),
     # K = input features
@@ -88,6 +92,10 @@ def _gated_skinny_kernel(
     n_mask = offs_n < N
     # Rows past N read row N - 1 (in bounds, discarded at the store): no mask on the W streams.
     gate_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    if USE_PDL:  # the weights' first lines into L2 while the previous kernel ends (pdl.py)
+        if GATED:
+            pdl.prefetch_rows(w_ptr, gate_rows + N, stride_wn, 0, K, LINE, LINES)
+        pdl.prefetch_rows_then_wait(w_ptr, gate_rows, stride_wn, 0, K, LINE, LINES)
     g_ptrs = w_ptr + gate_rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     if GATED:
         u_ptrs = w_ptr + (gate_rows + N)[:, None] * stride_wn + offs_k[None, :]
@@ -273,6 +281,7 @@ def _launch(x, norm, weight, bias, config, gated: bool):
     use_dot = config.use_dot or num_rows > 1
     block_n = max(config.block_n, 16) if use_dot else config.block_n  # an MMA's N >= 16
     out2 = out.view(-1, n)
+    use_pdl = pdl.enabled(x.device)
     _gated_skinny_kernel[(triton.cdiv(n, block_n),)](
         x2,
         weight,
@@ -299,8 +308,12 @@ def _launch(x, norm, weight, bias, config, gated: bool):
         BLOCK_M=16 if use_dot else 1,
         BLOCK_N=block_n,
         BLOCK_K=config.block_k,
+        USE_PDL=use_pdl,
+        LINE=pdl.line_elements(weight),
+        LINES=pdl.PREFETCH_LINES,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     return done
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
 
 SKINNY_MAX_ROWS = 8
@@ -76,6 +77,9 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+    LINE: tl.constexpr = 64,
+    LINES: tl.constexpr = 8,
 ):
     # M = rows of x (<= BLOCK_M), N = output features, K = input features; split s of SPLIT_K
     # walks K in [s, s + 1) * k_tiles_per_split * BLOCK_K (a multiple of BLOCK_K: the compiler
@@ -94,6 +98,8 @@ def _skinny_kernel(
     n_mask = offs_n < N
     # Rows past N read row N - 1 (in bounds, discarded at the store): no mask on the W stream.
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    if USE_PDL:  # the weights' first lines into L2 while the previous kernel ends (pdl.py)
+        pdl.prefetch_rows_then_wait(w_ptr, w_rows, stride_wn, k_lo, K, LINE, LINES)
     w_ptrs = w_ptr + w_rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     if USE_DOT:
@@ -211,6 +217,7 @@ def skinny_linear(
     if counters is None:  # no split (or no counters yet inside a graph capture)
         split_k, k_tiles_per_split, counters = 1, k_tiles, weight
     partials = x2.new_empty((split_k, num_rows, n), dtype=torch.float32) if split_k > 1 else out2
+    use_pdl = pdl.enabled(x.device)
     _skinny_kernel[(tiles, split_k)](
         x2,
         weight,
@@ -232,8 +239,12 @@ def skinny_linear(
         BLOCK_M=16 if use_dot else 1,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        USE_PDL=use_pdl,
+        LINE=pdl.line_elements(weight),
+        LINES=pdl.PREFETCH_LINES,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     return out
 

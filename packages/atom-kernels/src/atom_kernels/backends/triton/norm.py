@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from atom_kernels.backends.torch import norm as reference
+from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.common import (
     MAX_FUSED_SIZE,
     as_rows,
@@ -33,7 +34,10 @@ def _rms_norm_kernel(
     stride_rom,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # launched early behind the previous kernel (pdl.py): nothing read before this
+        pdl.wait_for_previous()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < num_cols
@@ -65,6 +69,7 @@ def _launch(x, residual, weight, eps):
             residual_out.copy_(x + residual)
         return out, residual_out
     block = next_pow2(num_cols)
+    use_pdl = pdl.enabled(x.device)
     _rms_norm_kernel[(num_rows,)](
         x2,
         r2,
@@ -82,7 +87,9 @@ def _launch(x, residual, weight, eps):
         rout2.stride(0),
         HAS_RESIDUAL=residual is not None,
         BLOCK_N=block,
+        USE_PDL=use_pdl,
         num_warps=row_num_warps(block),
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     return out, residual_out
 
