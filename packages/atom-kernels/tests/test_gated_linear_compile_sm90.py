@@ -48,6 +48,9 @@ def _compile(
         BLOCK_M=16 if use_dot else 1,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        USE_PDL=False,  # with it: test_pdl_compile_sm90.py
+        LINE=64,
+        LINES=8,
     )
     signature = {
         name: "constexpr"

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.attention_decode import decode_kernel, decode_reduce_kernel
 from atom_kernels.backends.triton.attention_prefill import prefill_kernel
 from atom_kernels.backends.triton.common import (
@@ -368,6 +369,7 @@ def paged_attention(
     counters = None
     if num_splits > 1 and fuse_decode_reduce(query.device):
         counters = zeroed_counters(query.device, num_seqs * num_kv_heads)
+    use_pdl = pdl.enabled(query.device)
     decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         key_cache,
@@ -392,9 +394,11 @@ def paged_attention(
         FUSED_REDUCE=counters is not None,
         BLOCK_G=next_pow2(group, 16),
         BLOCK_N=block_n,
+        USE_PDL=use_pdl,
         num_warps=num_warps,
         num_stages=num_stages,
         **flags,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     if num_splits > 1 and counters is None:
         decode_reduce_kernel[(num_seqs, num_heads)](
@@ -415,6 +419,8 @@ def paged_attention(
             # One width for every split count: no recompile as the table's width changes.
             BLOCK_S=next_pow2(max(num_splits, MAX_SPLITS)),
             BLOCK_DV=block_dv,
+            USE_PDL=use_pdl,
             num_warps=4,
+            **({"launch_pdl": True} if use_pdl else {}),
         )
     return out

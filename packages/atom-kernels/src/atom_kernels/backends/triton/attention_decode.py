@@ -18,6 +18,7 @@ counters (``FUSED_REDUCE`` off) ``decode_reduce_kernel`` (grid (B, H)) merges th
 import triton
 import triton.language as tl
 
+from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.attention_common import (
     LOG2E,
     gather_kv,
@@ -92,8 +93,11 @@ def decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     # B = sequences, G = query heads per kv head; partials [B, H, num_splits(, BLOCK_DV)] fp32
+    if USE_PDL:  # launched early behind the previous kernel (pdl.py): nothing read before this
+        pdl.wait_for_previous()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -224,7 +228,10 @@ def decode_reduce_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # as in decode_kernel
+        pdl.wait_for_previous()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + seq).to(tl.int32)
