@@ -19,7 +19,7 @@ from atom_kernels.ops.quant import (
     fp8_linear,
     per_token_group_quant_fp8,
 )
-from atom_kernels.ops.rotary import rotary_embedding
+from atom_kernels.ops.rotary import rotary_embedding, rotary_embedding_and_cache
 from atom_kernels.ops.sampling import (
     SamplerOutput,
     apply_penalties,
@@ -52,6 +52,7 @@ __all__ = [
     "rms_norm",
     "rms_norm_linear",
     "rotary_embedding",
+    "rotary_embedding_and_cache",
     "sample",
     "silu_and_mul",
     "topk_softmax",

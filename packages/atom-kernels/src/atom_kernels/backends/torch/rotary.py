@@ -1,9 +1,10 @@
-"""Torch reference: rotary position embedding."""
+"""Torch reference: rotary position embedding (and the same followed by the KV-cache write)."""
 
 from __future__ import annotations
 
 import torch
 
+from atom_kernels.backends.torch.cache import reshape_and_cache
 from atom_kernels.backends.torch.norm import rms_norm
 from atom_kernels.registry import register_op
 
@@ -41,3 +42,27 @@ def rotary_embedding(
     cos_sin = cos_sin_cache[positions.long()].float()  # [T, R]
     cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, R/2] each
     return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox)
+
+
+@register_op("rotary_embedding_and_cache", "torch")
+def rotary_embedding_and_cache(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float | torch.Tensor | None,
+    v_scale: float | torch.Tensor | None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+) -> torch.Tensor:
+    q, k = rotary_embedding(
+        positions, q, k, cos_sin_cache, is_neox, q_norm_weight, k_norm_weight, norm_eps
+    )
+    reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    return q

@@ -28,6 +28,7 @@ from atom_kernels.backends.triton import (
     moe,
     norm,
     rotary,
+    rotary_cache,
     sampling,
 )
 from atom_kernels.ops.sampling import SamplerOutput
@@ -100,6 +101,41 @@ def rotary_embedding(
 @rotary_embedding.register_fake
 def _(positions, q, k, cos_sin_cache, is_neox, *norm):
     return _new_like(q), _new_like(k)
+
+
+@torch.library.custom_op(
+    "atom::triton_rotary_embedding_and_cache",
+    mutates_args=("key_cache", "value_cache"),
+    schema="(Tensor positions, Tensor q, Tensor k, Tensor v, Tensor cos_sin_cache, bool is_neox, "
+    "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping, Tensor? k_scale, "
+    "float? k_scale_value, Tensor? v_scale, float? v_scale_value, Tensor? q_norm_weight, "
+    "Tensor? k_norm_weight, float norm_eps) -> Tensor",
+)
+def _rotary_embedding_and_cache_op(
+    positions, q, k, v, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping, k_scale,
+    k_scale_value, v_scale, v_scale_value, q_norm_weight, k_norm_weight, norm_eps,
+):  # fmt: skip
+    return rotary_cache.rotary_embedding_and_cache(
+        positions, q, k, v, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping,
+        _join_scale(k_scale, k_scale_value), _join_scale(v_scale, v_scale_value), q_norm_weight,
+        k_norm_weight, norm_eps,
+    )  # fmt: skip
+
+
+@_rotary_embedding_and_cache_op.register_fake
+def _(positions, q, k, v, *rest):
+    return _new_like(q)
+
+
+def rotary_embedding_and_cache(
+    positions, q, k, v, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping, k_scale,
+    v_scale, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6,
+):  # fmt: skip
+    return _rotary_embedding_and_cache_op(
+        positions, q, k, v, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping,
+        *_split_scale(k_scale), *_split_scale(v_scale), q_norm_weight, k_norm_weight,
+        float(norm_eps),
+    )  # fmt: skip
 
 
 # --- activations ------------------------------------------------------------------------------
@@ -482,6 +518,10 @@ ENTRIES = {
         "rms_norm": (rms_norm, norm.rms_norm),
         "fused_add_rms_norm": (fused_add_rms_norm, norm.fused_add_rms_norm),
         "rotary_embedding": (rotary_embedding, rotary.rotary_embedding),
+        "rotary_embedding_and_cache": (
+            rotary_embedding_and_cache,
+            rotary_cache.rotary_embedding_and_cache,
+        ),
         "silu_and_mul": (silu_and_mul, activation.silu_and_mul),
         "gelu_and_mul": (gelu_and_mul, activation.gelu_and_mul),
         "reshape_and_cache": (reshape_and_cache, cache.reshape_and_cache),
