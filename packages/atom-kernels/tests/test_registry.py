@@ -154,3 +154,13 @@ def test_resolve_ops_fills_the_cache_for_every_op():
     assert set(registry.registered_ops("torch")) <= {op for op, dev in registry._RESOLVED}
     assert registry._RESOLVED[("paged_attention", "cpu")] is cpu_attention.paged_attention
     assert registry._RESOLVED[("rms_norm", "cpu")] is torch_norm.rms_norm
+
+
+def test_has_own_op_tells_the_backend_s_ops_from_its_fallbacks(monkeypatch):
+    # The cpu backend writes the KV cache itself; the fused rotary + cache write is the torch
+    # reference's there, so ATOM's attention keeps the two ops apart on the CPU.
+    assert registry.has_own_op("reshape_and_cache", "cpu")
+    assert not registry.has_own_op("rotary_embedding_and_cache", "cpu")
+    registry._reset_for_tests()
+    monkeypatch.setenv(registry.ENV_VAR, "torch")
+    assert registry.has_own_op("rotary_embedding_and_cache", "cpu")

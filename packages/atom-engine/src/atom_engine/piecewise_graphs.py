@@ -86,7 +86,7 @@ class _Attention:
     def run(self, num_tokens: int) -> None:
         args = [a[:num_tokens] if p else a for a, p in zip(self.args, self.per_token, strict=True)]
         if getattr(self.layer, "writes_out", False):
-            self.layer.attend(*args, self.out[:num_tokens])
+            self.layer.attend(*args, out=self.out[:num_tokens])
         else:
             self.out[:num_tokens].copy_(self.layer.attend(*args))
 

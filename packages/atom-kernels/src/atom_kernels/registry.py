@@ -193,6 +193,12 @@ def resolve_ops(device: torch.device | str) -> None:
         get_op(op_name, device_type)
 
 
+def has_own_op(op_name: str, device: torch.device | str) -> bool:
+    """Whether the backend chosen for ``device`` implements ``op_name`` itself (not through the
+    torch reference fallback)."""
+    return op_name in _IMPLS[_select(_device_type(device))[0]]
+
+
 def registered_ops(backend: str) -> list[str]:
     """Names of the ops ``backend`` implements (after it has been imported)."""
     return sorted(_IMPLS[backend])

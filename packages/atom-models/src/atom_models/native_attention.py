@@ -13,12 +13,19 @@ Under `torch.compile` (the engine compiles the model on the CPU) a `NativeAttent
 opaque custom op, `atom::native_attention`: the graph holds the GEMMs, norms, rotary and
 activations around it, and the op reads the step's metadata from the forward context and writes
 the layer's cache at run time, as vLLM's `unified_attention` does.
+
+Where the kernel backend has its own `rotary_embedding_and_cache` (Triton), a layer also takes
+its model's rotary embedding (`takes_rope`, through `Attention.forward_rope`): it gets q and k
+un-rotated with the positions, and one kernel rotates them (after Qwen3's q/k norms) and writes
+K and V into the cache: one launch a layer fewer, at every token count.
+ATOM_FUSED_ROPE_CACHE=0 turns that off (the rotary, then `reshape_and_cache`: A/B measurements).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -29,12 +36,13 @@ import torch
 from torch import nn
 
 import atom_kernels
-from atom_kernels.registry import get_op
+from atom_kernels.registry import get_op, has_own_op
 from atom_models.forward_context import get_forward_context
 from atom_models.layers.attention import AttentionSpec
 from atom_models.layers.mla import MLAAttentionSpec
 
 KV_CACHE_FP8_DTYPES = (torch.float8_e4m3fn,)
+FUSE_ROPE_CACHE = os.environ.get("ATOM_FUSED_ROPE_CACHE", "1") != "0"
 
 
 @dataclass
@@ -131,9 +139,9 @@ class NativeCacheLayer(nn.Module):
             return _interceptor(self, args)
         return super().__call__(*args)
 
-    def attend(self, *args: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, *args: torch.Tensor | None, **kwargs: torch.Tensor) -> torch.Tensor:
         """The layer's own forward, also inside `intercept_attention` (for the interceptor)."""
-        return super().__call__(*args)
+        return super().__call__(*args, **kwargs)
 
     def set_kv_scale(self, which: str, value: float) -> None:
         """The checkpoint's per-tensor scale of the K ("k") or V ("v") cache."""
@@ -201,6 +209,10 @@ class NativeAttention(NativeCacheLayer):
         self.v_scale: float | None = None
         self._checked: tuple | None = None  # this layer's last checked arguments (`_layer_key`)
         self._checked_caches: tuple = ()  # the caches `_checked` names, held
+        # (rotary embedding, q norm, k norm) of the model's layer (`takes_rope`), a plain tuple:
+        # not submodules (their weights load under the model's own names)
+        self.rope: tuple[nn.Module, nn.Module | None, nn.Module | None] | None = None
+        self._backend_fuses_rope: bool | None = None  # the device's backend has the fused op
 
     def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.spec.num_kv_heads * self.spec.head_size * dtype.itemsize
@@ -219,18 +231,44 @@ class NativeAttention(NativeCacheLayer):
         self.k_cache = self.v_cache = None
         self._checked = None
 
+    def takes_rope(
+        self,
+        q: torch.Tensor,
+        rotary_emb: nn.Module,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+    ) -> bool:
+        """Whether this call takes q and k un-rotated, with the positions (`forward`'s
+        `positions`), and rotates them in its cache write: yes where the device's kernel backend
+        has its own `rotary_embedding_and_cache` (not the CPU's, whose cache write is its own and
+        whose compiled graph holds the rotary), outside torch.compile (the layer's custom op has
+        no positions), for a rotary of the layer's head size. Binds the rotary on first use."""
+        if not FUSE_ROPE_CACHE or torch.compiler.is_compiling():
+            return False
+        if self._backend_fuses_rope is None:
+            self._backend_fuses_rope = has_own_op("rotary_embedding_and_cache", q.device)
+        if not self._backend_fuses_rope:
+            return False
+        if self.rope is None:
+            if getattr(rotary_emb, "head_size", None) != self.spec.head_size:
+                return False
+            self.rope = (rotary_emb, q_norm, k_norm)
+        return self.rope[0] is rotary_emb
+
     def forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         sinks: torch.Tensor | None,
+        positions: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The layer's attention [T, H * Dv], written into `out` ([T, H * Dv]) when given."""
-        if torch.compiler.is_compiling() and out is None:
+        """The layer's attention [T, H * Dv], written into `out` ([T, H * Dv]) when given. With
+        `positions` ([T], after `takes_rope`), q and k come un-rotated."""
+        if torch.compiler.is_compiling() and out is None and positions is None:
             return torch.ops.atom.native_attention(q, k, v, sinks, self.layer_id)
-        return self.forward_eager(q, k, v, sinks, out)
+        return self.forward_eager(q, k, v, sinks, out, positions)
 
     def forward_eager(
         self,
@@ -239,6 +277,7 @@ class NativeAttention(NativeCacheLayer):
         v: torch.Tensor,
         sinks: torch.Tensor | None,
         out: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # T = tokens, H = query heads, Hk = KV heads, D = head size
         md = get_forward_context().attn_metadata
@@ -257,12 +296,20 @@ class NativeAttention(NativeCacheLayer):
         v = v.view(num_tokens, spec.num_kv_heads, -1)  # [T, Hk, Dv]
         out = None if out is None else out.view(num_tokens, spec.num_heads, -1)
         step_key = _step_key(md, q)
-        layer_key = self._layer_key(q, k, v, sinks, out)
+        layer_key = self._layer_key(q, k, v, sinks, out, positions)
         if step_key != getattr(_checked_step, "key", None) or layer_key != self._checked:
             # First call of a step (or new shapes): atom_kernels' public, checked ops.
-            atom_kernels.reshape_and_cache(
-                k, v, self.k_cache, self.v_cache, md.slot_mapping, self.k_scale, self.v_scale
-            )
+            if positions is not None:  # rotate q and k, and write K/V, in one kernel
+                rotary, q_norm_weight, k_norm_weight, eps = self._rope_args()
+                q = atom_kernels.rotary_embedding_and_cache(
+                    positions, q, k, v, rotary.cos_sin_cache, rotary.is_neox, self.k_cache,
+                    self.v_cache, md.slot_mapping, self.k_scale, self.v_scale,
+                    q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=eps,
+                )  # fmt: skip
+            else:
+                atom_kernels.reshape_and_cache(
+                    k, v, self.k_cache, self.v_cache, md.slot_mapping, self.k_scale, self.v_scale
+                )
             out = atom_kernels.paged_attention(
                 q,
                 self.k_cache,
@@ -288,9 +335,17 @@ class NativeAttention(NativeCacheLayer):
         # ops, unchecked. NOTE: the two ops' argument checks were ~10% of a layer call on the
         # CPU (SmolLM2-135M, 1 thread, issue 21), 30 layers a step.
         # get_op each call: a backend switch (atom_kernels.use_backend) resolves anew
-        get_op("reshape_and_cache", q.device)(
-            k, v, self.k_cache, self.v_cache, md.slot_mapping, self.k_scale, self.v_scale
-        )
+        if positions is not None:
+            rotary, q_norm_weight, k_norm_weight, eps = self._rope_args()
+            q = get_op("rotary_embedding_and_cache", q.device)(
+                positions, q, k, v, rotary.cos_sin_cache, rotary.is_neox, self.k_cache,
+                self.v_cache, md.slot_mapping, self.k_scale, self.v_scale, q_norm_weight,
+                k_norm_weight, eps,
+            )  # fmt: skip
+        else:
+            get_op("reshape_and_cache", q.device)(
+                k, v, self.k_cache, self.v_cache, md.slot_mapping, self.k_scale, self.v_scale
+            )
         out = get_op("paged_attention", q.device)(
             q,
             self.k_cache,
@@ -309,7 +364,7 @@ class NativeAttention(NativeCacheLayer):
         )
         return out.reshape(num_tokens, -1)
 
-    def _layer_key(self, q, k, v, sinks, out) -> tuple:
+    def _layer_key(self, q, k, v, sinks, out, positions) -> tuple:
         """What the ops' checks read of this layer's arguments, the token count aside (every
         input has T rows: `forward_eager` views them so)."""
         return (
@@ -317,8 +372,15 @@ class NativeAttention(NativeCacheLayer):
             id(self.v_cache),
             self.k_scale,
             self.v_scale,
-            *(x for t in (q, k, v, sinks, out) for x in _shape_dtype(t)),
+            *(x for t in (q, k, v, sinks, out, positions) for x in _shape_dtype(t)),
         )
+
+    def _rope_args(self) -> tuple[nn.Module, torch.Tensor | None, torch.Tensor | None, float]:
+        """(rotary embedding, q norm weight, k norm weight, norm eps) bound by `takes_rope`."""
+        rotary, q_norm, k_norm = self.rope
+        if q_norm is None:
+            return rotary, None, None, 1e-6
+        return rotary, q_norm.weight, k_norm.weight, float(q_norm.eps)
 
 
 # The step metadata of this thread's last checked layer call (`_step_key`, and what it names)

@@ -143,3 +143,28 @@ class Attention(nn.Module):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return self.impl(q, k, v, sinks)
+
+    def forward_rope(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary_emb: nn.Module,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``self(*rotary_emb(positions, q, k, q_norm, k_norm), v, sinks)``.
+
+        A host module that rotates q and k itself (``takes_rope``: ATOM's engine on a backend
+        with the fused kernel, `NativeAttention`) gets them un-rotated, with the positions, and
+        rotates them in the kernel that writes K and V into its cache. Other hosts (vLLM, SGLang:
+        their attention writes their own cache) get the rotated q and k.
+        """
+        impl = self.impl
+        takes_rope = getattr(impl, "takes_rope", None)
+        if takes_rope is not None and takes_rope(q, rotary_emb, q_norm, k_norm):
+            return impl(q, k, v, sinks, positions)
+        q, k = rotary_emb(positions, q, k, q_norm, k_norm)
+        return impl(q, k, v, sinks)

@@ -133,8 +133,8 @@ class LlamaAttention(nn.Module):
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Everything after the QKV projection (subclasses change this, not forward)."""
         q, k, v = self.qkv_proj.split(qkv)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        # The rotary and the K/V cache write: one kernel on ATOM's engine (Attention.forward_rope).
+        return self.o_proj(self.attn.forward_rope(positions, q, k, v, self.rotary_emb))
 
 
 class LlamaDecoderLayer(nn.Module):

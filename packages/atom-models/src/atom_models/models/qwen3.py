@@ -24,9 +24,10 @@ class Qwen3Attention(LlamaAttention):
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         # T = tokens, D = head dim
         q, k, v = self.qkv_proj.split(qkv)
-        # The per-head q/k RMSNorms run inside the rotary kernel (one launch for the three).
-        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q, k, v))
+        # The per-head q/k RMSNorms run inside the rotary kernel (one launch for the three), and
+        # on ATOM's engine the K/V cache write too (Attention.forward_rope).
+        out = self.attn.forward_rope(positions, q, k, v, self.rotary_emb, self.q_norm, self.k_norm)
+        return self.o_proj(out)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
