@@ -52,6 +52,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["full", "full_and_piecewise", "none"],
+        help="cudagraph modes to time (the kernels are profiled in `none`, eager)",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -65,7 +71,7 @@ def main() -> None:
         bench="profile_prefill", shape=args.shape, prompts=args.prompts,
         prompt_len=args.prompt_len, roofline=roof, steps={},
     )  # fmt: skip
-    for mode in ("full", "full_and_piecewise", "none"):
+    for mode in args.modes:
         engine = make_engine(
             args.shape,
             cudagraph_mode=mode,

@@ -89,7 +89,7 @@ def test_intercept_attention_sees_every_layer_in_order_with_per_token_tensors(tm
     def record(layer, args):
         calls.append((layer.spec.layer_idx, [a.shape[0] for a in args if a is not None]))
         out = torch.full((args[0].shape[0], 4 * 16), float("nan"))  # written in place
-        assert layer.writes_out and layer.attend(*args, out).data_ptr() == out.data_ptr()
+        assert layer.writes_out and layer.attend(*args, out=out).data_ptr() == out.data_ptr()
         return out
 
     with set_forward_context(md), intercept_attention(record):

@@ -2,7 +2,8 @@
 takes_rope`): where the kernel backend has its own `rotary_embedding_and_cache` (here the torch
 backend, whose reference is the op's oracle), Llama and Qwen3 layers hand q and k over un-rotated
 and the layer's one op rotates them and writes K/V; the logits still match transformers over a
-prefill, a chunk over a cached prefix and decode steps. On the CPU backend (its own cache write)
+prefill, a chunk over a cached prefix and decode steps (GLM-4-MoE: partial rotary; GPT-OSS:
+sinks, YaRN, a sliding window). On the CPU backend (its own cache write)
 and with ATOM_FUSED_ROPE_CACHE=0, nothing fuses, and a host without `takes_rope` (vLLM, SGLang)
 gets q and k rotated."""
 
@@ -13,7 +14,7 @@ import os
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, Qwen3Config
+from transformers import Glm4MoeConfig, GptOssConfig, LlamaConfig, Qwen3Config
 
 import atom_kernels.backends.torch  # noqa: F401  (registers the torch ops)
 from atom_kernels import registry
@@ -35,6 +36,38 @@ BASE = dict(
 CONFIGS = {
     "llama": lambda: LlamaConfig(**BASE, tie_word_embeddings=False),
     "qwen3": lambda: Qwen3Config(**BASE, head_dim=32, tie_word_embeddings=True),
+    # q/k norms and rotary on half of each head; layer 0 dense, layer 1 routed
+    "glm4_moe": lambda: Glm4MoeConfig(
+        **BASE,
+        head_dim=16,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        use_qk_norm=True,
+        tie_word_embeddings=False,
+    ),  # fmt: skip
+    # sinks, YaRN, a sliding window on layer 0
+    "gpt_oss": lambda: GptOssConfig(
+        **{**BASE, "intermediate_size": 32},
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    ),  # fmt: skip
 }
 PROMPT_LENGTHS = [7, 23, 1, 12]
 
@@ -98,7 +131,7 @@ def test_fused_layers_match_transformers(name, make_checkpoint, paged_session, t
     assert len(torch_backend) == hf.config.num_hidden_layers * num_steps  # every layer, step
     layers = native.native_attention_layers(model)
     assert all(layer.rope is not None for layer in layers)
-    if name == "qwen3":  # the q/k norms went along
+    if name in ("qwen3", "glm4_moe"):  # the q/k norms went along
         assert all(layer.rope[1] is not None for layer in layers)
     for i, tokens in enumerate(batch):
         with torch.no_grad():

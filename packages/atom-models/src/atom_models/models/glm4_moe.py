@@ -66,9 +66,10 @@ class Glm4MoeAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         # T = tokens, D = head dim
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        # Optional per-head q/k RMSNorms, inside the rotary kernel (partial rotary included).
-        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q, k, v))
+        # Optional per-head q/k RMSNorms, inside the rotary kernel (partial rotary included),
+        # and on ATOM's engine the K/V cache write too (Attention.forward_rope).
+        out = self.attn.forward_rope(positions, q, k, v, self.rotary_emb, self.q_norm, self.k_norm)
+        return self.o_proj(out)
 
 
 class Glm4MoeGate(ReplicatedLinear):

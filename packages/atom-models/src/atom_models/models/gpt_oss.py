@@ -66,8 +66,9 @@ class GptOssAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, self.sinks))
+        # The rotary and the K/V cache write: one kernel on ATOM's engine (Attention.forward_rope).
+        out = self.attn.forward_rope(positions, q, k, v, self.rotary_emb, sinks=self.sinks)
+        return self.o_proj(out)
 
 
 class GptOssMLP(nn.Module):

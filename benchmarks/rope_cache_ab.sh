@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# One device call: the rotary (+ q/k norm) and K/V cache write in one launch
+# (atom_kernels.rotary_embedding_and_cache, ATOM_FUSED_ROPE_CACHE; issue 17) checked and A/B-timed.
+#   bash benchmarks/rope_cache_ab.sh        # results under $OUT (or ./gpu-out)
+# 1. Its kernel tests compiled (test_triton_rotary_cache.py, the custom-op schema test, the sm_90
+#    compile test) and the engine's float32 greedy parity with transformers in every graph mode
+#    (TESTS=0 skips them).
+# 2. Decode at batch 1 / 8 for SHAPES (default "qwen3-0.6b llama3-8b"), switch off (0) and on (1)
+#    alternating, ROUNDS rounds (default 2; the second round runs on before off).
+# 3. The kernel list of a Qwen3-0.6B batch-1 decode step with the switch on (profile_decode.py).
+# 4. PREFILL=1 (default): the 16 x 512-token Qwen3-0.6B prefill step (profile_prefill.py, the
+#    `full` graphs timed and the eager step's kernels), off and on.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$(ls -d packages/*/src | paste -sd:):${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
+if [ "${TESTS:-1}" != 0 ]; then
+    ATOM_REQUIRE_GPU=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -x -rfE \
+        --junitxml="$OUT/gpu-tests-rope-cache.xml" \
+        packages/atom-kernels/tests/test_triton_rotary_cache.py \
+        packages/atom-kernels/tests/test_rotary_cache_compile_sm90.py \
+        "packages/atom-kernels/tests/test_triton_custom_ops.py" \
+        packages/atom-engine/tests/test_gpu_engine.py 2>&1 | grep -v Warn | tail -4
+fi
+for round in $(seq 0 $(( ${ROUNDS:-2} - 1 ))); do
+    order="0 1"
+    [ $(( round % 2 )) = 1 ] && order="1 0"
+    for shape in ${SHAPES:-qwen3-0.6b llama3-8b}; do
+        for v in $order; do
+            ATOM_FUSED_ROPE_CACHE=$v timeout 120 python3 benchmarks/engine_bench.py decode \
+                --shape "$shape" --batch-sizes 1 8 \
+                --out "$OUT/decode-$shape-ropecache$v-r$round.json" 2>&1 | grep -v Warn | tail -2
+        done
+    done
+done
+ATOM_FUSED_ROPE_CACHE=1 timeout 90 python3 benchmarks/profile_decode.py --shape qwen3-0.6b \
+    --batch-size 1 --out "$OUT/profile-decode-ropecache1.json" 2>&1 | grep -v Warn | tail -2
+if [ "${PREFILL:-1}" != 0 ]; then
+    for v in 0 1; do
+        ATOM_FUSED_ROPE_CACHE=$v timeout 150 python3 benchmarks/profile_prefill.py \
+            --prompts 16 --prompt-len 512 --modes full none \
+            --out "$OUT/profile-prefill-ropecache$v.json" 2>&1 | grep -v Warn | grep -E "^(full|none|kernels)"
+    done
+fi
+OUT=$OUT python3 - <<'PY'
+import glob, json, os
+out = os.environ["OUT"]
+for f in sorted(glob.glob(f"{out}/decode-*ropecache*.json")):
+    d = json.load(open(f))
+    print(os.path.basename(f), [(r["batch_size"], round(r["step_ms"], 4)) for r in d["results"]])
+for p in glob.glob(f"{out}/profile-decode-ropecache*.json"):
+    d = json.load(open(p))
+    print(os.path.basename(p), "kernels", d["num_kernels"], "graph_ms", round(d["graph_ms"], 4))
+    for k in d["kernels"]:
+        print(f"  {k['count']:4d} {k['total_ms']:.4f} ms  {k['kernel'][:70]}")
+for p in sorted(glob.glob(f"{out}/profile-prefill-ropecache*.json")):
+    d = json.load(open(p))
+    steps = {m: round(s["median_ms"], 3) for m, s in d["steps"].items()}
+    print(os.path.basename(p), steps, "eager kernels ms", round(d.get("kernel_ms_per_step", 0), 3))
+    for k in d.get("kernels", [])[:12]:
+        print(f"  {k['ms']:8.3f} ms {k['count']:5d}  {k['name'][:80]}")
+PY
