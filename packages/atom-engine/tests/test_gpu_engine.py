@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, Qwen3Config
 
 from atom_engine import LLM, SamplingParams
+from atom_models import native_attention
 from atom_models.testing import save_random_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -196,3 +197,39 @@ def test_piecewise_prompt_logprobs_and_async_placeholders_match_eager(tiny):
             for r, g in zip(ref[1:], got[1:], strict=True):
                 for tid in r:
                     assert abs(r[tid].logprob - g[tid].logprob) < 1e-4
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_rope_in_the_cache_write_matches_the_two_ops(tiny, monkeypatch, kv_cache_dtype):
+    """The rotary inside the K/V cache write (`rotary_embedding_and_cache`, the default) fills
+    the cache as the rotary then `reshape_and_cache` do (ATOM_FUSED_ROPE_CACHE=0), fp8 scales
+    included, through the whole-forward graphs; the layers took the path asked for."""
+    path, _ = tiny
+    batch = prompts()
+    caches, tokens = {}, {}
+    for fused in (False, True):
+        monkeypatch.setattr(native_attention, "FUSE_ROPE_CACHE", fused)
+        llm = LLM(
+            str(path), dtype="float32", device="cuda", skip_tokenizer_init=True, block_size=16,
+            max_num_batched_tokens=256, kv_cache_dtype=kv_cache_dtype, **SMALL,
+        )  # fmt: skip
+        tokens[fused] = generate(llm, batch, n=1)  # the prompts' K/V only: the same in both
+        layers = native_attention.native_attention_layers(llm.engine.runner.model)
+        assert all((layer.rope is not None) == fused for layer in layers)
+        caches[fused] = [(la.k_cache.float().cpu(), la.v_cache.float().cpu()) for la in layers]
+        llm.shutdown()
+        del llm, layers
+        gc.collect()
+        torch.cuda.empty_cache()
+    for (k0, v0), (k1, v1) in zip(caches[False], caches[True], strict=True):
+        for name, a, e in (("k", k1, k0), ("v", v1, v0)):
+            if kv_cache_dtype == "auto":
+                torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6, msg=name)
+                continue
+            # fp8: equal, but for entries one fp8 step apart where the fp32 rotary rounds an
+            # ulp differently in the two kernels
+            differ = a != e
+            step = (a - e).abs() <= 0.125 * torch.maximum(a.abs(), e.abs()) + 2.0**-9
+            assert bool(step[differ].all()) and int(differ.sum()) <= max(1, a.numel() // 100)
+    if kv_cache_dtype == "auto":
+        assert tokens[True] == tokens[False]
