@@ -5,11 +5,13 @@
 # 1. Its kernel tests compiled (test_triton_rotary_cache.py, the custom-op schema test, the sm_90
 #    compile test) and the engine's float32 greedy parity with transformers in every graph mode
 #    (TESTS=0 skips them).
-# 2. Decode at batch 1 / 8 for SHAPES (default "qwen3-0.6b llama3-8b"), switch off (0) and on (1)
-#    alternating, ROUNDS rounds (default 2; the second round runs on before off).
+# 2. Decode at batch 1 / 8 for SHAPES (default "qwen3-0.6b llama3-8b"), the switch off (0) then on
+#    (1), and a second round on then off.
 # 3. The kernel list of a Qwen3-0.6B batch-1 decode step with the switch on (profile_decode.py).
 # 4. PREFILL=1 (default): the 16 x 512-token Qwen3-0.6B prefill step (profile_prefill.py, the
 #    `full` graphs timed and the eager step's kernels), off and on.
+# Each run is skipped when less than its time limit is left of BUDGET_S (default 560 s, for a
+# 600 s device call); Llama-3-8B's second round comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -21,40 +23,55 @@ fi
 export PYTHONPATH=$(ls -d packages/*/src | paste -sd:):${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
+START=$(date +%s)
+BUDGET_S=${BUDGET_S:-560}  # the device call's limit, less the summary
+left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
+# run_for <seconds it may take> <command...>: runs it under that limit, or skips it (logged)
+# when less than that is left of BUDGET_S, so one call always ends with the summary.
+run_for() {
+    local need=$1; shift
+    if [ "$(left)" -lt "$need" ]; then echo "skipped (only $(left) s left): $*"; return; fi
+    timeout "$need" "$@" 2>&1 | grep -v Warn | tail -"${TAIL:-2}"
+}
+decode() {  # decode <shape> <switch> <round>
+    ATOM_FUSED_ROPE_CACHE=$2 run_for 120 python3 benchmarks/engine_bench.py decode --shape "$1" \
+        --batch-sizes 1 8 --out "$OUT/decode-$1-ropecache$2-r$3.json"
+}
 if [ "${TESTS:-1}" != 0 ]; then
-    ATOM_REQUIRE_GPU=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -x -rfE \
+    ATOM_REQUIRE_GPU=1 TAIL=4 run_for 200 python3 -m pytest -q -p no:cacheprovider -x -rfE \
         --junitxml="$OUT/gpu-tests-rope-cache.xml" \
         packages/atom-kernels/tests/test_triton_rotary_cache.py \
         packages/atom-kernels/tests/test_rotary_cache_compile_sm90.py \
-        "packages/atom-kernels/tests/test_triton_custom_ops.py" \
-        packages/atom-engine/tests/test_gpu_engine.py 2>&1 | grep -v Warn | tail -4
+        packages/atom-kernels/tests/test_triton_custom_ops.py \
+        packages/atom-engine/tests/test_gpu_engine.py \
+        -k "rotary or rope or opcheck or registered or greedy_matches_transformers"
 fi
-for round in $(seq 0 $(( ${ROUNDS:-2} - 1 ))); do
-    order="0 1"
-    [ $(( round % 2 )) = 1 ] && order="1 0"
-    for shape in ${SHAPES:-qwen3-0.6b llama3-8b}; do
-        for v in $order; do
-            ATOM_FUSED_ROPE_CACHE=$v timeout 120 python3 benchmarks/engine_bench.py decode \
-                --shape "$shape" --batch-sizes 1 8 \
-                --out "$OUT/decode-$shape-ropecache$v-r$round.json" 2>&1 | grep -v Warn | tail -2
-        done
-    done
-done
-ATOM_FUSED_ROPE_CACHE=1 timeout 90 python3 benchmarks/profile_decode.py --shape qwen3-0.6b \
-    --batch-size 1 --out "$OUT/profile-decode-ropecache1.json" 2>&1 | grep -v Warn | tail -2
+# Off / on pairs, the second round of each shape in the other order; Qwen3-0.6B first.
+for shape in ${SHAPES:-qwen3-0.6b llama3-8b}; do decode "$shape" 0 0; decode "$shape" 1 0; done
+SHAPES1=${SHAPES:-qwen3-0.6b}
+for shape in $SHAPES1; do decode "$shape" 1 1; decode "$shape" 0 1; done
+ATOM_FUSED_ROPE_CACHE=1 run_for 90 python3 benchmarks/profile_decode.py --shape qwen3-0.6b \
+    --batch-size 1 --out "$OUT/profile-decode-ropecache1.json"
 if [ "${PREFILL:-1}" != 0 ]; then
     for v in 0 1; do
-        ATOM_FUSED_ROPE_CACHE=$v timeout 150 python3 benchmarks/profile_prefill.py \
-            --prompts 16 --prompt-len 512 --modes full none \
-            --out "$OUT/profile-prefill-ropecache$v.json" 2>&1 | grep -v Warn | grep -E "^(full|none|kernels)"
+        ATOM_FUSED_ROPE_CACHE=$v TAIL=3 run_for 100 python3 benchmarks/profile_prefill.py \
+            --prompts 16 --prompt-len 512 --modes full none --repeats 5 --top 12 \
+            --out "$OUT/profile-prefill-ropecache$v.json"
     done
 fi
+for shape in ${SHAPES:-llama3-8b}; do
+    [[ " $SHAPES1 " == *" $shape "* ]] || { decode "$shape" 1 1; decode "$shape" 0 1; }
+done
 OUT=$OUT python3 - <<'PY'
 import glob, json, os
 out = os.environ["OUT"]
 for f in sorted(glob.glob(f"{out}/decode-*ropecache*.json")):
     d = json.load(open(f))
-    print(os.path.basename(f), [(r["batch_size"], round(r["step_ms"], 4)) for r in d["results"]])
+    rows = [
+        (r["batch_size"], round(r["step_ms"], 4), round(r.get("fraction_of_bandwidth", 0), 3))
+        for r in d["results"]
+    ]
+    print(os.path.basename(f), "(batch, step ms, fraction of bandwidth):", rows)
 for p in glob.glob(f"{out}/profile-decode-ropecache*.json"):
     d = json.load(open(p))
     print(os.path.basename(p), "kernels", d["num_kernels"], "graph_ms", round(d["graph_ms"], 4))
