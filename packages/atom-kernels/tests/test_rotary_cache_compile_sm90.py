@@ -31,7 +31,9 @@ POINTER_TYPES = {
 FLOATS = {"k_scale", "v_scale", "fp8_max", "eps"}
 
 
-def _compile(num_heads, num_kv_heads, head_dim, has_norm, cache_type, scale_is_ptr=False):
+def _compile(
+    num_heads, num_kv_heads, head_dim, has_norm, cache_type, scale_is_ptr=False, use_pdl=False
+):
     kernel = rotary_cache._rotary_cache_kernel
     block_d = next_pow2(head_dim)
     constexprs = dict(
@@ -47,6 +49,7 @@ def _compile(num_heads, num_kv_heads, head_dim, has_norm, cache_type, scale_is_p
         BLOCK_DQ=block_d,
         BLOCK_DK=block_d,
         BLOCK_DV=block_d,
+        USE_PDL=use_pdl,
     )
     signature = {}
     for name in kernel.arg_names:
@@ -85,3 +88,11 @@ def test_rotary_cache_kernel_compiles_for_sm90(
     assert "st.global" in ptx
     if cache_type == "fp8e4nv":  # x / scale rounded as IEEE (as reshape_and_cache), then to fp8
         assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
+
+def test_rotary_cache_kernel_with_pdl_waits_first():
+    # ATOM_PDL=1: launched behind the QKV GEMM, it must wait before its first read.
+    ptx = _compile(16, 8, 128, True, "bf16", use_pdl=True).asm["ptx"]
+    assert "griddepcontrol.wait" in ptx
+    first_load = ptx.index("ld.global")
+    assert ptx.index("griddepcontrol.wait") < first_load

@@ -154,3 +154,43 @@ def test_gpu_real_sizes(triton_backend, cache_dtype):
         inputs = _inputs(case, torch.bfloat16, cache_dtype, "cuda", max_positions=8192)
         norms = _norm_weights(128, torch.bfloat16, "cuda") if with_norm else (None, None)
         _run(triton_backend, inputs, True, scales, norms)
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_behind_the_qkv_gemm_changes_nothing(triton_backend, monkeypatch):
+    """ATOM_PDL=1: the fused kernel launches behind Qwen3-0.6B's norm + QKV GEMM (a PDL kernel)
+    and waits for it; q and the caches equal, bit for bit, what they are without PDL."""
+    from atom_kernels.backends.triton import gated_linear, pdl
+
+    if not pdl._supported(torch.cuda.current_device()):
+        pytest.skip("programmatic dependent launch needs sm_90+ and a Triton with gdc_wait")
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 1024, generator=g).to(torch.bfloat16).cuda()
+    norm_w = (torch.rand(1024, generator=g) + 0.5).to(torch.bfloat16).cuda()
+    qkv_w = (torch.randn(4096, 1024, generator=g) / 32).to(torch.bfloat16).cuda()
+    q_w, k_w = _norm_weights(128, torch.bfloat16, "cuda")
+    cos_sin = rope_cos_sin_cache(128, 4096, 1e6).cuda()
+    positions, slots = torch.tensor([517]).cuda(), torch.tensor([37]).cuda()
+
+    def step(key_cache, value_cache):
+        qkv, _ = gated_linear.norm_skinny_linear(x, None, norm_w, 1e-6, qkv_w, None)
+        q, k, v = qkv.view(1, 32, 128).split([16, 8, 8], dim=1)
+        return triton_backend.custom_ops.rotary_embedding_and_cache(
+            positions, q, k, v, cos_sin, True, key_cache, value_cache, slots, 0.05, 0.03,
+            q_w, k_w, 1e-6,
+        )  # fmt: skip
+
+    def caches():
+        return [torch.zeros(4, 16, 8, 128, device="cuda").to(FP8) for _ in "kv"]
+
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    want_caches = caches()
+    want = step(*want_caches)
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.enabled(x.device)
+    for _ in range(20):  # back to back
+        got_caches = caches()
+        got = step(*got_caches)
+        assert_equal(got, want, name="q")
+        for a, e in zip(got_caches, want_caches, strict=True):
+            assert_equal(a.float(), e.float(), name="cache")

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.cache import _store_heads
 from atom_kernels.backends.triton.common import fp8_max, next_pow2, scale_args
 from atom_kernels.backends.triton.rotary import _normed
@@ -167,7 +168,10 @@ def _rotary_cache_kernel(
     BLOCK_DQ: tl.constexpr,
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # launched behind the QKV GEMM (pdl.py, ATOM_PDL=1): nothing read before this
+        pdl.wait_for_previous()
     token = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -240,6 +244,7 @@ def rotary_embedding_and_cache(
     num_q_tiles = triton.cdiv(num_q_heads, block_h)
     num_kv_tiles = triton.cdiv(num_kv_heads, block_h)
     grid = (num_tokens, num_q_tiles + 2 * num_kv_tiles)
+    use_pdl = pdl.enabled(q.device)
     _rotary_cache_kernel[grid](
         positions,
         cos_sin_cache,
@@ -288,6 +293,8 @@ def rotary_embedding_and_cache(
         BLOCK_DQ=next_pow2(q_head_dim),
         BLOCK_DK=next_pow2(k_head_dim),
         BLOCK_DV=next_pow2(v_head_dim),
+        USE_PDL=use_pdl,
         num_warps=4,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     return q_out
