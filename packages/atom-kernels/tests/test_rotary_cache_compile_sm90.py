@@ -91,7 +91,7 @@ def test_rotary_cache_kernel_compiles_for_sm90(
 
 
 def test_rotary_cache_kernel_with_pdl_waits_first():
-    # ATOM_PDL=1: launched behind the QKV GEMM, it must wait before its first read.
+    # PDL (ATOM_PDL, on by default): launched behind the QKV GEMM, it waits before its first read.
     ptx = _compile(16, 8, 128, True, "bf16", use_pdl=True).asm["ptx"]
     assert "griddepcontrol.wait" in ptx
     first_load = ptx.index("ld.global")

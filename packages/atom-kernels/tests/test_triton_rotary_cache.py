@@ -158,8 +158,9 @@ def test_gpu_real_sizes(triton_backend, cache_dtype):
 
 @pytest.mark.gpu
 def test_gpu_pdl_behind_the_qkv_gemm_changes_nothing(triton_backend, monkeypatch):
-    """ATOM_PDL=1: the fused kernel launches behind Qwen3-0.6B's norm + QKV GEMM (a PDL kernel)
-    and waits for it; q and the caches equal, bit for bit, what they are without PDL."""
+    """PDL (ATOM_PDL, on by default): the fused kernel launches behind Qwen3-0.6B's norm + QKV
+    GEMM (a PDL kernel) and waits for it; q and the caches equal, bit for bit, what they are
+    without PDL."""
     from atom_kernels.backends.triton import gated_linear, pdl
 
     if not pdl._supported(torch.cuda.current_device()):

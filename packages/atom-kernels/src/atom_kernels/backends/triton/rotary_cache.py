@@ -170,7 +170,7 @@ def _rotary_cache_kernel(
     BLOCK_DV: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    if USE_PDL:  # launched behind the QKV GEMM (pdl.py, ATOM_PDL=1): nothing read before this
+    if USE_PDL:  # launched behind the QKV GEMM (pdl.py; ATOM_PDL=0: off): nothing read before this
         pdl.wait_for_previous()
     token = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
