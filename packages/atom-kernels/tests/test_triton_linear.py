@@ -106,7 +106,10 @@ def test_use_skinny_policy():
     assert not triton_linear.use_skinny(most + 1, 4096, 4096, bf16, sms)
     assert not triton_linear.use_skinny(1, 4096, 4096, torch.float32, sms)
     # too few programs for the plain kernel: the split-K one, unless turned off
-    assert triton_linear.use_skinny(1, 1024, 14336, bf16, sms) == triton_linear.SPLIT_K_ENABLED
+    assert not triton_linear.use_skinny(1, 1024, 14336, bf16, sms)  # split-K off: cuBLAS
+    assert triton_linear.use_skinny(1, 1024, 14336, bf16, sms, split_k=True)
+    assert triton_linear.use_skinny(1, 1024, 3072, bf16, sms, split_k=True)  # 6 MB
+    assert not triton_linear.use_skinny(1, 1024, 512, bf16, sms, split_k=True)  # 1 MB
     assert not triton_linear.use_skinny(1, 1024, 512, bf16, sms)  # 1 MB: cuBLAS
     assert not triton_linear.use_skinny(1, 4096, 1024, bf16, sms)  # a small weight
     assert triton_linear.use_skinny(1, 151936, 1024, bf16, sms)  # an LM head

@@ -35,14 +35,25 @@ from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms
 
 SKINNY_MAX_ROWS = 8
 MIN_WEIGHT_BYTES = 16 << 20
-# ATOM_SKINNY_SPLIT_K=1: weights with fewer output features than 16 per SM (too few programs
-# without a split) and at least this many bytes take the split-K kernel instead of cuBLAS.
-# NOTE (benchmarks/results/splitk-h100, one H100, triton 3.6, torch 2.11, 2026-11-24): off by
-# default. Qwen3-0.6B's o (1024 x 2048) and down (1024 x 3072) at one row: best split-K tile
-# 6.3 / 7.5 us against cuBLAS's 5.9 / 8.0 (both launch and latency bound, 22-28% of bandwidth);
-# the decode step at batch 1 / 8 took 1.49 / 1.79 ms with it and 1.47 / 1.74 without (2 rounds).
+# Split-K on: weights with fewer output features than 16 per SM (too few programs without a
+# split) and at least this many bytes take the split-K kernel instead of cuBLAS.
+# NOTE (one H100, triton 3.6, torch 2.11, 2026-11-24): without programmatic dependent launch it
+# measured no faster (benchmarks/results/splitk-h100: Qwen3-0.6B's o (1024 x 2048) and down
+# (1024 x 3072) at one row, best split-K tile 6.3 / 7.5 us against cuBLAS's 5.9 / 8.0; decode at
+# batch 1 / 8 1.49 / 1.79 ms with it, 1.47 / 1.74 without). With PDL (pdl.py) the whole layer's
+# chain of kernels overlaps, cuBLAS breaking it no more: Qwen3-0.6B decode at batch 1 / 8
+# 1.318, 1.319 / 1.602, 1.602 ms without split-K, 1.238, 1.235 / 1.552, 1.550 with it
+# (results/s11-h100/pdl-call3, two rounds alternating). So it follows PDL by default;
+# ATOM_SKINNY_SPLIT_K=1 / 0 forces it on / off.
 SPLIT_K_MIN_WEIGHT_BYTES = 2 << 20
-SPLIT_K_ENABLED = os.environ.get("ATOM_SKINNY_SPLIT_K", "0") == "1"
+SPLIT_K_SETTING = os.environ.get("ATOM_SKINNY_SPLIT_K", "auto")
+
+
+def split_k_enabled(device: torch.device) -> bool:
+    """Whether the split-K kernel takes the small weights on ``device`` (see the NOTE above)."""
+    if SPLIT_K_SETTING != "auto":
+        return SPLIT_K_SETTING == "1"
+    return pdl.enabled(device)
 
 
 @dataclass(frozen=True)
@@ -143,7 +154,9 @@ def _skinny_kernel(
     tl.store(out_ptrs, acc, mask=out_mask)
 
 
-def default_config(num_rows: int, n: int, k: int, sms: int, interpreted: bool) -> SkinnyConfig:
+def default_config(
+    num_rows: int, n: int, k: int, sms: int, interpreted: bool, split_k: bool = False
+) -> SkinnyConfig:
     """Tiles for an [num_rows, k] x [n, k]^T GEMM.
 
     NOTE (benchmarks/tune_linear.py, one H100, triton 3.6, torch 2.11, CUDA graphs over 1.5 GB of
@@ -159,7 +172,7 @@ def default_config(num_rows: int, n: int, k: int, sms: int, interpreted: bool) -
         config = SkinnyConfig(16, 512, 4, 5, use_dot=False)
     else:
         config = SkinnyConfig(32, 256 if k >= 8192 else 128, 4, 5)
-    if not SPLIT_K_ENABLED:  # measured no faster than cuBLAS / the unsplit kernel (see above)
+    if not split_k:  # split_k_enabled(device): with PDL only (see the NOTE above)
         return config
     return dataclasses.replace(config, split_k=split_k_for(n, k, config, sms))
 
@@ -173,7 +186,9 @@ def split_k_for(n: int, k: int, config: SkinnyConfig, sms: int) -> int:
     return max(1, min(triton.cdiv(k, config.block_k), triton.cdiv(2 * sms, tiles)))
 
 
-def use_skinny(num_rows: int, n: int, k: int, dtype: torch.dtype, sms: int) -> bool:
+def use_skinny(
+    num_rows: int, n: int, k: int, dtype: torch.dtype, sms: int, split_k: bool = False
+) -> bool:
     """Whether the Triton kernel takes this GEMM (see the module docstring). Weights under
     MIN_WEIGHT_BYTES stay on cuBLAS: Qwen3-0.6B's 4-12 MB projections ran within +-10% of it
     either way (launch and tail bound), its 311 MB LM head 8% faster in Triton."""
@@ -182,7 +197,7 @@ def use_skinny(num_rows: int, n: int, k: int, dtype: torch.dtype, sms: int) -> b
         return False
     if n >= 16 * sms:
         return weight_bytes >= MIN_WEIGHT_BYTES
-    return SPLIT_K_ENABLED and weight_bytes >= SPLIT_K_MIN_WEIGHT_BYTES
+    return split_k and weight_bytes >= SPLIT_K_MIN_WEIGHT_BYTES
 
 
 def skinny_linear(
@@ -205,7 +220,9 @@ def skinny_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    config = config or default_config(num_rows, n, k, num_sms(x.device), is_interpreted(x.device))
+    config = config or default_config(
+        num_rows, n, k, num_sms(x.device), is_interpreted(x.device), split_k_enabled(x.device)
+    )
     use_dot = config.use_dot or num_rows > 1
     out2 = out.view(-1, n)
     tiles = triton.cdiv(n, config.block_n)
@@ -255,4 +272,5 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if is_interpreted(x.device):
         return False
     num_rows = math.prod(x.shape[:-1])
-    return use_skinny(num_rows, *weight.shape, x.dtype, num_sms(x.device))
+    sms = num_sms(x.device)
+    return use_skinny(num_rows, *weight.shape, x.dtype, sms, split_k_enabled(x.device))
