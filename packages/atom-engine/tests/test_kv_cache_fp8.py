@@ -85,10 +85,12 @@ def test_fp8_cache_holds_twice_the_tokens_of_bf16_in_the_same_memory(tiny_llama,
 # NOTE: measured on the CPU, float32 activations: 1 of 5 on the torch backend (2026-11-23), 3 of 5
 # on the cpu backend with its batched decode attention, 1 of 5 once that attention became one fused
 # SDPA call per layer (issue 21, 2026-11-24): each fp32 path rounds differently and so meets other
-# near-ties. With the 3-of-5 backend the two partings were near-ties (the fp32 run's top two tokens
-# 0.14 and 0.05 nats apart), and rounding K and V through float8_e4m3fn into an fp32 cache gave the
-# fp8 cache's tokens exactly: the kernels add nothing to e4m3's rounding (3 mantissa bits). Kept as
-# the issue's bar until it is met; the test below checks that every parting is a near-tie.
+# near-ties. benchmarks/kv_fp8_agreement.py (results/kv-fp8-agreement.json, 2026-11-24) puts the
+# bar against the model's own sensitivity: the fp8 cache keeps the fp32 cache's 32 tokens on 2 of
+# 5 prompts, and so does a bf16 model against the fp32 one (2 of 5); K/V rounded through
+# float8_e4m3fn into an fp32 cache give the fp8 cache's tokens exactly (5 of 5: the kernels add
+# nothing to e4m3's rounding), and a per-call amax scale instead of 1.0 agrees less (1 of 5).
+# Kept as the issue's bar until it is restated; the test below checks every parting is a near-tie.
 @pytest.mark.slow  # two SmolLM2 engines, 32 tokens on 5 prompts each (~40 s)
 @pytest.mark.xfail(reason="fp8 KV cache: 1-3 of 5 prompts equal over 32 tokens (bar: 4); near-ties")
 def test_bundled_smollm2_greedy_tokens_match_the_fp32_cache(smollm2_llm):
