@@ -266,6 +266,8 @@ class ModelRunner:
         """The batch as flat StepInputs; also the sequences to sample (one per sample row) and
         those with prompt log-probs (one per prompt row range). Placeholder inputs (the last
         token of a sequence that `prev` sampled) are gathered on the device from `sampled`."""
+        if batch.is_decode_only():
+            return self._prepare_decode(batch, prev)
         inputs = StepInputs([], [], [], [], [], [], [])
         ids = inputs.ids
         sample_seqs: list[Sequence] = []
@@ -291,13 +293,35 @@ class ModelRunner:
                 prompt_seqs.append(seq)
         return inputs, sample_seqs, prompt_seqs
 
+    def _prepare_decode(
+        self, batch: ScheduledBatch, prev: Launch | None
+    ) -> tuple[StepInputs, list[Sequence], list[Sequence]]:
+        """`_prepare` of a step of plain decodes (one token each, the sequence's last, no drafts):
+        the same inputs built a column at a time."""
+        seqs = batch.seqs
+        n = len(seqs)
+        seq_lens = [len(s.token_ids) for s in seqs]
+        ids = [s.token_ids[-1] for s in seqs]
+        gathers = []
+        if PLACEHOLDER in ids:  # only ever a token `prev` sampled
+            rows = prev.rows
+            gathers = [(i, rows[seqs[i].seq_id]) for i, t in enumerate(ids) if t == PLACEHOLDER]
+        inputs = StepInputs(
+            ids=ids,
+            seq_lens=seq_lens,
+            query_lens=[1] * n,
+            tables=[s.block_table for s in seqs],
+            gathers=gathers,
+            sample_rows=list(range(n)),
+            prompt_rows=[],
+        )
+        return inputs, list(seqs), []
+
     def _execute(self, inputs: StepInputs) -> torch.Tensor:
         """Queue the forward of a step; hidden states [T, hidden]."""
+        if self.graphs is not None and self.graphs.fits(len(inputs.ids), inputs.query_lens):
+            return self.graphs.run(inputs.ids, inputs.seq_lens, inputs.tables, inputs.gathers)
         positions = inputs.positions()
-        if self.graphs is not None and self.graphs.fits(inputs.query_lens):
-            return self.graphs.run(
-                inputs.ids, positions, inputs.seq_lens, inputs.tables, inputs.gathers
-            )
         if self.mixed is not None and self.mixed.fits(len(inputs.ids), len(inputs.seq_lens)):
             return self.mixed.run(
                 inputs.ids,
