@@ -66,40 +66,9 @@ def _tiny_model(path: str) -> None:
     save_random_checkpoint(config, path)
 
 
-def _cpu_decode_graphs(runner, timers: _Timers):
-    """The runner's DecodeGraphs built on the CPU: no pinning, a capture that replays eagerly."""
-    from atom_engine.cuda_graphs import DecodeGraphs
-    from atom_models import set_forward_context
-
-    class EagerReplay:
-        def __init__(self, graphs, bs: int, out: torch.Tensor) -> None:
-            self.graphs, self.bs, self.out = graphs, bs, out
-
-        def replay(self) -> None:
-            t0 = time.perf_counter()
-            with set_forward_context(self.graphs._metadata(self.bs)):
-                self.out.copy_(self.graphs._forward(self.bs))
-            timers.step["forward"] += time.perf_counter() - t0
-
-    def capture(self) -> None:
-        hidden = runner.hidden_size
-        for bs in self.sizes:
-            out = torch.empty(bs, hidden, dtype=runner.dtype)
-            self.graphs[bs] = (EagerReplay(self, bs, out), out)
-        self.pool = None
-
-    with (
-        mock.patch.object(DecodeGraphs, "_capture", capture),
-        mock.patch.object(torch.Tensor, "pin_memory", lambda t: t),
-    ):
-        graphs = DecodeGraphs(runner, max(1, runner.config.max_num_seqs))
-    runner.graphs = graphs
-    runner.sampled = graphs.sampled
-    return graphs
-
-
 def run(args) -> dict:
     from atom_engine import EngineConfig, LLMEngine, SamplingParams
+    from atom_engine.testing import eager_decode_graphs
 
     bs = args.batch_size
     with tempfile.TemporaryDirectory() as path:
@@ -123,7 +92,7 @@ def run(args) -> dict:
             )
         )
     timers = _Timers()
-    _cpu_decode_graphs(engine.runner, timers)
+    eager_decode_graphs(engine.runner, lambda dt: timers.step.__setitem__("forward", dt))
     params = SamplingParams(
         temperature=args.temperature,
         max_tokens=max_tokens,
