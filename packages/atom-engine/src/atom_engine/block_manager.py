@@ -134,7 +134,9 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 self.free[block] = None
                 self.free.move_to_end(block, last=False)
-        del seq.block_table[keep:]
+        # A new list, not a cut in place: a block table list only ever grows (the decode graphs'
+        # staging rewrites a table row only past the length it last wrote of the same list).
+        seq.block_table = seq.block_table[:keep]
 
     def release(self, seq: Sequence) -> None:
         """Drop seq's references; blocks no one uses become free (their hashes kept, LRU)."""

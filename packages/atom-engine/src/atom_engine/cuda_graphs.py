@@ -75,6 +75,9 @@ class DecodeGraphs:
         self.query_start_loc.copy_(torch.arange(max_bs + 1, device=device))
         for host in self.meta_host:
             host.numpy()[self._lens : self._lens + max_bs + 1] = np.arange(max_bs + 1)
+        self._src_default = self.num_sampled + np.arange(max_bs)
+        # Per host mirror and table row: (the block table list it holds, entries written).
+        self._written = [[(None, 0)] * max_bs for _ in "ab"]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture()
 
@@ -108,44 +111,71 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
-    def fits(self, query_lens: list[int]) -> bool:
-        return len(query_lens) <= self.sizes[-1] and all(q == 1 for q in query_lens)
+    def fits(self, num_tokens: int, query_lens: list[int]) -> bool:
+        """A decode step: one token per sequence (lengths are >= 1), at most the largest graph."""
+        n = len(query_lens)
+        return 0 < n <= self.sizes[-1] and num_tokens == n and max(query_lens) == 1
+
+    def _stage_tables(self, turn: int, tables: list[list[int]], size: int) -> np.ndarray:
+        """Write the step's block tables into host mirror `turn`; the mirror's table rows.
+
+        A mirror's row keeps the table list it last held and how much of it was written: a block
+        table list only ever grows (the block manager replaces it, never cuts it), so a row is
+        written only past that length, a block at a time instead of a row per sequence per step.
+        Entries past a row's length are stale and unread (attention reads its seq_len's blocks).
+        """
+        meta = self.meta_host[turn].numpy()
+        rows = meta[self._tables_at :].reshape(self.max_bs, self.max_blocks)
+        written = self._written[turn]
+        for i, table in enumerate(tables):
+            held, length = written[i]
+            n = len(table)
+            if held is table:
+                if n == length:
+                    continue
+                if n > length:
+                    rows[i, length:n] = table[length:]
+                    written[i] = (table, n)
+                    continue
+            rows[i, :n] = table
+            written[i] = (table, n)
+        bs = len(tables)
+        if size > bs:  # padding rows attend one key of block 0
+            rows[bs:size, 0] = 0
+            for i in range(bs, size):
+                written[i] = (None, 0)
+        return rows
 
     def run(
-        self,
-        ids: list[int],
-        positions: list[int],
-        seq_lens: list[int],
-        tables,
-        gathers: list[tuple[int, int]],
+        self, ids: list[int], seq_lens: list[int], tables, gathers: list[tuple[int, int]]
     ) -> torch.Tensor:
+        """Replay the graph of a decode step: ids [B], tokens in the cache after it [B] (each
+        sequence's position is its length - 1), block tables [B], placeholder gathers."""
         bs = len(ids)
         size = next(b for b in self.sizes if b >= bs)
-        block_size, max_bs = self.runner.block_size, self.max_bs
-        tokens_host, meta_host = self.tokens_host[self._turn], self.meta_host[self._turn]
+        block_size = self.runner.block_size
+        turn = self._turn
         self._turn ^= 1
+        tokens_host, meta_host = self.tokens_host[turn], self.meta_host[turn]
         tokens, meta = tokens_host.numpy(), meta_host.numpy()
-        pos = np.asarray(positions, dtype=np.int64)
-        width = max(len(t) for t in tables)
-        table = np.zeros((size, width), dtype=np.int64)  # padding rows: block 0
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
-        blocks = table[np.arange(bs), pos // block_size]
+        rows = self._stage_tables(turn, tables, size)
         row = self._row
         ids_, src, pos_, slots = (tokens[i * row : i * row + size] for i in range(4))
-        ids_[:] = 0
+        lens = meta[:size]
+        lens[bs:] = 1  # padding rows attend one key
+        lens[:bs] = seq_lens
+        pos = lens[:bs] - 1
+        ids_[bs:] = 0
         ids_[:bs] = ids
-        src[:] = self.num_sampled + np.arange(size)  # row i reads ids[i] ...
-        for row, sampled_row in gathers:  # ... or a sampled id
-            src[row] = sampled_row
-        pos_[:] = 0
+        src[:] = self._src_default[:size]  # row i reads ids[i] ...
+        if gathers:  # ... or a sampled id
+            at, sampled_rows = zip(*gathers, strict=True)
+            src[list(at)] = sampled_rows
+        pos_[bs:] = 0
         pos_[:bs] = pos
-        slots[:] = -1  # padding rows write nowhere
+        slots[bs:] = -1  # padding rows write nowhere
+        blocks = rows[np.arange(bs), pos // block_size]
         slots[:bs] = blocks * block_size + pos % block_size
-        meta[:size] = 1  # and attend one key
-        meta[:bs] = seq_lens
-        tables_np = meta[self._tables_at :].reshape(max_bs, self.max_blocks)
-        tables_np[:size, :width] = table
         # The vectors, and only the table rows this step reads.
         self.tokens[self.num_sampled :].copy_(tokens_host, non_blocking=True)
         end = self._tables_at + size * self.max_blocks

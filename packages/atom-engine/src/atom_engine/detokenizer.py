@@ -43,7 +43,7 @@ class IncrementalDetokenizer:
         With emit_text False (EOS, stop token ids) the token adds no text. With match_stop False
         (before min_tokens) stop strings are not looked for in the new text.
         """
-        if not emit_text:
+        if not emit_text or self.tokenizer is None:  # no tokenizer: token ids only, no text
             return None
         self.ids.append(token_id)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from atom_engine.block_manager import BlockManager
+from atom_engine.completion import check_stop, complete_launch
 from atom_engine.config import EngineConfig
 from atom_engine.detokenizer import IncrementalDetokenizer
 from atom_engine.intake import Request, check_request, prompt_of, resolve_model
@@ -341,52 +342,9 @@ class LLMEngine:
             self._history.append((time.monotonic(), prompt_tokens, 0))
 
     def _complete_pending(self) -> list[RequestOutput]:
-        """Read the pending launch's sampled ids and post-process them like a synchronous step."""
+        """Read the pending launch's sampled ids and post-process them (`complete_launch`)."""
         launch, self._pending = self._pending, None
-        if launch is None:
-            return []
-        token_ids = launch.token_ids()
-        now = time.monotonic()
-        touched: dict[str, Request] = {}
-        failed: list[RequestOutput] = []
-        generation_tokens = 0
-        for seq in launch.batch.seqs:
-            request = self._seq_to_request.get(seq.seq_id)
-            if request is None or seq.is_finished:  # aborted, or stopped by an earlier token
-                continue
-            try:
-                generation_tokens += self._complete_seq(launch, token_ids, request, seq, now)
-            except Exception as e:  # one request's failure (detokenizing, ...) is its own
-                touched.pop(request.request_id, None)
-                failed.append(self._fail_request(request, e))
-                continue
-            touched[request.request_id] = request
-        self._generation_tokens += generation_tokens
-        self._history.append((now, 0, generation_tokens))
-        return failed + self._finish_outputs(touched, now)
-
-    def _complete_seq(
-        self, launch: Launch, token_ids: list[int], request: Request, seq: Sequence, now: float
-    ) -> int:
-        """Put a launch's sampled id in place of its placeholder; 1 if it sampled one, else 0."""
-        row = launch.rows.get(seq.seq_id)
-        if row is None:  # a prefill chunk: nothing sampled
-            self.block_manager.cache_computed_blocks(seq)
-            return 0
-        # The placeholder this launch left, and after it the one of the launch in flight.
-        index = seq.token_ids.index(PLACEHOLDER, seq.num_prompt_tokens)
-        token_id = token_ids[row]
-        seq.token_ids[index] = token_id
-        self.block_manager.cache_computed_blocks(seq)
-        in_flight = seq.token_ids[index + 1 :]
-        del seq.token_ids[index:]
-        self._append_token(seq, token_id, None)
-        if not seq.is_finished:
-            seq.token_ids += in_flight
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
-        request.metrics.last_token_time = now
-        return 1
+        return [] if launch is None else complete_launch(self, launch)
 
     def _postprocess(self, batch, result) -> list[RequestOutput]:
         now = time.monotonic()
@@ -464,30 +422,11 @@ class LLMEngine:
         return outputs
 
     def _append_token(self, seq: Sequence, token_id: int, info: TopLogprobs | None) -> None:
-        params = seq.params
         seq.token_ids.append(token_id)
         if info is not None:
             seq.cumulative_logprob += info.logprob
             seq.logprobs.append(self._logprob_dict(info))
-        # Stop tokens cannot be sampled before min_tokens (the runner masks them).
-        is_stop_token = token_id in params.all_stop_token_ids
-        # A grammar terminates on a stop token (EOS too when ignore_eos is set): not text.
-        grammar_done = seq.grammar is not None and seq.grammar.advance([token_id])
-        stop = seq.detokenizer.add(
-            token_id,
-            emit_text=not (is_stop_token or grammar_done),
-            match_stop=seq.num_output_tokens >= params.min_tokens,
-        )
-        if is_stop_token:
-            seq.finish_reason = "stop"
-            seq.stop_reason = token_id if token_id in params.stop_token_ids else None
-        elif stop is not None:
-            seq.finish_reason, seq.stop_reason = "stop", stop
-        elif grammar_done:
-            seq.finish_reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
+        if check_stop(seq, token_id, self.max_model_len):
             self.scheduler.finish(seq)
 
     def _decode_one(self, token_id: int) -> str | None:

@@ -25,7 +25,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for seq in self.seqs:  # a loop, not all() over a generator: read per request per step
+            if not seq.is_finished:
+                return False
+        return True
 
 
 def resolve_model(model: str | None) -> str:

@@ -35,8 +35,8 @@ from atom_engine.mixed_graphs import MixedGraphs, supports_mixed_graphs
 from atom_engine.piecewise_graphs import PiecewiseGraphs
 from atom_engine.sampler import Sampler, TopLogprobs, to_device
 from atom_engine.scheduler import ScheduledBatch
-from atom_engine.sequence import PLACEHOLDER, Sequence
-from atom_engine.step_inputs import OP_LAUNCH, OP_RUN, StepInputs
+from atom_engine.sequence import Sequence
+from atom_engine.step_inputs import OP_LAUNCH, OP_RUN, StepInputs, prepare_step
 from atom_engine.structured_output import apply_grammar_bitmasks
 from atom_models import load_model, set_forward_context
 from atom_models.native_attention import (
@@ -263,41 +263,13 @@ class ModelRunner:
     def _prepare(
         self, batch: ScheduledBatch, prev: Launch | None = None
     ) -> tuple[StepInputs, list[Sequence], list[Sequence]]:
-        """The batch as flat StepInputs; also the sequences to sample (one per sample row) and
-        those with prompt log-probs (one per prompt row range). Placeholder inputs (the last
-        token of a sequence that `prev` sampled) are gathered on the device from `sampled`."""
-        inputs = StepInputs([], [], [], [], [], [], [])
-        ids = inputs.ids
-        sample_seqs: list[Sequence] = []
-        prompt_seqs: list[Sequence] = []
-        for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
-            start = seq.num_computed_tokens
-            end = start + num
-            row = len(ids)
-            drafts = seq.spec_token_ids  # scheduled with the sequence's last token
-            ids += seq.token_ids[start : end - len(drafts)]
-            if ids[-1] == PLACEHOLDER:  # only ever the last token, sampled by `prev`
-                inputs.gathers.append((row + num - 1, prev.rows[seq.seq_id]))
-            ids += drafts
-            inputs.seq_lens.append(end)
-            inputs.query_lens.append(num)
-            inputs.tables.append(seq.block_table)
-            if end == len(seq) + len(drafts):  # every draft position and the one after them
-                inputs.sample_rows += range(row + num - 1 - len(drafts), row + num)
-                sample_seqs.append(seq)
-            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-                count = min(end, seq.num_prompt_tokens - 1) - start
-                inputs.prompt_rows.append((row, count))
-                prompt_seqs.append(seq)
-        return inputs, sample_seqs, prompt_seqs
+        return prepare_step(batch, prev)
 
     def _execute(self, inputs: StepInputs) -> torch.Tensor:
         """Queue the forward of a step; hidden states [T, hidden]."""
+        if self.graphs is not None and self.graphs.fits(len(inputs.ids), inputs.query_lens):
+            return self.graphs.run(inputs.ids, inputs.seq_lens, inputs.tables, inputs.gathers)
         positions = inputs.positions()
-        if self.graphs is not None and self.graphs.fits(inputs.query_lens):
-            return self.graphs.run(
-                inputs.ids, positions, inputs.seq_lens, inputs.tables, inputs.gathers
-            )
         if self.mixed is not None and self.mixed.fits(len(inputs.ids), len(inputs.seq_lens)):
             return self.mixed.run(
                 inputs.ids,
@@ -421,8 +393,9 @@ class ModelRunner:
         or penalties: the engine runs those through `run`). The sampled ids land in `sampled`
         (read by the next launch's placeholder gathers) and, once `ready`, in `host`.
         """
+        # No drafts here: speculative decoding turns async scheduling off (drafts are verified by
+        # `run`), so no per-sequence check of that on this path.
         inputs, sample_seqs, _ = self._prepare(batch, prev)
-        assert not any(s.spec_token_ids for s in sample_seqs), "drafts are verified by `run`"
         self._hand_off(OP_LAUNCH, inputs)
         host = self._sampled_host[self._launches % 2]
         self._launches += 1

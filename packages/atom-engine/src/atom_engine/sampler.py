@@ -48,7 +48,15 @@ class Sampler:
         its allowed_token_ids, and its stop tokens while it is short of min_tokens. `ahead[i]`:
         tokens row i's sequence will have emitted before row i's (speculative draft rows)."""
         masked = logits
-        for i, s in enumerate(seqs):
+        # Only rows with allowed_token_ids or min_tokens can mask anything (the common batch
+        # has none: one pass over the parameters, not the per-row checks).
+        rows = [
+            i
+            for i, s in enumerate(seqs)
+            if s.params.min_tokens or s.params.allowed_token_ids is not None
+        ]
+        for i in rows:
+            s = seqs[i]
             allowed = s.params.allowed_token_ids
             stops = s.params.all_stop_token_ids
             emitted = s.num_output_tokens + (ahead[i] if ahead else 0)
@@ -73,17 +81,18 @@ class Sampler:
         def column(values, dtype):
             return to_device(values, dtype, self.device)
 
-        def optional(values, on, dtype):  # None when no row uses the filter
-            return column(values, dtype) if any(on(v) for v in values) else None
-
+        # Each filter is off (None) when no row uses it; min / max test that in C.
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
         generators = [s.generator for s in seqs]
         return atom_kernels.sample(
             logits,
             column([p.temperature for p in params], torch.float32),
-            optional([p.top_k for p in params], lambda k: k > 0, torch.int64),
-            optional([p.top_p for p in params], lambda p: p < 1.0, torch.float32),
-            optional([p.min_p for p in params], lambda p: p > 0.0, torch.float32),
-            generators=generators if any(g is not None for g in generators) else None,
+            column(top_k, torch.int64) if max(top_k) > 0 else None,
+            column(top_p, torch.float32) if min(top_p) < 1.0 else None,
+            column(min_p, torch.float32) if max(min_p) > 0.0 else None,
+            generators=None if generators.count(None) == len(generators) else generators,
         )
 
     def sample(

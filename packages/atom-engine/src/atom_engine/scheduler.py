@@ -35,6 +35,15 @@ class ScheduledBatch:
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
 
+    def is_decode_only(self) -> bool:
+        """Every sequence feeds one token, its last (no drafts): a step of plain decodes."""
+        if not self.seqs or max(self.num_tokens) != 1 or min(self.num_tokens) != 1:
+            return False
+        return all(
+            len(s.token_ids) - s.num_computed_tokens == 1 and not s.spec_token_ids
+            for s in self.seqs
+        )
+
 
 class Scheduler:
     def __init__(
@@ -93,10 +102,25 @@ class Scheduler:
         # it finishes when that token arrives.
         # A decode with speculative drafts feeds its last token and the drafts (drafts are cut
         # to what the budget and the free blocks allow before anyone is preempted for them).
-        scheduled_running: list[Sequence] = []
-        queue = [s for s in self.running if s.num_output_tokens < s.params.max_tokens]
+        # A plain decode (one token, no drafts) whose token lands in a block it holds needs no
+        # allocation: it takes the short path (no block-manager calls; at batch 256 the
+        # general one was most of this loop's time).
+        block_size = bm.block_size
+        queue = deque(
+            s for s in self.running if len(s.token_ids) - s.num_prompt_tokens < s.params.max_tokens
+        )
         while queue and budget > 0:
-            seq = queue.pop(0)
+            seq = queue.popleft()
+            computed = seq.num_computed_tokens
+            if (
+                len(seq.token_ids) - computed == 1
+                and not seq.spec_token_ids
+                and computed < len(seq.block_table) * block_size
+            ):
+                batch.seqs.append(seq)
+                batch.num_tokens.append(1)
+                budget -= 1
+                continue
             others = len(self.running) - 1 + len(self.waiting)
             num = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget, cap(others))
             del seq.spec_token_ids[max(0, num - seq.num_uncomputed_tokens) :]
@@ -112,7 +136,6 @@ class Scheduler:
                     break
             else:
                 bm.allocate(seq, num)
-                scheduled_running.append(seq)
                 batch.seqs.append(seq)
                 batch.num_tokens.append(num)
                 budget -= num

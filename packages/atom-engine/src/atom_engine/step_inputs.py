@@ -6,6 +6,14 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from atom_engine.sequence import PLACEHOLDER
+
+if TYPE_CHECKING:
+    from atom_engine.model_runner import Launch
+    from atom_engine.scheduler import ScheduledBatch
+    from atom_engine.sequence import Sequence
 
 # What a worker does with a step (the first word of a packed message).
 OP_SHUTDOWN, OP_RUN, OP_LAUNCH = 0, 1, 2
@@ -79,6 +87,65 @@ class StepInputs:
             prompt_rows=list(zip(prompt[0::2], prompt[1::2], strict=True)),
         )
         return op, inputs
+
+
+def prepare_step(
+    batch: ScheduledBatch, prev: Launch | None = None
+) -> tuple[StepInputs, list[Sequence], list[Sequence]]:
+    """The batch as flat StepInputs; also the sequences to sample (one per sample row) and
+    those with prompt log-probs (one per prompt row range). Placeholder inputs (the last
+    token of a sequence that `prev` sampled) are gathered on the device from `sampled`."""
+    if batch.is_decode_only():
+        return _prepare_decode(batch, prev)
+    inputs = StepInputs([], [], [], [], [], [], [])
+    ids = inputs.ids
+    sample_seqs: list[Sequence] = []
+    prompt_seqs: list[Sequence] = []
+    for seq, num in zip(batch.seqs, batch.num_tokens, strict=True):
+        start = seq.num_computed_tokens
+        end = start + num
+        row = len(ids)
+        drafts = seq.spec_token_ids  # scheduled with the sequence's last token
+        ids += seq.token_ids[start : end - len(drafts)]
+        if ids[-1] == PLACEHOLDER:  # only ever the last token, sampled by `prev`
+            inputs.gathers.append((row + num - 1, prev.rows[seq.seq_id]))
+        ids += drafts
+        inputs.seq_lens.append(end)
+        inputs.query_lens.append(num)
+        inputs.tables.append(seq.block_table)
+        if end == len(seq) + len(drafts):  # every draft position and the one after them
+            inputs.sample_rows += range(row + num - 1 - len(drafts), row + num)
+            sample_seqs.append(seq)
+        if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+            count = min(end, seq.num_prompt_tokens - 1) - start
+            inputs.prompt_rows.append((row, count))
+            prompt_seqs.append(seq)
+    return inputs, sample_seqs, prompt_seqs
+
+
+def _prepare_decode(
+    batch: ScheduledBatch, prev: Launch | None
+) -> tuple[StepInputs, list[Sequence], list[Sequence]]:
+    """`prepare_step` of a step of plain decodes (one token each, the sequence's last, no drafts):
+    the same inputs built a column at a time."""
+    seqs = batch.seqs
+    n = len(seqs)
+    seq_lens = [len(s.token_ids) for s in seqs]
+    ids = [s.token_ids[-1] for s in seqs]
+    gathers = []
+    if PLACEHOLDER in ids:  # only ever a token `prev` sampled
+        rows = prev.rows
+        gathers = [(i, rows[seqs[i].seq_id]) for i, t in enumerate(ids) if t == PLACEHOLDER]
+    inputs = StepInputs(
+        ids=ids,
+        seq_lens=seq_lens,
+        query_lens=[1] * n,
+        tables=[s.block_table for s in seqs],
+        gathers=gathers,
+        sample_rows=list(range(n)),
+        prompt_rows=[],
+    )
+    return inputs, list(seqs), []
 
 
 def shutdown_message() -> bytes:

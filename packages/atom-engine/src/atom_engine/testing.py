@@ -1,5 +1,5 @@
-"""Helpers for tests of the server: an app served by a real uvicorn on loopback (in a thread),
-and plain HTTP requests that return error responses instead of raising."""
+"""Helpers for tests: an app served by a real uvicorn on loopback (in a thread), plain HTTP
+requests that return error responses instead of raising, and the decode graphs on the CPU."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+import torch
 import uvicorn
 
 
@@ -81,3 +82,40 @@ def wait_idle(engine, timeout: float = 60.0) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"the engine is not idle: {engine.stats()}")
+
+
+def eager_decode_graphs(runner, on_replay=None):
+    """Give a CPU runner the real `DecodeGraphs` (their static buffers, host staging and input
+    gathers) with each graph replaced by the eager forward over those buffers, and pageable
+    memory for pinned: the decode-graph path of a GPU engine, testable here. `on_replay(seconds)`
+    is told each replay's forward time."""
+    from unittest import mock
+
+    from atom_engine.cuda_graphs import DecodeGraphs
+    from atom_models import set_forward_context
+
+    class EagerReplay:
+        def __init__(self, graphs, bs: int, out: torch.Tensor) -> None:
+            self.graphs, self.bs, self.out = graphs, bs, out
+
+        def replay(self) -> None:
+            t0 = time.perf_counter()
+            with set_forward_context(self.graphs._metadata(self.bs)):
+                self.out.copy_(self.graphs._forward(self.bs))
+            if on_replay is not None:
+                on_replay(time.perf_counter() - t0)
+
+    def capture(self) -> None:
+        for bs in self.sizes:
+            out = torch.empty(bs, runner.hidden_size, dtype=runner.dtype)
+            self.graphs[bs] = (EagerReplay(self, bs, out), out)
+        self.pool = None
+
+    with (
+        mock.patch.object(DecodeGraphs, "_capture", capture),
+        mock.patch.object(torch.Tensor, "pin_memory", lambda t: t),
+    ):
+        graphs = DecodeGraphs(runner, max(1, runner.config.max_num_seqs))
+    runner.graphs = graphs
+    runner.sampled = graphs.sampled
+    return graphs
