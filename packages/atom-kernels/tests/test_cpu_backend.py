@@ -238,11 +238,12 @@ def test_packed_linear_matches_reference(rows, onednn):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 8, 13, 16, 17, 136])
-@pytest.mark.parametrize("shape", [(960, 576), (123, 77)])
+@pytest.mark.parametrize("shape", [(960, 576), (123, 77), (77, 123)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_onednn_packed_linear_matches_reference(rows, shape, with_bias):
-    """oneDNN-packed at MIN_ROWS..MAX_ROWS rows, F.linear at the others; the torch reference in
-    float64 is the oracle, for contiguous and strided inputs."""
+    """oneDNN-packed at MIN_ROWS..MAX_ROWS rows, the 1-row copy at 1 row (K <= N only),
+    F.linear at the others; the torch reference in float64 is the oracle, for contiguous and
+    strided inputs."""
     from atom_kernels.backends.cpu import onednn_linear
     from atom_kernels.backends.torch.linear import linear as ref_linear
 
@@ -253,6 +254,10 @@ def test_onednn_packed_linear_matches_reference(rows, shape, with_bias):
     if not onednn_linear.can_pack(weight):
         pytest.skip("torch without oneDNN")
     key, packed = onednn_linear.pack(weight)
+    one_row = onednn_linear.pack_one_row(key, weight)
+    assert (one_row is None) == (in_features > out_features)
+    if one_row is not None:
+        assert one_row.shape == (in_features, out_features) and one_row.is_contiguous()
     bias64 = None if bias is None else bias.double()
     x = torch.randn(rows, in_features, generator=g)
     strided = torch.randn(rows, 2 * in_features, generator=g)[:, ::2]
@@ -273,6 +278,8 @@ def test_onednn_packed_linear_compiles():
     if not onednn_linear.can_pack(weight):
         pytest.skip("torch without oneDNN")
     key, packed = onednn_linear.pack(weight)
+    one_row = onednn_linear.pack_one_row(key, weight)
+    assert one_row is not None
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.relu(onednn_linear.packed_linear(x * 2, weight, None, key))
@@ -292,10 +299,14 @@ def test_onednn_packed_linear_refuses_what_it_cannot_pack_and_frees_what_it_pack
     from atom_kernels.backends.cpu import onednn_linear
 
     key, packed = onednn_linear.pack(torch.randn(8, 8))
-    assert key in onednn_linear._PACKED
-    del packed
+    one_row = onednn_linear.pack_one_row(key, torch.randn(8, 8))
+    assert key in onednn_linear._PACKED and key in onednn_linear._ONE_ROW
+    del packed, one_row
     gc.collect()
-    assert key not in onednn_linear._PACKED  # the owner's copy was the only one
+    # the owner's copies were the only ones
+    assert key not in onednn_linear._PACKED and key not in onednn_linear._ONE_ROW
+    with pytest.raises(ValueError, match="no weight packed under key"):
+        onednn_linear.pack_one_row(key, torch.randn(8, 8))
 
     assert not onednn_linear.can_pack(torch.randn(8, 8, dtype=torch.float64))
     assert not onednn_linear.can_pack(torch.randn(8))

@@ -1,7 +1,7 @@
 """On the CPU, the engine's unquantized float32 linear layers run on oneDNN-prepacked weights at
-the row counts of batched decode (`atom_kernels.backends.cpu.onednn_linear`; its NOTE has the
-measurements), as vLLM's CPU worker prepacks its GEMM weights at load. Other row counts keep
-`F.linear`. `ATOM_CPU_PACKED_LINEAR=0` keeps every layer on `atom_kernels.linear`.
+the row counts of batched decode (`atom_kernels.backends.cpu.onednn_linear`; its NOTEs have the
+measurements), as vLLM's CPU worker prepacks its GEMM weights at load, and those whose K <= N on a
+transposed copy at 1 row. Other row counts keep `F.linear`. `ATOM_CPU_PACKED_LINEAR=0` keeps every layer on `atom_kernels.linear`.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def pack_linears(model: nn.Module, device: torch.device, tp_size: int) -> int:
             continue
         # The layer holds its packed copy (not a parameter or buffer: never saved or moved).
         module.onednn_key, module.onednn_packed = onednn_linear.pack(module.weight)
+        module.onednn_one_row = onednn_linear.pack_one_row(module.onednn_key, module.weight)
         module.quant_method = ONEDNN_LINEAR
         count += 1
     if count:

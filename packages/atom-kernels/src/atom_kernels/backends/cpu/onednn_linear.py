@@ -9,6 +9,16 @@ equal (74-75 ms); at 1 row and at 136 rows (a prefill) within noise of `F.linear
 (19-38 ms, 398-430 ms). So the packed copy serves `MIN_ROWS`..`MAX_ROWS` rows and every other
 count keeps `F.linear` on the plain weight (which the layer keeps: two copies of each weight).
 
+NOTE: at 1 row (a decode step of one sequence) neither packed copy beat `F.linear`, but a plain
+transposed copy did for the projections whose K <= N: `x @ wt` with `wt` the weight as a
+contiguous [K, N] matrix (MKL's non-transposed GEMM, which streams it at 18-21 GB/s against
+`F.linear`'s 13.6-14.6 on these shapes). Same machine, 1 thread, 30 distinct weights each, load
+~1.8 (issue 21, session 11): 960x576 4.81 -> 3.56 ms, 576x576 2.78 -> 2.38, 3072x576 15.25 ->
+10.29; 576x1536 (K > N) 5.71 -> 7.10, so it keeps `F.linear`. The 30 layers' four projections
+28.5 -> 21.9 ms, where this machine reads memory at ~21 GB/s on one thread (`sum` of 256 MB: 12.7
+ms), a floor of ~20 ms for SmolLM2's 425 MB of decoder weights. `pack_one_row` makes that copy
+(a third copy of those weights: 318 MB for SmolLM2-135M).
+
 The GEMM is one opaque op, `atom::cpu_packed_linear`, so that a compiled graph (`torch.compile`
 of the engine's forward) calls it like `aten::mm`: the packed weight (an MKLDNN tensor, which
 graphs cannot take as an input) is looked up by the layer's key. The op is registered through
@@ -31,6 +41,8 @@ PACKED_FOR_ROWS = 8  # the row count oneDNN lays the weight out for
 # key -> the MKLDNN-packed weight, held by its owner (a layer): freed with it
 _PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
+# key -> the weight as a contiguous [K, N] matrix for 1-row calls, held by its owner likewise
+_ONE_ROW: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 _lib = torch.library.Library("atom", "FRAGMENT")
 _lib.define("cpu_packed_linear(Tensor x, Tensor weight, Tensor? bias, int key) -> Tensor")
@@ -59,16 +71,35 @@ def pack(weight: torch.Tensor) -> tuple[int, torch.Tensor]:
     return key, packed
 
 
+def pack_one_row(key: int, weight: torch.Tensor) -> torch.Tensor | None:
+    """For a weight [N, K] packed under `key` with K <= N, a contiguous [K, N] copy that 1-row
+    calls of `packed_linear` multiply by (the caller keeps it alive as long as it uses the key);
+    None, and no copy, where K > N (`F.linear` was faster there: the module NOTE)."""
+    if key not in _PACKED:
+        raise ValueError(f"no weight packed under key {key}: call pack() first")
+    if weight.dim() != 2 or weight.shape[1] > weight.shape[0]:
+        return None
+    transposed = weight.detach().t().contiguous()
+    _ONE_ROW[key] = transposed
+    return transposed
+
+
 def packed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int
 ) -> torch.Tensor:
     """x [M, K] -> F.linear(x, weight, bias) [M, N]; on the packed copy `key` of `weight` when
-    MIN_ROWS <= M <= MAX_ROWS and x is float32, else `F.linear`."""
+    MIN_ROWS <= M <= MAX_ROWS and x is float32, on its 1-row copy (`pack_one_row`) when M is 1,
+    else `F.linear`."""
     return torch.ops.atom.cpu_packed_linear(x, weight, bias, key)
 
 
 def _cpu_packed_linear(x, weight, bias, key):
     rows = x.shape[0]
+    if rows == 1 and x.dim() == 2 and x.dtype == torch.float32:
+        transposed = _ONE_ROW.get(key)
+        if transposed is not None:
+            return torch.mm(x, transposed) if bias is None else torch.addmm(bias, x, transposed)
+        return F.linear(x, weight, bias)
     if x.dim() != 2 or x.dtype != torch.float32 or not MIN_ROWS <= rows <= MAX_ROWS:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _PACKED[key], bias, "none", [], "")
