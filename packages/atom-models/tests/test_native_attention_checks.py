@@ -42,12 +42,14 @@ def _checked(layer: NativeAttention, md, caches, q, k, v) -> torch.Tensor:
 
 # (seq_lens, query_lens, whether the layers get `out`) of each step, and how many layer calls of
 # it go through the checked ops: every layer on its first call (or with new input shapes: `out`
-# from the third step on), else the step's first layer only
+# in the fifth step), else the step's first layer only; a decode-only step's later layers take
+# the step's `DecodeStep` (built by its first layer) whatever their `out`
 STEPS = [
     ([5, 9], [5, 1], False, NUM_LAYERS),
     ([6, 10], [1, 1], False, 1),
-    ([7, 11], [1, 1], True, NUM_LAYERS),
+    ([7, 11], [1, 1], True, 1),
     ([8], [1], True, 1),
+    ([9, 12], [2, 1], True, NUM_LAYERS),
 ]
 
 
@@ -80,6 +82,31 @@ def test_layer_matches_checked_ops_and_checks_once_per_step(monkeypatch):
             torch.testing.assert_close(layer.k_cache, caches[0], rtol=0, atol=0)
             torch.testing.assert_close(layer.v_cache, caches[1], rtol=0, atol=0)
         assert len(checked_calls) - before == num_checked, (seq_lens, query_lens, use_out)
+        decode_only = max(query_lens) == 1
+        assert bool(md.memo) == decode_only  # a DecodeStep built (decode-only steps only)
+        assert all(entry is not False for entry in md.memo.values())
+
+
+def test_decode_step_only_on_the_cpu_backend_and_float32(monkeypatch):
+    """ATOM_KERNEL_BACKEND=torch keeps the reference on every layer; a bf16 cache too."""
+    from atom_kernels import registry
+
+    torch.manual_seed(0)
+    layers = _layers()
+    md = PagedAttentionMetadata.build([6], [1], [[0, 1]], BLOCK_SIZE)
+    q, k, v = torch.randn(1, H * D), torch.randn(1, HK * D), torch.randn(1, HK * D)
+    monkeypatch.setenv(registry.ENV_VAR, "torch")
+    registry._reset_for_tests()
+    try:
+        with set_forward_context(md):
+            for layer in layers:
+                layer.forward_eager(q, k, v, None)
+    finally:
+        monkeypatch.delenv(registry.ENV_VAR)
+        registry._reset_for_tests()
+    assert list(md.memo.values()) == [False]
+    layers[0].bind_cache(16, BLOCK_SIZE, torch.bfloat16, "cpu")
+    assert layers[0]._decode_slots is None and layers[1]._decode_slots is not None
 
 
 def test_bad_calls_still_raise():

@@ -38,6 +38,7 @@ from atom_kernels.registry import get_op, has_own_op
 from atom_models.forward_context import get_forward_context
 from atom_models.layers.attention import AttentionSpec
 from atom_models.layers.mla import MLAAttentionSpec
+from atom_models.native_decode_step import build_decode_step, versions_of
 from atom_models.paged_metadata import PagedAttentionMetadata  # noqa: F401  (re-exported)
 
 KV_CACHE_FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -148,11 +149,15 @@ class NativeAttention(NativeCacheLayer):
         # not submodules (their weights load under the model's own names)
         self.rope: tuple[nn.Module, nn.Module | None, nn.Module | None] | None = None
         self._backend_fuses_rope: bool | None = None  # the device's backend has the fused op
+        # The caches' slot views [num_blocks * block_size, Hk, D] where decode-only steps may
+        # take the CPU's `DecodeStep` path (`_decode_step`), else None
+        self._decode_slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.spec.num_kv_heads * self.spec.head_size * dtype.itemsize
 
     def bind_cache(self, num_blocks, block_size, dtype, device):
+        spec = self.spec
         shape = (num_blocks, block_size, self.spec.num_kv_heads, self.spec.head_size)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -160,11 +165,16 @@ class NativeAttention(NativeCacheLayer):
         is_fp8 = dtype in KV_CACHE_FP8_DTYPES
         self.k_scale = self.kv_scales["k"] if is_fp8 else None
         self.v_scale = self.kv_scales["v"] if is_fp8 else None
+        self._decode_slots = None
+        if self.k_cache.device.type == "cpu" and dtype == torch.float32 and spec.soft_cap is None:
+            slots = (-1, *shape[2:])
+            self._decode_slots = (self.k_cache.view(slots), self.v_cache.view(slots))
         return self.k_cache, self.v_cache
 
     def release_cache(self) -> None:
         self.k_cache = self.v_cache = None
         self._checked = None
+        self._decode_slots = None
 
     def takes_rope(
         self,
@@ -229,6 +239,14 @@ class NativeAttention(NativeCacheLayer):
         q = q.view(num_tokens, spec.num_heads, spec.head_size)  # [T, H, D]
         k = k.view(num_tokens, spec.num_kv_heads, spec.head_size)  # [T, Hk, D]
         v = v.view(num_tokens, spec.num_kv_heads, -1)  # [T, Hk, Dv]
+        fast = self._decode_slots is not None and positions is None and sinks is None
+        if fast and md.max_query_len == 1:
+            step = self._decode_step(md, q)
+            if step is not None:
+                o = step.attend(q, k, v, *self._decode_slots, spec.scale)  # [T, H, Dv]
+                if out is not None:
+                    return out.view_as(o).copy_(o).view(num_tokens, -1)
+                return o.view(num_tokens, -1)
         out = None if out is None else out.view(num_tokens, spec.num_heads, -1)
         step_key = _step_key(md, q)
         layer_key = self._layer_key(q, k, v, sinks, out, positions)
@@ -298,6 +316,22 @@ class NativeAttention(NativeCacheLayer):
             md.max_query_len,
         )
         return out.reshape(num_tokens, -1)
+
+    def _decode_step(self, md: PagedAttentionMetadata, q: torch.Tensor):
+        """The step's `DecodeStep` when this layer may take it (a decode-only CPU step on the
+        cpu backend, float32), else None. The step's first layer builds it and still runs the
+        checked ops (which check the metadata against this layer's cache and inputs)."""
+        key = ("decode_step", self.k_cache.shape[1], self.spec.sliding_window)
+        entry = md.memo.get(key)
+        if entry is None:
+            md.memo[key] = build_decode_step(md, q, self.k_cache.shape[1], self.spec)
+            return None
+        if entry is False:
+            return None
+        step, versions = entry
+        if step.num_seqs != q.shape[0] or q.dtype != torch.float32 or versions != versions_of(md):
+            return None
+        return step
 
     def _layer_key(self, q, k, v, sinks, out, positions) -> tuple:
         """What the ops' checks read of this layer's arguments, the token count aside (every

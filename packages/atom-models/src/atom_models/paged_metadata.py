@@ -4,7 +4,7 @@ K/V goes in the paged cache, each sequence's block table and lengths."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,6 +24,8 @@ class PagedAttentionMetadata:
     # a layer split a mixed step by sequence without reading the device.
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # What the step's layers derive from it once (the CPU's `DecodeStep` plans), by the first
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(
