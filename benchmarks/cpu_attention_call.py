@@ -7,7 +7,8 @@ step, outside the timer) and one call of every layer, through:
 
 - `checked`: `atom_kernels.reshape_and_cache` + `atom_kernels.paged_attention`, the public,
   checked ops (what `NativeAttention.forward_eager` called every layer before the fast path);
-- `layer`: `NativeAttention.forward_eager` (checks once per step, then the backend's ops);
+- `layer`: `NativeAttention.forward_eager` (checks once per step, then the step's `DecodeStep`
+  at decode-only steps, the backend's ops otherwise);
 - `op`: the custom op the compiled model calls, `torch.ops.atom.native_attention`.
 
 The modes alternate step by step; the median step over 30 layers is reported per layer, then a

@@ -12,7 +12,10 @@ per-tensor `k_scale` / `v_scale` (1.0, or the checkpoint's, handed over by `set_
 Under `torch.compile` (the engine compiles the model on the CPU) a `NativeAttention` layer is one
 opaque custom op, `atom::native_attention`: the graph holds the GEMMs, norms, rotary and
 activations around it, and the op reads the step's metadata from the forward context and writes
-the layer's cache at run time, as vLLM's `unified_attention` does.
+the layer's cache at run time, as vLLM's `unified_attention` does. On the CPU a decode-only step's
+layers share one plan (`atom_kernels.backends.cpu.decode_step.DecodeStep`, built by the step's
+first layer and kept in the metadata's `memo`): every later layer is two cache writes, two gathers
+and one fused attention call, with no per-layer checks.
 
 Where the kernel backend has its own `rotary_embedding_and_cache` (Triton), a layer also takes
 its model's rotary embedding (`takes_rope`, through `Attention.forward_rope`): it gets q and k
