@@ -1,7 +1,8 @@
 """On the CPU, the engine's unquantized float32 linear layers run on oneDNN-prepacked weights at
 the row counts of batched decode (`atom_kernels.backends.cpu.onednn_linear`; its NOTEs have the
 measurements), as vLLM's CPU worker prepacks its GEMM weights at load, and those whose K <= N on a
-transposed copy at 1 row. Other row counts keep `F.linear`. `ATOM_CPU_PACKED_LINEAR=0` keeps every layer on `atom_kernels.linear`.
+transposed copy at 1 row. Other row counts keep `F.linear`. `ATOM_CPU_PACKED_LINEAR=0` keeps every
+layer on `atom_kernels.linear`.
 """
 
 from __future__ import annotations
