@@ -19,6 +19,58 @@ def _normed(x, inv, w_ptrs, mask, dtype):
 
 
 @triton.jit
+def _load_heads(
+    x_row,
+    w_ptr,
+    eps,
+    head_mask,
+    head_dim,
+    rotary_dim,
+    stride_xd,
+    dtype_ptr,
+    IS_NEOX: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """A tile of heads (``x_row`` [BLOCK_H, 1] pointers, one per head) as fp32 rotation pairs:
+    (x1, x2) at dims (i1, i2) under ``mask``, and the pass-through dims ``rest`` at ``d`` under
+    ``keep`` (PARTIAL; otherwise x1 / i1 / mask stand in, unused). With HAS_NORM each head is
+    RMS-normalized first, rounding to ``dtype_ptr``'s element type as ``rms_norm`` does."""
+    half = rotary_dim // 2
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    if IS_NEOX:  # halves (x[i], x[i + R/2])
+        i1 = i
+        i2 = i + half
+    else:  # interleaved pairs (x[2i], x[2i + 1])
+        i1 = 2 * i
+        i2 = 2 * i + 1
+    mask = head_mask[:, None] & (i < half)
+    x1 = tl.load(x_row + i1 * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + i2 * stride_xd, mask=mask, other=0.0).to(tl.float32)
+    if PARTIAL:  # dims rotary_dim .. head_dim pass through (normalized when HAS_NORM)
+        d = tl.arange(0, BLOCK_D)[None, :]
+        keep = head_mask[:, None] & (d >= rotary_dim) & (d < head_dim)
+        rest = tl.load(x_row + d * stride_xd, mask=keep, other=0.0).to(tl.float32)
+    else:
+        d = i1
+        keep = mask
+        rest = x1
+    if HAS_NORM:
+        squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        if PARTIAL:
+            squares += tl.sum(rest * rest, axis=1)
+        inv = tl.rsqrt(squares / head_dim + eps)[:, None]
+        dtype = dtype_ptr.dtype.element_ty
+        x1 = _normed(x1, inv, w_ptr + i1, i < half, dtype)
+        x2 = _normed(x2, inv, w_ptr + i2, i < half, dtype)
+        if PARTIAL:
+            rest = _normed(rest, inv, w_ptr + d, (d >= rotary_dim) & (d < head_dim), dtype)
+    return x1, x2, i1, i2, mask, rest, d, keep
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr,
     out_ptr,
@@ -48,31 +100,10 @@ def _rotate_heads(
     head_mask = heads < num_heads
     x_row = x_ptr + token * stride_xt + heads[:, None] * stride_xh
     out_row = out_ptr + token * stride_ot + heads[:, None] * stride_oh
-    half = rotary_dim // 2
-    i = tl.arange(0, BLOCK_HALF)[None, :]
-    if IS_NEOX:  # halves (x[i], x[i + R/2])
-        i1 = i
-        i2 = i + half
-    else:  # interleaved pairs (x[2i], x[2i + 1])
-        i1 = 2 * i
-        i2 = 2 * i + 1
-    mask = head_mask[:, None] & (i < half)
-    x1 = tl.load(x_row + i1 * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + i2 * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    if PARTIAL:  # dims rotary_dim .. head_dim pass through (normalized when HAS_NORM)
-        d = tl.arange(0, BLOCK_D)[None, :]
-        keep = head_mask[:, None] & (d >= rotary_dim) & (d < head_dim)
-        rest = tl.load(x_row + d * stride_xd, mask=keep, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
-        if PARTIAL:
-            squares += tl.sum(rest * rest, axis=1)
-        inv = tl.rsqrt(squares / head_dim + eps)[:, None]
-        dtype = out_ptr.dtype.element_ty
-        x1 = _normed(x1, inv, w_ptr + i1, i < half, dtype)
-        x2 = _normed(x2, inv, w_ptr + i2, i < half, dtype)
-        if PARTIAL:
-            rest = _normed(rest, inv, w_ptr + d, (d >= rotary_dim) & (d < head_dim), dtype)
+    x1, x2, i1, i2, mask, rest, d, keep = _load_heads(
+        x_row, w_ptr, eps, head_mask, head_dim, rotary_dim, stride_xd, out_ptr,
+        IS_NEOX, PARTIAL, HAS_NORM, BLOCK_HALF, BLOCK_D,
+    )  # fmt: skip
     if PARTIAL:
         tl.store(out_row + d, rest, mask=keep)
     tl.store(out_row + i1, x1 * cos - x2 * sin, mask=mask)

@@ -19,7 +19,7 @@ import triton.language as tl
 from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.cache import _store_heads
 from atom_kernels.backends.triton.common import fp8_max, next_pow2, scale_args
-from atom_kernels.backends.triton.rotary import _normed
+from atom_kernels.backends.triton.rotary import _load_heads
 
 
 @triton.jit
@@ -70,30 +70,10 @@ def _rotate_store(
     x_row = x_ptr + token * stride_xt + heads[:, None] * stride_xh
     out_row = out_base + heads[:, None] * stride_oh
     dtype = x_ptr.dtype.element_ty
-    half = rotary_dim // 2
-    i = tl.arange(0, BLOCK_HALF)[None, :]
-    if IS_NEOX:  # halves (x[i], x[i + R/2])
-        i1 = i
-        i2 = i + half
-    else:  # interleaved pairs (x[2i], x[2i + 1])
-        i1 = 2 * i
-        i2 = 2 * i + 1
-    mask = head_mask[:, None] & (i < half)
-    x1 = tl.load(x_row + i1 * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + i2 * stride_xd, mask=mask, other=0.0).to(tl.float32)
-    if PARTIAL:  # dims rotary_dim .. head_dim pass through (normalized when HAS_NORM)
-        d = tl.arange(0, BLOCK_D)[None, :]
-        keep = head_mask[:, None] & (d >= rotary_dim) & (d < head_dim)
-        rest = tl.load(x_row + d * stride_xd, mask=keep, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
-        if PARTIAL:
-            squares += tl.sum(rest * rest, axis=1)
-        inv = tl.rsqrt(squares / head_dim + eps)[:, None]
-        x1 = _normed(x1, inv, w_ptr + i1, i < half, dtype)
-        x2 = _normed(x2, inv, w_ptr + i2, i < half, dtype)
-        if PARTIAL:
-            rest = _normed(rest, inv, w_ptr + d, (d >= rotary_dim) & (d < head_dim), dtype)
+    x1, x2, i1, i2, mask, rest, d, keep = _load_heads(
+        x_row, w_ptr, eps, head_mask, head_dim, rotary_dim, stride_xd, x_ptr,
+        IS_NEOX, PARTIAL, HAS_NORM, BLOCK_HALF, BLOCK_D,
+    )  # fmt: skip
     out_dtype = out_base.dtype.element_ty
     # Rounded to x's dtype first: what the unfused rotary hands the cache write.
     y1 = (x1 * cos - x2 * sin).to(dtype).to(tl.float32)
