@@ -262,6 +262,44 @@ def test_decode_split_merge_fused_and_separate(triton_backend, monkeypatch, feat
     assert_close(outs[True], outs[False], atol=1e-2, rtol=1e-2, name="fused vs separate")
 
 
+# (block_size, feature, num_splits, min_split_len): the decode kernel compiled for the page size
+# (shift and mask) over pages smaller than, as large as and larger than the 16-token KV tile; a
+# page size that is not a power of two falls back to the runtime division.
+PAGE_CONSTEXPR = [
+    (4, "causal", 1, None),
+    (16, "window_sinks", 4, 16),
+    (32, "sinks_softcap", 3, None),
+    (5, "window", 2, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("block_size", "feature", "num_splits", "min_split_len"),
+    PAGE_CONSTEXPR,
+    ids=[f"page{b}-{f}-{n}split" for b, f, n, _ in PAGE_CONSTEXPR],
+)
+def test_decode_page_constexpr(triton_backend, block_size, feature, num_splits, min_split_len):
+    from dataclasses import replace
+
+    attention = triton_backend.attention
+    seqs = [(5, 1), (40, 1), (100, 1), (16, 1), (190, 1), (33, 1)]
+    heads = (8, 2, 64, 64, block_size)
+    batch = PagedBatch(seqs, heads, torch.bfloat16, triton_backend.device, pad_rows=0, seed=14)
+    config = replace(
+        attention.default_config(64, torch.bfloat16, triton_backend.interpreted, 4),
+        decode_page_constexpr=True,
+    )
+    args = batch.args(FEATURES[feature])
+    out = torch.full_like(batch.query, float("nan"))
+    attention.paged_attention(
+        *args, out, max_query_len=1, num_splits=num_splits, min_split_len=min_split_len,
+        config=config,
+    )  # fmt: skip
+    expected = reference.paged_attention(*args, None)
+    atol, rtol = TOLERANCES[torch.bfloat16]
+    assert_close(out, expected, atol=atol, rtol=rtol, name="paged_attention")
+
+
 def test_prefill_only_batch_int64_metadata(triton_backend):
     seqs = [(30, 30), (45, 20), (18, 2)]
     batch = PagedBatch(
@@ -321,6 +359,13 @@ def test_choose_splits(triton_backend):
     else:
         assert choose(64, 8, 8192, 132, 64) == (1, 8192)
     assert choose(64, 8, large[1], 132, 64) == (1, large[1])
+    # Large-batch splits only below LARGE_BATCH_SPLITS_BELOW programs an SM.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "LARGE_BATCH_SPLITS", 4)
+        mp.setattr(attention, "LARGE_BATCH_SPLIT_TOKENS", 512)
+        mp.setattr(attention, "LARGE_BATCH_SPLITS_BELOW", 8)
+        assert choose(64, 8, 4096, 132, 64) == (4, 512)  # 3.9 programs an SM
+        assert choose(256, 8, 4096, 132, 128) == (1, 4096)  # 15.5
     assert choose(64, 8, 300, 132, 64) == (1, 320)
     # Batch 1 x 8 kv heads x 8K context on 132 SMs: 128-token splits, at most MAX_SPLITS (64);
     # at 4K, 32 such splits leave SMs idle: 64 splits of 64 tokens.

@@ -52,19 +52,31 @@ def fuse_decode_reduce(device: torch.device) -> bool:
     return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
 
+# ATOM_DECODE_PAGE_CONSTEXPR=1: default_config compiles the decode kernel for the page size
+# (AttentionConfig.decode_page_constexpr). Off by default.
+DECODE_PAGE_CONSTEXPR = os.environ.get("ATOM_DECODE_PAGE_CONSTEXPR", "0") == "1"
+
 # Programs the decode grid aims for, per SM: enough resident programs to cover memory latency.
 PROGRAMS_PER_SM = 2
 # From this many (sequence, kv head) programs an SM, the decode kernel takes the config's large
-# tiles (see default_config).
-LARGE_BATCH_PROGRAMS_PER_SM = 8
+# tiles (see default_config). ATOM_DECODE_LARGE_TILES_FROM overrides it (A/B runs).
+LARGE_BATCH_PROGRAMS_PER_SM = float(os.environ.get("ATOM_DECODE_LARGE_TILES_FROM", "8"))
 # A batch that fills the GPU may still split long contexts: each sequence into at most
-# LARGE_BATCH_SPLITS splits of at least LARGE_BATCH_SPLIT_TOKENS. Off (1): on one H100
+# LARGE_BATCH_SPLITS splits of at least LARGE_BATCH_SPLIT_TOKENS, when the batch has fewer than
+# LARGE_BATCH_SPLITS_BELOW (sequence, kv head) programs an SM. Off (1): on one H100
 # (benchmarks/tune_decode.py, results/tune-decode-large-batch-h100.json) 256 Qwen3-0.6B sequences
 # of 100-2048 tokens took 451 us unsplit, 438 / 442 / 447 us with 2 x 512 / 4 x 512 / 4 x 256
 # (2.6 TB/s unsplit: the uneven contexts leave no tail); 64 Llama-3-8B sequences of 4096 took
-# 364 us unsplit, 369-390 us split.
-LARGE_BATCH_SPLITS = 1
-LARGE_BATCH_SPLIT_TOKENS = 512
+# 364 us unsplit, 369-390 us split. ATOM_DECODE_LARGE_SPLITS / _SPLIT_TOKENS / _SPLITS_BELOW
+# override them (A/B runs; benchmarks/decode_sweep.py times the candidates).
+LARGE_BATCH_SPLITS = int(os.environ.get("ATOM_DECODE_LARGE_SPLITS", "1"))
+LARGE_BATCH_SPLIT_TOKENS = int(os.environ.get("ATOM_DECODE_LARGE_SPLIT_TOKENS", "512"))
+LARGE_BATCH_SPLITS_BELOW = float(os.environ.get("ATOM_DECODE_LARGE_SPLITS_BELOW", "inf"))
+if LARGE_BATCH_SPLITS < 1 or LARGE_BATCH_SPLIT_TOKENS < 1:
+    raise ValueError(
+        "ATOM_DECODE_LARGE_SPLITS and ATOM_DECODE_LARGE_SPLIT_TOKENS must be >= 1, got "
+        f"{LARGE_BATCH_SPLITS} and {LARGE_BATCH_SPLIT_TOKENS}"
+    )
 
 
 @dataclass(frozen=True)
@@ -94,6 +106,9 @@ class AttentionConfig:
     # A register cap for the prefill kernel (Triton's maxnreg; None: the compiler's choice): at
     # 8 warps, 128 registers let two programs share an SM (see default_config's NOTE).
     prefill_maxnreg: int | None = None
+    # The decode kernel compiled for the cache's page size (a power of two): a token's page and
+    # slot by shift and mask, not a runtime division per token row (DECODE_PAGE_CONSTEXPR).
+    decode_page_constexpr: bool = False
 
 
 # Triton >= 3.4 has tl.range(warp_specialize=...); the prefill kernel only names it when asked.
@@ -167,6 +182,14 @@ def default_config(
     decode step (contexts ~530) the 128-token tiles cost 3-4% (Qwen3 3.02 vs 2.90 ms): they run
     from LARGE_BATCH_PROGRAMS_PER_SM programs an SM (batch 256 x 8 kv heads), not at batch 64.
     """
+    config = _default_tiles(head_dim, dtype, interpreted, group)
+    return replace(config, decode_page_constexpr=DECODE_PAGE_CONSTEXPR)
+
+
+def _default_tiles(
+    head_dim: int, dtype: torch.dtype, interpreted: bool, group: int
+) -> AttentionConfig:
+    """default_config's tiles (see its NOTEs)."""
     if interpreted:  # small tiles: several KV tiles and query tiles even at test sizes
         return AttentionConfig(16, 16, 4, 1, 16, 4, 1, 4)
     block_d = next_pow2(head_dim, 16)
@@ -208,14 +231,16 @@ def choose_splits(
     8.8 / 8.9 / 9.1 us either way (32 splits). When even those programs leave SMs idle (batch 1),
     splits are halved once to 64 tokens: batch 1, 4096-token table, context 512 / 1024 / 2048:
     7.4 / 8.2 / 9.4 us with 64 splits. A batch that fills the GPU: LARGE_BATCH_SPLITS splits of
-    at least LARGE_BATCH_SPLIT_TOKENS.
+    at least LARGE_BATCH_SPLIT_TOKENS while it has fewer than LARGE_BATCH_SPLITS_BELOW programs
+    an SM, else none.
     """
     context = max(max_context, 1)
     programs = max(1, num_seqs * num_kv_heads)
     target = PROGRAMS_PER_SM * num_sms
     if programs >= target:
         split_len = triton.cdiv(LARGE_BATCH_SPLIT_TOKENS, block_n) * block_n
-        if LARGE_BATCH_SPLITS > 1 and context > split_len:
+        split = LARGE_BATCH_SPLITS > 1 and programs < LARGE_BATCH_SPLITS_BELOW * num_sms
+        if split and context > split_len:
             return min(LARGE_BATCH_SPLITS, triton.cdiv(context, split_len)), split_len
         return 1, triton.cdiv(context, block_n) * block_n
     num_splits = 1
@@ -370,6 +395,7 @@ def paged_attention(
     if num_splits > 1 and fuse_decode_reduce(query.device):
         counters = zeroed_counters(query.device, num_seqs * num_kv_heads)
     use_pdl = pdl.enabled(query.device)
+    page_constexpr = config.decode_page_constexpr and block_size & (block_size - 1) == 0
     decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         key_cache,
@@ -395,6 +421,7 @@ def paged_attention(
         BLOCK_G=next_pow2(group, 16),
         BLOCK_N=block_n,
         USE_PDL=use_pdl,
+        PAGE_SIZE=block_size if page_constexpr else 0,
         num_warps=num_warps,
         num_stages=num_stages,
         **flags,

@@ -55,13 +55,22 @@ def gather_kv(
     compute_dtype: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr = 0,
 ):
     """K [BLOCK_N, BLOCK_D] and V [BLOCK_N, BLOCK_DV] of ``tokens`` (positions in the sequence)
     through the block table; masked tokens and padded dims read as 0. fp8 entries are converted
-    (exactly) to ``compute_dtype``; their scales are applied by the caller."""
-    block = tl.load(block_table_ptr + tokens // block_size, mask=token_mask, other=0)
+    (exactly) to ``compute_dtype``; their scales are applied by the caller. ``PAGE_SIZE`` > 0 is
+    ``block_size`` as a compile-time power of two: the page and slot of a token are a shift and
+    a mask instead of a division by a runtime value per token row."""
+    if PAGE_SIZE > 0:
+        page = (tokens.to(tl.uint32) // PAGE_SIZE).to(tl.int32)  # tokens >= 0: a plain shift
+        slot = (tokens.to(tl.uint32) % PAGE_SIZE).to(tl.int32)
+    else:
+        page = tokens // block_size
+        slot = tokens % block_size
+    block = tl.load(block_table_ptr + page, mask=token_mask, other=0)
     block = block.to(tl.int64)
-    offset = (tokens % block_size).to(tl.int64)
+    offset = slot.to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     k_ptrs = (

@@ -94,6 +94,7 @@ def decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    PAGE_SIZE: tl.constexpr = 0,  # block_size as a constant (a power of two); 0: read at runtime
 ):
     # B = sequences, G = query heads per kv head; partials [B, H, num_splits(, BLOCK_DV)] fp32
     if USE_PDL:  # launched early behind the previous kernel (pdl.py): nothing read before this
@@ -137,7 +138,7 @@ def decode_kernel(
         k, v = gather_kv(
             k_cache_ptr, v_cache_ptr, block_table_ptr, tokens, token_mask, kv_head, head_dim,
             head_dim_v, block_size, stride_kb, stride_ks, stride_kh, stride_kd, stride_vb,
-            stride_vs, stride_vh, stride_vd, q.dtype, BLOCK_D, BLOCK_DV,
+            stride_vs, stride_vh, stride_vd, q.dtype, BLOCK_D, BLOCK_DV, PAGE_SIZE,
         )  # fmt: skip
         s = scores(q, k, qk_scale, softcap, HAS_SOFTCAP, PRECISION)
         s = tl.where(token_mask[None, :], s, float("-inf"))
