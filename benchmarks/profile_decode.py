@@ -63,9 +63,12 @@ def main() -> None:
         args.shape, max_num_seqs=max(8, args.batch_size), max_model_len=4096,
     )  # fmt: skip
     bs = args.batch_size
-    params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.steps + 8, ignore_eos=True
-    )
+    # Every sequence still decoding when profiled: the prompts prefill a step's token budget at a
+    # time while the first ones already decode (at batch 256 x 512 tokens, 64 steps of 2048: with
+    # steps + 8 outputs the first ~110 sequences had finished before the profile).
+    prefill_steps = -(-bs * args.prompt_len // engine.config.max_num_batched_tokens)
+    max_tokens = prefill_steps + args.steps + args.timeline_steps + 16
+    params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True)
     for i in range(bs):
         engine.add_request(str(i), [(7 * i + j) % 1000 for j in range(args.prompt_len)], params)
     while any(s.is_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
@@ -82,6 +85,7 @@ def main() -> None:
 
     runner = engine.runner
     graphs = runner.graphs
+    contexts = [len(seq) for seq in engine.scheduler.running]  # when the graph is timed
     size = next(b for b in graphs.sizes if b >= bs)
     graph, hidden = graphs.graphs[size]
     graph_ms = gpu_ms(graph.replay)
@@ -117,6 +121,8 @@ def main() -> None:
         "timeline": timeline,
         "shape": args.shape,
         "batch_size": bs,
+        "live_sequences": len(contexts),
+        "context_mean": sum(contexts) / max(len(contexts), 1),
         "step_ms": step_ms,
         "graph_ms": graph_ms,
         "tail_ms": tail_ms,
@@ -130,7 +136,8 @@ def main() -> None:
         "torch": torch.__version__,
     }
     print(
-        f"{args.shape} bs={bs}: step {step_ms:.3f} ms | graph {graph_ms:.3f} ms | "
+        f"{args.shape} bs={bs} ({len(contexts)} live, context {result['context_mean']:.0f}): "
+        f"step {step_ms:.3f} ms | graph {graph_ms:.3f} ms | "
         f"logits+argmax {tail_ms:.3f} ms | sample {sample_ms:.3f} ms | "
         f"eager forward {eager_ms:.3f} ms | "
         f"{result['num_kernels']} kernels, sum {result['kernel_sum_ms']:.3f} ms"
