@@ -191,6 +191,8 @@ def tile_config(base, tile):
         decode_num_warps=w,
         decode_num_stages=s,
         decode_num_warps_unsplit=w,
+        decode_block_n_unsplit=n,
+        decode_num_stages_unsplit=s,
         decode_block_n_large=n,
         decode_num_warps_large=w,
         decode_num_stages_large=s,
@@ -199,17 +201,7 @@ def tile_config(base, tile):
 
 def default_tile(base, programs_per_sm: float) -> tuple[int, int, int]:
     """The tile the launcher takes for a batch of this many programs an SM (see paged_attention)."""
-    from atom_kernels.backends.triton import attention
-
-    if programs_per_sm >= attention.LARGE_BATCH_PROGRAMS_PER_SM:
-        return (
-            base.decode_block_n_large or base.decode_block_n,
-            base.decode_num_warps_large or base.decode_num_warps_unsplit,
-            base.decode_num_stages_large or base.decode_num_stages,
-        )
-    if programs_per_sm >= attention.PROGRAMS_PER_SM:
-        return base.decode_block_n, base.decode_num_warps_unsplit, base.decode_num_stages
-    return base.decode_block_n, base.decode_num_warps, base.decode_num_stages
+    return base.decode_tile(programs_per_sm)
 
 
 def sweep_batch(batch: int, layers: int, bw: dict, quick: bool) -> list[dict]:

@@ -205,15 +205,7 @@ def _default_decode_tiles():
     """The (KV tile, warps, stages) paged_attention takes for Qwen3-0.6B heads (bf16, D = 128,
     group 2) when splitting, unsplit, and from LARGE_BATCH_PROGRAMS_PER_SM programs an SM."""
     c = attention.default_config(128, torch.bfloat16, False, 2)
-    return [
-        (c.decode_block_n, c.decode_num_warps, c.decode_num_stages),
-        (c.decode_block_n, c.decode_num_warps_unsplit, c.decode_num_stages),
-        (
-            c.decode_block_n_large or c.decode_block_n,
-            c.decode_num_warps_large or c.decode_num_warps_unsplit,
-            c.decode_num_stages_large or c.decode_num_stages,
-        ),
-    ]
+    return [c.decode_tile(0), c.decode_tile(attention.PROGRAMS_PER_SM), c.decode_tile(1e9)]
 
 
 @pytest.mark.parametrize("page_size", [0, 16])

@@ -381,6 +381,30 @@ def test_choose_splits(triton_backend):
     assert choose(4, 2, 100, 132, 16) == (1, 112)
 
 
+def test_decode_tile_regimes_and_env_tiles(triton_backend, monkeypatch):
+    """decode_tile by programs an SM (split / unsplit / large), and the A/B tiles read from the
+    environment: 'tokens,warps,stages', replacing only their regime's tile."""
+    from atom_kernels.backends.triton import attention_config as ac
+
+    config = ac.AttentionConfig(128, 64, 8, 2, 64, 4, 3, 2, 128, 4, 2)
+    assert config.decode_tile(0.5) == (64, 4, 3)
+    assert config.decode_tile(ac.PROGRAMS_PER_SM) == (64, 2, 3)
+    assert config.decode_tile(ac.LARGE_BATCH_PROGRAMS_PER_SM) == (128, 4, 2)
+    monkeypatch.setenv("ATOM_TEST_TILE", "32,2,4")
+    assert ac._env_tile("ATOM_TEST_TILE") == (32, 2, 4)
+    for bad in ("64,2", "a,b,c", "48,2,3", "64,0,3"):
+        monkeypatch.setenv("ATOM_TEST_TILE", bad)
+        with pytest.raises(ValueError, match="ATOM_TEST_TILE"):
+            ac._env_tile("ATOM_TEST_TILE")
+    monkeypatch.setattr(ac, "DECODE_UNSPLIT_TILE", (32, 2, 4))
+    monkeypatch.setattr(ac, "DECODE_LARGE_TILE", (64, 8, 2))
+    tuned = ac.default_config(128, torch.bfloat16, False, 2)
+    base = ac._default_tiles(128, torch.bfloat16, False, 2)
+    assert tuned.decode_tile(0.5) == base.decode_tile(0.5)
+    assert tuned.decode_tile(ac.PROGRAMS_PER_SM) == (32, 2, 4)
+    assert tuned.decode_tile(1e9) == (64, 8, 2)
+
+
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 def test_default_config(triton_backend, head_dim):
     config = triton_backend.attention.default_config(head_dim, torch.bfloat16, False)

@@ -10,15 +10,21 @@ one launch of programs that exit after reading query_start_loc.
 
 from __future__ import annotations
 
-import inspect
 import os
-from dataclasses import dataclass, replace
 
 import torch
 import triton
-import triton.language as tl
 
 from atom_kernels.backends.triton import pdl
+from atom_kernels.backends.triton.attention_config import (  # noqa: F401 (re-exported)
+    DECODE_PAGE_CONSTEXPR,
+    HAS_WARP_SPECIALIZE,
+    LARGE_BATCH_PROGRAMS_PER_SM,
+    PROGRAMS_PER_SM,
+    AttentionConfig,
+    default_config,
+    prefill_warp_specialize,
+)
 from atom_kernels.backends.triton.attention_decode import decode_kernel, decode_reduce_kernel
 from atom_kernels.backends.triton.attention_prefill import prefill_kernel
 from atom_kernels.backends.triton.common import (
@@ -52,15 +58,6 @@ def fuse_decode_reduce(device: torch.device) -> bool:
     return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
 
-# ATOM_DECODE_PAGE_CONSTEXPR=1: default_config compiles the decode kernel for the page size
-# (AttentionConfig.decode_page_constexpr). Off by default.
-DECODE_PAGE_CONSTEXPR = os.environ.get("ATOM_DECODE_PAGE_CONSTEXPR", "0") == "1"
-
-# Programs the decode grid aims for, per SM: enough resident programs to cover memory latency.
-PROGRAMS_PER_SM = 2
-# From this many (sequence, kv head) programs an SM, the decode kernel takes the config's large
-# tiles (see default_config). ATOM_DECODE_LARGE_TILES_FROM overrides it (A/B runs).
-LARGE_BATCH_PROGRAMS_PER_SM = float(os.environ.get("ATOM_DECODE_LARGE_TILES_FROM", "8"))
 # A batch that fills the GPU may still split long contexts: each sequence into at most
 # LARGE_BATCH_SPLITS splits of at least LARGE_BATCH_SPLIT_TOKENS, when the batch has fewer than
 # LARGE_BATCH_SPLITS_BELOW (sequence, kv head) programs an SM. Off (1): on one H100
@@ -77,141 +74,6 @@ if LARGE_BATCH_SPLITS < 1 or LARGE_BATCH_SPLIT_TOKENS < 1:
         "ATOM_DECODE_LARGE_SPLITS and ATOM_DECODE_LARGE_SPLIT_TOKENS must be >= 1, got "
         f"{LARGE_BATCH_SPLITS} and {LARGE_BATCH_SPLIT_TOKENS}"
     )
-
-
-@dataclass(frozen=True)
-class AttentionConfig:
-    """Tile sizes and launch options of the two attention kernels. The decode kernel runs with
-    ``decode_block_n`` / ``decode_num_warps`` / ``decode_num_stages`` when the batch leaves SMs
-    idle (splits add programs), with ``decode_num_warps_unsplit`` when the batch alone fills the
-    GPU, and with the ``_large`` tiles (None: the unsplit ones) from LARGE_BATCH_PROGRAMS_PER_SM
-    programs an SM."""
-
-    prefill_block_m: int
-    prefill_block_n: int
-    prefill_num_warps: int
-    prefill_num_stages: int
-    decode_block_n: int
-    decode_num_warps: int
-    decode_num_stages: int
-    decode_num_warps_unsplit: int
-    decode_block_n_large: int | None = None
-    decode_num_warps_large: int | None = None
-    decode_num_stages_large: int | None = None
-    # Prefill query tiles in reverse order (heaviest causal tiles first; see attention_prefill).
-    prefill_heavy_first: bool = True
-    # The prefill's unmasked KV loop as tl.range(warp_specialize=True), where this Triton has it
-    # and the inputs are 16-bit (see prefill_warp_specialize). Off: see the NOTE there.
-    prefill_warp_specialize: bool = False
-    # A register cap for the prefill kernel (Triton's maxnreg; None: the compiler's choice): at
-    # 8 warps, 128 registers let two programs share an SM (see default_config's NOTE).
-    prefill_maxnreg: int | None = None
-    # The decode kernel compiled for the cache's page size (a power of two): a token's page and
-    # slot by shift and mask, not a runtime division per token row (DECODE_PAGE_CONSTEXPR).
-    decode_page_constexpr: bool = False
-
-
-# Triton >= 3.4 has tl.range(warp_specialize=...); the prefill kernel only names it when asked.
-HAS_WARP_SPECIALIZE = "warp_specialize" in inspect.signature(tl.range.__init__).parameters
-
-
-def prefill_warp_specialize(config: AttentionConfig, dtype: torch.dtype, interpreted: bool) -> bool:
-    """Whether the prefill launch warp-specializes its unmasked loop: asked for by the config,
-    supported by this Triton, 16-bit inputs (triton 3.6's pass asserts on fp32 tiles), compiled.
-
-    NOTE (sm_90 TTGIR from an AOT compile, triton 3.9, bf16 128x128 / 8 warps): the loop keeps
-    its ``tt.warp_specialize`` attribute but no ``ttg.warp_specialize`` partitions are made, and
-    the cubin has the plain loop's 255 registers and 160 KB shared: on Hopper, with gathered
-    (cp.async, not TMA) K/V the pass does nothing. benchmarks/tune_prefill.py --compare times
-    it on the GPU's own Triton.
-    """
-    return (
-        config.prefill_warp_specialize
-        and HAS_WARP_SPECIALIZE
-        and not interpreted
-        and dtype in (torch.float16, torch.bfloat16)
-    )
-
-
-def default_config(
-    head_dim: int, dtype: torch.dtype, interpreted: bool, group: int = 1
-) -> AttentionConfig:
-    """Tiles for a head dim (padded to a power of two), the query dtype and the GQA group size.
-
-    NOTE: registers / spills from sm_90 cubins (triton 3.9 AOT builds, read with cuobjdump):
-    bf16, D=128: prefill 128x64 / 8 warps takes 222 registers, decode with a 64-token tile 134
-    (179 at 2 warps), none spills; 64x64 / 4 warps prefill spills at D=128. Timings on one H200
-    (triton 3.6, torch 2.11, CUDA-graph medians, Llama-3-8B heads, bf16): prefill 2K causal
-    128x64/8w/3 stages 185 us vs 196 us at 2 stages and 219 us at 64x64/4w; 2K over a 6K prefix
-    925 vs 1007 us. Decode B=64 x 4K (no split) 274 us at 2 warps vs 358 us at 4; B=8 x 4K
-    (5 splits) 52 us at 4 warps vs 59 us at 2; B=1 x 1K 9.8 us with 128-token splits vs 13.7 us
-    with 256. fp32 queries keep IEEE fp32 dots, which run on the FMA units and spill at larger
-    tiles, so they get small ones (fp32 is for tests, not speed). Decode groups of >= 64 heads
-    shrink the KV tile.
-
-    NOTE (after the prefill rewrite: page ids carried one tile ahead, FMA-scaled exp2; sm_90
-    cubins, bf16, D=128, no spills at triton 3.6 / 3.9): prefill 128x64/8w/3 stages 202 / 176
-    registers with three K/V buffers (128 KB shared); 128x128/8w 254-255 registers, 160 KB at 2
-    stages, 224 KB at 3. benchmarks/tune_prefill.py sweeps these on the GPU. On one H100 (triton
-    3.6, torch 2.11, CUDA graphs, 32 / 8 heads, bf16, 2026-11-22): 4K causal 128x128/8w/2 stages
-    364 TFLOP/s, 128x64/8w/3 350, 64x64/4w/3 329; 2K causal 299 / 293 / 306
-    (benchmarks/results/tune-prefill-h100.json).
-
-    NOTE (why the 8-warp tiles run one program an SM; sm_90 cubins, triton 3.9 AOT, bf16, D=128,
-    read with cuobjdump): 128x128/8w/2 stages takes 255 registers and 160 KB shared, 128x64/8w/2
-    194 registers, so one 256-thread program an SM, whose two warpgroups meet at a barrier every
-    KV tile (the cp.async wait): softmax and MMA of the SM do not overlap. With 2 stages the K/V
-    copies of tile i+1 are issued at the end of tile i and waited for at the top of i+1 (async_wait
-    num=0): their latency is covered by the PV product only. 128x32/8w/3 or 4 stages fit 128
-    registers (prefill_maxnreg=128) with no spill inside the KV loops (the 10 spilled registers
-    are loads and stores outside them) in 80 / 96 KB shared: two programs an SM, out of step.
-    128x64/8w/2 at 128 registers spills inside the loops (5 and 25 LDL/STL) at triton 3.9.
-
-    NOTE (benchmarks/tune_prefill.py --compare, one H100, triton 3.6, torch 2.11, 32 / 8 heads,
-    bf16, D=128, 2026-11-24, results/s10-h100/tune-prefill-compare.json; every launch checked
-    against the reference): 128x64/8w/2 stages capped at 128 registers (two programs an SM) is
-    the fastest of 12: 4K causal 406 TFLOP/s against 366 for the former default 128x128/8w/2,
-    2K causal 357 / 301, 4K over a 6K prefix 428 / 392. 128x32/8w at 128 registers: 348-364
-    (4K); warp specialization changes nothing (Hopper: no partitions made).
-
-    NOTE (benchmarks/tune_decode.py --large-tiles, one H100, triton 3.6, 2026-11-22,
-    results/tune-decode-large-tiles-h100.json): unsplit batches, D=128: 128-token KV tiles, 4
-    warps, 2 stages (128 KB shared) against 64 / 2 warps / 3 stages: 256 Qwen3-0.6B sequences
-    of 100-2048 tokens 396 vs 428 us, 256 Llama-3-8B of 512-768 241 vs 245 us, 64 Llama-3-8B of
-    1024 97 vs 96 us (3 stages: 389 / 239 / 96 us, 192 KB shared); in the engine's batch-64
-    decode step (contexts ~530) the 128-token tiles cost 3-4% (Qwen3 3.02 vs 2.90 ms): they run
-    from LARGE_BATCH_PROGRAMS_PER_SM programs an SM (batch 256 x 8 kv heads), not at batch 64.
-    """
-    config = _default_tiles(head_dim, dtype, interpreted, group)
-    return replace(config, decode_page_constexpr=DECODE_PAGE_CONSTEXPR)
-
-
-def _default_tiles(
-    head_dim: int, dtype: torch.dtype, interpreted: bool, group: int
-) -> AttentionConfig:
-    """default_config's tiles (see its NOTEs)."""
-    if interpreted:  # small tiles: several KV tiles and query tiles even at test sizes
-        return AttentionConfig(16, 16, 4, 1, 16, 4, 1, 4)
-    block_d = next_pow2(head_dim, 16)
-    if dtype == torch.float32:
-        return AttentionConfig(32, 16, 4, 2, 32, 4, 2, 4)
-    if block_d <= 64:
-        config = AttentionConfig(64, 64, 4, 3, 64, 4, 3, 2)
-    elif block_d <= 128:
-        config = AttentionConfig(128, 64, 8, 2, 64, 4, 3, 2, 128, 4, 2, prefill_maxnreg=128)
-    else:
-        config = AttentionConfig(64, 32, 8, 2, 32, 4, 2, 4)
-    block_g = next_pow2(group, 16)
-    if block_g >= 64:
-        decode_block_n = 16 if block_g >= 128 else 32
-        config = replace(
-            config,
-            decode_block_n=min(config.decode_block_n, decode_block_n),
-            decode_block_n_large=min(config.decode_block_n, decode_block_n),
-            decode_num_warps_unsplit=4,
-            decode_num_warps_large=4,
-        )
-    return config
 
 
 def choose_splits(
@@ -361,15 +223,7 @@ def paged_attention(
 
     max_context = max(block_tables.shape[1] * block_size, 1)
     programs_per_sm = num_seqs * num_kv_heads / num_sms(query.device)
-    block_n, num_warps, num_stages = (
-        config.decode_block_n, config.decode_num_warps, config.decode_num_stages
-    )  # fmt: skip
-    if programs_per_sm >= LARGE_BATCH_PROGRAMS_PER_SM:
-        block_n = config.decode_block_n_large or block_n
-        num_warps = config.decode_num_warps_large or config.decode_num_warps_unsplit
-        num_stages = config.decode_num_stages_large or num_stages
-    elif programs_per_sm >= PROGRAMS_PER_SM:  # the batch alone fills the GPU: no split
-        num_warps = config.decode_num_warps_unsplit
+    block_n, num_warps, num_stages = config.decode_tile(programs_per_sm)
     if num_splits is None:
         num_splits, min_split_len = choose_splits(
             num_seqs, num_kv_heads, max_context, num_sms(query.device), block_n
