@@ -23,7 +23,7 @@ the default split policy; the best two tiles with each split policy of SPLITS (n
 min_split_len); the best row so far compiled for the page size (``decode_page_constexpr``: page
 and slot by shift and mask); the default with the rows sorted longest first (what a tail of
 uneven programs costs) and over shuffled pages. Every row's output is checked against the torch
-reference.
+reference. ``--heads 32/8 --context 4096``: Llama-3-8B heads, every sequence at one context.
 """
 
 from __future__ import annotations
@@ -62,8 +62,11 @@ SPLITS = ((1, None), (2, 512), (4, 512), (4, 256), (8, 256), (8, 128), (32, 128)
 ATOL = 2e-2
 
 
-def step_contexts(batch: int) -> list[tuple[int, int]]:
-    """(prompt, context) of the sequences alive at the workload's first step with <= batch."""
+def step_contexts(batch: int, context: int | None = None) -> list[tuple[int, int]]:
+    """(prompt, context) of the sequences alive at the workload's first step with <= batch, or
+    ``batch`` sequences of ``context`` tokens (their last 64 decoded)."""
+    if context:
+        return [(max(1, context - 64), context)] * batch
     pairs = workload("nanovllm", 256)
     t = (
         50
@@ -204,11 +207,11 @@ def default_tile(base, programs_per_sm: float) -> tuple[int, int, int]:
     return base.decode_tile(programs_per_sm)
 
 
-def sweep_batch(batch: int, layers: int, bw: dict, quick: bool) -> list[dict]:
+def sweep_batch(batch: int, layers: int, bw: dict, quick: bool, context=None) -> list[dict]:
     from atom_kernels.backends.triton import attention
     from atom_kernels.backends.triton.common import num_sms
 
-    alive = step_contexts(batch)
+    alive = step_contexts(batch, context)
     prompts, contexts = [p for p, _ in alive], [c for _, c in alive]
     calls, expected = make_calls(prompts, contexts, layers, shuffle=False)
     kv_bytes = sum(contexts) * NUM_KV_HEADS * HEAD_DIM * 2 * 2
@@ -289,13 +292,17 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--layers", type=int, default=4, help="launches (caches) per timed call")
     parser.add_argument("--quick", action="store_true", help="fewer tiles and splits")
+    parser.add_argument("--heads", default="16/8", help="query / kv heads (32/8: Llama-3-8B)")
+    parser.add_argument("--context", type=int, help="every sequence at this context instead")
     args = parser.parse_args()
+    global NUM_HEADS, NUM_KV_HEADS
+    NUM_HEADS, NUM_KV_HEADS = (int(x) for x in args.heads.split("/"))
     t0 = time.perf_counter()
     bw = bandwidths()
     print(f"copy {bw['copy_GBps']:.0f} GB/s, read {bw['read_GBps']:.0f} GB/s", flush=True)
     rows = []
     for batch in map(int, args.batches.split(",")):
-        rows += sweep_batch(batch, args.layers, bw, args.quick)
+        rows += sweep_batch(batch, args.layers, bw, args.quick, args.context)
         Path(args.out).write_text(json.dumps(dict(bandwidth=bw, rows=rows), indent=2))
     best = {}
     for row in rows:
@@ -324,6 +331,8 @@ def main() -> None:
         torch=torch.__version__,
         triton=__import__("triton").__version__,
         layers=args.layers,
+        heads=args.heads,
+        context=args.context,
         bandwidth=bw,
         summary=summary,
         rows=rows,

@@ -403,6 +403,10 @@ def test_decode_tile_regimes_and_env_tiles(triton_backend, monkeypatch):
     assert tuned.decode_tile(0.5) == base.decode_tile(0.5)
     assert tuned.decode_tile(ac.PROGRAMS_PER_SM) == (32, 2, 4)
     assert tuned.decode_tile(1e9) == (64, 8, 2)
+    monkeypatch.setattr(ac, "DECODE_SPLIT_TILE", (16, 2, 3))
+    tuned = ac.default_config(128, torch.bfloat16, False, 2)
+    assert tuned.decode_tile(0.5) == (16, 2, 3)
+    assert tuned.decode_tile(ac.PROGRAMS_PER_SM) == (32, 2, 4)
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])

@@ -13,9 +13,10 @@ import triton.language as tl
 
 from atom_kernels.backends.triton.common import next_pow2
 
-# ATOM_DECODE_PAGE_CONSTEXPR=1: default_config compiles the decode kernel for the page size
-# (AttentionConfig.decode_page_constexpr). Off by default.
-DECODE_PAGE_CONSTEXPR = os.environ.get("ATOM_DECODE_PAGE_CONSTEXPR", "0") == "1"
+# default_config compiles the decode kernel for the page size (AttentionConfig.
+# decode_page_constexpr; ATOM_DECODE_PAGE_CONSTEXPR=0: off, for A/B runs). On: 3-4% at every
+# batch of benchmarks/decode_sweep.py (see default_config's last NOTE).
+DECODE_PAGE_CONSTEXPR = os.environ.get("ATOM_DECODE_PAGE_CONSTEXPR", "1") != "0"
 
 
 def _env_tile(name: str) -> tuple[int, int, int] | None:
@@ -33,17 +34,20 @@ def _env_tile(name: str) -> tuple[int, int, int] | None:
     return block_n, num_warps, num_stages
 
 
-# ATOM_DECODE_UNSPLIT_TILE / ATOM_DECODE_LARGE_TILE="tokens,warps,stages": the decode tiles of
-# 16-bit batches that fill the GPU unsplit / from LARGE_BATCH_PROGRAMS_PER_SM programs an SM, in
-# place of default_config's (A/B runs; benchmarks/decode_sweep.py times candidates).
+# ATOM_DECODE_SPLIT_TILE / _UNSPLIT_TILE / _LARGE_TILE="tokens,warps,stages": the decode tiles of
+# 16-bit batches that are split / fill the GPU unsplit / have LARGE_BATCH_PROGRAMS_PER_SM
+# programs an SM, in place of default_config's (A/B runs; benchmarks/decode_sweep.py times
+# candidates).
+DECODE_SPLIT_TILE = _env_tile("ATOM_DECODE_SPLIT_TILE")
 DECODE_UNSPLIT_TILE = _env_tile("ATOM_DECODE_UNSPLIT_TILE")
 DECODE_LARGE_TILE = _env_tile("ATOM_DECODE_LARGE_TILE")
 
 # Programs the decode grid aims for, per SM: enough resident programs to cover memory latency.
 PROGRAMS_PER_SM = 2
 # From this many (sequence, kv head) programs an SM, the decode kernel takes the config's large
-# tiles (see default_config). ATOM_DECODE_LARGE_TILES_FROM overrides it (A/B runs).
-LARGE_BATCH_PROGRAMS_PER_SM = float(os.environ.get("ATOM_DECODE_LARGE_TILES_FROM", "8"))
+# tiles (see default_config's last NOTE: 5 was 8). ATOM_DECODE_LARGE_TILES_FROM overrides it
+# (A/B runs).
+LARGE_BATCH_PROGRAMS_PER_SM = float(os.environ.get("ATOM_DECODE_LARGE_TILES_FROM", "5"))
 
 
 @dataclass(frozen=True)
@@ -168,9 +172,28 @@ def default_config(
     1024 97 vs 96 us (3 stages: 389 / 239 / 96 us, 192 KB shared); in the engine's batch-64
     decode step (contexts ~530) the 128-token tiles cost 3-4% (Qwen3 3.02 vs 2.90 ms): they run
     from LARGE_BATCH_PROGRAMS_PER_SM programs an SM (batch 256 x 8 kv heads), not at batch 64.
+
+    NOTE (benchmarks/decode_sweep.py, one H100, triton 3.6, 2026-11-24,
+    results/s12-h100/decode-sweep-call1.json; Qwen3-0.6B heads, D=128, the nano-vllm workload's
+    decode steps, 4 layers a timed graph, every row checked against the reference; % of the
+    copy bandwidth, 3,012 GB/s): the former defaults (split 64/4w/3, unsplit 64/2w/3, large
+    128/4w/2 from 8 programs an SM) against the best rows, page size as a constant included:
+    batch 256 243.8 -> 233.0 us (90 -> 94%, 128/4w/3), 192 256.3 -> 246.6, 128 232.2 -> 210.3
+    (84 -> 93%, 128/4w/3: 7.8 programs an SM ran the 64-token tiles), 95 210.3 -> 178.1 (78 ->
+    92%), 64 139.3 -> 128.1 (84 -> 91%, 64/4w/2), 32 83.8 -> 76.4 (77 -> 84%, 64/4w/2 split),
+    16 46.4 -> 42.1 (71 -> 78%). The page-size constant alone: 2.5-4% (same config timed
+    again). Splitting batches of >= 64 sequences costs 1-50%; sorting the rows longest first
+    would win 3-4% at 192-256 (not done: the order is the scheduler's). Hence the 64/4w/2 split
+    and unsplit tiles, 128/4w/3 large tiles from 5 programs an SM (batch >= 83 at 8 kv heads:
+    64 sequences ran best on 64-token tiles, 95 on 128). (sm_90 cubins, triton 3.9 AOT, with
+    the launch's 16-aligned head dim and page size: 128/4w/3 74 KB shared, 138 registers;
+    64/4w/2 39 KB, 96; without that alignment the K/V loads are 2-byte LDGs, not cp.async.)
     """
     config = _default_tiles(head_dim, dtype, interpreted, group)
     if not interpreted and dtype in (torch.float16, torch.bfloat16):
+        if DECODE_SPLIT_TILE:
+            n, w, s = DECODE_SPLIT_TILE
+            config = replace(config, decode_block_n=n, decode_num_warps=w, decode_num_stages=s)
         if DECODE_UNSPLIT_TILE:
             n, w, s = DECODE_UNSPLIT_TILE
             config = replace(
@@ -197,7 +220,7 @@ def _default_tiles(
     if block_d <= 64:
         config = AttentionConfig(64, 64, 4, 3, 64, 4, 3, 2)
     elif block_d <= 128:
-        config = AttentionConfig(128, 64, 8, 2, 64, 4, 3, 2, 128, 4, 2, prefill_maxnreg=128)
+        config = AttentionConfig(128, 64, 8, 2, 64, 4, 2, 4, 128, 4, 3, prefill_maxnreg=128)
     else:
         config = AttentionConfig(64, 32, 8, 2, 32, 4, 2, 4)
     block_g = next_pow2(group, 16)
