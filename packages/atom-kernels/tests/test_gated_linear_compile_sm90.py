@@ -33,7 +33,13 @@ ALIGNED = {
 
 
 def _compile(
-    num_rows: int, k: int, has_bias: bool, has_norm: bool, gated: bool = True, residual=None
+    num_rows: int,
+    k: int,
+    has_bias: bool,
+    has_norm: bool,
+    gated: bool = True,
+    residual=None,
+    one_pass: bool = False,
 ):
     kernel = gated_linear._gated_skinny_kernel
     config = gated_linear.default_config(num_rows, interpreted=False, gated=gated, k=k)
@@ -51,6 +57,7 @@ def _compile(
         USE_PDL=False,  # with it: test_pdl_compile_sm90.py
         LINE=64,
         LINES=8,
+        ONE_PASS=one_pass,
     )
     signature = {
         name: "constexpr"
@@ -93,8 +100,18 @@ def test_gated_skinny_kernel_compiles_for_sm90(num_rows, k, has_bias, has_norm):
         assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
 
 
+@pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("has_residual", [True, False])
-def test_norm_linear_kernel_compiles_for_sm90(has_residual):
+def test_norm_linear_kernel_compiles_for_sm90(has_residual, one_pass):
     # The input norm + QKV projection at one row (the first layer has no residual yet).
-    kernel = _compile(1, 1024, False, True, gated=False, residual=has_residual)
+    kernel = _compile(1, 1024, False, True, gated=False, residual=has_residual, one_pass=one_pass)
     assert 0 < len(kernel.asm["cubin"]) and "ld.global.v4.b32" in kernel.asm["ptx"]
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_one_pass_norm_compiles_for_sm90_at_hidden_4096(gated):
+    # Llama-3-8B's post-attention norm + gate/up and input norm + QKV with the norm's statistics
+    # in the GEMM's loop (ATOM_NORM_ONE_PASS), at one row.
+    kernel = _compile(1, 4096, False, True, gated=gated, one_pass=True)
+    assert kernel.metadata.shared <= H100_SHARED_BYTES
+    assert "ld.global.v4.b32" in kernel.asm["ptx"]

@@ -78,14 +78,15 @@ def test_skinny_kernel(use_pdl, num_rows):
 
 
 @pytest.mark.parametrize("use_pdl", [True, False])
-@pytest.mark.parametrize("has_norm", [True, False])
-def test_gated_skinny_kernel(use_pdl, has_norm):
-    # Qwen3-0.6B's gate/up at one row (with the post-attention norm in front, or not).
+@pytest.mark.parametrize(("has_norm", "one_pass"), [(True, False), (True, True), (False, False)])
+def test_gated_skinny_kernel(use_pdl, has_norm, one_pass):
+    # Qwen3-0.6B's gate/up at one row (with the post-attention norm in front, two passes or one,
+    # or not).
     config = gated_linear.default_config(1, interpreted=False, gated=True, k=1024)
     constexprs = dict(
         GATED=True, HAS_BIAS=False, HAS_NORM=has_norm, HAS_RESIDUAL=has_norm, USE_DOT=False,
         EVEN_K=True, BLOCK_M=1, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        USE_PDL=use_pdl, LINE=64, LINES=8,
+        USE_PDL=use_pdl, LINE=64, LINES=8, ONE_PASS=one_pass,
     )  # fmt: skip
     aligned = GEMM_ALIGNED | {"res_ptr", "norm_w_ptr", "res_out_ptr", "stride_rm", "stride_rom"}
     kernel = _compile(

@@ -120,10 +120,13 @@ def _expected_norm(x, residual, norm_weight, eps, w, b):
     return _expected(normed, w, b), new_residual
 
 
+@pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("config", CONFIGS[:3], ids=_config_id)
 @pytest.mark.parametrize("shape", [(1, 48, 64), (1, 37, 100), (3, 24, 96), (5, 123, 123)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_norm_gated_skinny_linear(triton_backend, dtype, shape, config):
+def test_norm_gated_skinny_linear(triton_backend, monkeypatch, dtype, shape, config, one_pass):
+    # one_pass (ATOM_NORM_ONE_PASS): one row without dots takes the statistics in the GEMM's loop
+    monkeypatch.setattr(gated_linear, "NORM_ONE_PASS", one_pass)
     rows, n, k = shape
     tol = _tolerance(dtype, rows > 1 or config.use_dot)
     x, w, b = _inputs(rows, n, k, dtype, triton_backend.device, True)
@@ -163,11 +166,15 @@ def test_where_the_fused_norm_runs(monkeypatch):
     assert not takes(1, k=4096)  # wide rows: measured slower (Llama-3-8B)
 
 
+@pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("has_residual", [True, False])
 @pytest.mark.parametrize("config", CONFIGS[:3], ids=_config_id)
 @pytest.mark.parametrize("shape", [(1, 48, 64), (1, 37, 100), (3, 24, 96), (5, 123, 123)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_norm_skinny_linear(triton_backend, dtype, shape, config, has_residual):
+def test_norm_skinny_linear(
+    triton_backend, monkeypatch, dtype, shape, config, has_residual, one_pass
+):
+    monkeypatch.setattr(gated_linear, "NORM_ONE_PASS", one_pass)
     rows, n, k = shape
     tol = _tolerance(dtype, rows > 1 or config.use_dot)
     x, w, b = _inputs(rows, n, k, dtype, triton_backend.device, True)

@@ -49,6 +49,8 @@ from atom_kernels.backends.triton.linear import SKINNY_MAX_ROWS, SkinnyConfig
 ENABLED = os.environ.get("ATOM_FUSED_GATE_UP", "1") != "0"
 NORM_ENABLED = os.environ.get("ATOM_FUSED_NORM_GATE_UP", "1") != "0"
 NORM_LINEAR_ENABLED = os.environ.get("ATOM_FUSED_NORM_QKV", "1") != "0"
+# One row: the norm's statistics in the GEMM's loop, its scale after it (ONE_PASS in the kernel).
+NORM_ONE_PASS = os.environ.get("ATOM_NORM_ONE_PASS", "0") == "1"
 
 
 @triton.jit
@@ -81,6 +83,7 @@ def _gated_skinny_kernel(
     USE_PDL: tl.constexpr = False,
     LINE: tl.constexpr = 64,
     LINES: tl.constexpr = 8,
+    ONE_PASS: tl.constexpr = False,
 ):
     # M = rows of x (<= BLOCK_M), N = output features (GATED: W has 2N rows, gate then up),
     # K = input features
@@ -103,19 +106,25 @@ def _gated_skinny_kernel(
     if HAS_NORM:
         # (x + residual), RMS-normalized with rms_norm's roundings, is the GEMM's input. Every
         # program walks the rows once for their statistics; program 0 writes x + residual.
+        # ONE_PASS (one row, no dot): the statistics accumulate in the GEMM's own loop and the
+        # row's scale 1 / rms multiplies the sums at the end (W (g * x) / rms = W (g * x / rms)),
+        # so the weight stream starts at once; the normed operand is not rounded to x's dtype.
         r_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :]
         ro_ptrs = res_out_ptr + offs_m[:, None] * stride_rom + offs_k[None, :]
-        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            mask = m_mask[:, None] & ((k + offs_k) < K)[None, :]
-            x = tl.load(x_ptrs + k, mask=mask, other=0.0)
-            s = x.to(tl.float32)
-            if HAS_RESIDUAL:
-                r = tl.load(r_ptrs + k, mask=mask, other=0.0)
-                s = (s + r.to(tl.float32)).to(x.dtype).to(tl.float32)
-            squares += tl.sum(s * s, axis=1)
-        inv = tl.rsqrt(squares / K + eps)[:, None]  # [BLOCK_M, 1]
         is_first = (offs_m[:, None] * 0 + pid) == 0
+        if ONE_PASS:
+            squares2 = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        else:
+            squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                mask = m_mask[:, None] & ((k + offs_k) < K)[None, :]
+                x = tl.load(x_ptrs + k, mask=mask, other=0.0)
+                s = x.to(tl.float32)
+                if HAS_RESIDUAL:
+                    r = tl.load(r_ptrs + k, mask=mask, other=0.0)
+                    s = (s + r.to(tl.float32)).to(x.dtype).to(tl.float32)
+                squares += tl.sum(s * s, axis=1)
+            inv = tl.rsqrt(squares / K + eps)[:, None]  # [BLOCK_M, 1]
     if USE_DOT:
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if GATED:
@@ -145,8 +154,13 @@ def _gated_skinny_kernel(
                 r_ptrs += BLOCK_K
                 ro_ptrs += BLOCK_K
             nw = tl.load(norm_w_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0)
-            normed = (x.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
-            x = (nw.to(tl.float32)[None, :] * normed).to(x.dtype)
+            if ONE_PASS:
+                s = x.to(tl.float32)  # (x + residual) in x's dtype, as rms_norm squares it
+                squares2 += s * s
+                x = nw.to(tl.float32)[None, :] * s  # fp32: the no-dot path's operand dtype
+            else:
+                normed = (x.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
+                x = (nw.to(tl.float32)[None, :] * normed).to(x.dtype)
         if USE_DOT:
             acc_g = tl.dot(x, tl.trans(g), acc_g)
             if GATED:
@@ -164,6 +178,11 @@ def _gated_skinny_kernel(
         acc_g = tl.reshape(tl.sum(acc_g2, axis=1), [BLOCK_M, BLOCK_N])
         if GATED:
             acc_u = tl.reshape(tl.sum(acc_u2, axis=1), [BLOCK_M, BLOCK_N])
+    if HAS_NORM and ONE_PASS:
+        inv = tl.rsqrt(tl.sum(squares2, axis=1) / K + eps)[:, None]  # [BLOCK_M, 1]
+        acc_g = acc_g * inv
+        if GATED:
+            acc_u = acc_u * inv
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -311,6 +330,7 @@ def _launch(x, norm, weight, bias, config, gated: bool):
         USE_PDL=use_pdl,
         LINE=pdl.line_elements(weight),
         LINES=pdl.PREFETCH_LINES,
+        ONE_PASS=norm is not None and not use_dot and NORM_ONE_PASS,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
@@ -330,7 +350,8 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # NOTE (engine_bench.py decode, one H100, triton 3.6, 2026-11-24, results/s10-h100/decode-*,
 # two alternating rounds): all three fusions took Qwen3-0.6B's (hidden 1024) batch-1 step from
 # 1.42 to 1.32-1.34 ms, but Llama-3-8B's (hidden 4096) from 6.15 to 6.48-6.49 ms.
-NORM_MAX_FEATURES = 2048
+# ATOM_NORM_MAX_FEATURES overrides it (A/B at hidden 4096 with PDL and ATOM_NORM_ONE_PASS).
+NORM_MAX_FEATURES = int(os.environ.get("ATOM_NORM_MAX_FEATURES", "2048"))
 
 
 def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
