@@ -200,3 +200,17 @@ def test_bad_arguments():
         ak.sample(logits[0], temperature, top_k, top_p, min_p)
     with pytest.raises(ValueError, match="sample: num_logprobs"):
         ak.sample(logits, temperature, top_k, top_p, min_p, num_logprobs=-1)
+
+
+def test_greedy_argmax_is_torch_argmax_and_checks_out():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie: the lower id
+    assert torch.equal(ak.greedy_argmax(logits), logits.argmax(dim=-1))
+    out = torch.empty(3, dtype=torch.int64)
+    assert ak.greedy_argmax(logits, out) is out and out[1] == 7
+    with pytest.raises(ValueError, match="out"):
+        ak.greedy_argmax(logits, torch.empty(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out"):
+        ak.greedy_argmax(logits, torch.empty(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="logits"):
+        ak.greedy_argmax(logits[0])

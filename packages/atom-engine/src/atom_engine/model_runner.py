@@ -191,7 +191,7 @@ class ModelRunner:
         for rows in (1, 2, max(1, self.config.max_num_seqs)):
             hidden = torch.zeros(rows, self.hidden_size, dtype=self.dtype, device=self.device)
             logits = self.model.compute_logits(hidden)
-            logits.argmax(dim=-1)
+            atom_kernels.greedy_argmax(logits)
             temperature = torch.ones(rows, device=self.device)
             atom_kernels.sample(logits, temperature, None, None, None)
         torch.cuda.synchronize(self.device)
@@ -405,7 +405,7 @@ class ModelRunner:
             hidden = self._execute(inputs)
             if n:
                 (logits,) = self._logits(hidden, inputs, OP_LAUNCH)
-                self.sampled[:n] = self.sampler.sample_on_device(sample_seqs, logits)
+                self.sampler.sample_on_device(sample_seqs, logits, out=self.sampled[:n])
                 if self.tp is not None:  # the other ranks' next placeholder gathers read them
                     self.tp.broadcast(self.sampled[:n], 0)
                 host[:n].copy_(self.sampled[:n], non_blocking=True)

@@ -30,15 +30,21 @@ class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def sample_on_device(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """Sampled ids [B] on the device, without a host sync on the paths that need none
-        (greedy; temperature with or without seeds; min_tokens masks and top-k / top-p / min-p
-        filters read their flags on the host and may wait for the device)."""
+    def sample_on_device(
+        self, seqs: list[Sequence], logits: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Sampled ids [B] on the device (in ``out``, int64 [B], when given), without a host sync
+        on the paths that need none (greedy; temperature with or without seeds; min_tokens masks
+        and top-k / top-p / min-p filters read their flags on the host and may wait for the
+        device)."""
         logits = self._mask_logits(seqs, logits)
         if all(s.params.is_greedy for s in seqs):
             # The argmax of 16-bit logits is that of their (exact) fp32 copies, ties included.
-            return logits.argmax(dim=-1)
-        return self._draw(seqs, logits).token_ids
+            # greedy_argmax is torch.argmax's result (a Triton kernel on GPUs with
+            # ATOM_TRITON_ARGMAX=1), written straight into `out`: no copy after it.
+            return atom_kernels.greedy_argmax(logits, out)
+        token_ids = self._draw(seqs, logits).token_ids
+        return token_ids if out is None else out.copy_(token_ids)
 
     @staticmethod
     def _mask_logits(
@@ -109,7 +115,7 @@ class Sampler:
         ):
             # NOTE: the common greedy batch needs one argmax kernel and one sync; the sampler's
             # general path adds a log-softmax over the vocabulary and host syncs on its flags.
-            token_ids = logits.argmax(dim=-1).tolist()
+            token_ids = atom_kernels.greedy_argmax(logits).tolist()
             return {s.seq_id: (t, None) for s, t in zip(seqs, token_ids, strict=True)}
         raw_logits = logits
         if any(s.params.has_penalties for s in seqs):

@@ -24,6 +24,7 @@ from atom_kernels.ops.sampling import (
     SamplerOutput,
     apply_penalties,
     apply_top_k_top_p_min_p,
+    greedy_argmax,
     sample,
 )
 from atom_kernels.ops.spec_decode import rejection_sample
@@ -40,6 +41,7 @@ __all__ = [
     "fused_add_rms_norm_linear_silu_and_mul",
     "fused_moe",
     "gelu_and_mul",
+    "greedy_argmax",
     "grouped_topk",
     "linear",
     "linear_silu_and_mul",

@@ -117,6 +117,23 @@ def sample(
     )
 
 
+def greedy_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy tokens: ``logits.argmax(-1)`` exactly (ties -> lowest id, a NaN wins), int64 [B],
+    written into ``out`` ([B] int64, contiguous) when given, and returned.
+
+    logits: [B, V] any float dtype. The sampler's all-greedy fast path; ``sample`` gives the
+    same ids for greedy rows but also computes log-probs."""
+    op = "greedy_argmax"
+    _check_logits(op, logits)
+    if out is not None:
+        check_tensor(op, "out", out, ndim=1, dtypes=(torch.int64,))
+        check_shape(op, "out", out, (logits.shape[0],), "(one id per row of logits)")
+        check_same_device(op, "logits", logits, out=out)
+        if not out.is_contiguous():
+            raise ValueError(f"{op}: out must be contiguous, got strides {out.stride()}")
+    return get_op(op, logits.device)(logits, out)
+
+
 def apply_penalties(
     logits: torch.Tensor,
     prompt_token_ids: torch.Tensor,

@@ -61,6 +61,13 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
+@register_op("greedy_argmax", "torch")
+def greedy_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    if out is None:
+        return logits.argmax(dim=-1)
+    return torch.argmax(logits, dim=-1, out=out)
+
+
 @register_op("sample", "torch")
 def sample(
     logits: torch.Tensor,

@@ -5,11 +5,13 @@ Each op is a private ``@triton.jit`` kernel with a launcher that checks shapes a
 (``norm``, ``rotary``, ``activation``, ``cache``, ``attention``, ``mla_cache``, ``mla_attention``,
 ``quant``); ``custom_ops`` (with ``mla_custom_ops`` and ``quant_custom_ops``) wraps the launchers as
 torch custom ops and registers them as the ``triton`` implementations; ``spec_decode`` (rejection
-sampling, outside graphs) registers its launcher directly. Ops without a Triton kernel
-here (sampling) run the torch reference through the registry's fallback.
+sampling, outside graphs) and ``argmax`` (greedy sampling) register their launchers directly.
+Ops without a Triton kernel here (sampling's filters) run the torch reference through the
+registry's fallback.
 """
 
 from atom_kernels.backends.triton import (  # noqa: F401  (imported to register the ops)
+    argmax,
     custom_ops,
     quant_custom_ops,
     spec_decode,

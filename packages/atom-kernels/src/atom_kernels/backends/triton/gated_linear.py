@@ -35,6 +35,7 @@ in Triton should cost no more than cuBLAS and saves the activation's launch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -42,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_kernels.backends.triton import pdl
+from atom_kernels.backends.triton import linear, pdl
 from atom_kernels.backends.triton.common import as_rows, is_interpreted
 from atom_kernels.backends.triton.linear import SKINNY_MAX_ROWS, SkinnyConfig
 
@@ -199,7 +200,7 @@ def _gated_skinny_kernel(
 
 
 def default_config(
-    num_rows: int, interpreted: bool, gated: bool = True, k: int = 0
+    num_rows: int, interpreted: bool, gated: bool = True, k: int = 0, n: int = 0
 ) -> SkinnyConfig:
     """Tiles for [num_rows, K] x [2N, K]^T. Each program streams two [BLOCK_N, BLOCK_K] W tiles
     per step. Not ``gated`` (one W stream): the plain kernel's own defaults.
@@ -215,6 +216,8 @@ def default_config(
     if interpreted:
         return SkinnyConfig(16, 32, 4, 1, use_dot=num_rows > 1)
     if not gated:
+        if num_rows == 1 and linear.one_row_config(n) is not None:  # ATOM_SKINNY_ONE_ROW's
+            return dataclasses.replace(linear.one_row_config(n), split_k=1)  # (no split here)
         return (
             SkinnyConfig(16, 512, 4, 5, use_dot=False)
             if num_rows == 1
@@ -296,7 +299,7 @@ def _launch(x, norm, weight, bias, config, gated: bool):
         r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
         ro2 = res_out.view(-1, k)
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    config = config or default_config(num_rows, is_interpreted(x.device), gated, k)
+    config = config or default_config(num_rows, is_interpreted(x.device), gated, k, n)
     use_dot = config.use_dot or num_rows > 1
     block_n = max(config.block_n, 16) if use_dot else config.block_n  # an MMA's N >= 16
     out2 = out.view(-1, n)

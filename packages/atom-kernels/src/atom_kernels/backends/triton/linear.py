@@ -154,6 +154,38 @@ def _skinny_kernel(
     tl.store(out_ptrs, acc, mask=out_mask)
 
 
+# A/B knob for the one-row tiles of the layers' projections (N <= ONE_ROW_MAX_N: not LM heads):
+# ATOM_SKINNY_ONE_ROW="block_n,block_k,num_warps[,split_k]" (multiply-adds, no dots). At one row
+# the W tile goes straight to registers (no shared-memory pipeline: num_stages does nothing), so
+# the bytes in flight are the resident programs times their tile.
+ONE_ROW_MAX_N = 16384
+
+
+def _one_row_override(spec: str) -> SkinnyConfig | None:
+    if not spec:
+        return None
+    try:
+        fields = [int(f) for f in spec.split(",")]
+        block_n, block_k, num_warps, *rest = fields
+        split = rest[0] if rest else 1
+        if len(rest) > 1 or min(fields) < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"ATOM_SKINNY_ONE_ROW={spec!r}: expected 'block_n,block_k,num_warps[,split_k]' "
+            "(positive integers, powers of two for the blocks)"
+        ) from None
+    return SkinnyConfig(block_n, block_k, num_warps, 1, use_dot=False, split_k=split)
+
+
+ONE_ROW_OVERRIDE = _one_row_override(os.environ.get("ATOM_SKINNY_ONE_ROW", ""))
+
+
+def one_row_config(n: int) -> SkinnyConfig | None:
+    """ATOM_SKINNY_ONE_ROW's tile for a one-row GEMM of n output features, or None."""
+    return ONE_ROW_OVERRIDE if n <= ONE_ROW_MAX_N else None
+
+
 def default_config(
     num_rows: int, n: int, k: int, sms: int, interpreted: bool, split_k: bool = False
 ) -> SkinnyConfig:
@@ -168,6 +200,8 @@ def default_config(
     """
     if interpreted:
         return SkinnyConfig(16, 32, 4, 1, use_dot=num_rows > 1)
+    if num_rows == 1 and one_row_config(n) is not None:
+        return one_row_config(n)
     if num_rows == 1:
         config = SkinnyConfig(16, 512, 4, 5, use_dot=False)
     else:
