@@ -31,6 +31,25 @@ SHAPES = {  # name: (N, K)
     "qwen3-0.6b lm_head": (151936, 1024),
 }
 ROWS = (1, 4, 8)
+# (block_n, block_k, num_warps, num_stages, split_k) at one row, multiply-adds: the W tile goes
+# to registers (no pipeline), so the bytes in flight are the resident programs times the tile;
+# narrower or wider tiles and K splits change both (Llama-3-8B's qkv / o / down, issue 17).
+WIDE_ONE_ROW = [
+    (16, 512, 4, 1, 1),  # the default (its stages do nothing at one row)
+    (8, 512, 4, 1, 1),
+    (4, 512, 4, 1, 1),
+    (8, 1024, 4, 1, 1),
+    (4, 1024, 4, 1, 1),
+    (4, 2048, 4, 1, 1),
+    (16, 1024, 8, 1, 1),
+    (8, 2048, 8, 1, 1),
+    (32, 512, 8, 1, 1),
+    (16, 512, 4, 1, 2),
+    (16, 512, 4, 1, 4),
+    (8, 1024, 4, 1, 2),
+    (16, 1024, 8, 1, 2),
+    (8, 512, 4, 1, 2),
+]
 TOTAL_BYTES = 1.5e9
 
 
@@ -50,6 +69,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--budget-s", type=float, default=200)
     parser.add_argument("--shapes", nargs="*", help="only the shapes whose names start with these")
+    parser.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
+    parser.add_argument(
+        "--wide-one-row",
+        action="store_true",
+        help="at one row, WIDE_ONE_ROW's tiles (narrow / wide, split-K) instead of the grid",
+    )
     args = parser.parse_args()
     start = time.monotonic()
     bandwidth = copy_bandwidth()
@@ -79,7 +104,7 @@ def main() -> None:
             for _ in range(copies)
         ]
         best_one_row: list[linear.SkinnyConfig] = []
-        for rows in ROWS:
+        for rows in args.rows:
             x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
             expected = torch.nn.functional.linear(x.float(), weights[0].float())
 
@@ -90,7 +115,12 @@ def main() -> None:
             row["cublas_us"] = timed(lambda x, w: torch.nn.functional.linear(x, w))
             row["default"] = linear.default_config(rows, n, k, sms, False).__dict__
             row["default_us"] = timed(lambda x, w: linear.skinny_linear(x, w, None))
-            if rows == 1 and triton.cdiv(n, 16) < sms:
+            if rows == 1 and args.wide_one_row:
+                configs = [
+                    linear.SkinnyConfig(bn, bk, w, st, False, sp)
+                    for bn, bk, w, st, sp in WIDE_ONE_ROW
+                ]
+            elif rows == 1 and triton.cdiv(n, 16) < sms:
                 configs = split_grid
             elif rows == 1:
                 configs = grid if name.startswith("llama") or args.shapes else best_of(results, 8)

@@ -48,13 +48,18 @@ MAX_SPLITS = 64
 # attention between piecewise graphs (eager_steps.py, 128 x 512/128) the mixed steps' median was
 # 13.9 / 14.1 ms against 13.1 / 13.3: one launch fewer from Python does not pay for the merge's
 # serial tail.
-FUSED_DECODE_REDUCE = os.environ.get("ATOM_FUSED_DECODE_REDUCE", "0") == "1"
+# ATOM_FUSED_DECODE_REDUCE=2 merges inside graph captures too (A/B under programmatic dependent
+# launch, which overlaps the reduce kernel's launch with the decode kernel's tail).
+FUSED_DECODE_REDUCE = os.environ.get("ATOM_FUSED_DECODE_REDUCE", "0") in ("1", "2")
+FUSED_DECODE_REDUCE_IN_GRAPHS = os.environ.get("ATOM_FUSED_DECODE_REDUCE", "0") == "2"
 
 
 def fuse_decode_reduce(device: torch.device) -> bool:
     """Whether a decode launch with several splits merges them in the kernel (see above)."""
     if not FUSED_DECODE_REDUCE:
         return False
+    if FUSED_DECODE_REDUCE_IN_GRAPHS:
+        return True
     return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
 
