@@ -6,7 +6,8 @@
 #       bash benchmarks/decode_ab.sh          # results under $OUT (or ./gpu-out)
 # A variant is a space-separated list of NAME=VALUE; variants are separated by ';'.
 # TEST_FILES / TEST_K: pytest files and -k expression run first (ATOM_REQUIRE_GPU=1; none: skip).
-# TUNE: a command run after round 1 with what is left of TUNE_S seconds (none: skip).
+# TUNE: a command run last with what is left of the budget, at least 60 s (none: skip); it may
+# read its own budget from $TUNE_BUDGET_S.
 # BATCH_SIZES (default "1 8"), RUN_S per decode run (default 100), BUDGET_S (default 540): a step
 # is skipped, logged, when less than its limit is left, so the call ends with the table.
 set -uo pipefail
@@ -44,10 +45,11 @@ for round in $(seq 0 $(( ${ROUNDS:-2} - 1 ))); do
             )
         done
     done
-    if [ "$round" = 0 ] && [ -n "${TUNE:-}" ]; then
-        TAIL=40 run_for "${TUNE_S:-90}" bash -c "$TUNE"
-    fi
 done
+# The tune takes what is left (at least 60 s), its own budget 25 s less (TUNE_BUDGET_S).
+if [ -n "${TUNE:-}" ] && [ "$(left)" -ge 60 ]; then
+    TUNE_BUDGET_S=$(( $(left) - 25 )) TAIL=40 run_for "$(( $(left) - 5 ))" bash -c "$TUNE"
+fi
 OUT=$OUT python3 - <<'PY'
 import glob, json, os, re
 rows = {}

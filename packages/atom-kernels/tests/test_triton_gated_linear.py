@@ -120,7 +120,7 @@ def _expected_norm(x, residual, norm_weight, eps, w, b):
     return _expected(normed, w, b), new_residual
 
 
-@pytest.mark.parametrize("one_pass", [False, True])
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two_pass", "one_pass"])
 @pytest.mark.parametrize("config", CONFIGS[:3], ids=_config_id)
 @pytest.mark.parametrize("shape", [(1, 48, 64), (1, 37, 100), (3, 24, 96), (5, 123, 123)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -166,7 +166,7 @@ def test_where_the_fused_norm_runs(monkeypatch):
     assert not takes(1, k=4096)  # wide rows: measured slower (Llama-3-8B)
 
 
-@pytest.mark.parametrize("one_pass", [False, True])
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two_pass", "one_pass"])
 @pytest.mark.parametrize("has_residual", [True, False])
 @pytest.mark.parametrize("config", CONFIGS[:3], ids=_config_id)
 @pytest.mark.parametrize("shape", [(1, 48, 64), (1, 37, 100), (3, 24, 96), (5, 123, 123)])
