@@ -8,6 +8,7 @@
 # TEST_FILES / TEST_K: pytest files and -k expression run first (ATOM_REQUIRE_GPU=1; none: skip).
 # TUNE: a command run last with what is left of the budget, at least 60 s (none: skip); it may
 # read its own budget from $TUNE_BUDGET_S.
+# DECODE_ARGS: more engine_bench decode arguments (e.g. --cudagraph-mode full_decode_only).
 # BATCH_SIZES (default "1 8"), RUN_S per decode run (default 100), BUDGET_S (default 540): a step
 # is skipped, logged, when less than its limit is left, so the call ends with the table.
 set -uo pipefail
@@ -41,7 +42,8 @@ for round in $(seq 0 $(( ${ROUNDS:-2} - 1 ))); do
             (
                 export ${variants[$i]}
                 run_for "${RUN_S:-100}" python3 benchmarks/engine_bench.py decode --shape "$shape" \
-                    --batch-sizes ${BATCH_SIZES:-1 8} --out "$OUT/decode-$shape-v$i-$tag-r$round.json"
+                    --batch-sizes ${BATCH_SIZES:-1 8} ${DECODE_ARGS:-} \
+                    --out "$OUT/decode-$shape-v$i-$tag-r$round.json"
             )
         done
     done

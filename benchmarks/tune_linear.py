@@ -31,20 +31,22 @@ SHAPES = {  # name: (N, K)
     "qwen3-0.6b lm_head": (151936, 1024),
 }
 ROWS = (1, 4, 8)
-# (block_n, block_k, num_warps, num_stages, split_k) at one row, multiply-adds: the W tile goes
-# to registers (no pipeline), so the bytes in flight are the resident programs times the tile;
-# narrower or wider tiles and K splits change both (Llama-3-8B's qkv / o / down, issue 17).
+# (block_n, block_k, num_warps, num_stages, split_k, prefetch) at one row, multiply-adds: the W
+# tile goes to registers (no pipeline), so the bytes in flight are the resident programs times the
+# tile (twice that with prefetch: the next tile loaded ahead); narrower or wider tiles and K
+# splits change both (Llama-3-8B's qkv / o / down, issue 17).
 WIDE_ONE_ROW = [  # most likely first (the tune stops at its budget)
-    (16, 512, 4, 1, 1),  # the default (its stages do nothing at one row)
-    (8, 1024, 4, 1, 1),
-    (16, 512, 4, 1, 2),
-    (8, 512, 4, 1, 1),
-    (16, 1024, 8, 1, 1),
-    (8, 1024, 4, 1, 2),
-    (4, 1024, 4, 1, 1),
-    (8, 2048, 8, 1, 1),
-    (8, 512, 4, 1, 2),
-    (16, 512, 4, 1, 4),
+    (16, 512, 4, 1, 1, False),  # the default (its stages do nothing at one row)
+    (16, 512, 4, 1, 1, True),
+    (8, 1024, 4, 1, 1, False),
+    (8, 1024, 4, 1, 1, True),
+    (16, 512, 4, 1, 2, False),
+    (16, 512, 4, 1, 2, True),
+    (8, 512, 4, 1, 1, True),
+    (16, 1024, 8, 1, 1, False),
+    (8, 1024, 4, 1, 2, False),
+    (4, 1024, 4, 1, 1, True),
+    (8, 2048, 8, 1, 1, False),
 ]
 TOTAL_BYTES = 1.5e9
 
@@ -117,8 +119,8 @@ def main() -> None:
             row["default_us"] = timed(lambda x, w: linear.skinny_linear(x, w, None))
             if rows == 1 and args.wide_one_row:
                 configs = [
-                    linear.SkinnyConfig(bn, bk, w, st, False, sp)
-                    for bn, bk, w, st, sp in WIDE_ONE_ROW
+                    linear.SkinnyConfig(bn, bk, w, st, False, sp, pf)
+                    for bn, bk, w, st, sp, pf in WIDE_ONE_ROW
                 ]
             elif rows == 1 and triton.cdiv(n, 16) < sms:
                 configs = split_grid

@@ -57,14 +57,16 @@ GEMM_ALIGNED |= {"stride_om"}
 
 
 @pytest.mark.parametrize("use_pdl", [True, False])
-@pytest.mark.parametrize("num_rows", [1, 4])
-def test_skinny_kernel(use_pdl, num_rows):
-    # Llama-3-8B's down projection (4096 x 14336) at the tiles default_config picks.
+@pytest.mark.parametrize(("num_rows", "prefetch"), [(1, False), (1, True), (4, False)])
+def test_skinny_kernel(use_pdl, num_rows, prefetch):
+    # Llama-3-8B's down projection (4096 x 14336) at the tiles default_config picks (one row:
+    # with the next W tile loaded ahead, or not).
     config = linear.default_config(num_rows, 4096, 14336, 132, interpreted=False)
     use_dot = config.use_dot or num_rows > 1
     constexprs = dict(
         HAS_BIAS=False, USE_DOT=use_dot, EVEN_K=True, SPLIT_K=1, BLOCK_M=16 if use_dot else 1,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_PDL=use_pdl, LINE=64, LINES=8,
+        PREFETCH=prefetch,
     )  # fmt: skip
     kernel = _compile(
         linear._skinny_kernel, constexprs, GEMM_ALIGNED, config.num_warps, config.num_stages

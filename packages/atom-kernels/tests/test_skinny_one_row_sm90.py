@@ -11,7 +11,7 @@ import pytest
 
 from atom_kernels.backends.triton import gated_linear, linear
 
-CANDIDATES = ["8,1024,4", "16,1024,8", "16,512,4,2"]
+CANDIDATES = ["8,1024,4", "16,1024,8", "16,512,4,2", "16,512,4,1,1", "8,1024,4,2,1"]
 
 
 def test_one_row_spec_parses_and_rejects_bad_specs():
@@ -20,7 +20,9 @@ def test_one_row_spec_parses_and_rejects_bad_specs():
     assert (config.block_n, config.block_k, config.num_warps, config.split_k) == (8, 1024, 4, 1)
     assert not config.use_dot
     assert linear._one_row_override("16,512,4,2").split_k == 2
-    for bad in ("8,1024", "8,1024,4,2,1", "a,b,c", "0,512,4"):
+    assert linear._one_row_override("16,512,4,1,1").prefetch
+    assert not linear._one_row_override("16,512,4,1,0").prefetch
+    for bad in ("8,1024", "8,1024,4,2,2", "8,1024,4,1,1,1", "a,b,c", "0,512,4"):
         with pytest.raises(ValueError, match="ATOM_SKINNY_ONE_ROW"):
             linear._one_row_override(bad)
 
@@ -51,6 +53,7 @@ def test_candidate_tiles_compile_for_sm90(spec):
     constexprs = dict(
         HAS_BIAS=False, USE_DOT=False, EVEN_K=True, SPLIT_K=config.split_k, BLOCK_M=1,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_PDL=True, LINE=64, LINES=8,
+        PREFETCH=config.prefetch,
     )  # fmt: skip
     pointers = {"part_ptr": "*fp32", "count_ptr": "*i32"}
     signature = {

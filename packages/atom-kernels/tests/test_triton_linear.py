@@ -17,6 +17,9 @@ CONFIGS = [
     SkinnyConfig(16, 32, 4, 1, False),
     SkinnyConfig(16, 32, 4, 1, True, split_k=3),  # K = 64 / 70: the last split short or empty
     SkinnyConfig(16, 16, 4, 1, False, split_k=2),
+    # the next W tile loaded ahead (one row, K a multiple of 32; other shapes: the plain loop)
+    SkinnyConfig(16, 32, 4, 1, False, prefetch=True),
+    SkinnyConfig(8, 16, 4, 1, False, split_k=3, prefetch=True),
 ]
 
 
@@ -33,7 +36,12 @@ def _expected(x, w, b):
 
 
 @pytest.mark.parametrize(
-    "config", CONFIGS, ids=lambda c: f"{c.block_n}x{c.block_k}-dot{c.use_dot}-split{c.split_k}"
+    "config",
+    CONFIGS,
+    ids=lambda c: (
+        f"{c.block_n}x{c.block_k}-dot{c.use_dot}-split{c.split_k}"
+        + ("-ahead" if c.prefetch else "")
+    ),
 )
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)

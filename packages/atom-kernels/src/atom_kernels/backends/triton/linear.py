@@ -64,6 +64,8 @@ class SkinnyConfig:
     num_stages: int
     use_dot: bool = True
     split_k: int = 1
+    # One row, K a multiple of block_k: load the next W tile before this one's multiply-adds.
+    prefetch: bool = False
 
 
 @triton.jit(do_not_specialize=["k_tiles_per_split"])
@@ -91,6 +93,7 @@ def _skinny_kernel(
     USE_PDL: tl.constexpr = False,
     LINE: tl.constexpr = 64,
     LINES: tl.constexpr = 8,
+    PREFETCH: tl.constexpr = False,
 ):
     # M = rows of x (<= BLOCK_M), N = output features, K = input features; split s of SPLIT_K
     # walks K in [s, s + 1) * k_tiles_per_split * BLOCK_K (a multiple of BLOCK_K: the compiler
@@ -117,20 +120,33 @@ def _skinny_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:  # one row: elementwise products, summed over K once at the end
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-        else:
-            k_mask = (k - k_lo + offs_k) < k_hi
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if USE_DOT:
-            acc = tl.dot(x, tl.trans(w), acc)
-        else:
-            acc2 += w.to(tl.float32) * x.to(tl.float32)  # x is [1, BLOCK_K]
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    if PREFETCH:
+        # One row, EVEN_K: the next W tile's loads go out before this tile's multiply-adds, two
+        # tiles in flight a program (W goes to registers at one row: no pipeline does it).
+        w = tl.load(w_ptrs)
+        for k in range(k_lo, k_hi, BLOCK_K):
+            x = tl.load(x_ptrs)
+            ahead = (offs_k + (k + BLOCK_K - k_lo)) < k_hi  # all false on the last tile
+            w_next = tl.load(w_ptrs + BLOCK_K, mask=ahead[None, :], other=0.0)
+            acc2 += w.to(tl.float32) * x.to(tl.float32)
+            w = w_next
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+    else:
+        for k in range(k_lo, k_hi, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            else:
+                k_mask = (k - k_lo + offs_k) < k_hi
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if USE_DOT:
+                acc = tl.dot(x, tl.trans(w), acc)
+            else:
+                acc2 += w.to(tl.float32) * x.to(tl.float32)  # x is [1, BLOCK_K]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
     if not USE_DOT:
         acc = tl.reshape(tl.sum(acc2, axis=1), [BLOCK_M, BLOCK_N])
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -155,7 +171,7 @@ def _skinny_kernel(
 
 
 # A/B knob for the one-row tiles of the layers' projections (N <= ONE_ROW_MAX_N: not LM heads):
-# ATOM_SKINNY_ONE_ROW="block_n,block_k,num_warps[,split_k]" (multiply-adds, no dots). At one row
+# ATOM_SKINNY_ONE_ROW="block_n,block_k,num_warps[,split_k[,prefetch]]" (multiply-adds). At one row
 # the W tile goes straight to registers (no shared-memory pipeline: num_stages does nothing), so
 # the bytes in flight are the resident programs times their tile.
 ONE_ROW_MAX_N = 16384
@@ -168,14 +184,17 @@ def _one_row_override(spec: str) -> SkinnyConfig | None:
         fields = [int(f) for f in spec.split(",")]
         block_n, block_k, num_warps, *rest = fields
         split = rest[0] if rest else 1
-        if len(rest) > 1 or min(fields) < 1:
+        prefetch = len(rest) > 1 and rest[1] == 1
+        if len(rest) > 2 or min(fields[:4]) < 1 or (len(rest) > 1 and rest[1] not in (0, 1)):
             raise ValueError
     except ValueError:
         raise ValueError(
-            f"ATOM_SKINNY_ONE_ROW={spec!r}: expected 'block_n,block_k,num_warps[,split_k]' "
-            "(positive integers, powers of two for the blocks)"
+            f"ATOM_SKINNY_ONE_ROW={spec!r}: expected 'block_n,block_k,num_warps[,split_k"
+            "[,prefetch]]' (positive integers, powers of two for the blocks; prefetch 0 or 1)"
         ) from None
-    return SkinnyConfig(block_n, block_k, num_warps, 1, use_dot=False, split_k=split)
+    return SkinnyConfig(
+        block_n, block_k, num_warps, 1, use_dot=False, split_k=split, prefetch=prefetch
+    )
 
 
 ONE_ROW_OVERRIDE = _one_row_override(os.environ.get("ATOM_SKINNY_ONE_ROW", ""))
@@ -293,6 +312,7 @@ def skinny_linear(
         USE_PDL=use_pdl,
         LINE=pdl.line_elements(weight),
         LINES=pdl.PREFETCH_LINES,
+        PREFETCH=config.prefetch and not use_dot and k % config.block_k == 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
