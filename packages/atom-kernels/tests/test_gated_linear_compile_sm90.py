@@ -40,6 +40,7 @@ def _compile(
     gated: bool = True,
     residual=None,
     one_pass: bool = False,
+    prefetch: bool = False,
 ):
     kernel = gated_linear._gated_skinny_kernel
     config = gated_linear.default_config(num_rows, interpreted=False, gated=gated, k=k)
@@ -58,6 +59,7 @@ def _compile(
         LINE=64,
         LINES=8,
         ONE_PASS=one_pass,
+        PREFETCH=prefetch,
     )
     signature = {
         name: "constexpr"
@@ -108,10 +110,11 @@ def test_norm_linear_kernel_compiles_for_sm90(has_residual, one_pass):
     assert 0 < len(kernel.asm["cubin"]) and "ld.global.v4.b32" in kernel.asm["ptx"]
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("gated", [True, False])
-def test_one_pass_norm_compiles_for_sm90_at_hidden_4096(gated):
+def test_one_pass_norm_compiles_for_sm90_at_hidden_4096(gated, prefetch):
     # Llama-3-8B's post-attention norm + gate/up and input norm + QKV with the norm's statistics
-    # in the GEMM's loop (ATOM_NORM_ONE_PASS), at one row.
-    kernel = _compile(1, 4096, False, True, gated=gated, one_pass=True)
+    # in the GEMM's loop (ATOM_NORM_ONE_PASS), at one row; W tiles loaded ahead, or not.
+    kernel = _compile(1, 4096, False, True, gated=gated, one_pass=True, prefetch=prefetch)
     assert kernel.metadata.shared <= H100_SHARED_BYTES
     assert "ld.global.v4.b32" in kernel.asm["ptx"]

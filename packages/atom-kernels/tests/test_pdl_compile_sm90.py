@@ -88,7 +88,7 @@ def test_gated_skinny_kernel(use_pdl, has_norm, one_pass):
     constexprs = dict(
         GATED=True, HAS_BIAS=False, HAS_NORM=has_norm, HAS_RESIDUAL=has_norm, USE_DOT=False,
         EVEN_K=True, BLOCK_M=1, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        USE_PDL=use_pdl, LINE=64, LINES=8, ONE_PASS=one_pass,
+        USE_PDL=use_pdl, LINE=64, LINES=8, ONE_PASS=one_pass, PREFETCH=False,
     )  # fmt: skip
     aligned = GEMM_ALIGNED | {"res_ptr", "norm_w_ptr", "res_out_ptr", "stride_rm", "stride_rom"}
     kernel = _compile(

@@ -17,7 +17,10 @@ CONFIGS = [
     SkinnyConfig(8, 64, 4, 2),  # a dot: BLOCK_N 16
     SkinnyConfig(16, 32, 4, 1, False),
     SkinnyConfig(8, 16, 4, 1, False),
+    # each W tile loaded one step ahead (one row, K a multiple of 32; else the plain loop)
+    SkinnyConfig(16, 32, 4, 1, False, prefetch=True),
 ]
+NORM_CONFIGS = [*CONFIGS[:3], CONFIGS[-1]]
 TOLERANCES = {  # fp32 accumulation; the rounding of gate / up / out to the dtype dominates
     torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
     torch.float16: dict(atol=4e-3, rtol=4e-3),
@@ -49,7 +52,7 @@ def _tolerance(dtype: torch.dtype, dots: bool) -> dict:
 
 
 def _config_id(c: SkinnyConfig) -> str:
-    return f"{c.block_n}x{c.block_k}-dot{c.use_dot}"
+    return f"{c.block_n}x{c.block_k}-dot{c.use_dot}" + ("-ahead" if c.prefetch else "")
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
@@ -121,7 +124,7 @@ def _expected_norm(x, residual, norm_weight, eps, w, b):
 
 
 @pytest.mark.parametrize("one_pass", [False, True], ids=["two_pass", "one_pass"])
-@pytest.mark.parametrize("config", CONFIGS[:3], ids=_config_id)
+@pytest.mark.parametrize("config", NORM_CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("shape", [(1, 48, 64), (1, 37, 100), (3, 24, 96), (5, 123, 123)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_norm_gated_skinny_linear(triton_backend, monkeypatch, dtype, shape, config, one_pass):
@@ -168,7 +171,7 @@ def test_where_the_fused_norm_runs(monkeypatch):
 
 @pytest.mark.parametrize("one_pass", [False, True], ids=["two_pass", "one_pass"])
 @pytest.mark.parametrize("has_residual", [True, False])
-@pytest.mark.parametrize("config", CONFIGS[:3], ids=_config_id)
+@pytest.mark.parametrize("config", NORM_CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("shape", [(1, 48, 64), (1, 37, 100), (3, 24, 96), (5, 123, 123)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_norm_skinny_linear(

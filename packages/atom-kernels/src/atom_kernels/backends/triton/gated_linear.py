@@ -85,6 +85,7 @@ def _gated_skinny_kernel(
     LINE: tl.constexpr = 64,
     LINES: tl.constexpr = 8,
     ONE_PASS: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     # M = rows of x (<= BLOCK_M), N = output features (GATED: W has 2N rows, gate then up),
     # K = input features
@@ -134,8 +135,20 @@ def _gated_skinny_kernel(
         acc_g2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if GATED:
             acc_u2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if PREFETCH:  # one row, EVEN_K: each W tile loaded one step ahead (linear.py's PREFETCH)
+        g_next = tl.load(g_ptrs)
+        if GATED:
+            u_next = tl.load(u_ptrs)
     for k in range(0, K, BLOCK_K):
-        if EVEN_K:
+        if PREFETCH:
+            ahead = ((k + BLOCK_K + offs_k) < K)[None, :]  # all false on the last tile
+            g = g_next
+            g_next = tl.load(g_ptrs + BLOCK_K, mask=ahead, other=0.0)
+            if GATED:
+                u = u_next
+                u_next = tl.load(u_ptrs + BLOCK_K, mask=ahead, other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        elif EVEN_K:
             g = tl.load(g_ptrs)
             if GATED:
                 u = tl.load(u_ptrs)
@@ -334,6 +347,7 @@ def _launch(x, norm, weight, bias, config, gated: bool):
         LINE=pdl.line_elements(weight),
         LINES=pdl.PREFETCH_LINES,
         ONE_PASS=norm is not None and not use_dot and NORM_ONE_PASS,
+        PREFETCH=config.prefetch and not use_dot and k % config.block_k == 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **({"launch_pdl": True} if use_pdl else {}),
