@@ -11,7 +11,7 @@ import pytest
 
 from atom_kernels.backends.triton import gated_linear, linear
 
-CANDIDATES = ["8,1024,4", "16,1024,8", "16,512,4,2", "16,512,4,1,1", "8,1024,4,2,1"]
+CANDIDATES = ["4,1024,4", "8,2048,8", "4,1024,4,1,1", "8,2048,8,1,1", "16,512,4,2", "4,2048,4"]
 
 
 def test_one_row_spec_parses_and_rejects_bad_specs():
@@ -37,6 +37,31 @@ def test_one_row_override_applies_to_the_projections_only(monkeypatch):
     qkv = gated_linear.default_config(1, False, gated=False, k=4096, n=6144)
     assert (qkv.block_n, qkv.block_k, qkv.split_k) == (8, 1024, 1)  # the norm kernel: no split
     assert gated_linear.default_config(1, False, gated=True, k=4096, n=14336).block_n == 4
+
+
+def test_narrow_one_row_tiles_for_the_projections(monkeypatch):
+    # K >= 4096 and not an LM head: 4 x 1024 / 4 warps, 8 x 2048 / 8 warps from K = 8192;
+    # smaller K (Qwen3-0.6B's projections, their split-K) and more rows keep theirs.
+    monkeypatch.setattr(linear, "ONE_ROW_OVERRIDE", None)
+    monkeypatch.setattr(linear, "ONE_ROW_NARROW", True)
+    monkeypatch.setattr(linear, "ONE_ROW_PREFETCH", False)
+
+    def tile(n, k, rows=1, split=True):
+        c = linear.default_config(rows, n, k, 132, False, split)
+        return (c.block_n, c.block_k, c.num_warps, c.split_k, c.use_dot, c.prefetch)
+
+    assert tile(6144, 4096) == (4, 1024, 4, 1, False, False)  # Llama-3-8B qkv
+    assert tile(4096, 4096) == (4, 1024, 4, 1, False, False)  # o
+    assert tile(4096, 14336) == (8, 2048, 8, 1, False, False)  # down
+    assert tile(128256, 4096)[:2] == (16, 512)  # an LM head
+    assert tile(1024, 3072)[:2] == (16, 512) and tile(1024, 3072)[3] > 1  # split-K kept
+    assert tile(4096, 4096, rows=4)[4]  # dots at more rows
+    qkv = gated_linear.default_config(1, False, gated=False, k=4096, n=6144)  # norm + QKV
+    assert (qkv.block_n, qkv.block_k, qkv.num_warps) == (4, 1024, 4)
+    monkeypatch.setattr(linear, "ONE_ROW_PREFETCH", True)
+    assert tile(4096, 14336)[5]
+    monkeypatch.setattr(linear, "ONE_ROW_NARROW", False)  # ATOM_SKINNY_NARROW=0
+    assert tile(4096, 14336)[:2] == (16, 512)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for a GPU")

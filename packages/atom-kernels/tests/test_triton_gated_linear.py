@@ -214,4 +214,7 @@ def test_where_the_fused_norm_linear_runs(monkeypatch):
         return gated_linear.takes_norm_linear(x, torch.empty(4096, k, device="meta"))
 
     assert takes(1) and not takes(2) and not takes(1, torch.float32)
-    assert not takes(1, k=4096)  # wide rows: measured slower (Llama-3-8B)
+    monkeypatch.setattr(gated_linear, "NORM_ONE_PASS_LINEAR", True)  # the default
+    assert takes(1, k=4096) and not takes(1, k=8192)  # NORM_LINEAR_MAX_FEATURES
+    monkeypatch.setattr(gated_linear, "NORM_ONE_PASS_LINEAR", False)
+    assert not takes(1, k=4096)  # two passes: measured slower at Llama-3-8B's width

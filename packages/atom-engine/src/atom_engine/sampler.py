@@ -40,8 +40,8 @@ class Sampler:
         logits = self._mask_logits(seqs, logits)
         if all(s.params.is_greedy for s in seqs):
             # The argmax of 16-bit logits is that of their (exact) fp32 copies, ties included.
-            # greedy_argmax is torch.argmax's result (a Triton kernel on GPUs with
-            # ATOM_TRITON_ARGMAX=1), written straight into `out`: no copy after it.
+            # greedy_argmax is torch.argmax's result (a Triton kernel on GPUs unless
+            # ATOM_TRITON_ARGMAX=0), written straight into `out`: no copy after it.
             return atom_kernels.greedy_argmax(logits, out)
         token_ids = self._draw(seqs, logits).token_ids
         return token_ids if out is None else out.copy_(token_ids)

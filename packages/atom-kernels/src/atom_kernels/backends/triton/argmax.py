@@ -13,6 +13,10 @@ and waits before its first read.
 torch's semantics, exactly: the largest value, ties to the lowest index, and a NaN anywhere
 wins (the first NaN's index, as torch.argmax); a row of -inf gives 0.
 ``ATOM_TRITON_ARGMAX=0`` keeps torch's argmax (A/B).
+
+NOTE (benchmarks/decode_ab.sh, one H100, triton 3.6, torch 2.11, 2026-11-24, results/s12-h100/
+call1, two alternating rounds, engine_bench decode, ms a step): Llama-3-8B batch 1 5.826 / 5.822
+with it against 5.832 / 5.829 with torch's, batch 8 6.272 / 6.296 against 6.336 / 6.330.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.common import is_interpreted, num_sms, zeroed_counters
 from atom_kernels.registry import register_op
 
-ENABLED = os.environ.get("ATOM_TRITON_ARGMAX", "0") == "1"
+ENABLED = os.environ.get("ATOM_TRITON_ARGMAX", "1") == "1"
 BIG = tl.constexpr(2147483647)  # "no index" (int32 max)
 
 
@@ -152,7 +156,7 @@ def greedy_argmax(
 
 @register_op("greedy_argmax", "triton")
 def greedy_argmax_op(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel when ``ATOM_TRITON_ARGMAX=1`` (16- and 32-bit logits), torch's argmax else."""
+    """The kernel (16- and 32-bit logits; ``ATOM_TRITON_ARGMAX=0``: torch's argmax)."""
     if not ENABLED or logits.dtype == torch.float64:
         return logits.argmax(dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)
     return greedy_argmax(logits, out)

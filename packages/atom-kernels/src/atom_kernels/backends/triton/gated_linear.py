@@ -51,7 +51,11 @@ ENABLED = os.environ.get("ATOM_FUSED_GATE_UP", "1") != "0"
 NORM_ENABLED = os.environ.get("ATOM_FUSED_NORM_GATE_UP", "1") != "0"
 NORM_LINEAR_ENABLED = os.environ.get("ATOM_FUSED_NORM_QKV", "1") != "0"
 # One row: the norm's statistics in the GEMM's loop, its scale after it (ONE_PASS in the kernel).
-NORM_ONE_PASS = os.environ.get("ATOM_NORM_ONE_PASS", "0") == "1"
+# ATOM_NORM_ONE_PASS: "linear" (default) for the norm + plain GEMM (QKV), "1" for the gated GEMM
+# too, "0" for neither (see NORM_LINEAR_MAX_FEATURES's NOTE).
+_ONE_PASS = os.environ.get("ATOM_NORM_ONE_PASS", "linear")
+NORM_ONE_PASS = _ONE_PASS == "1"  # the gated kernel (post-attention norm + gate/up)
+NORM_ONE_PASS_LINEAR = _ONE_PASS in ("1", "linear")  # the plain one (input norm + QKV)
 
 
 @triton.jit
@@ -229,8 +233,8 @@ def default_config(
     if interpreted:
         return SkinnyConfig(16, 32, 4, 1, use_dot=num_rows > 1)
     if not gated:
-        if num_rows == 1 and linear.one_row_config(n) is not None:  # ATOM_SKINNY_ONE_ROW's
-            return dataclasses.replace(linear.one_row_config(n), split_k=1)  # (no split here)
+        if num_rows == 1 and linear.one_row_config(n, k) is not None:  # the plain kernel's
+            return dataclasses.replace(linear.one_row_config(n, k), split_k=1)  # (no split here)
         return (
             SkinnyConfig(16, 512, 4, 5, use_dot=False)
             if num_rows == 1
@@ -346,7 +350,9 @@ def _launch(x, norm, weight, bias, config, gated: bool):
         USE_PDL=use_pdl,
         LINE=pdl.line_elements(weight),
         LINES=pdl.PREFETCH_LINES,
-        ONE_PASS=norm is not None and not use_dot and NORM_ONE_PASS,
+        ONE_PASS=norm is not None
+        and not use_dot
+        and (NORM_ONE_PASS if gated else NORM_ONE_PASS_LINEAR),
         PREFETCH=config.prefetch and not use_dot and k % config.block_k == 0,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -383,9 +389,20 @@ def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+# The input norm + QKV fusion takes rows of at most this many features.
+# NOTE (benchmarks/decode_ab.sh, one H100, triton 3.6, torch 2.11, PDL on, 2026-11-24,
+# results/s12-h100/call1, two alternating rounds, Llama-3-8B batch 1, ms a step): both norms fused
+# at hidden 4096 in one pass 5.875 / 5.880 against 5.826 / 5.822 unfused (the gate/up kernel's
+# 3,584 programs each read x, the residual and the norm weight from L2: 86 MB a layer), the
+# input norm + QKV alone 5.807 / 5.817. The gate/up fusion keeps NORM_MAX_FEATURES (two passes).
+NORM_LINEAR_MAX_FEATURES = int(os.environ.get("ATOM_NORM_LINEAR_MAX_FEATURES", "4096"))
+
+
 def takes_norm_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the norm + plain GEMM kernel runs (the input norm and QKV projection): one row
-    of at most NORM_MAX_FEATURES features."""
+    of at most NORM_LINEAR_MAX_FEATURES features (NORM_MAX_FEATURES without the one-pass
+    kernel)."""
     if not NORM_LINEAR_ENABLED or is_interpreted(x.device) or x.dtype == torch.float32:
         return False
-    return math.prod(x.shape[:-1]) == 1 and x.shape[-1] <= NORM_MAX_FEATURES
+    limit = NORM_LINEAR_MAX_FEATURES if NORM_ONE_PASS_LINEAR else NORM_MAX_FEATURES
+    return math.prod(x.shape[:-1]) == 1 and x.shape[-1] <= limit

@@ -170,11 +170,24 @@ def _skinny_kernel(
     tl.store(out_ptrs, acc, mask=out_mask)
 
 
-# A/B knob for the one-row tiles of the layers' projections (N <= ONE_ROW_MAX_N: not LM heads):
-# ATOM_SKINNY_ONE_ROW="block_n,block_k,num_warps[,split_k[,prefetch]]" (multiply-adds). At one row
-# the W tile goes straight to registers (no shared-memory pipeline: num_stages does nothing), so
-# the bytes in flight are the resident programs times their tile.
+# One-row tiles of the layers' projections (N <= ONE_ROW_MAX_N: not LM heads) with K >= 4096. At
+# one row the W tile goes straight to registers (no shared-memory pipeline: num_stages does
+# nothing), so the bytes in flight are the resident programs times their tile: narrow tiles
+# (4-8 output features) over long K blocks keep more of them in flight than 16 x 512.
+# NOTE (tune_linear.py --wide-one-row, one H100, triton 3.6, torch 2.11, PDL on, 2026-11-24,
+# results/s12-h100/call1/tune-one-row.json; us a GEMM at one row, CUDA graphs over 1.5 GB of
+# weight copies): Llama-3-8B qkv (6144 x 4096) 4 x 1024 / 4 warps 17.6 against 16 x 512's 19.1
+# (cuBLAS 20.8); o (4096 x 4096) 4 x 1024 13.5 (8 x 2048 / 8 warps 13.5) against 15.3; down
+# (4096 x 14336) 8 x 2048 / 8 warps 40.3 (4 x 1024: 43.6) against 46.2 (cuBLAS 44.8). Split-K
+# and 16 x 1024 / 8 warps were slower on all three.
 ONE_ROW_MAX_N = 16384
+ONE_ROW_MIN_K = 4096
+# ATOM_SKINNY_NARROW=0: 16 x 512 there too (A/B); ATOM_SKINNY_PREFETCH=1: those tiles load each
+# W tile a step ahead (PREFETCH in the kernel).
+ONE_ROW_NARROW = os.environ.get("ATOM_SKINNY_NARROW", "1") == "1"
+ONE_ROW_PREFETCH = os.environ.get("ATOM_SKINNY_PREFETCH", "0") == "1"
+# A/B knob that replaces them (and applies at any K):
+# ATOM_SKINNY_ONE_ROW="block_n,block_k,num_warps[,split_k[,prefetch]]" (multiply-adds).
 
 
 def _one_row_override(spec: str) -> SkinnyConfig | None:
@@ -200,9 +213,19 @@ def _one_row_override(spec: str) -> SkinnyConfig | None:
 ONE_ROW_OVERRIDE = _one_row_override(os.environ.get("ATOM_SKINNY_ONE_ROW", ""))
 
 
-def one_row_config(n: int) -> SkinnyConfig | None:
-    """ATOM_SKINNY_ONE_ROW's tile for a one-row GEMM of n output features, or None."""
-    return ONE_ROW_OVERRIDE if n <= ONE_ROW_MAX_N else None
+def one_row_config(n: int, k: int) -> SkinnyConfig | None:
+    """The tile of a layer's one-row [1, k] x [n, k]^T GEMM (see ONE_ROW_MAX_N), or None for the
+    16 x 512 default: ATOM_SKINNY_ONE_ROW's, else 8 x 2048 / 8 warps from K = 8192 and 4 x 1024
+    / 4 warps from K = 4096."""
+    if n > ONE_ROW_MAX_N:
+        return None
+    if ONE_ROW_OVERRIDE is not None:
+        return ONE_ROW_OVERRIDE
+    if k < ONE_ROW_MIN_K or not ONE_ROW_NARROW:
+        return None
+    if k >= 2 * ONE_ROW_MIN_K:
+        return SkinnyConfig(8, 2048, 8, 1, use_dot=False, prefetch=ONE_ROW_PREFETCH)
+    return SkinnyConfig(4, 1024, 4, 1, use_dot=False, prefetch=ONE_ROW_PREFETCH)
 
 
 def default_config(
@@ -210,6 +233,7 @@ def default_config(
 ) -> SkinnyConfig:
     """Tiles for an [num_rows, k] x [n, k]^T GEMM.
 
+    One row, a layer's projection with K >= 4096: ``one_row_config`` (narrow tiles, its NOTE).
     NOTE (benchmarks/tune_linear.py, one H100, triton 3.6, torch 2.11, CUDA graphs over 1.5 GB of
     weight copies, 2026-11-22, tune-linear-h100.json): at one row the fp32 multiply-add over
     16 x 512 tiles (4 warps, 5 stages) was within 1% of the best tile on every Llama-3-8B
@@ -219,10 +243,10 @@ def default_config(
     """
     if interpreted:
         return SkinnyConfig(16, 32, 4, 1, use_dot=num_rows > 1)
-    if num_rows == 1 and one_row_config(n) is not None:
-        return one_row_config(n)
+    if num_rows == 1 and ONE_ROW_OVERRIDE is not None and n <= ONE_ROW_MAX_N:
+        return ONE_ROW_OVERRIDE  # its own split count
     if num_rows == 1:
-        config = SkinnyConfig(16, 512, 4, 5, use_dot=False)
+        config = one_row_config(n, k) or SkinnyConfig(16, 512, 4, 5, use_dot=False)
     else:
         config = SkinnyConfig(32, 256 if k >= 8192 else 128, 4, 5)
     if not split_k:  # split_k_enabled(device): with PDL only (see the NOTE above)
