@@ -36,17 +36,17 @@ ROWS = (1, 4, 8)
 # tile (twice that with prefetch: the next tile loaded ahead); narrower or wider tiles and K
 # splits change both (Llama-3-8B's qkv / o / down, issue 17).
 WIDE_ONE_ROW = [  # most likely first (the tune stops at its budget)
-    (16, 512, 4, 1, 1, False),  # the default (its stages do nothing at one row)
-    (16, 512, 4, 1, 1, True),
-    (8, 1024, 4, 1, 1, False),
-    (8, 1024, 4, 1, 1, True),
-    (16, 512, 4, 1, 2, False),
-    (16, 512, 4, 1, 2, True),
-    (8, 512, 4, 1, 1, True),
-    (16, 1024, 8, 1, 1, False),
-    (8, 1024, 4, 1, 2, False),
-    (4, 1024, 4, 1, 1, True),
+    (16, 512, 4, 1, 1, False),  # the old default (its stages do nothing at one row)
+    (4, 1024, 4, 1, 1, False),  # the defaults from K = 4096 and 8192 (results/s12-h100/call1)
     (8, 2048, 8, 1, 1, False),
+    (4, 1024, 4, 1, 1, True),
+    (8, 2048, 8, 1, 1, True),
+    (4, 2048, 4, 1, 1, False),
+    (4, 2048, 8, 1, 1, False),
+    (4, 4096, 8, 1, 1, False),
+    (2, 1024, 4, 1, 1, False),
+    (8, 1024, 4, 1, 1, True),
+    (16, 512, 4, 1, 1, True),
 ]
 TOTAL_BYTES = 1.5e9
 

@@ -218,3 +218,27 @@ def test_where_the_fused_norm_linear_runs(monkeypatch):
     assert takes(1, k=4096) and not takes(1, k=8192)  # NORM_LINEAR_MAX_FEATURES
     monkeypatch.setattr(gated_linear, "NORM_ONE_PASS_LINEAR", False)
     assert not takes(1, k=4096)  # two passes: measured slower at Llama-3-8B's width
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("has_residual", [True, False])
+def test_norm_skinny_linear_gpu_real_sizes(triton_backend, monkeypatch, has_residual, prefetch):
+    # Llama-3-8B's input norm + QKV (6144 x 4096) at one row with the default tiles and the
+    # one-pass norm (W tiles loaded ahead, or not), against rms_norm then linear.
+    from atom_kernels.backends.triton import linear
+
+    monkeypatch.setattr(linear, "ONE_ROW_PREFETCH", prefetch)
+    monkeypatch.setattr(gated_linear, "NORM_ONE_PASS_LINEAR", True)
+    rows, n, k = 1, 6144, 4096
+    x, w, _ = _inputs(rows, n, k, torch.bfloat16, "cuda", False)
+    w = w[:n]
+    g = torch.Generator().manual_seed(k)
+    residual = torch.randn(rows, k, generator=g).to(torch.bfloat16).cuda() if has_residual else None
+    norm_weight = (1 + torch.randn(k, generator=g) / 4).to(torch.bfloat16).cuda()
+    out, new_residual = gated_linear.norm_skinny_linear(x, residual, norm_weight, 1e-5, w, None)
+    s = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    normed = (s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+    normed = (norm_weight.float() * normed.float()).to(x.dtype)
+    assert torch.equal(new_residual, s)
+    assert_close(out.float(), F.linear(normed.float(), w.float()), **TOLERANCES[torch.bfloat16])
