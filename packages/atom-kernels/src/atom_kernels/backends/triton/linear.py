@@ -180,10 +180,13 @@ def _skinny_kernel(
 # (cuBLAS 20.8); o (4096 x 4096) 4 x 1024 13.5 (8 x 2048 / 8 warps 13.5) against 15.2; down
 # (4096 x 14336) 8 x 2048 / 8 warps 40.3 (4 x 1024: 43.6) against 46.1 (cuBLAS 44.8). Split-K
 # (2, 4) was never the best; 16 x 1024 / 8 warps was slower than 16 x 512 on all three.
+# In the engine (decode_ab.sh, results/s12-h100/call2, Llama-3-8B batch 1, ms a step): 5.605 with
+# these tiles against 5.880 with 16 x 512 (and main's other defaults); loading tiles ahead
+# (ATOM_SKINNY_PREFETCH=1) 5.716 / 5.714, 8 x 2048 / 8 warps everywhere 5.734 / 5.732.
 ONE_ROW_MAX_N = 16384
 ONE_ROW_MIN_K = 4096
 # ATOM_SKINNY_NARROW=0: 16 x 512 there too (A/B); ATOM_SKINNY_PREFETCH=1: those tiles load each
-# W tile a step ahead (PREFETCH in the kernel).
+# W tile a step ahead (PREFETCH in the kernel; measured slower, off).
 ONE_ROW_NARROW = os.environ.get("ATOM_SKINNY_NARROW", "1") == "1"
 ONE_ROW_PREFETCH = os.environ.get("ATOM_SKINNY_PREFETCH", "0") == "1"
 # A/B knob that replaces them (and applies at any K):
