@@ -14,9 +14,10 @@ torch's semantics, exactly: the largest value, ties to the lowest index, and a N
 wins (the first NaN's index, as torch.argmax); a row of -inf gives 0.
 ``ATOM_TRITON_ARGMAX=0`` keeps torch's argmax (A/B).
 
-NOTE (benchmarks/decode_ab.sh, one H100, triton 3.6, torch 2.11, 2026-11-24, results/s12-h100/
-call1, two alternating rounds, engine_bench decode, ms a step): Llama-3-8B batch 1 5.826 / 5.822
-with it against 5.832 / 5.829 with torch's, batch 8 6.272 / 6.296 against 6.336 / 6.330.
+NOTE (benchmarks/decode_ab.sh, one H100, triton 3.6, torch 2.11, 2026-11-24,
+results/s12-h100/h17a-call1, two alternating rounds, engine_bench decode, ms a step): Llama-3-8B
+batch 1 5.826 / 5.822 with it against 5.832 / 5.829 with torch's, batch 8 6.272 / 6.296 against
+6.336 / 6.330.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ MAX_SPLITS = 64
 # 13.9 / 14.1 ms against 13.1 / 13.3: one launch fewer from Python does not pay for the merge's
 # serial tail.
 # ATOM_FUSED_DECODE_REDUCE=2 merges inside graph captures too (A/B). NOTE (decode_ab.sh, one
-# H100, PDL on, 2026-11-24, results/s12-h100/call1): Llama-3-8B batch 1 6.021 / 6.010 ms a step
+# H100, PDL on, 2026-11-24, results/s12-h100/h17a-call1): Llama-3-8B batch 1 6.021 / 6.010 ms a step
 # with it against 5.875 / 5.880 without (the same other switches), batch 8 6.273 / 6.277 against
 # 6.290 / 6.301: at batch 1 the last split's serial merge costs more than the launch it saves.
 FUSED_DECODE_REDUCE = os.environ.get("ATOM_FUSED_DECODE_REDUCE", "0") in ("1", "2")

@@ -391,11 +391,11 @@ def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 # The input norm + QKV fusion takes rows of at most this many features.
 # NOTE (benchmarks/decode_ab.sh, one H100, triton 3.6, torch 2.11, PDL on, 2026-11-24,
-# results/s12-h100/call1, two alternating rounds, Llama-3-8B batch 1, ms a step): both norms fused
-# at hidden 4096 in one pass 5.875 / 5.880 against 5.826 / 5.822 unfused (the gate/up kernel's
+# results/s12-h100/h17a-call1, two alternating rounds, Llama-3-8B batch 1, ms a step): both
+# norms fused at hidden 4096 in one pass 5.875 / 5.880 against 5.826 / 5.822 unfused (gate/up's
 # 3,584 programs each read x, the residual and the norm weight from L2: 86 MB a layer), the
 # input norm + QKV alone 5.807 / 5.817. The gate/up fusion keeps NORM_MAX_FEATURES (two passes).
-# With the narrow one-row tiles (results/s12-h100/call2): Llama-3-8B 5.605 fused against
+# With the narrow one-row tiles (results/s12-h100/h17a-call2): Llama-3-8B 5.605 fused against
 # 5.608 / 5.614 unfused; Qwen3-0.6B (hidden 1024) 1.125 / 1.128 one pass against 1.138 / 1.142
 # two passes.
 NORM_LINEAR_MAX_FEATURES = int(os.environ.get("ATOM_NORM_LINEAR_MAX_FEATURES", "4096"))

@@ -175,13 +175,13 @@ def _skinny_kernel(
 # nothing), so the bytes in flight are the resident programs times their tile: narrow tiles
 # (4-8 output features) over long K blocks keep more of them in flight than 16 x 512.
 # NOTE (tune_linear.py --wide-one-row, one H100, triton 3.6, torch 2.11, PDL on, 2026-11-24,
-# results/s12-h100/call1/tune-one-row.json; us a GEMM at one row, CUDA graphs over 1.5 GB of
+# results/s12-h100/h17a-call1/tune-one-row.json; us a GEMM at one row, CUDA graphs over 1.5 GB of
 # weight copies): Llama-3-8B qkv (6144 x 4096) 4 x 1024 / 4 warps 17.6 against 16 x 512's 19.2
 # (cuBLAS 20.8); o (4096 x 4096) 4 x 1024 13.5 (8 x 2048 / 8 warps 13.5) against 15.2; down
 # (4096 x 14336) 8 x 2048 / 8 warps 40.3 (4 x 1024: 43.6) against 46.1 (cuBLAS 44.8). Split-K
 # (2, 4) was never the best; 16 x 1024 / 8 warps was slower than 16 x 512 on all three.
-# In the engine (decode_ab.sh, results/s12-h100/call2, Llama-3-8B batch 1, ms a step): 5.605 with
-# these tiles against 5.880 with 16 x 512 (and main's other defaults); loading tiles ahead
+# In the engine (decode_ab.sh, results/s12-h100/h17a-call2, Llama-3-8B batch 1, ms a step):
+# 5.605 with these tiles against 5.880 with 16 x 512 (and main's other defaults); loading ahead
 # (ATOM_SKINNY_PREFETCH=1) 5.716 / 5.714, 8 x 2048 / 8 warps everywhere 5.734 / 5.732.
 ONE_ROW_MAX_N = 16384
 ONE_ROW_MIN_K = 4096
