@@ -117,6 +117,7 @@ MOE_TILE_VARIANTS = (  # moe_tiles: (gemm, changes), each applied alone to the d
     ("gemm1", {"num_stages": 3}), ("gemm1", {"num_warps": 8}),
     ("gemm2", {"BLOCK_N": 16}), ("gemm2", {"BLOCK_N": 64}), ("gemm2", {"BLOCK_K": 64}),
     ("gemm2", {"num_stages": 3}), ("gemm2", {"num_warps": 8}),
+    ("gemm1", {"num_warps": 2}), ("gemm2", {"num_warps": 2}),
 )  # fmt: skip
 
 
