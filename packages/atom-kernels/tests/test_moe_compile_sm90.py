@@ -53,7 +53,7 @@ MXFP4_CASES = [  # every MXFP4 way (moe_mxfp4.MODES) on both paths; T = 1: per-p
     ("mxfp4", shape, num_tokens, mode)
     for shape in ((128, 4, 2880, 2880), (256, 8, 7168, 2048))
     for num_tokens in (16, 1)
-    for mode in ("legacy", "bits", "scaled")
+    for mode in ("legacy", "bits", "scaled", "words")
 ]
 
 

@@ -12,7 +12,7 @@ import torch
 from atom_kernels.backends.torch import moe as moe_reference
 from atom_kernels.testing import assert_close, quantize_mxfp4, strided_copy
 
-MODES = ["legacy", "bits", "scaled"]
+MODES = ["legacy", "bits", "scaled", "words"]
 # (atol, rtol), as test_triton_quant.py's MOE_TOLERANCES: both sides multiply the same
 # dequantized weights; summation order and the per-pair rounding differ.
 TOLERANCES = {
@@ -78,15 +78,18 @@ def test_fused_moe_mxfp4_per_pair_combines(triton_backend, mode, combine):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("per_pair", [True, False])
-def test_fused_moe_mxfp4_odd_shapes(triton_backend, mode, per_pair):
+@pytest.mark.parametrize("strided", [True, False])  # strided packed rows: "words" runs "bits"
+def test_fused_moe_mxfp4_odd_shapes(triton_backend, mode, per_pair, strided):
     """64-column tiles over H = 96 and I = 32 (partial column tiles), 64-input K tiles over
-    K = 96 (the last scale group of a tile masked off), strided activations, packed weights
-    and scales."""
+    K = 96 (the last scale group of a tile masked off); strided activations, packed weights
+    and scales, or contiguous ones."""
     device = triton_backend.device
-    q13, q2, s13, s2 = _experts(5, 96, 32, device, seed=56)
-    experts = tuple(strided_copy(t) for t in (q13, q2, s13, s2))
+    experts = _experts(5, 96, 32, device, seed=56)
     num_tokens = 3 if per_pair else 7
-    x = strided_copy(_randn(num_tokens, 96, seed=57, device=device).to(torch.bfloat16))
+    x = _randn(num_tokens, 96, seed=57, device=device).to(torch.bfloat16)
+    if strided:
+        experts = tuple(strided_copy(t) for t in experts)
+        x = strided_copy(x)
     cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, GROUP_M=2)
     config = {"per_pair": per_pair, "combine": "sum", "gemm1": cfg, "gemm2": cfg}
     _check(x, experts, 5, 2, mode, seed=58, config=config)

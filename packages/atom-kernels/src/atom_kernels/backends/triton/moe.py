@@ -800,7 +800,7 @@ def _gemm2_pair_kernel(
         + cols[None, :].to(tl.int64) * stride_wn
     )  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if QUANT == 2 or QUANT == 3:  # MXFP4 one live row: register multiply-adds, no MMA
+    if QUANT == 2 or QUANT == 3 or QUANT == 5:  # MXFP4 one live row: register multiply-adds
         acc = mxfp4_row(acc, a_ptr + pair * stride_am,
                         w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn,
                         s_ptr + expert * stride_se + cols.to(tl.int64) * stride_sn, inter_size,
@@ -1085,7 +1085,7 @@ def fused_moe(
     per_pair = config["per_pair"]
     quant_code = _QUANT[quant]
     if quant == "mxfp4":
-        quant_code = resolve_mode(mxfp4_mode, dtype, per_pair)
+        quant_code = resolve_mode(mxfp4_mode, dtype, per_pair, (w13, w2))
     combine = config.get("combine", "sum")
     if combine not in COMBINE_MODES or (combine == "token" and not per_pair):
         raise ValueError(f"combine={combine!r}: expected one of {COMBINE_MODES} ('token' needs "

@@ -15,6 +15,10 @@ Three ways, the kernels' QUANT constexpr (``MODES``; ``resolve_mode`` picks one 
   exact conversion), the scale's factor folded in once per [N] vector. One live row: the group's
   32 products summed per column first and multiplied by the group's scale once (a power of two:
   exact), so no per-value scale multiply and no rounding step.
+- "words" (5): "bits" with the register path decoding two values per 32-bit operation
+  (``_words_fma``: the packed bytes loaded as 32-bit words, nibbles i and i + 4 of a word
+  decoded together into a float16 pair). Needs 4-byte aligned packed rows (else "bits"); the
+  MMA path runs "bits".
 - "scaled" (4): ``tl.dot_scaled`` (bf16 activations against the packed e2m1 and its e8m0 scales),
   Triton's own upcast and MMA for the target; one live row runs the 16-row MMA. Float16 and
   float32 activations fall back to "bits".
@@ -30,7 +34,7 @@ import triton.language as tl
 
 from atom_kernels.backends.triton.quant import e8m0_to_f32
 
-MODES = {"legacy": 2, "bits": 3, "scaled": 4}
+MODES = {"legacy": 2, "bits": 3, "scaled": 4, "words": 5}
 ENV = "ATOM_MXFP4_MOE"  # a MODES name: overrides the default (A/B runs)
 
 
@@ -39,15 +43,29 @@ def default_mode(per_pair: bool) -> str:
     return "legacy"
 
 
-def resolve_mode(mode: str | None, dtype: torch.dtype, per_pair: bool) -> int:
+def resolve_mode(
+    mode: str | None, dtype: torch.dtype, per_pair: bool, weights: tuple[torch.Tensor, ...] = ()
+) -> int:
     """QUANT code of the MXFP4 path: ``mode`` (a ``MODES`` name), else the env, else the default.
-    "scaled" needs bf16 activations (``tl.dot_scaled``'s operand format here); others get "bits"."""
+    "scaled" needs bf16 activations (``tl.dot_scaled``'s operand format here), "words" packed
+    ``weights`` whose rows start 4-byte aligned with contiguous bytes; others get "bits"."""
     mode = mode or os.environ.get(ENV) or default_mode(per_pair)
     if mode not in MODES:
         raise ValueError(f"mxfp4 mode {mode!r} (argument or {ENV}): expected one of {list(MODES)}")
     if mode == "scaled" and dtype != torch.bfloat16:
         mode = "bits"
+    if mode == "words" and not all(_word_aligned(w) for w in weights):
+        mode = "bits"
     return MODES[mode]
+
+
+def _word_aligned(w: torch.Tensor) -> bool:
+    """[E, N, K / 2] packed bytes readable as 32-bit words: contiguous along K, every row start
+    and the base 4-byte aligned, K / 2 a multiple of 4 (a 32-input scale group is 4 words)."""
+    return (
+        w.stride(2) == 1 and w.stride(0) % 4 == 0 and w.stride(1) % 4 == 0
+        and w.data_ptr() % 4 == 0 and w.shape[2] % 4 == 0
+    )  # fmt: skip
 
 
 # --- decoding -------------------------------------------------------------------------------------
@@ -129,6 +147,34 @@ def _bits_fma(part, x_even, x_odd, w_ptrs, w_mask, s_ptrs, s_mask):
     return part + pair * _group_scale(s_ptrs, s_mask)[None, :]
 
 
+@triton.jit
+def _words_fma(part, x_row, stride_xk, w_rows, s_ptrs, s_mask, kg, num_k, col_valid):
+    """The "words" way, one live row, one scale group: ``part`` [4, N] float32 + the group's
+    products. Its 16 packed bytes per column are 4 words; word j holds inputs kg + 8j .. + 7,
+    nibble i (bits 4i..4i+3) input kg + 8j + i. Nibbles i and i + 4 land in a float16 pair by
+    one pair of shifts and one masked merge (sign to bit 15 / 31, exponent and mantissa to bits
+    9..11 / 25..27), the 16-bit halves then converted exactly (values times 2^-14)."""
+    offs_w = tl.arange(0, 4)
+    k_word = kg + 8 * offs_w  # [4] first input of each word
+    w_mask = (k_word < num_k)[:, None] & col_valid[None, :]
+    w_ptrs = w_rows.to(tl.pointer_type(tl.uint32)) + (kg // 8 + offs_w)[:, None]  # [4, N]
+    words = tl.load(w_ptrs, mask=w_mask, other=0)
+    acc = tl.zeros(part.shape, dtype=tl.float32)
+    for i in tl.static_range(0, 4):
+        if i < 3:
+            mag = (words << (9 - 4 * i)) & 0x0E000E00
+        else:
+            mag = (words >> 3) & 0x0E000E00
+        bits = mag | ((words << (12 - 4 * i)) & 0x80008000)
+        low = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        high = (bits >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        k_valid = k_word < num_k
+        x_low = tl.load(x_row + (k_word + i) * stride_xk, mask=k_valid, other=0.0)
+        x_high = tl.load(x_row + (k_word + i + 4) * stride_xk, mask=k_valid, other=0.0)
+        acc += low * x_low.to(tl.float32)[:, None] + high * x_high.to(tl.float32)[:, None]
+    return part + acc * _group_scale(s_ptrs, s_mask)[None, :]
+
+
 # --- a K step and whole rows ----------------------------------------------------------------------
 
 
@@ -175,21 +221,25 @@ def mxfp4_step(
 @triton.jit
 def _row_fma(part, x_row, stride_xk, w_rows, s_rows, kg, num_k, col_valid, stride_wk, stride_sk,
              QUANT: tl.constexpr):  # fmt: skip
-    """One scale group of one live row into ``part`` [16, N] ("legacy", "bits")."""
-    offs_p = tl.arange(0, 16)
-    ks = kg + 2 * offs_p  # [16] the group's even inputs
-    k_valid = ks < num_k
-    x_even = tl.load(x_row + ks * stride_xk, mask=k_valid, other=0.0)
-    x_odd = tl.load(x_row + (ks + 1) * stride_xk, mask=k_valid, other=0.0)
-    w_ptrs = w_rows + (kg // 2 + offs_p)[:, None] * stride_wk  # [16, N]
-    w_mask = k_valid[:, None] & col_valid[None, :]
-    s_ptrs = s_rows + (kg // 32) * stride_sk
+    """One scale group of one live row into ``part`` ([16, N]; "words": [4, N])."""
     s_mask = col_valid & (kg + 0 * col_valid < num_k)  # [N]
-    if QUANT == 2:
-        return _legacy_fma(part, x_even, x_odd, w_ptrs, w_mask, s_ptrs, s_mask)
-    return _bits_fma(
-        part, x_even.to(tl.float32), x_odd.to(tl.float32), w_ptrs, w_mask, s_ptrs, s_mask
-    )
+    s_ptrs = s_rows + (kg // 32) * stride_sk
+    if QUANT == 5:
+        part = _words_fma(part, x_row, stride_xk, w_rows, s_ptrs, s_mask, kg, num_k, col_valid)
+    else:
+        offs_p = tl.arange(0, 16)
+        ks = kg + 2 * offs_p  # [16] the group's even inputs
+        k_valid = ks < num_k
+        x_even = tl.load(x_row + ks * stride_xk, mask=k_valid, other=0.0)
+        x_odd = tl.load(x_row + (ks + 1) * stride_xk, mask=k_valid, other=0.0)
+        w_ptrs = w_rows + (kg // 2 + offs_p)[:, None] * stride_wk  # [16, N]
+        w_mask = k_valid[:, None] & col_valid[None, :]
+        if QUANT == 2:
+            part = _legacy_fma(part, x_even, x_odd, w_ptrs, w_mask, s_ptrs, s_mask)
+        else:
+            part = _bits_fma(part, x_even.to(tl.float32), x_odd.to(tl.float32), w_ptrs, w_mask,
+                             s_ptrs, s_mask)  # fmt: skip
+    return part
 
 
 @triton.jit
@@ -205,8 +255,8 @@ def mxfp4_gate_up(
     to every row of acc_g / acc_u [M, N] (the caller stores row 0); else the MMA over
     ``x_rows`` [M, 1] / ``x_valid`` [M]."""
     if ONE_ROW and QUANT != 4:
-        part_g = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-        part_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        part_g = tl.zeros([4 if QUANT == 5 else 16, BLOCK_N], dtype=tl.float32)
+        part_u = tl.zeros([4 if QUANT == 5 else 16, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, num_k, BLOCK_K):
             for g in tl.static_range(0, BLOCK_K // 32):
                 kg = k0 + g * 32
@@ -234,7 +284,7 @@ def mxfp4_row(
 ):  # fmt: skip
     """acc [M, N] + x_row[:num_k] @ W[:, cols] in register multiply-adds ("legacy", "bits"; one
     live row, contiguous inputs), added to every row of acc."""
-    part = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    part = tl.zeros([4 if QUANT == 5 else 16, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, num_k, BLOCK_K):
         for g in tl.static_range(0, BLOCK_K // 32):
             part = _row_fma(part, x_row, 1, w_rows, s_rows, k0 + g * 32, num_k, col_valid,
