@@ -641,8 +641,9 @@ def bench_mxfp4_modes(bench: Bench, moe, reference, args, quant_kw, shape, nbyte
     for variant in MXFP4_MODES:
         mode, _, extra = variant.partition("+")
         config = PER_PAIR_CONFIG if extra == "pp" else None
-        if config is not None and args[0].shape[0] * args[4].shape[1] > 64:
-            continue  # per-pair past decode sizes: not a candidate
+        pairs = args[0].shape[0] * args[4].shape[1]
+        if config is not None and not moe.PER_PAIR_MAX_PAIRS < pairs <= 64:
+            continue  # per-pair already (the default tiles), or past decode sizes
         kw = dict(quant_kw, mxfp4_mode=mode, config=config)
         impl = f"mxfp4 {variant}"
         try:
@@ -683,8 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe-shapes", default="", help=f"comma-separated, of {list(MOE_SHAPES)}")
     parser.add_argument(
         "--mxfp4-modes", default="",
-        help="comma-separated MXFP4 ways (legacy, bits, scaled; '+pp': forced per-pair), each a "
-        "row checked against the reference (default: the kernel's own choice, one row)",
+        help="comma-separated MXFP4 ways (legacy, bits, words, scaled; '+pp': forced "
+        "per-pair), each a row checked against the reference (default: the kernel's choice)",
     )  # fmt: skip
     parser.add_argument(
         "--moe-tile-tokens", default="", help=f"moe_tiles: comma-separated T (default "
