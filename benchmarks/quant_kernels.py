@@ -483,6 +483,7 @@ def bench_moe(
     ``moe_tile_candidates`` config checked against the reference, then timed cold)."""
     from atom_kernels.backends.torch import moe as reference
     from atom_kernels.backends.triton import moe
+    from atom_kernels.backends.triton import moe_mxfp4 as mxfp4
 
     for name, (num_experts, top_k, hidden, inter, formats, oai) in MOE_SHAPES.items():
         if MOE_SHAPE_NAMES and name not in MOE_SHAPE_NAMES:
@@ -532,6 +533,9 @@ def bench_moe(
                     continue
                 expected = reference.fused_moe(*args, **quant_kw)
                 default = moe._configs(tokens, top_k, num_experts, hidden, inter, x.device)
+                if fmt == "mxfp4":  # the way's own tiles (ATOM_MXFP4_MOE or the default way)
+                    code = mxfp4.resolve_mode(None, x.dtype, default["per_pair"], (w13, w2))
+                    default = mxfp4.mxfp4_tiles(default, code, tokens * top_k)
                 seen = set()
                 for config in moe_tile_candidates(default):
                     key = repr(moe._quant_config(config, fmt, BLOCK))  # what the kernels get
@@ -659,7 +663,8 @@ def bench_mxfp4_modes(bench: Bench, moe, reference, args, quant_kw, shape, nbyte
             return moe.fused_moe(*args, **kw)
 
         bench.add("moe", shape, ("BAD " if bad else "") + impl, fn, nbytes, flops, "bf16",
-                  experts_hit=hit, max_error=float(error.max()), bad=bad)  # fmt: skip
+                  experts_hit=hit, max_error=float(error.max()), bad=bad,
+                  ref_absmax=float(expected.abs().max()))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

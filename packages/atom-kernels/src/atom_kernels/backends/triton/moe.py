@@ -59,6 +59,7 @@ from atom_kernels.backends.triton.moe_mxfp4 import (
     mxfp4_gate_up,
     mxfp4_row,
     mxfp4_step,
+    mxfp4_tiles,
     resolve_mode,
 )
 
@@ -351,8 +352,9 @@ def _quant_dot(
     group_n). FP8: one [BLOCK_K, N] tile (``_fp8_tile``); MXFP4: BLOCK_K / 32 scale groups of
     16 packed bytes per row (``moe_mxfp4``)."""
     if QUANT >= 2:
-        acc = mxfp4_step(acc, a_rows, a_valid, 1, w_rows, s_rows, k0, num_k, col_valid, stride_wk,
-                         stride_sk, QUANT, PRECISION, BLOCK_K)  # fmt: skip
+        acc, _ = mxfp4_step(acc, acc, a_rows, a_valid, 1, w_rows, w_rows, s_rows, s_rows, k0,
+                            num_k, col_valid, stride_wk, stride_sk, False, QUANT, PRECISION,
+                            BLOCK_K)  # fmt: skip
     else:
         ks = k0 + tl.arange(0, BLOCK_K)
         k_valid = ks < num_k
@@ -1057,21 +1059,19 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     if num_pairs == 0 or hidden_size == 0:
         return torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device)
-    if config is None:
+    tuned = config is None
+    if tuned:
         config = _configs(num_tokens, top_k, num_experts, hidden_size, inter_size, device)
         if dtype.itemsize > 2:  # the tiles are tuned for 16-bit weights: same bytes per stage,
             # and no warp specialization (float32 dots run on FMA units, not the tensor cores)
             for gemm in ("gemm1", "gemm2"):
                 config[gemm] = dict(config[gemm], BLOCK_K=max(16, config[gemm]["BLOCK_K"] // 2))
             config["ws"] = False
-        decode_tiles = not config["per_pair"] and config["gemm1"]["BLOCK_M"] == 16
-        if quant == "mxfp4" and decode_tiles and num_pairs < 1024:
-            # NOTE (benchmarks/results/quant-moe-tiles-s9-h100.json and s9-final-h100, H100,
-            # triton 3.6): GPT-OSS-120B layer at T=16 (the 16-row decode tiles), GEMM 1 in 8 warps
-            # 1.03 ms against 1.42 with 4 (the dequantizing arithmetic over more threads); at
-            # T=1 (per-pair) and T=256 (1024 pairs, the hist-align tiles) 8 warps were slower
-            # (T=256: 4.52 against 3.25 ms).
-            config["gemm1"] = dict(config["gemm1"], num_warps=8)
+    quant_code = _QUANT[quant]
+    if quant == "mxfp4":
+        quant_code = resolve_mode(mxfp4_mode, dtype, config["per_pair"], (w13, w2))
+        if tuned:
+            config = mxfp4_tiles(config, quant_code, num_pairs)
     if quant is not None:
         config = _quant_config(config, quant, block_size)
     ids = topk_ids.reshape(-1)
@@ -1083,9 +1083,6 @@ def fused_moe(
     bias2_strides = (w2_bias.stride(0), w2_bias.stride(1)) if w2_bias is not None else (0, 0)
     block_e = next_pow2(num_experts, 16)
     per_pair = config["per_pair"]
-    quant_code = _QUANT[quant]
-    if quant == "mxfp4":
-        quant_code = resolve_mode(mxfp4_mode, dtype, per_pair, (w13, w2))
     combine = config.get("combine", "sum")
     if combine not in COMBINE_MODES or (combine == "token" and not per_pair):
         raise ValueError(f"combine={combine!r}: expected one of {COMBINE_MODES} ('token' needs "

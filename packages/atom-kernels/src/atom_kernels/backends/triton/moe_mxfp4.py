@@ -39,8 +39,31 @@ ENV = "ATOM_MXFP4_MOE"  # a MODES name: overrides the default (A/B runs)
 
 
 def default_mode(per_pair: bool) -> str:
-    """The mode of a call that names none (and no ``ATOM_MXFP4_MOE``): see the NOTE."""
-    return "legacy"
+    """The way of a call that names none (and no ``ATOM_MXFP4_MOE``).
+
+    NOTE (H100, triton 3.6, benchmarks/results/s12-h100/s12-mxfp4-gptoss.json): GPT-OSS-120B
+    layer, T=1 (per-pair): legacy 0.098 ms, bits 0.079, scaled 0.071; T=16 (sorted): legacy
+    1.196, bits 1.153, scaled 0.778 (0.505 with mxfp4_tiles' GEMM 2); T=256: 3.27 / 3.27 /
+    1.51. DeepSeek-V3 layer T=1 / 16: legacy 0.291 / 4.54, scaled 0.183 / 2.52 ms."""
+    return "scaled"
+
+
+def mxfp4_tiles(config: dict, code: int, num_pairs: int) -> dict:
+    """``moe._configs``' tiles (tuned for bf16 experts) adjusted for the MXFP4 way ``code``, on
+    the sorted path's 16-row decode tiles below 1024 pairs; others unchanged.
+
+    NOTE (H100, triton 3.6; s9: results/quant-moe-tiles-s9-h100.json; s12:
+    results/s12-h100/s12-mxfp4-tiles-scaled-t16.json): GPT-OSS-120B layer at T=16. "legacy"
+    (and "bits", the same structure): GEMM 1 in 8 warps, 1.03 ms against 1.42 with 4 (s9).
+    "scaled": GEMM 1 in 4 warps 0.570 ms against 0.764 in 8; GEMM 2 64 columns wide 0.505."""
+    if config["per_pair"] or config["gemm1"]["BLOCK_M"] != 16 or num_pairs >= 1024:
+        return config
+    config = dict(config)
+    if code == MODES["scaled"]:
+        config["gemm2"] = dict(config["gemm2"], BLOCK_N=64)
+    else:
+        config["gemm1"] = dict(config["gemm1"], num_warps=8)
+    return config
 
 
 def resolve_mode(
@@ -179,43 +202,58 @@ def _words_fma(part, x_row, stride_xk, w_rows, s_ptrs, s_mask, kg, num_k, col_va
 
 
 @triton.jit
+def _scaled_dot(acc, x, w_rows, s_rows, k0, num_k, col_valid, stride_wk, stride_sk,
+                BLOCK_K: tl.constexpr):  # fmt: skip
+    """acc + x [M, BLOCK_K] (bf16, inputs k0 on) @ W[k0 : k0 + BLOCK_K, cols] by
+    ``tl.dot_scaled``: the [BLOCK_K / 2, N] packed bytes and [N, BLOCK_K / 32] scales as loaded."""
+    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # packed bytes
+    w = tl.load(w_rows + kp[:, None] * stride_wk,
+                mask=(kp < num_k // 2)[:, None] & col_valid[None, :], other=0)  # fmt: skip
+    kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # scale groups
+    s = tl.load(s_rows[:, None] + kg[None, :] * stride_sk,
+                mask=col_valid[:, None] & (kg < num_k // 32)[None, :], other=127)  # fmt: skip
+    # fast_math: no NaN for the e8m0 byte 255 (never a real scale; the reference's is inf).
+    return tl.dot_scaled(x, None, "bf16", w, s, "e2m1", acc, fast_math=True)
+
+
+@triton.jit
 def mxfp4_step(
-    acc, x_rows, x_valid, stride_xk, w_rows, s_rows, k0, num_k, col_valid, stride_wk, stride_sk,
-    QUANT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+    acc, acc2, x_rows, x_valid, stride_xk, w_rows, w2_rows, s_rows, s2_rows, k0, num_k, col_valid,
+    stride_wk, stride_sk, TWO: tl.constexpr, QUANT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """acc [M, N] + x[:, k0 : k0 + BLOCK_K] @ W[k0 : k0 + BLOCK_K, cols] on the MMA: ``x_rows``
-    [M, 1] pointers to the activation rows (inputs ``stride_xk`` apart), ``x_valid`` [M];
-    ``w_rows`` [1, N] the packed weight rows, ``s_rows`` [N] their scale rows. num_k is a
-    multiple of 32."""
+    """(acc + x[:, k0 : k0 + BLOCK_K] @ W[k0 : k0 + BLOCK_K, cols], the same for acc2 and W2 when
+    ``TWO``) on the MMA, the activations loaded once for both: ``x_rows`` [M, 1] pointers to the
+    activation rows (inputs ``stride_xk`` apart), ``x_valid`` [M]; ``w_rows`` [1, N] the packed
+    weight rows, ``s_rows`` [N] their scale rows. num_k is a multiple of 32."""
     if QUANT == 4:
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + ks[None, :] * stride_xk, mask=x_valid[:, None] & (ks < num_k)[None, :],
                     other=0.0)  # [M, BLOCK_K]  # fmt: skip
-        kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # packed bytes
-        w = tl.load(w_rows + kp[:, None] * stride_wk,
-                    mask=(kp < num_k // 2)[:, None] & col_valid[None, :], other=0)  # fmt: skip
-        kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)  # scale groups
-        s = tl.load(
-            s_rows[:, None] + kg[None, :] * stride_sk,
-            mask=col_valid[:, None] & (kg < num_k // 32)[None, :],
-            other=127,
-        )  # [N, G]
-        # fast_math: no NaN for the e8m0 byte 255 (never a real scale; the reference's is inf).
-        return tl.dot_scaled(x, None, "bf16", w, s, "e2m1", acc, fast_math=True)
-    offs_p = tl.arange(0, 16)
-    for g in tl.static_range(0, BLOCK_K // 32):
-        kg = k0 + g * 32  # first input of the scale group
-        ks = kg + 2 * offs_p  # [16] its even inputs
-        k_valid = ks < num_k
-        x_mask = x_valid[:, None] & k_valid[None, :]
-        x_even = tl.load(x_rows + ks[None, :] * stride_xk, mask=x_mask, other=0.0)
-        x_odd = tl.load(x_rows + (ks + 1)[None, :] * stride_xk, mask=x_mask, other=0.0)
-        wp = (kg // 2 + offs_p)[:, None] * stride_wk  # [16, 1] packed bytes
-        w_mask = k_valid[:, None] & col_valid[None, :]
-        s_mask = col_valid & (kg + 0 * col_valid < num_k)  # [N]
-        acc = _group_dot(acc, x_even, x_odd, w_rows + wp, w_mask, s_rows + (kg // 32) * stride_sk,
-                         s_mask, QUANT, PRECISION)  # fmt: skip
-    return acc
+        acc = _scaled_dot(acc, x, w_rows, s_rows, k0, num_k, col_valid, stride_wk, stride_sk,
+                          BLOCK_K)  # fmt: skip
+        if TWO:
+            acc2 = _scaled_dot(acc2, x, w2_rows, s2_rows, k0, num_k, col_valid, stride_wk,
+                               stride_sk, BLOCK_K)  # fmt: skip
+    else:
+        offs_p = tl.arange(0, 16)
+        for g in tl.static_range(0, BLOCK_K // 32):
+            kg = k0 + g * 32  # first input of the scale group
+            ks = kg + 2 * offs_p  # [16] its even inputs
+            k_valid = ks < num_k
+            x_mask = x_valid[:, None] & k_valid[None, :]
+            x_even = tl.load(x_rows + ks[None, :] * stride_xk, mask=x_mask, other=0.0)
+            x_odd = tl.load(x_rows + (ks + 1)[None, :] * stride_xk, mask=x_mask, other=0.0)
+            wp = (kg // 2 + offs_p)[:, None] * stride_wk  # [16, 1] packed bytes
+            w_mask = k_valid[:, None] & col_valid[None, :]
+            s_mask = col_valid & (kg + 0 * col_valid < num_k)  # [N]
+            sk = (kg // 32) * stride_sk
+            acc = _group_dot(acc, x_even, x_odd, w_rows + wp, w_mask, s_rows + sk, s_mask, QUANT,
+                             PRECISION)  # fmt: skip
+            if TWO:
+                acc2 = _group_dot(acc2, x_even, x_odd, w2_rows + wp, w_mask, s2_rows + sk, s_mask,
+                                  QUANT, PRECISION)  # fmt: skip
+    return acc, acc2
 
 
 @triton.jit
@@ -268,12 +306,9 @@ def mxfp4_gate_up(
         acc_u += tl.sum(part_u, 0)[None, :]
     else:
         for k0 in range(0, num_k, BLOCK_K):
-            acc_g = mxfp4_step(acc_g, x_rows, x_valid, stride_xk, wg_rows, sg_rows, k0, num_k,
-                               col_valid, stride_wk, stride_sk, QUANT, PRECISION,
-                               BLOCK_K)  # fmt: skip
-            acc_u = mxfp4_step(acc_u, x_rows, x_valid, stride_xk, wu_rows, su_rows, k0, num_k,
-                               col_valid, stride_wk, stride_sk, QUANT, PRECISION,
-                               BLOCK_K)  # fmt: skip
+            acc_g, acc_u = mxfp4_step(acc_g, acc_u, x_rows, x_valid, stride_xk, wg_rows, wu_rows,
+                                      sg_rows, su_rows, k0, num_k, col_valid, stride_wk,
+                                      stride_sk, True, QUANT, PRECISION, BLOCK_K)  # fmt: skip
     return acc_g, acc_u
 
 
