@@ -41,7 +41,7 @@ ENV = "ATOM_MXFP4_MOE"  # a MODES name: overrides the default (A/B runs)
 def default_mode(per_pair: bool) -> str:
     """The way of a call that names none (and no ``ATOM_MXFP4_MOE``).
 
-    NOTE (H100, triton 3.6, benchmarks/results/s12-h100/s12-mxfp4-gptoss.json): GPT-OSS-120B
+    NOTE (H100, triton 3.6, benchmarks/results/s12-h100/call1-s12-mxfp4-gptoss.json): GPT-OSS-120B
     layer, T=1 (per-pair): legacy 0.098 ms, bits 0.079, scaled 0.071; T=16 (sorted): legacy
     1.196, bits 1.153, scaled 0.778 (0.505 with mxfp4_tiles' GEMM 2); T=256: 3.27 / 3.27 /
     1.51. DeepSeek-V3 layer T=1 / 16: legacy 0.291 / 4.54, scaled 0.183 / 2.52 ms."""
@@ -53,7 +53,7 @@ def mxfp4_tiles(config: dict, code: int, num_pairs: int) -> dict:
     the sorted path's 16-row decode tiles below 1024 pairs; others unchanged.
 
     NOTE (H100, triton 3.6; s9: results/quant-moe-tiles-s9-h100.json; s12:
-    results/s12-h100/s12-mxfp4-tiles-scaled-t16.json): GPT-OSS-120B layer at T=16. "legacy"
+    results/s12-h100/call1-s12-mxfp4-tiles-scaled-t16.json): GPT-OSS-120B layer at T=16. "legacy"
     (and "bits", the same structure): GEMM 1 in 8 warps, 1.03 ms against 1.42 with 4 (s9).
     "scaled": GEMM 1 in 4 warps 0.570 ms against 0.764 in 8; GEMM 2 64 columns wide 0.505."""
     if config["per_pair"] or config["gemm1"]["BLOCK_M"] != 16 or num_pairs >= 1024:
