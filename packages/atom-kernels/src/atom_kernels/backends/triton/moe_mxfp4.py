@@ -41,27 +41,32 @@ ENV = "ATOM_MXFP4_MOE"  # a MODES name: overrides the default (A/B runs)
 def default_mode(per_pair: bool) -> str:
     """The way of a call that names none (and no ``ATOM_MXFP4_MOE``).
 
-    NOTE (H100, triton 3.6, benchmarks/results/s12-h100/call1-s12-mxfp4-gptoss.json): GPT-OSS-120B
-    layer, T=1 (per-pair): legacy 0.098 ms, bits 0.079, scaled 0.071; T=16 (sorted): legacy
-    1.196, bits 1.153, scaled 0.778 (0.505 with mxfp4_tiles' GEMM 2); T=256: 3.27 / 3.27 /
-    1.51. DeepSeek-V3 layer T=1 / 16: legacy 0.291 / 4.54, scaled 0.183 / 2.52 ms."""
+    NOTE (H100, triton 3.6; benchmarks/results/s12-h100/call1-*, call2-*): "scaled" was the
+    fastest on every measured size but one. GPT-OSS-120B layer, T=1 (per-pair): legacy 0.100 ms,
+    bits 0.079, words 0.085, scaled 0.070; T=16 (sorted): legacy 1.022, bits 0.984, scaled
+    0.513; T=256: 3.13 / 3.10 / 1.52; T=4096: 15.9 / 15.5 / 3.86. DeepSeek-V3 layer: T=1 legacy
+    0.290, words 0.175, scaled 0.183; T=16 4.25 / 4.13 / 1.57; T=4096 65.6 / 65.4 / 13.1."""
     return "scaled"
 
 
 def mxfp4_tiles(config: dict, code: int, num_pairs: int) -> dict:
-    """``moe._configs``' tiles (tuned for bf16 experts) adjusted for the MXFP4 way ``code``, on
-    the sorted path's 16-row decode tiles below 1024 pairs; others unchanged.
+    """``moe._configs``' tiles (tuned for bf16 experts) adjusted for the MXFP4 way ``code`` on
+    the sorted path's 16-row tiles; others unchanged.
 
-    NOTE (H100, triton 3.6; s9: results/quant-moe-tiles-s9-h100.json; s12:
-    results/s12-h100/call1-s12-mxfp4-tiles-scaled-t16.json): GPT-OSS-120B layer at T=16. "legacy"
-    (and "bits", the same structure): GEMM 1 in 8 warps, 1.03 ms against 1.42 with 4 (s9).
-    "scaled": GEMM 1 in 4 warps 0.570 ms against 0.764 in 8; GEMM 2 64 columns wide 0.505."""
-    if config["per_pair"] or config["gemm1"]["BLOCK_M"] != 16 or num_pairs >= 1024:
+    NOTE (H100, triton 3.6, GPT-OSS-120B layer; s9: results/quant-moe-tiles-s9-h100.json; s12:
+    results/s12-h100/call1-s12-mxfp4-tiles-scaled-t16.json, call2-s12-mxfp4-tiles-scaled.json,
+    each tile change timed alone). "legacy" / "bits" below 1024 pairs: GEMM 1 in 8 warps,
+    1.03 ms at T=16 against 1.42 in 4 (s9). "scaled", T=16: GEMM 1 in 4 warps 0.570 ms against
+    0.764 in 8; then GEMM 2 64 columns wide 0.508; then GEMM 1 in 2 warps 0.490. T=256 (1024
+    pairs, the hist-align tiles): GEMM 1 in 2 warps 1.280 ms against 1.517."""
+    if config["per_pair"] or config["gemm1"]["BLOCK_M"] != 16:
         return config
     config = dict(config)
     if code == MODES["scaled"]:
-        config["gemm2"] = dict(config["gemm2"], BLOCK_N=64)
-    else:
+        config["gemm1"] = dict(config["gemm1"], num_warps=2)
+        if num_pairs < 1024:
+            config["gemm2"] = dict(config["gemm2"], BLOCK_N=64)
+    elif num_pairs < 1024:
         config["gemm1"] = dict(config["gemm1"], num_warps=8)
     return config
 
