@@ -95,7 +95,7 @@ W8A8_TILES = {  # gemm_tiles' candidates by M (<= 64: "small"), each after w8a8_
 }  # fmt: skip
 GROUP_QUANT_SHAPES = ((1, 7168), (16, 7168), (4096, 7168), (16384, 7168), (4096, 16384))
 MOE_SHAPES = {  # name: (E, top-k, H, I, formats, GPT-OSS layer: swiglu_oai, interleaved, biases)
-    "deepseek-v3": (256, 8, 7168, 2048, ("fp8_block", "fp8_channel", "bf16"), False),
+    "deepseek-v3": (256, 8, 7168, 2048, ("fp8_block", "fp8_channel", "mxfp4", "bf16"), False),
     "gpt-oss-120b": (128, 4, 2880, 2880, ("mxfp4", "bf16"), True),
 }
 MOE_TOKENS = (1, 16, 64, 1024)
@@ -106,6 +106,10 @@ MLA_BATCHES = (1, 32, 128)
 MLA_CONTEXTS = (1024, 4096)
 DEVICE = "cuda"  # "cpu" under --smoke-cpu
 MOE_FORMATS: tuple[str, ...] = ()  # --moe-formats: only these (empty: all)
+MOE_SHAPE_NAMES: tuple[str, ...] = ()  # --moe-shapes: only these (empty: all)
+# --mxfp4-modes: each names a moe_mxfp4.MODES way, timed as its own row ("mxfp4 <mode>") and
+# checked against the reference first; "<mode>+pp" also forces the per-pair path (decode sizes).
+MXFP4_MODES: tuple[str, ...] = ()
 GROUPS = ("gemm", "group_quant", "mla", "moe", "gemm_tiles", "moe_tiles")  # run order
 MOE_TILE_TOKENS = (1, 16)  # moe_tiles without --moe-tile-tokens
 MOE_TILE_VARIANTS = (  # moe_tiles: (gemm, changes), each applied alone to the default
@@ -113,6 +117,7 @@ MOE_TILE_VARIANTS = (  # moe_tiles: (gemm, changes), each applied alone to the d
     ("gemm1", {"num_stages": 3}), ("gemm1", {"num_warps": 8}),
     ("gemm2", {"BLOCK_N": 16}), ("gemm2", {"BLOCK_N": 64}), ("gemm2", {"BLOCK_K": 64}),
     ("gemm2", {"num_stages": 3}), ("gemm2", {"num_warps": 8}),
+    ("gemm1", {"num_warps": 2}), ("gemm2", {"num_warps": 2}),
 )  # fmt: skip
 
 
@@ -478,8 +483,11 @@ def bench_moe(
     ``moe_tile_candidates`` config checked against the reference, then timed cold)."""
     from atom_kernels.backends.torch import moe as reference
     from atom_kernels.backends.triton import moe
+    from atom_kernels.backends.triton import moe_mxfp4 as mxfp4
 
     for name, (num_experts, top_k, hidden, inter, formats, oai) in MOE_SHAPES.items():
+        if MOE_SHAPE_NAMES and name not in MOE_SHAPE_NAMES:
+            continue
         if max_experts is not None and num_experts > max_experts:
             print(f"{name}: {max_experts} of its {num_experts} experts (--moe-max-experts)")
             num_experts = max_experts
@@ -516,11 +524,18 @@ def bench_moe(
                 shape = f"{name} E={num_experts} top{top_k} H={hidden} I={inter} T={tokens}"
                 nbytes = moe_bytes(hit, tokens, hidden, inter, fmt, oai)
                 flops = moe_flops(tokens, top_k, hidden, inter)
+                if fmt == "mxfp4" and MXFP4_MODES and not sweep:
+                    bench_mxfp4_modes(bench, moe, reference, args, quant_kw, shape, nbytes, flops,
+                                      hit)  # fmt: skip
+                    continue
                 if not sweep:
                     bench.add("moe", shape, fmt, fn, nbytes, flops, "bf16", experts_hit=hit)
                     continue
                 expected = reference.fused_moe(*args, **quant_kw)
                 default = moe._configs(tokens, top_k, num_experts, hidden, inter, x.device)
+                if fmt == "mxfp4":  # the way's own tiles (ATOM_MXFP4_MOE or the default way)
+                    code = mxfp4.resolve_mode(None, x.dtype, default["per_pair"], (w13, w2))
+                    default = mxfp4.mxfp4_tiles(default, code, tokens * top_k)
                 seen = set()
                 for config in moe_tile_candidates(default):
                     key = repr(moe._quant_config(config, fmt, BLOCK))  # what the kernels get
@@ -616,6 +631,42 @@ def _shrink_for_smoke() -> None:
 # --- main -----------------------------------------------------------------------------------------
 
 
+PER_PAIR_CONFIG = {  # "<mode>+pp": the per-pair path's T = 1 tiles at any decode size
+    "per_pair": True, "combine": "sum",
+    "gemm1": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
+    "gemm2": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=5),
+}  # fmt: skip
+
+
+def bench_mxfp4_modes(bench: Bench, moe, reference, args, quant_kw, shape, nbytes, flops, hit):
+    """One ``moe`` row per --mxfp4-modes entry, each checked against the torch reference first
+    (max_error, bad: atol = rtol = TOLERANCE) so a wrong way is never reported as a fast one."""
+    expected = reference.fused_moe(*args, **quant_kw).float()
+    for variant in MXFP4_MODES:
+        mode, _, extra = variant.partition("+")
+        config = PER_PAIR_CONFIG if extra == "pp" else None
+        pairs = args[0].shape[0] * args[4].shape[1]
+        if config is not None and not moe.PER_PAIR_MAX_PAIRS < pairs <= 64:
+            continue  # per-pair already (the default tiles), or past decode sizes
+        kw = dict(quant_kw, mxfp4_mode=mode, config=config)
+        impl = f"mxfp4 {variant}"
+        try:
+            error = (moe.fused_moe(*args, **kw).float() - expected).abs()
+        except Exception as exc:  # a way that does not compile here: recorded, skipped
+            print(f"FAILED moe {shape} {impl}: {exc!r}"[:1000], flush=True)
+            bench.rows.append({"group": "moe", "shape": shape, "impl": impl,
+                               "error": repr(exc)[:500]})  # fmt: skip
+            continue
+        bad = bool((error > TOLERANCE + TOLERANCE * expected.abs()).any())
+
+        def fn(args=args, kw=kw):
+            return moe.fused_moe(*args, **kw)
+
+        bench.add("moe", shape, ("BAD " if bad else "") + impl, fn, nbytes, flops, "bf16",
+                  experts_hit=hit, max_error=float(error.max()), bad=bad,
+                  ref_absmax=float(expected.abs().max()))  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="path of the JSON results file")
@@ -635,13 +686,21 @@ def main(argv: list[str] | None = None) -> int:
         "script's wiring, measures nothing",
     )  # fmt: skip
     parser.add_argument("--moe-formats", default="", help="comma-separated MoE formats only")
+    parser.add_argument("--moe-shapes", default="", help=f"comma-separated, of {list(MOE_SHAPES)}")
+    parser.add_argument(
+        "--mxfp4-modes", default="",
+        help="comma-separated MXFP4 ways (legacy, bits, words, scaled; '+pp': forced "
+        "per-pair), each a row checked against the reference (default: the kernel's choice)",
+    )  # fmt: skip
     parser.add_argument(
         "--moe-tile-tokens", default="", help=f"moe_tiles: comma-separated T (default "
         f"{MOE_TILE_TOKENS})",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    global MOE_FORMATS
+    global MOE_FORMATS, MOE_SHAPE_NAMES, MXFP4_MODES
     MOE_FORMATS = tuple(f for f in args.moe_formats.split(",") if f)
+    MOE_SHAPE_NAMES = tuple(f for f in args.moe_shapes.split(",") if f)
+    MXFP4_MODES = tuple(f for f in args.mxfp4_modes.split(",") if f)
     groups = [g for g in args.only.split(",") if g] or list(GROUPS)
     unknown = set(groups) - set(GROUPS)
     if unknown:

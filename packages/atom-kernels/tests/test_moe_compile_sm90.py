@@ -21,6 +21,7 @@ except ImportError:  # pragma: no cover - a Triton without the AOT entry points
     pytest.skip("this Triton has no ASTSource / GPUTarget", allow_module_level=True)
 
 from atom_kernels.backends.triton import moe  # noqa: E402
+from atom_kernels.backends.triton.moe_mxfp4 import MODES, mxfp4_tiles  # noqa: E402
 
 H100_SHARED_BYTES = 227 * 1024
 # kernel pointer arguments by QUANT: the weight's and the scale's element types
@@ -48,22 +49,31 @@ def _compile(kernel, pointers: dict, constexprs: dict, cfg: dict):
         pytest.skip(f"no CUDA toolchain for an AOT compile: {exc}")
 
 
+MXFP4_CASES = [  # every MXFP4 way (moe_mxfp4.MODES) on both paths; T = 1: per-pair
+    ("mxfp4", shape, num_tokens, mode)
+    for shape in ((128, 4, 2880, 2880), (256, 8, 7168, 2048))
+    for num_tokens in (16, 1)
+    for mode in ("legacy", "bits", "scaled", "words")
+] + [  # the default way at prefill sizes: 1024 pairs (hist-align tiles), 128-row tiles
+    ("mxfp4", (128, 4, 2880, 2880), num_tokens, "scaled") for num_tokens in (256, 4096)
+]
+
+
 @pytest.mark.parametrize(
-    ("quant", "shape", "num_tokens"),
-    [
-        ("fp8_block", (256, 8, 7168, 2048), 1),
-        ("mxfp4", (128, 4, 2880, 2880), 16),
-        ("mxfp4", (128, 4, 2880, 2880), 1),  # per-pair: the register multiply-adds
-    ],
+    ("quant", "shape", "num_tokens", "mode"),
+    [("fp8_block", (256, 8, 7168, 2048), 1, None), *MXFP4_CASES],
 )
-def test_quantized_moe_kernels_compile_for_sm90(monkeypatch, quant, shape, num_tokens):
+def test_quantized_moe_kernels_compile_for_sm90(monkeypatch, quant, shape, num_tokens, mode):
     num_experts, top_k, hidden, inter = shape
     monkeypatch.setattr(moe, "num_sms", lambda device: 132)  # an H100's, with no GPU here
+    monkeypatch.setattr(moe, "_tma_capable", lambda device: True)  # (quantized experts: no TMA)
     mxfp4 = quant == "mxfp4"
     config = moe._configs(num_tokens, top_k, num_experts, hidden, inter, torch.device("cuda"))
+    code = moe._QUANT[quant] if mode is None else MODES[mode]
+    if mxfp4:
+        config = mxfp4_tiles(config, code, num_tokens * top_k)
     config = moe._quant_config(config, quant, (128, 128))
-    code = moe._QUANT[quant]
-    w, s = WEIGHT_TYPE[code], SCALE_TYPE[code]
+    w, s = WEIGHT_TYPE[min(code, 2)], SCALE_TYPE[min(code, 2)]
     per_pair = config["per_pair"]
     assert per_pair == (num_tokens * top_k <= moe.PER_PAIR_MAX_PAIRS)
     common = dict(HAS_BIAS=mxfp4, PRECISION="tf32", QUANT=code)

@@ -42,9 +42,10 @@ weight tiles in the K loop, then multiplies in the activation dtype: weight-only
 the torch reference's dequantized experts (each value times its scale in float32, one rounding).
 The scales are loaded per (column tile, K step), never per element: FP8 (``_fp8_tile``) reads a
 [BLOCK_K, BLOCK_N] tile and one [BLOCK_N] scale vector (BLOCK_K divides the block's K, so a K tile
-lies in one scale column; per channel the same vector every step); MXFP4 (``_mxfp4_dot``) walks
-32-input scale groups, loads each group's 16 packed bytes per row once and runs two dots, the even
-inputs against the low nibbles and the odd inputs against the high ones. No TMA for them.
+lies in one scale column; per channel the same vector every step). MXFP4 lives in
+``moe_mxfp4.py``: three ways (QUANT 2 to 4: a hand decode into two K=16 dots per 32-input scale
+group, a cheaper decode, ``tl.dot_scaled``), register multiply-adds for one live row. No TMA for
+quantized experts.
 """
 
 from __future__ import annotations
@@ -54,7 +55,13 @@ import triton
 import triton.language as tl
 
 from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_sms
-from atom_kernels.backends.triton.quant import e8m0_to_f32
+from atom_kernels.backends.triton.moe_mxfp4 import (
+    mxfp4_gate_up,
+    mxfp4_row,
+    mxfp4_step,
+    mxfp4_tiles,
+    resolve_mode,
+)
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -335,47 +342,6 @@ def _fp8_tile(w_ptrs, s_rows, k0, mask, col_valid, stride_sk, group_k, dtype):
 
 
 @triton.jit
-def _e2m1_f32(code):
-    """e2m1 codes (uint16, 0..15) -> float32, exactly, in four integer ops and two conversions:
-    the code's exponent and mantissa bits placed under a float16's exponent field give the value
-    times 2^-14 (code 1, 0.5, a float16 subnormal: 2^-15), hence the multiply by 2^14. No
-    float32 subnormal on the way (a GPU may flush those)."""
-    bits = ((code & 7) << 9) | ((code & 8) << 12)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
-
-
-@triton.jit
-def _mxfp4_dot(acc, x_even, x_odd, w_ptrs, w_mask, s_ptrs, s_mask, PRECISION: tl.constexpr):
-    """acc + x @ W over one 32-input e8m0 scale group: ``w_ptrs`` [16, N] its packed bytes, each
-    byte loaded once (low nibble: the even input, high: the odd one), ``x_even`` / ``x_odd``
-    [M, 16] the matching inputs, ``s_ptrs`` [N] the group's scale per row. Each value is
-    dequantized as the torch reference does (e2m1 times 2^(s - 127) in float32, exact, then one
-    rounding to x's dtype)."""
-    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.uint16)
-    scale = e8m0_to_f32(tl.load(s_ptrs, mask=s_mask, other=127))[None, :]
-    low = (_e2m1_f32(packed & 0xF) * scale).to(x_even.dtype)
-    high = (_e2m1_f32(packed >> 4) * scale).to(x_even.dtype)
-    acc = tl.dot(x_even, low, acc, input_precision=PRECISION)
-    return tl.dot(x_odd, high, acc, input_precision=PRECISION)
-
-
-@triton.jit
-def _mxfp4_fma(part, x_even, x_odd, w_ptrs, w_mask, s_ptrs, s_mask):
-    """``_mxfp4_dot`` for one live row, without the MMA: ``part`` [16, N] float32 partial sums
-    (summed over axis 0 by the caller) + the group's values times ``x_even`` / ``x_odd`` [16]
-    (the row's even / odd inputs). Each value is rounded to x's dtype first, as the dot's
-    operand is, so the sum is the same products in another order. At one row the MMA's 16-row
-    tile wastes 15 rows and each [16, N] operand is converted into the MMA's register layout;
-    here the values stay in the layout they were loaded in."""
-    packed = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.uint16)
-    scale = e8m0_to_f32(tl.load(s_ptrs, mask=s_mask, other=127))[None, :]
-    low = (_e2m1_f32(packed & 0xF) * scale).to(x_even.dtype).to(tl.float32)
-    high = (_e2m1_f32(packed >> 4) * scale).to(x_even.dtype).to(tl.float32)
-    part += low * x_even.to(tl.float32)[:, None]
-    return part + high * x_odd.to(tl.float32)[:, None]
-
-
-@triton.jit
 def _quant_dot(
     acc, a_rows, a_valid, w_rows, s_rows, k0, num_k, col_valid, stride_wk, stride_sk, group_k,
     QUANT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -384,21 +350,11 @@ def _quant_dot(
     kernels): ``a_rows`` [M, 1] pointers to the activation rows (K contiguous), ``a_valid`` [M];
     ``w_rows`` [1, N] the expert's weight rows; ``s_rows`` [N] their scale rows (FP8: row //
     group_n). FP8: one [BLOCK_K, N] tile (``_fp8_tile``); MXFP4: BLOCK_K / 32 scale groups of
-    16 packed bytes per row (``_mxfp4_dot``)."""
-    if QUANT == 2:
-        offs_p = tl.arange(0, 16)
-        for g in tl.static_range(0, BLOCK_K // 32):
-            kg = k0 + g * 32  # first input of the scale group
-            ks = kg + 2 * offs_p  # [16] its even inputs
-            k_valid = ks < num_k
-            a_mask = a_valid[:, None] & k_valid[None, :]
-            a_even = tl.load(a_rows + ks[None, :], mask=a_mask, other=0.0)
-            a_odd = tl.load(a_rows + (ks + 1)[None, :], mask=a_mask, other=0.0)
-            wp = (kg // 2 + offs_p)[:, None] * stride_wk  # [16, 1] packed bytes
-            w_mask = k_valid[:, None] & col_valid[None, :]
-            s_mask = col_valid & (kg + 0 * col_valid < num_k)  # [N]
-            acc = _mxfp4_dot(acc, a_even, a_odd, w_rows + wp, w_mask,
-                             s_rows + (kg // 32) * stride_sk, s_mask, PRECISION)  # fmt: skip
+    16 packed bytes per row (``moe_mxfp4``)."""
+    if QUANT >= 2:
+        acc, _ = mxfp4_step(acc, acc, a_rows, a_valid, 1, w_rows, w_rows, s_rows, s_rows, k0,
+                            num_k, col_valid, stride_wk, stride_sk, False, QUANT, PRECISION,
+                            BLOCK_K)  # fmt: skip
     else:
         ks = k0 + tl.arange(0, BLOCK_K)
         k_valid = ks < num_k
@@ -430,7 +386,7 @@ def _gemm1_tile(
     [BLOCK_N, BLOCK_K], gate and up halves not interleaved): a column tile past I reads the up
     half or the next expert (finite, never stored), past the last expert TMA fills zeros. WS asks
     Triton to warp-specialize the loop (loads and MMAs in separate warps). QUANT > 0: the weight
-    tiles are dequantized in the loop (``_fp8_tile``, ``_mxfp4_dot``; no TMA)."""
+    tiles are dequantized in the loop (``_fp8_tile``, ``moe_mxfp4``; no TMA)."""
     offs_m = tl.arange(0, BLOCK_M)
     if PER_PAIR:
         row_valid = offs_m == 0
@@ -464,45 +420,18 @@ def _gemm1_tile(
             wu = w_desc.load([gate_row + inter_size, k0])
             acc_g = tl.dot(x, wg.T, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(x, wu.T, acc_u, input_precision=PRECISION)
-    elif QUANT == 2:  # MXFP4: w [E, 2I, H / 2] packed along H, scales [E, 2I, H / 32]
+    elif QUANT >= 2:  # MXFP4 (moe_mxfp4.py): w [E, 2I, H / 2] along H, scales [E, 2I, H / 32]
         s_base = s_ptr + expert.to(tl.int64) * stride_se
-        sg_rows = s_base + gate_rows.to(tl.int64) * stride_sn  # [N]
-        su_rows = s_base + up_rows.to(tl.int64) * stride_sn
         w_base = w_ptr + expert.to(tl.int64) * stride_we
-        wg_rows = w_base + gate_rows[None, :].to(tl.int64) * stride_wn  # [1, N]
-        wu_rows = w_base + up_rows[None, :].to(tl.int64) * stride_wn
-        x_rows = x_ptr + tokens[:, None] * stride_xt  # [M, 1]
-        offs_p = tl.arange(0, 16)
-        if PER_PAIR:  # one live row: multiply-adds in registers (_mxfp4_fma), no MMA
-            x_row = x_ptr + (row0 // top_k).to(tl.int64) * stride_xt
-            part_g = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-            part_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, hidden_size, BLOCK_K):
-            for g in tl.static_range(0, BLOCK_K // 32):
-                kg = k0 + g * 32  # first input of the scale group
-                ks = kg + 2 * offs_p  # [16] its even inputs
-                k_valid = ks < hidden_size
-                w_mask = k_valid[:, None] & col_valid[None, :]
-                s_mask = col_valid & (kg + 0 * gate_rows < hidden_size)  # [N]
-                wp = (kg // 2 + offs_p)[:, None] * stride_wh  # [16, 1] packed bytes
-                sg, su = sg_rows + (kg // 32) * stride_sk, su_rows + (kg // 32) * stride_sk
-                if PER_PAIR:
-                    x_even = tl.load(x_row + ks * stride_xh, mask=k_valid, other=0.0)
-                    x_odd = tl.load(x_row + (ks + 1) * stride_xh, mask=k_valid, other=0.0)
-                    part_g = _mxfp4_fma(part_g, x_even, x_odd, wg_rows + wp, w_mask, sg, s_mask)
-                    part_u = _mxfp4_fma(part_u, x_even, x_odd, wu_rows + wp, w_mask, su, s_mask)
-                else:
-                    x_mask = row_valid[:, None] & k_valid[None, :]
-                    x_even = tl.load(x_rows + ks[None, :] * stride_xh, mask=x_mask, other=0.0)
-                    x_odd = tl.load(x_rows + (ks + 1)[None, :] * stride_xh, mask=x_mask,
-                                    other=0.0)  # fmt: skip
-                    acc_g = _mxfp4_dot(acc_g, x_even, x_odd, wg_rows + wp, w_mask, sg, s_mask,
-                                       PRECISION)  # fmt: skip
-                    acc_u = _mxfp4_dot(acc_u, x_even, x_odd, wu_rows + wp, w_mask, su, s_mask,
-                                       PRECISION)  # fmt: skip
-        if PER_PAIR:
-            acc_g += tl.sum(part_g, 0)[None, :]
-            acc_u += tl.sum(part_u, 0)[None, :]
+        acc_g, acc_u = mxfp4_gate_up(
+            acc_g, acc_u, x_ptr + (row0 // top_k).to(tl.int64) * stride_xt,
+            x_ptr + tokens[:, None] * stride_xt, row_valid, stride_xh,
+            w_base + gate_rows[None, :].to(tl.int64) * stride_wn,
+            w_base + up_rows[None, :].to(tl.int64) * stride_wn,
+            s_base + gate_rows.to(tl.int64) * stride_sn, s_base + up_rows.to(tl.int64) * stride_sn,
+            hidden_size, col_valid, stride_wh, stride_sk, QUANT, PER_PAIR, PRECISION, BLOCK_K,
+            BLOCK_N,
+        )  # fmt: skip
     else:
         s_base = s_ptr + expert.to(tl.int64) * stride_se
         sg_rows = s_base + (gate_rows // group_n).to(tl.int64) * stride_sn  # [N] (FP8)
@@ -579,7 +508,7 @@ def _gemm1_kernel(
     stride_tw,
     alpha,
     limit,
-    s_ptr,  # weight scales (QUANT > 0; see _fp8_tile, _mxfp4_dot) or dummy
+    s_ptr,  # weight scales (QUANT > 0; see _fp8_tile, moe_mxfp4) or dummy
     stride_se,
     stride_sn,
     stride_sk,
@@ -717,7 +646,7 @@ def _gemm2_kernel(
     stride_bn,
     stride_tw,
     stride_om,
-    s_ptr,  # weight scales (QUANT > 0; see _fp8_tile, _mxfp4_dot) or dummy
+    s_ptr,  # weight scales (QUANT > 0; see _fp8_tile, moe_mxfp4) or dummy
     stride_se,
     stride_sn,
     stride_sk,
@@ -771,7 +700,7 @@ def _gemm2_token_kernel(
     stride_bn,
     stride_tw,
     stride_ot,
-    s_ptr,  # weight scales (QUANT > 0; see _fp8_tile, _mxfp4_dot) or dummy
+    s_ptr,  # weight scales (QUANT > 0; see _fp8_tile, moe_mxfp4) or dummy
     stride_se,
     stride_sn,
     stride_sk,
@@ -844,7 +773,7 @@ def _gemm2_pair_kernel(
     stride_bn,
     stride_tw,
     stride_om,
-    s_ptr,  # weight scales (QUANT > 0; see _fp8_tile, _mxfp4_dot) or dummy
+    s_ptr,  # weight scales (QUANT > 0; see _fp8_tile, moe_mxfp4) or dummy
     stride_se,
     stride_sn,
     stride_sk,
@@ -873,25 +802,11 @@ def _gemm2_pair_kernel(
         + cols[None, :].to(tl.int64) * stride_wn
     )  # fmt: skip
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if QUANT == 2:  # MXFP4, one live row: multiply-adds in registers (_mxfp4_fma), no MMA
-        a_row = a_ptr + pair * stride_am
-        w_rows = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn  # [1, N]
-        s_rows = s_ptr + expert * stride_se + cols.to(tl.int64) * stride_sn  # [N]
-        offs_p = tl.arange(0, 16)
-        part = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, inter_size, BLOCK_K):
-            for g in tl.static_range(0, BLOCK_K // 32):
-                kg = k0 + g * 32  # first input of the scale group
-                ks = kg + 2 * offs_p  # [16] its even inputs
-                k_valid = ks < inter_size
-                a_even = tl.load(a_row + ks, mask=k_valid, other=0.0)
-                a_odd = tl.load(a_row + ks + 1, mask=k_valid, other=0.0)
-                w_mask = k_valid[:, None] & col_valid[None, :]
-                s_mask = col_valid & (kg + 0 * cols < inter_size)  # [N]
-                wp = (kg // 2 + offs_p)[:, None] * stride_wk  # [16, 1] packed bytes
-                part = _mxfp4_fma(part, a_even, a_odd, w_rows + wp, w_mask,
-                                  s_rows + (kg // 32) * stride_sk, s_mask)  # fmt: skip
-        acc += tl.sum(part, 0)[None, :]
+    if QUANT == 2 or QUANT == 3 or QUANT == 5:  # MXFP4 one live row: register multiply-adds
+        acc = mxfp4_row(acc, a_ptr + pair * stride_am,
+                        w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn,
+                        s_ptr + expert * stride_se + cols.to(tl.int64) * stride_sn, inter_size,
+                        col_valid, stride_wk, stride_sk, QUANT, BLOCK_K, BLOCK_N)  # fmt: skip
     elif QUANT > 0:
         a_rows = a_ptr + pair * stride_am + offs_m[:, None] * 0  # [M, 1]
         w_rows = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn
@@ -1056,7 +971,7 @@ def _weight_descriptors(config: dict, w13: torch.Tensor, w2: torch.Tensor, inter
 def _quant_config(config: dict, quant: str, block_size: tuple[int, int] | None) -> dict:
     """``config`` with the K tiles the dequantizing loops need: FP8 blocks, a BLOCK_K dividing
     the block's K (a K tile reads one [N] vector of scales, ``_fp8_tile``); MXFP4, 32 to 128
-    (whole 32-input scale groups, ``_mxfp4_dot``). Deep pipelines only for 16/32-row tiles.
+    (whole 32-input scale groups, ``moe_mxfp4``). Deep pipelines only for 16/32-row tiles.
 
     NOTE (H100, triton 3.6, 2026-11-23): the earlier loop pipelined a float32 scale per weight
     element through shared memory (252 KB asked at 128x256x64 / 4 stages: OutOfResources). The
@@ -1093,7 +1008,7 @@ def _scale_args(
     weight: torch.Tensor,
 ) -> tuple:
     """A weight's scale as kernel arguments (pointer, strides over expert / row / K group,
-    group_n, group_k; see ``_fp8_tile``, ``_mxfp4_dot``); the weight itself and zeros when not
+    group_n, group_k; see ``_fp8_tile``, ``moe_mxfp4``); the weight itself and zeros when not
     quantized."""
     if quant is None:
         return (weight, 0, 0, 0, 1, 1)
@@ -1131,10 +1046,12 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_size: tuple[int, int] | None = None,
+    mxfp4_mode: str | None = None,
 ) -> torch.Tensor:
     """See ``atom_kernels.fused_moe``. hidden_states [T, H] -> [T, H] in its dtype. ``config``
     overrides ``_configs`` (tuning, tests). Quantized experts (``quant``) are dequantized tile by
-    tile in the GEMMs' K loops (weight-only: the activations stay in hidden_states' dtype)."""
+    tile in the GEMMs' K loops (weight-only: the activations stay in hidden_states' dtype).
+    ``mxfp4_mode``: a ``moe_mxfp4.MODES`` name (default: ``ATOM_MXFP4_MOE`` or the tuned one)."""
     num_tokens, hidden_size = hidden_states.shape
     top_k = topk_ids.shape[1]
     num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
@@ -1142,21 +1059,19 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     if num_pairs == 0 or hidden_size == 0:
         return torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device)
-    if config is None:
+    tuned = config is None
+    if tuned:
         config = _configs(num_tokens, top_k, num_experts, hidden_size, inter_size, device)
         if dtype.itemsize > 2:  # the tiles are tuned for 16-bit weights: same bytes per stage,
             # and no warp specialization (float32 dots run on FMA units, not the tensor cores)
             for gemm in ("gemm1", "gemm2"):
                 config[gemm] = dict(config[gemm], BLOCK_K=max(16, config[gemm]["BLOCK_K"] // 2))
             config["ws"] = False
-        decode_tiles = not config["per_pair"] and config["gemm1"]["BLOCK_M"] == 16
-        if quant == "mxfp4" and decode_tiles and num_pairs < 1024:
-            # NOTE (benchmarks/results/quant-moe-tiles-s9-h100.json and s9-final-h100, H100,
-            # triton 3.6): GPT-OSS-120B layer at T=16 (the 16-row decode tiles), GEMM 1 in 8 warps
-            # 1.03 ms against 1.42 with 4 (the dequantizing arithmetic over more threads); at
-            # T=1 (per-pair) and T=256 (1024 pairs, the hist-align tiles) 8 warps were slower
-            # (T=256: 4.52 against 3.25 ms).
-            config["gemm1"] = dict(config["gemm1"], num_warps=8)
+    quant_code = _QUANT[quant]
+    if quant == "mxfp4":
+        quant_code = resolve_mode(mxfp4_mode, dtype, config["per_pair"], (w13, w2))
+        if tuned:
+            config = mxfp4_tiles(config, quant_code, num_pairs)
     if quant is not None:
         config = _quant_config(config, quant, block_size)
     ids = topk_ids.reshape(-1)
@@ -1235,7 +1150,7 @@ def fused_moe(
         weights.stride(0), float(swiglu_alpha), float(swiglu_limit), *s13_args,
         ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=bool(gate_up_interleaved),
         HAS_BIAS=w13_bias is not None, PRECISION=precision, PER_PAIR=per_pair, TMA=tma,
-        WS=warp_specialize, QUANT=_QUANT[quant], REMAINDER_M=remainder_m, BLOCK_E=block_e,
+        WS=warp_specialize, QUANT=quant_code, REMAINDER_M=remainder_m, BLOCK_E=block_e,
         **gemm1,
     )  # fmt: skip
 
@@ -1247,7 +1162,7 @@ def fused_moe(
             activated, w2, b2, ids, weights, out, hidden_size, inter_size, top_k,
             activated.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *bias2_strides,
             weights.stride(0), out.stride(0), *s2_args,
-            HAS_BIAS=w2_bias is not None, PRECISION=precision, QUANT=_QUANT[quant], **gemm2,
+            HAS_BIAS=w2_bias is not None, PRECISION=precision, QUANT=quant_code, **gemm2,
         )  # fmt: skip
         return out
     if per_pair:
@@ -1261,7 +1176,7 @@ def fused_moe(
             activated.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *bias2_strides,
             weights.stride(0), dest.stride(0), *s2_args,
             HAS_BIAS=w2_bias is not None, PRECISION=precision, ATOMIC=combine == "atomic",
-            QUANT=_QUANT[quant], **gemm2,
+            QUANT=quant_code, **gemm2,
         )  # fmt: skip
         if combine == "atomic":
             return out.copy_(summed)
@@ -1287,7 +1202,7 @@ def fused_moe(
         activated.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), *bias2_strides,
         weights.stride(0), dest.stride(0), *s2_args,
         HAS_BIAS=w2_bias is not None, PRECISION=precision, ATOMIC=atomic, TMA=tma,
-        WS=warp_specialize, QUANT=_QUANT[quant], REMAINDER_M=remainder_m, BLOCK_E=block_e,
+        WS=warp_specialize, QUANT=quant_code, REMAINDER_M=remainder_m, BLOCK_E=block_e,
         **gemm2,
     )  # fmt: skip
     if atomic:
