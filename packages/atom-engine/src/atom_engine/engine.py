@@ -35,6 +35,7 @@ from atom_engine.sampling_params import SamplingParams
 from atom_engine.scheduler import ScheduledBatch, Scheduler
 from atom_engine.sequence import PLACEHOLDER, Sequence
 from atom_engine.spec_decode import MtpDrafter, NgramDrafter, SpecDecodeStats, check_speculative
+from atom_engine.step_log import StepLog, clocks
 from atom_engine.structured_output import GrammarCompiler, GrammarState
 from atom_engine.tokenizer import eos_token_ids, load_tokenizer
 from atom_engine.workers import WorkerError, start_runner
@@ -138,6 +139,7 @@ class LLMEngine:
                 # Drafts come from the tokens just sampled: the host sees every step.
                 logger.info("speculative decoding: steps run without async scheduling")
                 self.async_scheduling = False
+        self._step_log = StepLog.from_env()  # ATOM_STEP_LOG: a line per synchronous step
         self._pending: Launch | None = None  # the launched step whose ids are not read yet
         self._host_sampled: set[str] = set()  # requests whose sampling needs the host each step
 
@@ -269,10 +271,14 @@ class LLMEngine:
         if not batch.seqs:
             return []
         self._mark_scheduled(batch)
+        started, cpu = clocks() if self._step_log else (0.0, 0.0)
         try:
             result = self.runner.run(batch)
         except Exception as error:
             return self._run_isolated(batch, error)
+        if self._step_log:
+            now, cpu_now = clocks()
+            self._step_log.record(started, now - started, cpu_now - cpu, batch.num_tokens)
         outputs = self._postprocess(batch, result)
         if self.drafter is not None:  # the next step's drafts, from the tokens just added
             self.drafter.propose(batch, self.scheduler.running)
