@@ -81,6 +81,13 @@ def test_draw_at_the_ends_of_the_unit_interval_takes_positive_weights(vocab):
         assert_close(totals, weights.double().sum(-1), atol=1e-12, rtol=1e-12, name="totals")
 
 
+def test_a_nan_row_still_gets_an_id_in_range():
+    logits = _logits(3, 600, seed=6)
+    logits[1] = float("nan")
+    out = cpu_sampling.sample(logits, torch.ones(3), None, None, None, None, 0)
+    assert bool(((out.token_ids >= 0) & (out.token_ids < 600)).all())
+
+
 def test_seeded_rows_draw_from_their_generator_only():
     logits = _logits(4, 3000, seed=7, spread=0.5)
     temperature = torch.ones(4)

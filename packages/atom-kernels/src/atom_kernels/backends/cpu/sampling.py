@@ -47,7 +47,9 @@ def draw(weights: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, to
     # positive weight: take that token, never a zero-weight one after it.
     positions = torch.arange(BLOCK, device=weights.device)
     last = torch.where(inside > 0, positions, -1).amax(-1, keepdim=True)
-    return (block * BLOCK + torch.minimum(offset, last)).squeeze(1), total.squeeze(1)
+    ids = (block * BLOCK + torch.minimum(offset, last)).squeeze(1)
+    # A row of NaN weights (a broken model) has no positive weight: an id in range all the same.
+    return ids.clamp_(0, vocab - 1), total.squeeze(1)
 
 
 @register_op("sample", "cpu")
