@@ -12,7 +12,15 @@ and waits before its first read.
 
 torch's semantics, exactly: the largest value, ties to the lowest index, and a NaN anywhere
 wins (the first NaN's index, as torch.argmax); a row of -inf gives 0.
-``ATOM_TRITON_ARGMAX=0`` keeps torch's argmax (A/B).
+Off by default: ``ATOM_TRITON_ARGMAX=1`` turns it on (A/B).
+
+NOTE (H100, 2026-11-24, results/s12-h100/final-call8..11): with it on, the GPU engine suite
+faulted (CUDA illegal memory access) in the first Llama engine built after the DeepSeek-V3
+engine tests (`test_deepseek_engine.py` then `test_gpu_engine.py -k "llama or gpu_greedy"`:
+reproduced); with ``ATOM_TRITON_ARGMAX=0`` the same sequence passed, and either order alone
+passed. Not root-caused: the counters it shares with the split-K / MLA / decode merges
+(``zeroed_counters``) and ``out`` rows against the logits' rows are the suspects. Until that is
+found, torch's argmax is the default.
 
 NOTE (benchmarks/decode_ab.sh, one H100, triton 3.6, torch 2.11, 2026-11-24,
 results/s12-h100/h17a-call1, two alternating rounds, engine_bench decode, ms a step): Llama-3-8B
@@ -32,7 +40,7 @@ from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.common import is_interpreted, num_sms, zeroed_counters
 from atom_kernels.registry import register_op
 
-ENABLED = os.environ.get("ATOM_TRITON_ARGMAX", "1") == "1"
+ENABLED = os.environ.get("ATOM_TRITON_ARGMAX", "0") == "1"
 BIG = tl.constexpr(2147483647)  # "no index" (int32 max)
 
 
@@ -117,6 +125,11 @@ def greedy_argmax(
     device = logits.device
     if out is None:
         out = torch.empty(num_rows, dtype=torch.int64, device=device)
+    elif out.shape != (num_rows,) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(
+            f"greedy_argmax: out must be a contiguous int64 tensor of shape ({num_rows},) for "
+            f"logits of {num_rows} rows; got {out.dtype} {tuple(out.shape)}"
+        )
     if num_rows == 0:
         return out
     counters = zeroed_counters(device, num_rows)
