@@ -72,3 +72,36 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         item.config.getoption("--run-slow") or os.environ.get("ATOM_RUN_SLOW") == "1"
     ):
         pytest.skip("slow: run with --run-slow or ATOM_RUN_SLOW=1")
+
+
+@pytest.fixture(autouse=True)
+def _triton_counters_zero(request: pytest.FixtureRequest):
+    """After every GPU test: the Triton kernels' shared tile counters (``zeroed_counters``) are
+    all back to zero. Each kernel that counts its programs in resets its counters; one left
+    non-zero makes the next kernel on that counter merge too early (wrong values, or a garbage
+    token id from the greedy argmax), so the test that left it is named here."""
+    yield
+    if not request.node.get_closest_marker("gpu"):
+        return
+    import sys
+
+    common = sys.modules.get("atom_kernels.backends.triton.common")
+    if common is None:
+        return
+    import torch
+
+    buffers = [*common._COUNTERS.values(), *common._RETIRED_COUNTERS]
+    if not buffers:
+        return
+    torch.cuda.synchronize()
+    for buf in buffers:
+        nonzero = torch.nonzero(buf).flatten()
+        if nonzero.numel():
+            where = nonzero[:16].tolist()
+            values = buf[nonzero[:16]].tolist()
+            buf.zero_()  # the next test starts clean
+            pytest.fail(
+                f"Triton tile counters left non-zero on {buf.device}: indices {where} "
+                f"values {values} ({nonzero.numel()} in all)",
+                pytrace=False,
+            )

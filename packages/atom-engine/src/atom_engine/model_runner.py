@@ -56,6 +56,21 @@ logger = logging.getLogger("atom_engine")
 GiB = 1 << 30
 
 
+def profile_batch(
+    num_tokens: int, max_model_len: int, block_size: int
+) -> tuple[list[int], list[list[int]], list[int]]:
+    """The memory profile's prefill of `num_tokens` tokens as prompts of at most `max_model_len`
+    (sequence lengths, block tables over fresh blocks, positions): a position past the model's
+    length would read past its rotary table (the GPU rotary+cache kernel does not check it)."""
+    lens = [min(max_model_len, num_tokens - s) for s in range(0, num_tokens, max_model_len)]
+    tables, first = [], 0
+    for n in lens:
+        count = -(-n // block_size)
+        tables.append(list(range(first, first + count)))
+        first += count
+    return lens, tables, [p for n in lens for p in range(n)]
+
+
 @dataclass
 class Launch:
     """A step queued on the device (`ModelRunner.launch`): its sampled ids arrive in pinned host
@@ -232,14 +247,13 @@ class ModelRunner:
         baseline = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = self.config.max_num_batched_tokens
-        blocks = -(-num_tokens // self.block_size)
+        lens, tables, positions = profile_batch(num_tokens, self.max_model_len, self.block_size)
+        blocks = sum(len(t) for t in tables)
         bind_kv_cache(self.model, blocks, self.block_size, self.kv_cache_dtype, self.device)
-        md = PagedAttentionMetadata.build(
-            [num_tokens], [num_tokens], [list(range(blocks))], self.block_size, self.device
-        )
+        md = PagedAttentionMetadata.build(lens, lens, tables, self.block_size, self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         with set_forward_context(md):
-            hidden = self.model(ids, torch.arange(num_tokens, device=self.device))
+            hidden = self.model(ids, to_device(positions, torch.long, self.device))
         self.model.compute_logits(hidden[-self.config.max_num_seqs :]).float().softmax(-1)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - baseline
