@@ -12,20 +12,20 @@ and waits before its first read.
 
 torch's semantics, exactly: the largest value, ties to the lowest index, and a NaN anywhere
 wins (the first NaN's index, as torch.argmax); a row of -inf gives 0.
-Off by default: ``ATOM_TRITON_ARGMAX=1`` turns it on (A/B).
+On by default; ``ATOM_TRITON_ARGMAX=0`` gives torch's argmax (A/B).
 
-NOTE (H100, 2026-11-24, results/s12-h100/final-call8..11): with it on, the GPU engine suite
-faulted (CUDA illegal memory access) in the first Llama engine built after the DeepSeek-V3
-engine tests (`test_deepseek_engine.py` then `test_gpu_engine.py -k "llama or gpu_greedy"`:
-reproduced); with ``ATOM_TRITON_ARGMAX=0`` the same sequence passed, and either order alone
-passed. Not root-caused: the counters it shares with the split-K / MLA / decode merges
-(``zeroed_counters``) and ``out`` rows against the logits' rows are the suspects. Until that is
-found, torch's argmax is the default.
+NOTE (H100, 2026-11-24, results/s12-h100/final-call8..11, s13-h100/call1-2): session 12 turned it
+off after the GPU engine suite faulted (illegal memory access) with it on. The fault was not
+here: CUDA_LAUNCH_BLOCKING put it in the rotary+cache kernel of the engine's memory-profile
+prefill, whose positions ran past the model's rotary table (fixed in the engine's
+``profile_batch``); which allocations surround that table, and so whether the read faulted,
+depended on what ran before. With the fix the suite passed with it on (34 passed).
 
 NOTE (benchmarks/decode_ab.sh, one H100, triton 3.6, torch 2.11, 2026-11-24,
 results/s12-h100/h17a-call1, two alternating rounds, engine_bench decode, ms a step): Llama-3-8B
 batch 1 5.826 / 5.822 with it against 5.832 / 5.829 with torch's, batch 8 6.272 / 6.296 against
-6.336 / 6.330.
+6.336 / 6.330. Session 13 (results/s13-h100/call2, same script): batch 1 5.588 / 5.591 with it
+against 5.612 / 5.609.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.common import is_interpreted, num_sms, zeroed_counters
 from atom_kernels.registry import register_op
 
-ENABLED = os.environ.get("ATOM_TRITON_ARGMAX", "0") == "1"
+ENABLED = os.environ.get("ATOM_TRITON_ARGMAX", "1") == "1"
 BIG = tl.constexpr(2147483647)  # "no index" (int32 max)
 
 
