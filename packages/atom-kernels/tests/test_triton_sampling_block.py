@@ -82,17 +82,26 @@ def test_draws_follow_the_tempered_softmax(triton_backend, temperature, num_spli
     assert_close(logprobs.cpu().double(), raw, atol=2e-5, rtol=2e-5, name="drawn logprobs")
 
 
-@pytest.mark.parametrize("ratio", [3.0, pytest.param(1.0, marks=_GPU)])
-def test_mass_between_two_blocks(triton_backend, ratio):
-    """Two tokens in different blocks (the rest -inf): drawn in the ratio of their weights,
-    whichever chunk or block holds each."""
+@pytest.mark.parametrize(
+    "temperature,first,last",
+    [
+        (1.0, [0.0, 0.0, 0.0], math.log(3.0)),  # 3 tokens of weight 1 against one of 3: 1:1
+        (0.5, [math.log(2.0)], 0.0),  # 2 ** (1 / 0.5) against 1: 4:1
+        pytest.param(1.7, [1.0, -0.5, 0.3, 2.0], 0.5, marks=_GPU),
+    ],
+)
+def test_mass_between_two_blocks(triton_backend, temperature, first, last):
+    """Tokens in the first block against one in the last (tail) block, the rest -inf: the block
+    draw weighs each block by its whole tempered mass (not its max, not untempered)."""
     torch.manual_seed(5)
     row = torch.full((70,), float("-inf"))
-    row[3], row[66] = math.log(ratio), 0.0  # first block; last (tail) block
-    ids, _ = _draw(triton_backend, row, _num_draws(triton_backend, 300), 1.0, num_splits=2,
-                   block_v=16)  # fmt: skip
-    probs = torch.softmax(row.double(), dim=-1)
-    assert_follows(ids, probs, f"ratio {ratio}")
+    row[3 : 3 + len(first)] = torch.tensor(first)
+    row[66] = last
+    ids, _ = _draw(
+        triton_backend, row, _num_draws(triton_backend, 300), temperature, num_splits=2, block_v=16
+    )
+    probs = torch.softmax(row.double() / temperature, dim=-1)
+    assert_follows(ids, probs, f"T={temperature} {first} against {last}")
 
 
 @pytest.mark.parametrize("block_v,num_splits", [(16, 1), (16, 3), (32, 2)])
