@@ -8,9 +8,17 @@ The noise is Philox (``tl.rand``) keyed by a seed drawn from torch's global gene
 device, so ``torch.manual_seed`` makes draws reproducible and nothing syncs the host.
 
 ``sampling_block.py`` draws the same distribution with one Philox draw per block of tokens (and
-per token of the one block drawn): ``ATOM_SAMPLE_KERNEL=block`` (or ``fused_sample(...,
-kernel="block")``); ``gumbel`` (this file's kernel) is the default. Both write the same split
+per token of the one block drawn): the default; ``ATOM_SAMPLE_KERNEL=gumbel`` (or
+``fused_sample(..., kernel="gumbel")``) takes this file's kernel. Both write the same split
 partials, merged by ``_sample_reduce_kernel``.
+
+NOTE (benchmarks/sample_ab.py, one H100, triton 3.6, torch 2.11, 2026-11-24, results/s13-h100/
+samp-call1, Qwen3's 151,936 tokens, T = 1.0, CUDA graph, cold L2, us a call, per-token / block):
+bf16 batch 1 25.3 / 15.5, 8 26.3 / 16.4, 64 93.4 / 37.5, 128 173.3 / 60.8, 256 325.0 / 103.7
+(fp32 alike: 319.5 / 105.7 at 256; T = 0.6 ~15% more for the block kernel, its second exp);
+reading the bf16 logits once (torch.amax) 9.1 / 10.3 / 21.8 / 33.0 / 51.3. Those block times are
+with 8 warps and 2 programs an SM at every batch; the tiling now used at 64+ rows measured
+30.9 / 46.0 / 76.5 (bf16 64 / 128 / 256) in the same run's sweep.
 
 The torch reference takes the rest: top-k / top-p / min-p filters, per-request generators (their
 streams are torch's), and top log-probs.
@@ -32,7 +40,7 @@ _SAMPLING_EPS = reference._SAMPLING_EPS
 # The draw's kernel, and the Philox keys each takes: "gumbel" (noise per token, one pass) or
 # "block" (noise per block of tokens, then per token inside the drawn block; sampling_block.py).
 KERNELS = {"gumbel": ("token",), "block": ("block", "token")}
-KERNEL = os.environ.get("ATOM_SAMPLE_KERNEL", "gumbel")
+KERNEL = os.environ.get("ATOM_SAMPLE_KERNEL", "block")
 
 
 @triton.jit
@@ -205,13 +213,20 @@ def fused_sample(
     sms, min_chunk = num_sms(device), block_v if interpreted else max(8192, block_v)
     # One merge width for every split count of this vocabulary: one compiled variant.
     most_splits = choose_splits(1, vocab_size, block_v, sms, min_chunk)[0]
+    # NOTE (H100, 2026-11-24, results/s13-h100/samp-call1 sample_ab.json, cold L2, us): the block
+    # kernel at 64-256 rows is fastest with 4 warps (16 logits a thread) and ~4 programs an SM:
+    # bf16 batch 64 / 128 / 256 30.9 / 46.0 / 76.5 against 35.5 / 59.7 / 101.2 with 8 warps and
+    # 2 programs an SM (fp32 35.4 / 51.2 / 82.2). Fewer rows keep 8 warps, 2 an SM (measured).
+    wide = kernel == "block" and num_seqs >= 64 and not interpreted
     if num_splits is None:
-        num_splits, chunk = choose_splits(num_seqs, vocab_size, block_v, sms, min_chunk)
+        num_splits, chunk = choose_splits(
+            num_seqs, vocab_size, block_v, sms, min_chunk, programs_per_sm=4 if wide else 2
+        )
     else:
         chunk = triton.cdiv(triton.cdiv(vocab_size, num_splits), block_v) * block_v
         num_splits = triton.cdiv(vocab_size, chunk)
     if num_warps is None:
-        num_warps = 8 if block_v >= 2048 else 4
+        num_warps = 8 if block_v >= 2048 and not wide else 4
     part_f = torch.empty((num_seqs, num_splits, 4), dtype=torch.float32, device=device)
     part_i = torch.empty((num_seqs, num_splits, 2), dtype=torch.int32, device=device)
     if kernel == "block":
