@@ -7,20 +7,40 @@ draw from softmax(logits / T), the same distribution as the torch reference's ex
 The noise is Philox (``tl.rand``) keyed by a seed drawn from torch's global generator on the
 device, so ``torch.manual_seed`` makes draws reproducible and nothing syncs the host.
 
+``sampling_block.py`` draws the same distribution with one Philox draw per block of tokens (and
+per token of the one block drawn): the default; ``ATOM_SAMPLE_KERNEL=gumbel`` (or
+``fused_sample(..., kernel="gumbel")``) takes this file's kernel. Both write the same split
+partials, merged by ``_sample_reduce_kernel``.
+
+NOTE (benchmarks/sample_ab.py, one H100, triton 3.6, torch 2.11, 2026-11-24, results/s13-h100/
+samp-call1, Qwen3's 151,936 tokens, T = 1.0, CUDA graph, cold L2, us a call, per-token / block):
+bf16 batch 1 25.3 / 15.5, 8 26.3 / 16.4, 64 93.4 / 37.5, 128 173.3 / 60.8, 256 325.0 / 103.7
+(fp32 alike: 319.5 / 105.7 at 256; T = 0.6 ~15% more for the block kernel, its second exp);
+reading the bf16 logits once (torch.amax) 9.1 / 10.3 / 21.8 / 33.0 / 51.3. Those block times are
+with 8 warps and 2 programs an SM at every batch; the tiling now used at 64+ rows measured
+30.9 / 46.0 / 76.5 (bf16 64 / 128 / 256) in the same run's sweep.
+
 The torch reference takes the rest: top-k / top-p / min-p filters, per-request generators (their
 streams are torch's), and top log-probs.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from atom_kernels.backends.torch import sampling as reference
+from atom_kernels.backends.triton import sampling_block
 from atom_kernels.backends.triton.common import is_interpreted, num_sms
 
 _SAMPLING_EPS = reference._SAMPLING_EPS
+# The draw's kernel, and the Philox keys each takes: "gumbel" (noise per token, one pass) or
+# "block" (noise per block of tokens, then per token inside the drawn block; sampling_block.py).
+KERNELS = {"gumbel": ("token",), "block": ("block", "token")}
+KERNEL = os.environ.get("ATOM_SAMPLE_KERNEL", "block")
 
 
 @triton.jit
@@ -151,20 +171,31 @@ def _sample_reduce_kernel(
             logprobs_ptr)  # fmt: skip
 
 
-def choose_splits(num_seqs: int, vocab_size: int, block_v: int, sms: int, min_chunk: int):
+def choose_splits(num_seqs: int, vocab_size: int, block_v: int, sms: int, min_chunk: int,
+                  programs_per_sm: int = 2):  # fmt: skip
     """(num_splits, chunk): a row's vocabulary over several programs when the rows alone leave
-    SMs idle (about two programs per SM), chunks of at least ``min_chunk`` columns (a multiple
-    of ``block_v``)."""
-    splits = max(1, min(2 * sms // max(num_seqs, 1), vocab_size // min_chunk))
+    SMs idle (about ``programs_per_sm`` programs per SM), chunks of at least ``min_chunk``
+    columns (a multiple of ``block_v``)."""
+    splits = max(1, min(programs_per_sm * sms // max(num_seqs, 1), vocab_size // min_chunk))
     chunk = triton.cdiv(triton.cdiv(vocab_size, splits), block_v) * block_v
     return triton.cdiv(vocab_size, chunk), chunk
 
 
 def fused_sample(
-    logits: torch.Tensor, temperature: torch.Tensor, num_splits: int | None = None
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    num_splits: int | None = None,
+    kernel: str | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token_ids [B] int64, their log-probs [B] fp32): greedy or temperature draws, every row.
-    ``num_splits`` overrides the vocabulary split (tests)."""
+    ``kernel`` is "gumbel" (noise per token) or "block" (noise per block of tokens,
+    ``sampling_block.py``), ``KERNEL`` when None; ``num_splits``, ``block_v`` and ``num_warps``
+    override the tiling (tests, benchmarks)."""
+    kernel = KERNEL if kernel is None else kernel
+    if kernel not in KERNELS:
+        raise ValueError(f"fused_sample: kernel must be one of {KERNELS}, got {kernel!r}")
     num_seqs, vocab_size = logits.shape
     device = logits.device
     token_ids = torch.empty(num_seqs, dtype=torch.int64, device=device)
@@ -173,25 +204,42 @@ def fused_sample(
         return token_ids, logprobs
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     temperature = temperature.contiguous()
-    # A fresh Philox key per call from torch's generator: on the device, no host sync.
-    seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=device)
+    # Fresh Philox keys per call from torch's generator: on the device, no host sync.
+    seeds = torch.randint(0, 2**31 - 1, (len(KERNELS[kernel]),), dtype=torch.int32, device=device)
     interpreted = is_interpreted(device)
-    block_v = min(64 if interpreted else 2048, triton.next_power_of_2(vocab_size))
-    sms, min_chunk = num_sms(device), block_v if interpreted else 8192
+    if block_v is None:
+        block_v = 64 if interpreted else 2048
+    block_v = min(block_v, triton.next_power_of_2(vocab_size))
+    sms, min_chunk = num_sms(device), block_v if interpreted else max(8192, block_v)
     # One merge width for every split count of this vocabulary: one compiled variant.
     most_splits = choose_splits(1, vocab_size, block_v, sms, min_chunk)[0]
+    # NOTE (H100, 2026-11-24, results/s13-h100/samp-call1 sample_ab.json, cold L2, us): the block
+    # kernel at 64-256 rows is fastest with 4 warps (16 logits a thread) and ~4 programs an SM:
+    # bf16 batch 64 / 128 / 256 30.9 / 46.0 / 76.5 against 35.5 / 59.7 / 101.2 with 8 warps and
+    # 2 programs an SM (fp32 35.4 / 51.2 / 82.2). Fewer rows keep 8 warps, 2 an SM (measured).
+    wide = kernel == "block" and num_seqs >= 64 and not interpreted
     if num_splits is None:
-        num_splits, chunk = choose_splits(num_seqs, vocab_size, block_v, sms, min_chunk)
+        num_splits, chunk = choose_splits(
+            num_seqs, vocab_size, block_v, sms, min_chunk, programs_per_sm=4 if wide else 2
+        )
     else:
         chunk = triton.cdiv(triton.cdiv(vocab_size, num_splits), block_v) * block_v
         num_splits = triton.cdiv(vocab_size, chunk)
+    if num_warps is None:
+        num_warps = 8 if block_v >= 2048 and not wide else 4
     part_f = torch.empty((num_seqs, num_splits, 4), dtype=torch.float32, device=device)
     part_i = torch.empty((num_seqs, num_splits, 2), dtype=torch.int32, device=device)
-    _sample_kernel[(num_seqs, num_splits)](
-        logits, temperature, seed, token_ids, logprobs, part_f, part_i, vocab_size, chunk,
-        num_splits, logits.stride(0), SINGLE=num_splits == 1, BLOCK_V=block_v,
-        num_warps=8 if block_v >= 2048 else 4,
-    )  # fmt: skip
+    if kernel == "block":
+        sampling_block.launch(
+            logits, temperature, seeds, token_ids, logprobs, part_f, part_i, chunk, num_splits,
+            block_v, num_warps,
+        )  # fmt: skip
+    else:
+        _sample_kernel[(num_seqs, num_splits)](
+            logits, temperature, seeds, token_ids, logprobs, part_f, part_i, vocab_size, chunk,
+            num_splits, logits.stride(0), SINGLE=num_splits == 1, BLOCK_V=block_v,
+            num_warps=num_warps,
+        )  # fmt: skip
     if num_splits > 1:
         _sample_reduce_kernel[(num_seqs,)](
             logits, temperature, token_ids, logprobs, part_f, part_i, num_splits,
