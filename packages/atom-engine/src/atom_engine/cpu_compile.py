@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 import atom_kernels.registry
+from atom_engine.cpu_threads import CpuThreads
 from atom_models import set_forward_context
 from atom_models.native_attention import (
     NativeAttention,
@@ -72,11 +73,16 @@ def compile_forward(model: nn.Module, device: torch.device) -> Forward:
 
 
 @torch.no_grad()
-def warm_up(forward: Forward, block_size: int, device: torch.device) -> float:
+def warm_up(
+    forward: Forward, block_size: int, device: torch.device, threads: CpuThreads | None = None
+) -> float:
     """Run `forward` at 1 and at 2 tokens (the two graphs a serving step can need) over block 0
-    of the cache (no request holds a block yet); seconds spent."""
+    of the cache (no request holds a block yet), each under its step's `threads` (Inductor
+    writes the thread count into the C++ it generates); seconds spent."""
     started = time.perf_counter()
     for num_tokens in (1, 2):
+        if threads is not None:
+            threads.apply(num_tokens)
         blocks = [list(range(-(-num_tokens // block_size)))]
         md = PagedAttentionMetadata.build([num_tokens], [num_tokens], blocks, block_size, device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
@@ -110,7 +116,12 @@ def pack_lm_head(model: nn.Module, device: torch.device, tp_size: int) -> bool:
 
 
 def cpu_forward(
-    model: nn.Module, device: torch.device, enforce_eager: bool, tp_size: int, block_size: int
+    model: nn.Module,
+    device: torch.device,
+    enforce_eager: bool,
+    tp_size: int,
+    block_size: int,
+    threads: CpuThreads | None = None,
 ) -> Forward:
     """The forward the runner calls: compiled and warmed up where it can be, else `model`."""
     reason = why_not_compiled(model, device, enforce_eager, tp_size)
@@ -120,7 +131,7 @@ def cpu_forward(
         return model
     compiled = compile_forward(model, device)
     try:
-        seconds = warm_up(compiled, block_size, device)
+        seconds = warm_up(compiled, block_size, device, threads)
     except Exception as e:  # a graph break, an op Inductor cannot lower: stay eager
         logger.warning("CPU: torch.compile of the model failed (%s); running it eagerly", e)
         return model

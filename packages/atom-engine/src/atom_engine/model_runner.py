@@ -117,8 +117,11 @@ class ModelRunner:
         self.tp, self.workers = tp, workers
         self.rank = tp.rank if tp is not None else 0
         self.device = tp.device if tp is not None else device or config.resolved_device()
+        self.cpu_threads = None  # on the CPU: each step's torch thread count
         if self.device.type == "cpu":
-            set_cpu_threads(config.num_threads, config.tensor_parallel_size, self.rank)
+            self.cpu_threads = set_cpu_threads(
+                config.num_threads, config.tensor_parallel_size, self.rank
+            )
         self.dtype = config.resolved_dtype()
         self.kv_cache_dtype = config.resolved_kv_cache_dtype()  # the model's, or fp8
         self.block_size = config.block_size
@@ -176,6 +179,7 @@ class ModelRunner:
             config.enforce_eager,
             config.tensor_parallel_size,
             self.block_size,
+            self.cpu_threads,
         )
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens fit, %d bytes per token, %.2f GiB, %s) "
@@ -281,6 +285,8 @@ class ModelRunner:
 
     def _execute(self, inputs: StepInputs) -> torch.Tensor:
         """Queue the forward of a step; hidden states [T, hidden]."""
+        if self.cpu_threads is not None:
+            self.cpu_threads.apply(len(inputs.ids))
         if self.graphs is not None and self.graphs.fits(len(inputs.ids), inputs.query_lens):
             return self.graphs.run(inputs.ids, inputs.seq_lens, inputs.tables, inputs.gathers)
         positions = inputs.positions()
