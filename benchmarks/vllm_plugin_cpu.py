@@ -271,6 +271,25 @@ def summarize(runs: list[dict], configs: list[str], concurrencies: list[int]) ->
     return summary
 
 
+def step_summary(path: Path, start: float, end: float) -> dict:
+    """The engine's steps (ATOM_STEP_LOG lines) between `start` and `end` (time.monotonic):
+    decode-only steps by rows and steps with a prefill, count and median wall / CPU ms."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    groups: dict[str, list[dict]] = {}
+    for line in lines:
+        if start <= line["start"] <= end:
+            kind = f"decode {line['decode_rows']}" if not line["prefill_tokens"] else "prefill"
+            groups.setdefault(kind, []).append(line)
+    return {
+        kind: {
+            "steps": len(steps),
+            "wall_ms_median": round(statistics.median(s["wall_ms"] for s in steps), 2),
+            "cpu_ms_median": round(statistics.median(s["cpu_ms"] for s in steps), 2),
+        }
+        for kind, steps in sorted(groups.items())
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -287,6 +306,8 @@ def main() -> None:
     parser.add_argument("--atom-bin", default=str(REPO / ".venv" / "bin" / "atom"),
                         help="`atom` of atom-serve (default: the workspace's)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--step-log", action="store_true",
+                        help="atom serve: ATOM_STEP_LOG, step times per bench")  # fmt: skip
     parser.add_argument("--skip-stock", action="store_true",
                         help="only the named configurations (no stock run)")  # fmt: skip
     args = parser.parse_args()
@@ -330,8 +351,13 @@ def main() -> None:
             run = {"round": round_index, "config": config, "load_before": load()}
             atom_bin = args.atom_bin if config in ATOM_SERVE else None
             server_extra = extra + ATOM_SERVE[config] if config in ATOM_SERVE else extra
+            env = server_env(CONFIGS[config])
+            step_log = None
+            if args.step_log and config in ATOM_SERVE:
+                step_log = work / f"steps-{config}-{round_index}.jsonl"
+                env["ATOM_STEP_LOG"] = str(step_log)
             proc, log, base, startup_s = start_server(
-                model_dir, server_env(CONFIGS[config]), log_path, server_extra, atom_bin
+                model_dir, env, log_path, server_extra, atom_bin
             )
             try:
                 run["startup_s"] = round(startup_s, 1)
@@ -341,7 +367,12 @@ def main() -> None:
                 run["bench"] = {}
                 for c in args.concurrency:
                     num_prompts = result["workload"]["num_prompts"][str(c)]
+                    started = time.monotonic()
                     run["bench"][str(c)] = bench(base, model_dir, c, num_prompts, work)
+                    if step_log is not None:
+                        run["bench"][str(c)]["steps"] = step_summary(
+                            step_log, started, time.monotonic()
+                        )
                     run["bench"][str(c)]["load_after"] = load()
                     print(f"round {round_index} {config} c={c}: "
                           f"{run['bench'][str(c)]['output_throughput']:.1f} tok/s, "

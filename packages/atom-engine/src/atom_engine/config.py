@@ -110,8 +110,9 @@ class EngineConfig:
     num_threads: int | None = field(
         default=None,
         metadata=_help(
-            "CPU: torch's compute threads per rank (default: OMP_NUM_THREADS when set, else the "
-            "cores the process may use, affinity and cgroup quota, less one for the server)"
+            "CPU: torch's compute threads per rank for every step (default: OMP_NUM_THREADS "
+            "when set, else per step: the cores the process may use, affinity and cgroup quota, "
+            "for a batched step, one fewer, left to the server, for a one-token step)"
         ),
     )
     seed: int = field(default=0, metadata=_help("seed of the engine's random sampling"))
