@@ -71,6 +71,28 @@ def test_skinny_linear_split_k_is_deterministic_and_resets_its_counters(triton_b
     assert_close(first.float(), single.float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        SkinnyConfig(16, 32, 4, 1, block_m=16),
+        SkinnyConfig(16, 32, 4, 1, split_k=3, block_m=32),  # K = 70: the last split short
+    ],
+    ids=["m16", "m32-split3"],
+)
+@pytest.mark.parametrize("rows", [17, 40, 64])
+def test_skinny_linear_tiles_rows(triton_backend, rows, config):
+    # More rows than a program's block_m: the grid's third axis takes the row tiles (the last
+    # one partly masked), each (row tile, N tile) with its own split-K counter.
+    x, w, b = _inputs(rows, 33, 70, torch.bfloat16, triton_backend.device, True)
+    out = triton_linear.skinny_linear(x, w, b, config)
+    assert out.shape == (rows, 33)
+    assert_close(out.float(), _expected(x, w, b), atol=2e-2, rtol=1.6e-2, name="row tiles")
+    tiles = triton_linear.triton.cdiv(rows, config.block_m) * 3
+    assert int(zeroed_counters(x.device, tiles).abs().sum()) == 0
+    again = triton_linear.skinny_linear(x, w, b, config)  # counters ready: the same bits
+    assert torch.equal(out, again)
+
+
 def test_split_k_policy():
     # few N tiles: split K to about two programs per SM; enough tiles: no split
     one_row = SkinnyConfig(16, 512, 4, 5, use_dot=False)

@@ -66,6 +66,8 @@ class SkinnyConfig:
     split_k: int = 1
     # One row, K a multiple of block_k: load the next W tile before this one's multiply-adds.
     prefetch: bool = False
+    # Rows of x a program takes (dots only): more rows than this tile the grid's third axis.
+    block_m: int = 16
 
 
 @triton.jit(do_not_specialize=["k_tiles_per_split"])
@@ -95,11 +97,12 @@ def _skinny_kernel(
     LINES: tl.constexpr = 8,
     PREFETCH: tl.constexpr = False,
 ):
-    # M = rows of x (<= BLOCK_M), N = output features, K = input features; split s of SPLIT_K
+    # M = rows of x (BLOCK_M a program), N = output features, K = input features; split s of SPLIT_K
     # walks K in [s, s + 1) * k_tiles_per_split * BLOCK_K (a multiple of BLOCK_K: the compiler
-    # keeps its alignment, so the W loads stay vectorized)
+    # keeps its alignment, so the W loads stay vectorized); program (n, s, m) takes rows
+    # [m, m + 1) * BLOCK_M of x
     pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if SPLIT_K == 1:
         k_lo = 0
@@ -155,7 +158,8 @@ def _skinny_kernel(
         tile = offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptr + tl.program_id(1) * num_rows * N + tile, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial stored before the release below
-        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
+        counter = count_ptr + tl.program_id(2) * tl.num_programs(0) + pid  # one per (m, n) tile
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
         if arrived != SPLIT_K - 1:
             return
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -163,7 +167,7 @@ def _skinny_kernel(
             acc += tl.load(
                 part_ptr + s * num_rows * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg"
             )
-        tl.atomic_xchg(count_ptr + pid, 0)  # ready for the next call (and graph replay)
+        tl.atomic_xchg(counter, 0)  # ready for the next call (and graph replay)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -286,7 +290,8 @@ def skinny_linear(
     bias: torch.Tensor | None,
     config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
-    """The Triton kernel on [..., K] x [N, K]^T for any row count <= 16 (tests call it directly)."""
+    """The Triton kernel on [..., K] x [N, K]^T (tests call it directly): rows past the config's
+    block_m (dots; 16 by default) tile the grid's third axis."""
     n, k = weight.shape
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
@@ -295,8 +300,6 @@ def skinny_linear(
         return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
     x2 = as_rows(x)
     num_rows = x2.shape[0]
-    if num_rows > 16:
-        raise ValueError(f"skinny_linear: x has {num_rows} rows; the kernel takes at most 16")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
@@ -304,18 +307,20 @@ def skinny_linear(
         num_rows, n, k, num_sms(x.device), is_interpreted(x.device), split_k_enabled(x.device)
     )
     use_dot = config.use_dot or num_rows > 1
+    block_m = max(16, config.block_m) if use_dot else 1
+    m_tiles = triton.cdiv(num_rows, block_m)
     out2 = out.view(-1, n)
     tiles = triton.cdiv(n, config.block_n)
     # Each split a whole number of K tiles; the last may be short (or empty: it adds zeros).
     k_tiles = triton.cdiv(k, config.block_k)
     k_tiles_per_split = triton.cdiv(k_tiles, config.split_k)
     split_k = triton.cdiv(k_tiles, k_tiles_per_split)
-    counters = zeroed_counters(x.device, tiles) if split_k > 1 else None
+    counters = zeroed_counters(x.device, tiles * m_tiles) if split_k > 1 else None
     if counters is None:  # no split (or no counters yet inside a graph capture)
         split_k, k_tiles_per_split, counters = 1, k_tiles, weight
     partials = x2.new_empty((split_k, num_rows, n), dtype=torch.float32) if split_k > 1 else out2
     use_pdl = pdl.enabled(x.device)
-    _skinny_kernel[(tiles, split_k)](
+    _skinny_kernel[(tiles, split_k, m_tiles)](
         x2,
         weight,
         bias if bias is not None else weight,
@@ -333,7 +338,7 @@ def skinny_linear(
         USE_DOT=use_dot,
         EVEN_K=k % config.block_k == 0,
         SPLIT_K=split_k,
-        BLOCK_M=16 if use_dot else 1,
+        BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         USE_PDL=use_pdl,
