@@ -150,9 +150,12 @@ def _bench(fn: Callable[[], object], graph: bool) -> tuple[float, float | None, 
     return eager, warm, cold_graph_ms(fn)
 
 
-def cold_graph_ms(fn: Callable[[], object], calls: int = 10, replays: int = 15) -> float:
+def cold_graph_ms(
+    fn: Callable[[], object], calls: int = 10, replays: int = 15, flush_l2: bool = True
+) -> float:
     """GPU time of ``fn`` with the L2 flushed before each call: one CUDA graph of ``calls`` x
     (flush 256 MB, fn) against one of the flushes alone, median over replays, difference / calls.
+    ``flush_l2=False``: warm L2, the graph of ``calls`` x fn alone (median / calls).
     """
     import statistics
 
@@ -164,12 +167,13 @@ def cold_graph_ms(fn: Callable[[], object], calls: int = 10, replays: int = 15) 
     with torch.cuda.stream(stream):
         fn()  # warm-up (compiles) outside the capture
     torch.cuda.current_stream().wait_stream(stream)
-    medians = []
-    for with_fn in (True, False):
+    medians = [0.0, 0.0]  # with fn, flushes alone
+    for i, with_fn in enumerate((True, False) if flush_l2 else (True,)):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(calls):
-                flush.zero_()
+                if flush_l2:
+                    flush.zero_()
                 if with_fn:
                     fn()
         graph.replay()
@@ -182,7 +186,7 @@ def cold_graph_ms(fn: Callable[[], object], calls: int = 10, replays: int = 15) 
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        medians.append(statistics.median(times))
+        medians[i] = statistics.median(times)
     return max(medians[0] - medians[1], 0.0) / calls
 
 

@@ -25,6 +25,7 @@ import statistics
 import time
 
 import torch
+from kernels import cold_graph_ms, measure_roofline
 
 from atom_kernels.backends.triton import sampling
 
@@ -32,51 +33,10 @@ VOCAB = 151936  # Qwen3
 CALLS = 10
 
 
-def graph_us(fn, flush: torch.Tensor | None, replays: int) -> float:
-    """Median GPU time of one ``fn()`` (us) from a CUDA graph of CALLS calls; with ``flush``,
-    each call after a write of it, the writes' own graph subtracted."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    medians = []
-    for with_fn in (True, False) if flush is not None else (True,):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(CALLS):
-                if flush is not None:
-                    flush.zero_()
-                if with_fn:
-                    fn()
-        graph.replay()
-        times = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        medians.append(statistics.median(times))
-        del graph
-    cost = medians[0] - (medians[1] if len(medians) > 1 else 0.0)
-    return max(cost, 0.0) / CALLS
-
-
-def copy_gbps() -> float:
-    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * src.numel() * 2 * 10 / (start.elapsed_time(end) / 1e3) / 1e9
+def graph_us(fn, flush: bool, replays: int) -> float:
+    """Median GPU time of one ``fn()`` (us) from a CUDA graph of CALLS calls, the L2 flushed
+    before each or not (``kernels.cold_graph_ms``)."""
+    return cold_graph_ms(fn, CALLS, replays, flush_l2=flush) * 1e3
 
 
 def main() -> None:
@@ -89,12 +49,12 @@ def main() -> None:
     args = parser.parse_args()
     began = time.monotonic()
     torch.manual_seed(0)
-    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    flush = True  # graph_us: the L2 flushed before each call
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "default_kernel": sampling.KERNEL,
-        "copy_GBps": copy_gbps(),
+        "copy_GBps": measure_roofline(torch)["copy_GBps"],
         "cases": [],
         "sweep": [],
     }
@@ -121,7 +81,7 @@ def main() -> None:
                         def fn(kernel=kernel, lg=logits, t=temperature):
                             return sampling.fused_sample(lg, t, kernel=kernel)
 
-                        times[kernel]["warm"].append(graph_us(fn, None, args.replays))
+                        times[kernel]["warm"].append(graph_us(fn, False, args.replays))
                         times[kernel]["cold"].append(graph_us(fn, flush, args.replays))
                 case = {"dtype": str(dtype).split(".")[-1], "batch": batch, "T": temp, **read}
                 for kernel, t in times.items():
