@@ -245,11 +245,6 @@ def test_the_bundled_smollm2_over_three_ranks_matches_one():
     assert stats.prefix_cache_hit_rate > 0
 
 
-def test_offline_data_parallelism_points_to_the_server():
-    with pytest.raises(ValueError, match="data_parallel_size 2: .* served by `atom serve`"):
-        LLM(data_parallel_size=2)
-
-
 def _workers_of(pid: int) -> list[int]:
     """Live child processes of `pid` started by multiprocessing's spawn (the engine's workers;
     not its resource tracker)."""

@@ -15,7 +15,6 @@ synchronously.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,20 +25,19 @@ from atom_engine.block_manager import BlockManager
 from atom_engine.completion import check_stop, complete_launch
 from atom_engine.config import EngineConfig
 from atom_engine.detokenizer import IncrementalDetokenizer
-from atom_engine.intake import Request, check_request, prompt_of, resolve_model
+from atom_engine.front import EngineFront
+from atom_engine.intake import Request, prompt_of
 from atom_engine.model_runner import Launch
 from atom_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from atom_engine.parallel import check_parallel, rank_device
+from atom_engine.parallel import rank_device
 from atom_engine.sampler import TopLogprobs
 from atom_engine.sampling_params import SamplingParams
 from atom_engine.scheduler import ScheduledBatch, Scheduler
 from atom_engine.sequence import PLACEHOLDER, Sequence
-from atom_engine.spec_decode import MtpDrafter, NgramDrafter, SpecDecodeStats, check_speculative
+from atom_engine.spec_decode import MtpDrafter, NgramDrafter, SpecDecodeStats
 from atom_engine.step_log import StepLog, clocks
-from atom_engine.structured_output import GrammarCompiler, GrammarState
-from atom_engine.tokenizer import eos_token_ids, load_tokenizer
+from atom_engine.structured_output import GrammarState
 from atom_engine.workers import WorkerError, start_runner
-from atom_models import load_config
 
 logger = logging.getLogger("atom_engine")
 
@@ -64,39 +62,28 @@ class EngineStats:
 
 class LLMEngine:
     """One engine: the scheduler, and the model runner of rank 0 (with its tensor-parallel
-    workers). `dp_rank` places a data-parallel replica on its own devices."""
+    workers): one data-parallel replica. `dp_rank` names the replica in its workers' messages
+    (`server.replica` runs each replica in a process of its own, on its own devices)."""
 
     def __init__(self, config: EngineConfig, dp_rank: int | None = None) -> None:
         if dp_rank is None:
             if config.data_parallel_size > 1:
                 raise ValueError(
-                    f"data_parallel_size {config.data_parallel_size}: data-parallel replicas are "
-                    "served by `atom serve`; offline, run one engine per replica"
+                    f"data_parallel_size {config.data_parallel_size}: an LLMEngine is one "
+                    "replica; LLM(...) and `atom serve` run data-parallel replicas"
                 )
             dp_rank = 0
         self.config = config
-        self.model_path = resolve_model(config.model)
-        self.hf_config = load_config(self.model_path)
-        check_parallel(config, self.hf_config)  # before anything slow
+        self.front = EngineFront(config)  # checks the parallel and speculative settings first
+        self.model_path = self.front.model_path
+        self.hf_config = self.front.hf_config
+        self.tokenizer = self.front.tokenizer
+        self.eos_token_ids = self.front.eos_token_ids
+        self.grammars = self.front.grammars
+        self.max_model_len = self.front.max_model_len
         spec = config.resolved_speculative_config()
-        check_speculative(spec, config, self.hf_config)
-        self.tokenizer = (
-            None
-            if config.skip_tokenizer_init
-            else load_tokenizer(config.tokenizer or self.model_path)
-        )
-        self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
-        self.grammars = GrammarCompiler(  # its own tokenizer: it may compile on any thread
-            copy.deepcopy(self.tokenizer), self.hf_config.vocab_size, self.eos_token_ids
-        )
-        context = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        self.max_model_len = config.max_model_len or context
-        if self.max_model_len > context:
-            logger.warning(
-                "max_model_len %d exceeds the model's context %d", self.max_model_len, context
-            )
         torch.manual_seed(config.seed)
-        device = rank_device(config, 0, dp_rank)
+        device = rank_device(config, 0)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             self.runner = start_runner(
                 config, self.model_path, self.hf_config, self.max_model_len, dp_rank
@@ -104,6 +91,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
+        self.front.num_kv_tokens = self.runner.num_blocks * config.block_size
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
@@ -142,6 +130,7 @@ class LLMEngine:
         self._step_log = StepLog.from_env()  # ATOM_STEP_LOG: a line per synchronous step
         self._pending: Launch | None = None  # the launched step whose ids are not read yet
         self._host_sampled: set[str] = set()  # requests whose sampling needs the host each step
+        self.profile = None  # torch.profiler between /start_profile and /stop_profile
 
     @classmethod
     def from_args(cls, **kwargs) -> LLMEngine:
@@ -155,7 +144,7 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------
 
     def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return self.front.tokenize(prompt)
 
     def add_request(
         self,
@@ -212,10 +201,7 @@ class LLMEngine:
     def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError when a request can never run (`intake.check_request`); fills
         params' per-model defaults. The server calls it from any thread."""
-        kv_tokens = self.block_manager.num_blocks * self.block_manager.block_size
-        check_request(token_ids, params, self.vocab_size, self.max_model_len, kv_tokens)
-        if params.structured_outputs is not None and params.compiled_grammar is None:
-            params.compiled_grammar = self.grammars.compile(params.structured_outputs)
+        self.front.check_request(token_ids, params)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; True if it was still known."""

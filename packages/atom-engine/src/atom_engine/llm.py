@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import threading
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
@@ -21,15 +24,29 @@ class LLM:
 
     `model` is a local HF checkpoint directory or a .gguf file; omitted, the bundled SmolLM2.
     Other keyword arguments are `EngineConfig` fields (dtype, device, max_model_len, ...).
+    With `data_parallel_size` N the replicas are processes of their own (as under `atom serve`),
+    each request to the least loaded; `engine` is then their front (`EngineFront`: tokenizer,
+    config) and `replicas` the `DataParallelEngine`.
     """
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        config = EngineConfig(model=model, **engine_args)
+        self.replicas = None
+        if config.data_parallel_size > 1:
+            from atom_engine.server.data_parallel import DataParallelEngine
+
+            self.replicas = DataParallelEngine.from_config(config)
+            self.engine = self.replicas.engine
+        else:
+            self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
-        """Stop the engine's tensor-parallel worker processes (also done when it is collected)."""
-        self.engine.shutdown()
+        """Stop the engine's worker (and replica) processes (also done when it is collected)."""
+        if self.replicas is not None:
+            self.replicas.shutdown()
+        else:
+            self.engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
@@ -66,8 +83,8 @@ class LLM:
         return self._run(prompts, params_list, use_tqdm)
 
     def _run(self, prompts, params_list, use_tqdm: bool) -> list[RequestOutput]:
-        from dataclasses import replace
-
+        if self.replicas is not None:
+            return _run_coroutine(self._run_replicas(prompts, params_list, use_tqdm))
         ids = []
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
@@ -89,6 +106,32 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[request_id] for request_id in ids]
+
+    async def _run_replicas(self, prompts, params_list, use_tqdm: bool) -> list[RequestOutput]:
+        """The data-parallel replicas' `_run`: every request added at once, its final output
+        awaited (a request a replica fails raises here, as a bad request does)."""
+        bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm, unit="req")
+
+        async def one(prompt, params) -> RequestOutput:
+            request_id = str(next(self._ids))
+            stream = await self.replicas.add_request(
+                request_id, prompt, replace(params, output_kind="final_only")
+            )
+            final = None
+            async for output in stream:
+                final = output
+            bar.update(1)
+            return final
+
+        pairs = zip(prompts, params_list, strict=True)
+        tasks = [asyncio.ensure_future(one(prompt, params)) for prompt, params in pairs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:  # on an error the others end too (leaving a stream aborts it)
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            bar.close()
 
     def chat(
         self,
@@ -118,3 +161,26 @@ class LLM:
         return apply_chat_template(
             self.engine.tokenizer, messages, add_generation_prompt, chat_template_kwargs=kwargs
         )
+
+
+def _run_coroutine(coro):
+    """Run `coro` to its end from synchronous code, on a thread of its own when this thread
+    already runs an event loop (a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append(asyncio.run(coro))
+        except BaseException as e:
+            result.append(e)
+
+    thread = threading.Thread(target=run, name="atom-llm")
+    thread.start()
+    thread.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]

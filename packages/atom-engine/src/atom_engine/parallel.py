@@ -91,12 +91,13 @@ def check_parallel(config: EngineConfig, hf_config) -> None:
         indivisible("MLP intermediate size", dense)
 
 
-def rank_device(config: EngineConfig, rank: int, dp_rank: int = 0) -> torch.device:
-    """Rank `rank` of replica `dp_rank`: GPU first + dp_rank * tp + rank; the CPU for all on CPU."""
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank `rank`'s device: GPU first + rank; the CPU for all on CPU. (A data-parallel replica's
+    process sees only its own GPUs: `server.replica`.)"""
     device = config.resolved_device()
     if device.type != "cuda":
         return device
-    index = (device.index or 0) + dp_rank * config.tensor_parallel_size + rank
+    index = (device.index or 0) + rank
     return torch.device("cuda", index)
 
 

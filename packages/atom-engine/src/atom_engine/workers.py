@@ -262,7 +262,7 @@ def worker_main(
     )
     try:
         hf_config = load_config(model_path)
-        device = rank_device(config, rank, dp_rank)
+        device = rank_device(config, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         status.send(("hello", None))
@@ -298,7 +298,7 @@ def start_runner(
     tensor_parallel_size > 1."""
     from atom_engine.model_runner import ModelRunner
 
-    device = rank_device(config, 0, dp_rank)
+    device = rank_device(config, 0)
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, model_path, hf_config, max_model_len, device=device)
     workers = WorkerGroup(config, model_path, max_model_len, dp_rank)

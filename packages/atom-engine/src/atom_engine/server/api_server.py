@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import secrets
+import sys
 import threading
 from pathlib import Path
 
@@ -113,6 +114,8 @@ def _api_key_matches(authorization: str, api_key: str) -> bool:
 
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
+# After the engine fails: how long /health answers 503 before the server stops.
+FATAL_GRACE_S = 1.0
 
 
 def build_app(
@@ -232,8 +235,9 @@ class _DrainingServer(uvicorn.Server):
 
 
 def run_server(args) -> int:
-    """`atom serve`: load the engine, then serve until interrupted; the exit status (1 when the
-    engine failed: a tensor-parallel worker died)."""
+    """`atom serve`: load the engine, then serve until interrupted; the exit status 0. When the
+    engine fails (a tensor-parallel worker or a data-parallel replica died) the process exits
+    with status 1 once the server has stopped."""
     from atom_engine.cli.args import engine_config_from_args
 
     if args.drain_timeout < 0:
@@ -275,7 +279,11 @@ def run_server(args) -> int:
 
         def on_fatal(error: BaseException) -> None:
             logger.critical("the engine cannot go on, shutting the server down: %s", error)
-            server.should_exit = True
+            # The requests in flight have ended with the error already. For a moment /health
+            # answers 503 (a probe sees why), then the server stops and exits non-zero.
+            stop = threading.Timer(FATAL_GRACE_S, setattr, args=(server, "should_exit", True))
+            stop.daemon = True
+            stop.start()
             # A backstop: a rank stuck in a collective (NCCL) must not hold the process.
             timer = threading.Timer(args.drain_timeout + 10.0, os._exit, args=(1,))
             timer.daemon = True
@@ -288,5 +296,10 @@ def run_server(args) -> int:
         engine.shutdown(timeout=1.0)
     if engine.fatal_error is not None:
         logger.error("exiting: %s", engine.fatal_error)
-        return 1
+        # Now, not through the interpreter's exit: a rank stuck in a collective with the dead
+        # one (NCCL) could hold a finalizer forever, and an orchestrator waits for this exit.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     return 0

@@ -56,6 +56,30 @@ class _Stream:
             pass
 
 
+async def iterate_stream(
+    queue: asyncio.Queue, abort: Callable[[], None]
+) -> AsyncIterator[RequestOutput]:
+    """A request's outputs from its queue: cumulative, so when several are queued only the newest
+    is yielded; ends after the finished one; raises an exception found in the queue. Leaving
+    early (break, cancellation) calls `abort`."""
+    finished = False
+    try:
+        while True:
+            item = await queue.get()
+            while not isinstance(item, BaseException) and not queue.empty():
+                item = queue.get_nowait()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                finished = True
+            yield item
+            if finished:
+                return
+    finally:
+        if not finished:
+            abort()
+
+
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any) -> None:
     """Complete `future` (on its loop) with a result, or an exception if `result` is one."""
 
@@ -85,7 +109,9 @@ class AsyncEngine:
         self.model_path = engine.model_path
         self._cond = threading.Condition()
         self._commands: list[tuple] = []  # guarded by _cond
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        # Written by the engine thread; a fatal error fails them from the thread that saw it.
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
         self._stopped = False
         self._stats = engine.stats()
         self.fatal_error: BaseException | None = None
@@ -134,24 +160,8 @@ class AsyncEngine:
             raise
         return self._iterate(stream)
 
-    async def _iterate(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                # Outputs are cumulative: when several are queued only the newest matters.
-                while not isinstance(item, BaseException) and not stream.queue.empty():
-                    item = stream.queue.get_nowait()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    finished = True
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(stream.request_id)
+    def _iterate(self, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        return iterate_stream(stream.queue, lambda: self.abort(stream.request_id))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; unknown ids are ignored). Safe from any thread."""
@@ -185,12 +195,18 @@ class AsyncEngine:
             hook(self.fatal_error)
 
     def _fatal(self, error: BaseException) -> None:
+        """The engine cannot go on: its requests end now with the error, from this thread (the
+        engine thread may be stuck in a collective with a dead rank), and the hooks run."""
         with self._cond:
             if self.fatal_error is not None:
                 return
             self.fatal_error = error
             self._stopped = True
             self._cond.notify()
+        with self._streams_lock:
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(RequestFailed(f"the engine failed: {error}"))
         for hook in list(self._fatal_hooks):
             try:
                 hook(error)
@@ -246,7 +262,8 @@ class AsyncEngine:
             except Exception as e:
                 _resolve(stream.loop, accepted, e)
                 return
-            self._streams[stream.request_id] = stream
+            with self._streams_lock:
+                self._streams[stream.request_id] = stream
             _resolve(stream.loop, accepted, None)
         elif kind == "abort":
             request_id = command[1]
@@ -254,7 +271,8 @@ class AsyncEngine:
                 self.engine.abort_request(request_id)
             except Exception:
                 logger.exception("aborting request %s failed", request_id)
-            stream = self._streams.pop(request_id, None)
+            with self._streams_lock:
+                stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.put(RequestAborted(f"request {request_id} was aborted"))
         elif kind == "fail_all":
@@ -281,11 +299,12 @@ class AsyncEngine:
             self._fail_all(RuntimeError(f"the engine failed: {type(e).__name__}: {e}"))
             return
         for output in outputs:
-            stream = self._streams.get(output.request_id)
+            with self._streams_lock:
+                stream = self._streams.get(output.request_id)
+                if stream is not None and output.finished:
+                    del self._streams[output.request_id]
             if stream is None:
                 continue
-            if output.finished:
-                del self._streams[output.request_id]
             stream.put(output if output.error is None else RequestFailed(output.error))
 
     def _fail_all(self, error: BaseException) -> None:
@@ -294,6 +313,7 @@ class AsyncEngine:
                 self.engine.abort_request(request_id)
             except Exception:
                 logger.exception("aborting request %s failed", request_id)
-        streams, self._streams = self._streams, {}
+        with self._streams_lock:
+            streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.put(error)

@@ -1,60 +1,77 @@
-"""`DataParallelEngine`: `data_parallel_size` engine replicas behind one server.
+"""`DataParallelEngine`: `data_parallel_size` engine replicas behind one server (or `LLM`).
 
-Each replica is a whole engine (`LLMEngine(config, dp_rank=d)`: its scheduler, KV cache and
-tensor-parallel ranks, on GPUs d * tp ... d * tp + tp - 1) driven by its own `AsyncEngine` thread in
-the server process. A new request goes to the replica with the fewest requests in flight (running
-plus waiting, as seen from here: accepted and not yet finished or aborted; ties to the lowest
-index), and stays there. `stats()` sums the replicas (the KV-cache usage weighted by blocks), so
-`/metrics` shows the whole server.
+Each replica is a whole engine (its scheduler, KV cache and tensor-parallel ranks, on GPUs
+d * tp ... d * tp + tp - 1) in a process of its own (`server.replica`: as vLLM's data-parallel
+engine cores), so the replicas' host work (scheduling, detokenizing, launching) runs in parallel
+and each process owns its devices. This process keeps an `EngineFront` (tokenizer, request
+checks, grammars) and no model. A new request goes to the replica with the fewest requests in
+flight (running plus waiting, as seen from here: accepted and not yet finished or aborted; ties
+to the lowest index), and stays there. `stats()` sums the replicas (the KV-cache usage weighted by
+blocks), so `/metrics` shows the whole server. One replica's failure is the server's: `atom serve`
+exits non-zero rather than serve on at a fraction of its size.
 
-NOTE: the replicas share this process's GIL for their host work (scheduling, detokenizing); each
-forward runs in torch, which releases it. MoE replicas do not share experts (each replica's expert
-parallelism, if enabled, is over its own tensor-parallel ranks).
+MoE replicas do not share experts (each replica's expert parallelism, if enabled, is over its own
+tensor-parallel ranks).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from atom_engine.config import EngineConfig
 from atom_engine.engine import EngineStats, LLMEngine
+from atom_engine.front import EngineFront
 from atom_engine.outputs import RequestOutput
 from atom_engine.sampling_params import SamplingParams
-from atom_engine.server.async_engine import AsyncEngine
+from atom_engine.server.replica import ReplicaProcess
 from atom_engine.spec_decode import SpecDecodeStats
 
 logger = logging.getLogger("atom_engine.server")
 
 
 class DataParallelEngine:
-    """Several `AsyncEngine`s with the `AsyncEngine` interface the server uses."""
+    """Several replicas (`ReplicaProcess`es) with the `AsyncEngine` interface the server uses."""
 
-    def __init__(self, replicas: list[AsyncEngine]) -> None:
+    def __init__(self, replicas: list, front: EngineFront | None = None) -> None:
         self.replicas = replicas
-        first = replicas[0]
         # What the server reads from "the engine" (config, request checks, vocabulary, context)
-        # is the same in every replica.
-        self.engine = first.engine
-        self.tokenizer = first.tokenizer
-        self.max_model_len = first.max_model_len
-        self.model_path = first.model_path
+        # is the same in every replica: the front's, or the first replica's.
+        first = replicas[0]
+        self.engine = front if front is not None else first.engine
+        self.tokenizer = (front or first).tokenizer
+        self.max_model_len = (front or first).max_model_len
+        self.model_path = (front or first).model_path
         self._live: list[set[str]] = [set() for _ in replicas]
         self._owner: dict[str, int] = {}
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> DataParallelEngine:
-        replicas: list[AsyncEngine] = []
+        """Start the replicas' processes together and wait for every one (a replica that fails
+        to start stops the others and raises its error)."""
+        front = EngineFront(config)  # checks the split before any process starts
+        replicas: list[ReplicaProcess] = []
         try:
             for dp_rank in range(config.data_parallel_size):
-                replicas.append(AsyncEngine(LLMEngine(config, dp_rank=dp_rank)))
+                replicas.append(ReplicaProcess(config, dp_rank))
+            for replica in replicas:
+                replica.wait_ready()
         except BaseException:
             for replica in replicas:
-                replica.shutdown(timeout=1.0)
+                replica.stop()
+            for replica in replicas:
+                replica.shutdown(timeout=10.0)
             raise
-        logger.info("%d data-parallel replicas", len(replicas))
-        return cls(replicas)
+        # A request must fit every replica's cache (each sized its own).
+        front.num_kv_tokens = min(r.num_kv_tokens for r in replicas)
+        logger.info(
+            "%d data-parallel replicas (processes %s)",
+            len(replicas),
+            ", ".join(str(r.proc.pid) for r in replicas),
+        )
+        return cls(replicas, front)
 
     @property
     def is_running(self) -> bool:
@@ -97,9 +114,9 @@ class DataParallelEngine:
             self.replicas[index].abort(request_id)
             self._forget(request_id)
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run `fn` on replica 0's engine thread (the profiler's hooks)."""
-        return await self.replicas[0].call(fn)
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> list[Any]:
+        """Run `fn` on every replica's engine thread (the profiler's hooks); their results."""
+        return list(await asyncio.gather(*(r.call(fn) for r in self.replicas)))
 
     def fail_all(self, message: str) -> None:
         for replica in self.replicas:
@@ -146,5 +163,9 @@ class DataParallelEngine:
         )
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop every replica (together), waiting up to `timeout` s each (at least 10 s: a
+        replica stops its workers and releases its devices before it exits)."""
         for replica in self.replicas:
-            replica.shutdown(timeout)
+            getattr(replica, "stop", lambda: None)()
+        for replica in self.replicas:
+            replica.shutdown(max(timeout, 10.0))

@@ -6,6 +6,7 @@ that thread runs; the trace goes to `ATOM_TORCH_PROFILER_DIR` / `--profiler-dir`
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -15,12 +16,38 @@ from atom_engine.server.serving_common import APIError
 PROFILER_DIR_ENV = "ATOM_TORCH_PROFILER_DIR"
 
 
+def start_profile(engine, directory: str) -> None:
+    """On the engine thread: start torch.profiler (kept on the engine until `stop_profile`)."""
+    import torch
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profile = torch.profiler.profile(
+        activities=activities,
+        record_shapes=True,
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(directory),
+    )
+    profile.start()
+    engine.profile = profile
+
+
+def stop_profile(engine) -> None:
+    """On the engine thread: stop the profiler `start_profile` started (writes the trace)."""
+    profile, engine.profile = engine.profile, None
+    profile.stop()
+
+
 class Profiler:
+    """Module-level functions run on the engine thread (they pickle: a data-parallel replica's
+    engine is in another process; every replica writes its own trace)."""
+
     def __init__(self, engine: AsyncEngine, directory: str | None = None) -> None:
         self.engine = engine
         directory = directory or os.environ.get(PROFILER_DIR_ENV)
         self.directory = Path(directory).expanduser() if directory else None
-        self._profile = None
+        self._state: str | None = None  # None, "starting" or "running"
 
     def _check(self) -> Path:
         if self.directory is None:
@@ -32,37 +59,21 @@ class Profiler:
 
     async def start(self) -> str:
         directory = self._check()
-        if self._profile is not None:
+        if self._state is not None:
             raise APIError("the profiler is already running")
-
-        def start(engine) -> object:
-            import torch
-
-            directory.mkdir(parents=True, exist_ok=True)
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            profile = torch.profiler.profile(
-                activities=activities,
-                record_shapes=True,
-                on_trace_ready=torch.profiler.tensorboard_trace_handler(str(directory)),
-            )
-            profile.start()
-            return profile
-
-        self._profile = "starting"  # refuses a concurrent start while this one runs
+        self._state = "starting"  # refuses a concurrent start while this one runs
         try:
-            self._profile = await self.engine.call(start)
+            await self.engine.call(functools.partial(start_profile, directory=str(directory)))
         except BaseException:
-            self._profile = None
+            self._state = None
             raise
+        self._state = "running"
         return str(directory)
 
     async def stop(self) -> str:
         directory = self._check()
-        profile, self._profile = self._profile, None
-        if profile is None or profile == "starting":
-            self._profile = profile
+        if self._state != "running":
             raise APIError("the profiler is not running")
-        await self.engine.call(lambda engine: profile.stop())  # writes the trace
+        self._state = None
+        await self.engine.call(stop_profile)  # writes the trace
         return str(directory)
