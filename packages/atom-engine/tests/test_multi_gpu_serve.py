@@ -1,8 +1,8 @@
 """`atom serve` on several GPUs (issue 34 item 4), as a subprocess queried with the `openai` client:
 - TP=4 with expert parallelism and an fp8 KV cache (4 GPUs) on a random Qwen3-MoE with the bundled
   SmolLM2 tokenizer: chat and completions, streamed and not, answer non-empty text, usage counts
-  and finish reasons, greedy streams equal the non-streamed text; SIGTERM exits 0 and leaves no
-  process behind;
+  and finish reasons, greedy streams equal the non-streamed text; SIGTERM ends it cleanly (0, or
+  uvicorn's re-raised SIGTERM) and leaves no process behind;
 - a rank killed under load (2 GPUs): with TP=2 its tensor-parallel worker, with DP=2 a data-parallel
   replica's process. Every open stream ends with an error within 10 s, /health answers 503 while
   the server still answers, the server exits non-zero within 60 s naming the rank, and nothing it
@@ -153,6 +153,11 @@ def _spawned_leaves(pid: int) -> list[int]:
     return [leaf for child in children for leaf in (_spawned_leaves(child) or [child])]
 
 
+def usage(response) -> tuple[int, int, int]:
+    u = response.usage
+    return u.prompt_tokens, u.completion_tokens, u.total_tokens
+
+
 def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
@@ -180,7 +185,7 @@ def test_serve_tp4_ep_fp8_answers_the_openai_client(checkpoint, device, tmp_path
         reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
         assert streamed == text
         assert reasons[-1] == "length" and not any(reasons[:-1])
-        assert chunks[-1].usage == chat.usage
+        assert usage(chunks[-1]) == usage(chat)
 
         prompt = "The capital of France is"
         completion = client.completions.create(prompt=prompt, **greedy)
@@ -190,11 +195,12 @@ def test_serve_tp4_ep_fp8_answers_the_openai_client(checkpoint, device, tmp_path
         chunks = list(client.completions.create(prompt=prompt, **greedy, **include_usage))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == text
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-        assert chunks[-1].usage == completion.usage
+        assert usage(chunks[-1]) == usage(completion)
 
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
-        assert server.returncode == 0, log.read_text()[-4000:]
+        # uvicorn re-raises the SIGTERM it handled once it has shut down (as test_server_shutdown)
+        assert server.returncode in (0, -signal.SIGTERM), log.read_text()[-4000:]
     finally:
         left = _end(server)
     assert left == [], f"processes left behind: {left}"
