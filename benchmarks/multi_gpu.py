@@ -1,6 +1,6 @@
-"""Two GPUs: the engine's tensor, data and expert parallelism against one GPU (issue 18).
+"""Two GPUs: the engine's tensor, data and expert parallelism against one GPU (issues 18, 34).
 
-    python benchmarks/multi_gpu.py --out benchmarks/results/multi-gpu-h200x2.json [--budget-s 330]
+    python benchmarks/multi_gpu.py --out benchmarks/results/multi-gpu-2xh200.json [--budget-s 330]
     python benchmarks/multi_gpu.py --smoke --out /tmp/multi-gpu-smoke.json   # CPU, gloo, tiny
 
 The cases are in collectives.py (roofline, allreduce) and multi_gpu_engine.py (the engines).
@@ -17,8 +17,8 @@ recorded as such while the others go on:
   (256 requests at once, as `engine_bench.py throughput`); TP=2 also profiles decode steps with
   torch.profiler: rank 0's NCCL kernel time per step;
 - llama3-8b-dp2: the same offline workload over two TP=1 replicas, one per GPU, through
-  `DataParallelEngine` (what `atom serve -dp 2` runs: engine threads of one process, each request
-  to the least loaded replica), driven without HTTP;
+  `LLM(data_parallel_size=2)` (one engine process per replica, pinned to its GPU, as
+  `atom serve -dp 2` runs them): one `generate` call of all 256 requests, timed to its return;
 - qwen3-30b-a3b-tp2, qwen3-30b-a3b-tp2-ep: decode latency and the offline workload, the experts
   sliced over both GPUs against whole experts per GPU.
 

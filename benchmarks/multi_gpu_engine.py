@@ -4,7 +4,6 @@ random weights, its decode latency at batch 1 / 8 / 64 and the offline 512-in / 
 
 from __future__ import annotations
 
-import asyncio
 import random
 import sys
 import tempfile
@@ -42,11 +41,10 @@ def shape_dir(name: str, smoke: bool) -> str:
     return str(path)
 
 
-def make_engine_config(shape: str, args, **parallel):
-    from atom_engine import EngineConfig
-
+def engine_args(shape: str, args, **parallel) -> dict:
+    """The `EngineConfig` / `LLM` keyword arguments of a case."""
     cuda = torch.cuda.is_available()
-    return EngineConfig(
+    return dict(
         model=shape_dir(shape, args.smoke),
         load_format="dummy",
         skip_tokenizer_init=True,
@@ -183,12 +181,12 @@ def bench_decode(engine, args, bandwidth: float | None, profile: bool) -> list[d
     return results
 
 
-def workload_prompts(engine_config, args) -> tuple[list[list[int]], list[int]]:
+def workload_prompts(model: str, args) -> tuple[list[list[int]], list[int]]:
     """The offline 512-in / 256-out workload of random token ids: 256 requests (smoke: 8 of
     32 / 8 tokens)."""
     from atom_models import load_config
 
-    vocab = load_config(engine_config.model).vocab_size
+    vocab = load_config(model).vocab_size
     if args.smoke:
         return random_prompts(8, 32, vocab, seed=1), [8] * 8
     lengths = workload("512x256", 256)
@@ -242,7 +240,7 @@ def throughput_result(engines, prompts, outs, elapsed, recorders, args) -> dict:
 def bench_throughput(engine, args) -> dict:
     from atom_engine import SamplingParams
 
-    prompts, outs = workload_prompts(engine.config, args)
+    prompts, outs = workload_prompts(engine.config.model, args)
     engine.add_request("warm", prompts[0][:64], SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
@@ -260,62 +258,50 @@ def bench_throughput(engine, args) -> dict:
     return throughput_result([engine], prompts, outs, time.perf_counter() - t0, [recorder], args)
 
 
-def bench_data_parallel(dp, args) -> dict:
-    """The offline workload through a DataParallelEngine: every request submitted at once (each
-    to the replica with the fewest in flight), timed until the last one finishes."""
+def bench_data_parallel(llm, model: str, replicas: int, args) -> dict:
+    """The offline workload through `LLM(data_parallel_size=N)`: one `generate` call of every
+    request (the replicas, one engine process each, share them out), timed to its return."""
     from atom_engine import SamplingParams
 
-    engines = [replica.engine for replica in dp.replicas]
-    prompts, outs = workload_prompts(engines[0].config, args)
-
-    async def run(requests, prefix: str) -> float:
-        async def drain(stream) -> None:
-            async for _ in stream:
-                pass
-
-        t0 = time.perf_counter()
-        streams = [
-            await dp.add_request(
-                f"{prefix}{i}",
-                p,
-                SamplingParams(
-                    temperature=1.0, max_tokens=o, ignore_eos=True, output_kind="final_only"
-                ),
-            )
-            for i, (p, o) in enumerate(requests)
-        ]
-        await asyncio.gather(*(drain(s) for s in streams))
-        sync()
-        return time.perf_counter() - t0
-
-    asyncio.run(run([(prompts[0][:64], 4)] * len(engines), "warm-"))  # one per replica
-    recorders = [StepRecorder(engine) for engine in engines]  # before their threads' next step
-    elapsed = asyncio.run(run(list(zip(prompts, outs, strict=True)), ""))
-    result = throughput_result(engines, prompts, outs, elapsed, recorders, args)
-    result["requests_per_replica"] = [e.stats().finished_requests - 1 for e in engines]
+    prompts, outs = workload_prompts(model, args)
+    # one short request per replica first (requests are shared out by load)
+    warm = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0][:64]}] * replicas, warm, use_tqdm=False)
+    params = [SamplingParams(temperature=1.0, max_tokens=o, ignore_eos=True) for o in outs]
+    sync()
+    t0 = time.perf_counter()
+    done = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    produced = [len(o.outputs[0].token_ids) for o in done]
+    assert produced == outs, "a request stopped short of its max_tokens"
+    total_out, total_in = sum(outs), sum(len(p) for p in prompts)
+    result = dict(
+        num_prompts=len(prompts),
+        elapsed_s=elapsed,
+        input_tokens=total_in,
+        output_tokens=total_out,
+        output_tok_per_s=total_out / elapsed,
+        total_tok_per_s=(total_in + total_out) / elapsed,
+    )
+    print(f"  offline: {result['output_tok_per_s']:.0f} out tok/s ({elapsed:.1f} s)", flush=True)
     return result
 
 
 def case_engine(name: str, args) -> dict:
-    from atom_engine import LLMEngine
-    from atom_engine.server.data_parallel import DataParallelEngine
+    from atom_engine import LLM, EngineConfig, LLMEngine
 
     shape, parallel = ENGINE_CASES[name]
-    config = make_engine_config(shape, args, **parallel)
+    kwargs = engine_args(shape, args, **parallel)
     t0 = time.perf_counter()
-    if config.data_parallel_size > 1:
-        dp = DataParallelEngine.from_config(config)
-        try:
+    if kwargs.get("data_parallel_size", 1) > 1:
+        with LLM(**kwargs) as llm:
             start_s = time.perf_counter() - t0
-            return dict(
-                shape=shape, **parallel, start_s=start_s, offline=bench_data_parallel(dp, args)
-            )
-        finally:
-            dp.shutdown()
-    engine = LLMEngine(config)
+            offline = bench_data_parallel(llm, kwargs["model"], kwargs["data_parallel_size"], args)
+            return dict(shape=shape, **parallel, start_s=start_s, offline=offline)
+    engine = LLMEngine(EngineConfig(**kwargs))
     try:
         start_s = time.perf_counter() - t0
-        profile = config.tensor_parallel_size > 1
+        profile = engine.config.tensor_parallel_size > 1
         decode = bench_decode(engine, args, args.bandwidth, profile)
         offline = bench_throughput(engine, args)
         return dict(

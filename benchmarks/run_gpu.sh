@@ -4,15 +4,19 @@
 #   bash benchmarks/run_gpu.sh throughput serve         # phase 2
 #   bash benchmarks/run_gpu.sh tune-linear tune-decode tune-moe   # tile sweeps
 #   bash benchmarks/run_gpu.sh tests quant                 # quantized GEMM / MoE, MLA decode
-#   bash benchmarks/run_gpu.sh multi_gpu                   # two GPUs (nvidia-h200-x2): issue 18
+#   bash benchmarks/run_gpu.sh multi_gpu multi_gpu_serve   # 2 or 4 GPUs (nvidia-h200-x2/-x4)
 # GPU_TESTS=<paths> limits the tests phase to some test files; GPU_TESTS_EXITFIRST=0 runs them all
 # past a failure (no -x). RUN_BUDGET_S=<s>: the quant phase gets what is left of that many seconds
 # since the start (a device call's limit), 270 s without it.
 # multi_gpu: `pytest -m multi_gpu` over test_multi_gpu.py (GPU_TESTS: other paths; collecting only
 # that file keeps other modules' imports of packages the image lacks out of it) for at most
-# MULTI_GPU_TESTS_S (240 s), then benchmarks/multi_gpu.py
+# MULTI_GPU_TESTS_S (330 s: the whole file, budgeted at 5 minutes a machine kind; the cases that
+# need more GPUs than the machine has skip), then benchmarks/multi_gpu.py
 # with what is left of RUN_BUDGET_S (540 s without it); MULTI_GPU_TESTS=0 skips the tests,
-# MULTI_GPU_CASES="<case> ..." runs only those benchmark cases (to finish a run that was cut short).
+# MULTI_GPU_BENCH=0 the benchmarks, MULTI_GPU_CASES="<case> ..." runs only those benchmark cases
+# (to finish a run that was cut short). multi_gpu_serve: test_multi_gpu_serve.py (`atom serve`
+# over 2 and 4 GPUs, killed ranks) for at most MULTI_GPU_SERVE_S (240 s). Results are named by
+# the machine: multi-gpu-<GPUs>x<name>.json (e.g. multi-gpu-4xh200.json), the tests' logs too.
 # Needs the wheels the GPU image lacks in .whl (../shared/device/fetch-wheels.sh) and the bundled
 # tokenizer in .bench_assets/tokenizer (for the serving benchmark's text prompts).
 set -uo pipefail
@@ -27,6 +31,11 @@ fi
 export PYTHONPATH=$(ls -d packages/*/src | paste -sd:):${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+# The machine's tag in result names: GPU count x model, e.g. 2xh200 (unknown off a GPU machine).
+GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null \
+    | awk 'NR == 1 { n = tolower($0); gsub(/^nvidia /, "", n); split(n, w, " "); name = w[1] }
+           END { if (NR) print NR "x" name; else print "nogpu" }')
+MULTI_GPU_PYTEST=(-q -p no:cacheprovider -rfEP --durations=0 -o faulthandler_timeout=150)
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 
 for phase in "$@"; do
@@ -48,18 +57,24 @@ for phase in "$@"; do
             | tee "$OUT/quant-kernels.log" | grep -v '^{' | tail -150 ;;
     multi_gpu)
         if [ "${MULTI_GPU_TESTS:-1}" != 0 ]; then
-            ATOM_REQUIRE_GPU=1 timeout "${MULTI_GPU_TESTS_S:-240}" python3 -m pytest -m multi_gpu -q \
-                -p no:cacheprovider -rfEP --junitxml="$OUT/multi-gpu-tests.xml" \
+            ATOM_REQUIRE_GPU=1 timeout "${MULTI_GPU_TESTS_S:-330}" python3 -m pytest -m multi_gpu \
+                "${MULTI_GPU_PYTEST[@]}" --junitxml="$OUT/multi-gpu-tests-$GPU_TAG.xml" \
                 ${GPU_TESTS:-packages/atom-engine/tests/test_multi_gpu.py} 2>&1 \
-                | tee "$OUT/multi-gpu-tests.log" | tail -40
+                | tee "$OUT/multi-gpu-tests-$GPU_TAG.log" | tail -60
         fi
+        [ "${MULTI_GPU_BENCH:-1}" = 0 ] && continue
         left=$(( ${RUN_BUDGET_S:-540} - ($(date +%s) - START) ))
         echo "multi_gpu benchmarks: ${left} s left"
         only=()
         [ -n "${MULTI_GPU_CASES:-}" ] && only=(--only $MULTI_GPU_CASES)
         timeout "$(( left > 30 ? left + 20 : 50 ))" python3 benchmarks/multi_gpu.py --budget-s="$left" \
-            ${only[@]+"${only[@]}"} --out "$OUT/multi-gpu-h200x2.json" 2>&1 | tee "$OUT/multi-gpu.log" \
-            | grep -v Warning | tail -60 ;;
+            ${only[@]+"${only[@]}"} --out "$OUT/multi-gpu-$GPU_TAG.json" 2>&1 \
+            | tee "$OUT/multi-gpu-$GPU_TAG.log" | grep -v Warning | tail -60 ;;
+    multi_gpu_serve)
+        ATOM_REQUIRE_GPU=1 timeout "${MULTI_GPU_SERVE_S:-240}" python3 -m pytest -m multi_gpu \
+            "${MULTI_GPU_PYTEST[@]}" --junitxml="$OUT/multi-gpu-serve-$GPU_TAG.xml" \
+            packages/atom-engine/tests/test_multi_gpu_serve.py 2>&1 \
+            | tee "$OUT/multi-gpu-serve-$GPU_TAG.log" | tail -40 ;;
     kernels)
         timeout 240 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -40 ;;
     tune-linear)
