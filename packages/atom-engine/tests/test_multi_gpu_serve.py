@@ -10,7 +10,8 @@
 
 The server runs as `python -m atom_engine.cli.main` (the GPU machine runs the workspace from source,
 without the console script) in a session of its own, so whatever it started is found after it exits.
-Each case has a CPU variant (gloo) with ATOM_MULTI_GPU_ON_CPU=1, marked slow.
+Each case has a CPU variant (gloo), marked slow: in CI for the TP=4 server and the killed TP worker
+(the killed replica's is test_data_parallel.py), the others with ATOM_MULTI_GPU_ON_CPU=1.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ START_S = 300  # NOTE: a bound against hanging (a start with workers took ~100 s
 LONG = 3500  # tokens a killed stream asks for: seconds of decoding, still running at the kill
 
 
-def devices(gpus: int) -> list:
+def devices(gpus: int, cpu_in_ci: bool = False) -> list:
+    """The GPU case, and the CPU one (slow) in CI when `cpu_in_ci`, else with ON_CPU."""
     out = [pytest.param("cuda", marks=pytest.mark.multi_gpu(gpus))]
-    return out + ([pytest.param("cpu", marks=pytest.mark.slow)] if ON_CPU else [])
+    return out + ([pytest.param("cpu", marks=pytest.mark.slow)] if ON_CPU or cpu_in_ci else [])
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +164,7 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-@pytest.mark.parametrize("device", devices(4))
+@pytest.mark.parametrize("device", devices(4, cpu_in_ci=True))
 def test_serve_tp4_ep_fp8_answers_the_openai_client(checkpoint, device, tmp_path):
     model, log = str(checkpoint), tmp_path / "serve.log"
     server, url = _serve(
@@ -265,7 +267,7 @@ def _kill_under_load(
     return pid, output
 
 
-@pytest.mark.parametrize("device", devices(2))
+@pytest.mark.parametrize("device", devices(2, cpu_in_ci=True))
 def test_killing_a_tp_worker_under_load_ends_the_server(checkpoint, device, tmp_path):
     log = tmp_path / "serve.log"
     server, url = _serve(checkpoint, device, log, "-tp", "2")
