@@ -2,10 +2,10 @@
 runs its data-parallel engine cores).
 
 `ReplicaProcess` is the server's handle on it, with the `AsyncEngine` interface the data-parallel
-front uses. The process (`replica_main`) sees only its replica's GPUs (CUDA_VISIBLE_DEVICES: GPUs
-d * tp ... d * tp + tp - 1 of the server's), or on the CPU runs on its share of the cores (its
-affinity mask), builds an `LLMEngine` there (with its tensor-parallel worker processes) behind an
-`AsyncEngine`, and serves it over one pipe:
+front uses. The process (`replica_main`) sees only its replica's GPUs (it starts with
+CUDA_VISIBLE_DEVICES naming GPUs d * tp ... d * tp + tp - 1 of the server's), or on the CPU runs
+on its share of the cores (its affinity mask), builds an `LLMEngine` there (with its
+tensor-parallel worker processes) behind an `AsyncEngine`, and serves it over one pipe:
 
 - server -> replica: ("add", id, prompt, params), ("abort", id), ("fail_all", message),
   ("call", call id, fn), ("shutdown",);
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -113,19 +114,15 @@ class ReplicaProcess:
         level = logging.getLogger("atom_engine").getEffectiveLevel()
         # Not daemonic: a replica starts worker processes of its own. It ends when this process
         # is gone (its pipe closes), and the finalizer below ends it first at exit.
+        devices = replica_devices(config, dp_rank)
         self.proc = ctx.Process(
             target=replica_main,
-            args=(
-                config,
-                dp_rank,
-                replica_devices(config, dp_rank),
-                replica_cpus(config, dp_rank),
-                level,
-                child,
-            ),
+            args=(config, dp_rank, devices is not None, replica_cpus(config, dp_rank), level),
+            kwargs=dict(conn=child),
             name=f"atom-dp{dp_rank}",
         )
-        self.proc.start()
+        with _environ(CUDA_VISIBLE_DEVICES=devices):
+            self.proc.start()
         child.close()
         self._finalizer = weakref.finalize(self, _reap, self.proc, self._conn, self._closing)
         # atexit runs last-registered first: this ends the replica before multiprocessing's own
@@ -370,17 +367,38 @@ def _reap(proc: mp.process.BaseProcess, conn, closing: threading.Event) -> None:
 # -- the replica's process ------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _environ(**values: str | None):
+    """This process's environment with `values` set (None: left as it is) while a child starts:
+    a spawned child starts with it, so its CUDA sees only its replica's GPUs from the first
+    import on (CUDA reads CUDA_VISIBLE_DEVICES once, when it starts)."""
+    values = {k: v for k, v in values.items() if v is not None}
+    with _ENVIRON_LOCK:
+        saved = {k: os.environ.get(k) for k in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+_ENVIRON_LOCK = threading.Lock()
+
+
 def replica_main(
     config: EngineConfig,
     dp_rank: int,
-    devices: str | None,
+    on_gpus: bool,
     cpus: list[int] | None,
     log_level: int,
     conn,
 ) -> None:
-    """A replica's process: its engine behind an AsyncEngine, served over `conn`."""
-    if devices is not None:  # before CUDA starts in this process
-        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    """A replica's process (started with CUDA_VISIBLE_DEVICES naming its GPUs): its engine behind
+    an AsyncEngine, served over `conn`."""
     if cpus:
         os.sched_setaffinity(0, cpus)
     from atom_engine.engine import LLMEngine
@@ -403,7 +421,7 @@ def replica_main(
         local = replace(
             config,
             data_parallel_size=1,
-            device="cuda" if devices is not None else config.device,
+            device="cuda" if on_gpus else config.device,
         )
         engine = AsyncEngine(LLMEngine(local, dp_rank=dp_rank))
     except BaseException:
