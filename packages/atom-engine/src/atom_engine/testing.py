@@ -105,6 +105,9 @@ def eager_decode_graphs(runner, on_replay=None):
             if on_replay is not None:
                 on_replay(time.perf_counter() - t0)
 
+        def reset(self) -> None:  # `DecodeGraphs.close`
+            self.graphs = None
+
     def capture(self) -> None:
         for bs in self.sizes:
             out = torch.empty(bs, runner.hidden_size, dtype=runner.dtype)
