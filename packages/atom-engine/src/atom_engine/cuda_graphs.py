@@ -111,6 +111,19 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
+    def cuda_graphs(self) -> list[torch.cuda.CUDAGraph]:
+        return [graph for graph, _ in self.graphs.values()]
+
+    def close(self) -> None:
+        """Destroy the graphs (before the process group their collectives captured: NCCL's abort
+        waits for them) and drop their outputs, pool and runner, so their memory goes back to the
+        allocator and no reference cycle is left for the garbage collector."""
+        for graph in self.cuda_graphs():
+            graph.reset()
+        self.graphs.clear()
+        self.pool = None
+        self.runner = None
+
     def fits(self, num_tokens: int, query_lens: list[int]) -> bool:
         """A decode step: one token per sequence (lengths are >= 1), at most the largest graph."""
         n = len(query_lens)

@@ -137,8 +137,10 @@ class LLMEngine:
         return cls(EngineConfig(**kwargs))
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Stop the tensor-parallel worker processes (idempotent; a no-op with one rank).
-        `graceful=False` kills them (another thread may be inside a step)."""
+        """Stop the tensor-parallel worker processes and release every rank's CUDA graphs, KV
+        cache, model and process group (idempotent; the engine takes no step after it).
+        `graceful=False` kills the workers and aborts the group, leaving the rest to the garbage
+        collector (another thread may be inside a step)."""
         self.runner.shutdown(graceful)
 
     # -- requests -----------------------------------------------------------------------------

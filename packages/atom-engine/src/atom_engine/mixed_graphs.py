@@ -84,6 +84,18 @@ class MixedGraphs:
         self.replays = 0  # steps run through these graphs
         self._capture()
 
+    def cuda_graphs(self) -> list[torch.cuda.CUDAGraph]:
+        return [graph for graph, _ in self.graphs.values()]
+
+    def close(self) -> None:
+        """Destroy the graphs and drop their (weak) outputs, pool and runner (see
+        `DecodeGraphs.close`)."""
+        for graph in self.cuda_graphs():
+            graph.reset()
+        self.graphs.clear()
+        self.pool = None
+        self.runner = None
+
     def fits(self, num_tokens: int, num_seqs: int) -> bool:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs
 

@@ -13,6 +13,12 @@ cache. Rank 0's (in the engine) turns each scheduled batch into flat `StepInputs
 other ranks (`workers`) and runs the same forward; the model's collectives keep the ranks in step.
 Every rank computes the (gathered) logits of the same rows; only rank 0 samples, and a launch's
 sampled ids are broadcast to the other ranks' `sampled` so their next placeholder gathers agree.
+
+`release` (every rank's, at shutdown) frees what the runner owns in an order no rank can block in:
+its CUDA graphs first (NCCL's abort waits for the graphs that captured its communicator), its KV
+cache and model, then its process group (`EngineTPGroup.close`: an abort, bounded), then the
+allocator's cache. A runner dropped without it leaves the graphs and the group to a finalizer that
+does the same first two steps, so no destructor of a collected runner can hang.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -193,14 +200,53 @@ class ModelRunner:
             str(self.kv_cache_dtype).removeprefix("torch."),
             self.device,
         )
+        self.closed = False
+        # Holds the torch graphs and the group, never the runner or its graph owners (they hold
+        # the runner: it would never be collected).
+        graphs = [graph for owner in self._graph_owners() for graph in owner.cuda_graphs()]
+        self._finalizer = weakref.finalize(self, _release_graphs_and_group, graphs, tp)
+
+    def _graph_owners(self) -> list:
+        return [g for g in (self.graphs, self.pieces, self.mixed) if g is not None]
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Stop the other ranks' processes (idempotent); kill them unless `graceful`."""
+        """Stop the other ranks' processes (each releases its runner first) and release this
+        one's (idempotent). Unless `graceful` (another thread may be inside a step) the workers
+        are killed and the group aborted, which ends a step stuck in a collective, and the
+        graphs, cache and model are left to the finalizer: that step may still read them."""
         if self.workers is not None:
             if graceful:
                 self.workers.shutdown()
             else:
                 self.workers.kill()
+        if graceful:
+            self.release()
+        elif self.tp is not None:
+            self.tp.close()
+
+    def release(self) -> None:
+        """Free this rank's CUDA graphs, KV cache and model, then end its process group without
+        waiting for the other ranks (idempotent); every later step raises."""
+        if self.closed:
+            return
+        self.closed = True
+        for owner in self._graph_owners():
+            owner.close()
+        self.graphs = self.pieces = self.mixed = None
+        if self.model is not None:
+            release_kv_cache(self.model)
+        self.model = self.forward = None
+        self.sampled = self.last_hidden = None
+        self._sampled_host = []
+        group_ended = self._finalizer() is not False
+        if self.device.type == "cuda" and group_ended:
+            # NOTE: after an abort that did not finish a collective may still run on the device,
+            # and empty_cache's cudaFree would wait for it.
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"the model runner of rank {self.rank} was shut down")
 
     @torch.no_grad()
     def _warm_up_sampling(self) -> None:
@@ -342,6 +388,7 @@ class ModelRunner:
     def follow(self, op: int, inputs: StepInputs) -> None:
         """A rank other than 0: its part of rank 0's `run` or `launch` of these inputs (the same
         forward and logits, so the collectives meet; then the launch's sampled ids)."""
+        self._check_open()
         hidden = self._execute(inputs)
         self._logits(hidden, inputs, op)
         if op == OP_LAUNCH and inputs.sample_rows:
@@ -350,6 +397,7 @@ class ModelRunner:
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> RunOutput:
         """Run one step and wait for it (every sampling feature; no placeholder inputs)."""
+        self._check_open()
         inputs, sample_seqs, prompt_seqs = self._prepare(batch)
         self._hand_off(OP_RUN, inputs)
         with self._in_step():
@@ -413,6 +461,7 @@ class ModelRunner:
         or penalties: the engine runs those through `run`). The sampled ids land in `sampled`
         (read by the next launch's placeholder gathers) and, once `ready`, in `host`.
         """
+        self._check_open()
         # No drafts here: speculative decoding turns async scheduling off (drafts are verified by
         # `run`), so no per-sequence check of that on this path.
         inputs, sample_seqs, _ = self._prepare(batch, prev)
@@ -453,3 +502,11 @@ class ModelRunner:
         except Exception as e:
             self.workers.fail(e)
             raise self.workers.error from e
+
+
+def _release_graphs_and_group(graphs: list[torch.cuda.CUDAGraph], tp: EngineTPGroup | None) -> bool:
+    """The part of `ModelRunner.release` no rank can block in, in its order (also the finalizer
+    of a runner dropped without shutdown); whether the group's abort finished."""
+    for graph in graphs:
+        graph.reset()
+    return tp.close() if tp is not None else True

@@ -6,6 +6,11 @@ scheduler lives there), ranks 1..N-1 in worker processes (`atom_engine.workers`)
 a TCPStore of rank 0 and build a process group of their own (NCCL on GPUs, gloo on the CPU) outside
 torch.distributed's default group, so several engines (data-parallel replicas, tests) live in one
 process side by side.
+
+A group ends with `close()`: `abort()`, which never waits for the other ranks (a shutdown of the
+communicator may: NCCL's finalize does, and its abort waits for every CUDA graph that captured it to
+be destroyed), in a daemon thread joined at most ABORT_TIMEOUT s, so a stuck communicator can
+never block an engine's shutdown. The model runner that owns the group closes it after its graphs.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -25,6 +31,8 @@ logger = logging.getLogger("atom_engine")
 # NOTE: a rank blocks in a collective until its peers reach it; a step is never this long, and a
 # dead peer breaks the collective at once (gloo) or is caught by rank 0's monitor.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+# How long a shutdown waits for a group's abort before it leaves it to its daemon thread.
+ABORT_TIMEOUT = 10.0
 
 
 def num_experts_of(hf_config) -> int:
@@ -140,10 +148,31 @@ class EngineTPGroup:
             self.pg = dist.ProcessGroupNCCL(prefixed, rank, size, options)
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, size, COLLECTIVE_TIMEOUT)
+        self.closed = False
+        self._aborted = False
+
+    def close(self, timeout: float = ABORT_TIMEOUT) -> bool:
+        """End the group without waiting for the other ranks (idempotent); later collectives
+        raise. False when the abort did not finish within `timeout` s (it goes on in a daemon
+        thread: the device may still run a collective, so do not free memory)."""
+        if not self.closed:
+            self.closed = True
+            holder = [self.pg]
+            self.pg = None
+            self._aborted = abort_group(holder, timeout)
+        return self._aborted
+
+    def _group(self):
+        if self.pg is None:
+            raise RuntimeError(
+                f"the tensor-parallel group of rank {self.rank} is closed (its engine was shut "
+                "down)"
+            )
+        return self.pg
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            self.pg.allreduce([x]).wait()
+            self._group().allreduce([x]).wait()
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -151,12 +180,12 @@ class EngineTPGroup:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.pg.allgather([parts], [x]).wait()
+        self._group().allgather([parts], [x]).wait()
         return torch.cat(parts, dim=dim)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.size > 1:
-            self.pg.broadcast(x, src).wait()
+            self._group().broadcast(x, src).wait()
         return x
 
     def min(self, value: int) -> int:
@@ -166,5 +195,29 @@ class EngineTPGroup:
         t = torch.tensor([value], dtype=torch.long, device=self.device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
-        self.pg.allreduce([t], opts).wait()
+        self._group().allreduce([t], opts).wait()
         return int(t.item())
+
+
+def abort_group(holder: list, timeout: float = ABORT_TIMEOUT) -> bool:
+    """Abort the process group in `holder` (taken out of it) in a daemon thread, waiting at most
+    `timeout` s; whether it finished. The thread holds the last reference, so the group's
+    destructor runs there too, never on the caller's thread before the abort is done."""
+
+    def run() -> None:
+        pg = holder.pop()
+        try:
+            pg.abort()
+        except Exception:  # a backend without abort: its destructor ends it
+            logger.debug("process group abort failed", exc_info=True)
+
+    thread = threading.Thread(target=run, name="atom-tp-abort", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        logger.warning(
+            "a tensor-parallel process group did not abort within %.0f s; left to a daemon thread",
+            timeout,
+        )
+        return False
+    return True

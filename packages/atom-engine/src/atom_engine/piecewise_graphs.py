@@ -121,6 +121,21 @@ class PiecewiseGraphs:
         self.replays = 0  # steps run through these graphs
         self._capture()
 
+    def cuda_graphs(self) -> list[torch.cuda.CUDAGraph]:
+        return [graph for captured in self.captured.values() for graph in captured.graphs]
+
+    def close(self) -> None:
+        """Destroy the pieces and drop what they captured (weak tensors over the pool's memory:
+        they must not outlive it), the buffers, the pool, the model and the runner (see
+        `DecodeGraphs.close`)."""
+        for graph in self.cuda_graphs():
+            graph.reset()
+        self.captured.clear()
+        self._buffers.clear()
+        self.pool = None
+        self.model = None
+        self.runner = None
+
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.max_tokens
 

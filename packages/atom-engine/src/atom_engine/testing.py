@@ -1,5 +1,6 @@
 """Helpers for tests: an app served by a real uvicorn on loopback (in a thread), plain HTTP
-requests that return error responses instead of raising, and the decode graphs on the CPU."""
+requests that return error responses instead of raising, the decode graphs on the CPU, and the
+engine's live worker processes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import uvicorn
@@ -105,6 +107,9 @@ def eager_decode_graphs(runner, on_replay=None):
             if on_replay is not None:
                 on_replay(time.perf_counter() - t0)
 
+        def reset(self) -> None:  # `DecodeGraphs.close`
+            self.graphs = None
+
     def capture(self) -> None:
         for bs in self.sizes:
             out = torch.empty(bs, runner.hidden_size, dtype=runner.dtype)
@@ -119,3 +124,19 @@ def eager_decode_graphs(runner, on_replay=None):
     runner.graphs = graphs
     runner.sampled = graphs.sampled
     return graphs
+
+
+def workers_of(pid: int) -> list[int]:
+    """Live child processes of `pid` started by multiprocessing's spawn (the engine's workers;
+    not its resource tracker). Reads /proc."""
+    out = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+        if int(ppid) == pid and state != "Z" and b"spawn_main" in cmdline:
+            out.append(int(proc.name))
+    return out

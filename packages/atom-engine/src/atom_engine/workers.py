@@ -10,12 +10,18 @@ Lifecycle: a worker that dies is seen at once by rank 0's monitor thread (its pr
 which logs the rank and its error, ends the other workers and calls the engine's `on_death` hooks
 (the server exits non-zero); the next step raises `WorkerError`. A worker ends itself when rank 0's
 pipe closes or its parent process is gone, and ignores SIGINT (Ctrl-C reaches the whole process
-group; rank 0 decides). `shutdown` stops every worker; the processes are daemonic and a finalizer
-kills them if the engine is dropped without it.
+group; rank 0 decides). `shutdown` sends each worker a shutdown message: it releases its runner
+(CUDA graphs, KV cache, model, then an abort of its process group: `ModelRunner.release`) and exits;
+what has not exited in time is terminated. The engine's own stop is never reported as a failure:
+`shutdown`, `kill` and the finalizer mark the group closing before a worker is ended. The finalizer
+(the engine dropped without shutdown, or the interpreter exiting: it runs before multiprocessing's
+own exit handler terminates daemonic children) kills the workers with bounded waits; the monitor
+holds the group weakly, so a dropped engine is collected.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -51,7 +57,8 @@ class WorkerGroup:
         self.store = make_store(0, self.size)
         self.on_death: list[Callable[[WorkerError], None]] = []
         self._error: WorkerError | None = None
-        self._closing = False
+        # Set before any worker is ended on purpose (shared with the monitor and the finalizer).
+        self._closing = threading.Event()
         self._lock = threading.Lock()
         ctx = mp.get_context("spawn")
         self.procs: list[mp.process.BaseProcess] = []
@@ -73,9 +80,18 @@ class WorkerGroup:
             self.procs.append(proc)
             self._steps.append(steps_w)
             self._status.append(status_r)
-        self._finalizer = weakref.finalize(self, _kill, list(self.procs))
+        self._finalizer = weakref.finalize(self, _stop, list(self.procs), self._closing)
+        # atexit runs its handlers last registered first: this one (multiprocessing is imported by
+        # now) marks the group closing before multiprocessing's terminates the daemonic workers.
+        atexit.register(self._finalizer)
         self._wait_for_hello()
-        self._monitor = threading.Thread(target=self._watch, name="atom-tp-monitor", daemon=True)
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs, start=1)}
+        self._monitor = threading.Thread(
+            target=_watch,
+            args=(weakref.ref(self), sentinels, self._closing),
+            name="atom-tp-monitor",
+            daemon=True,
+        )
         self._monitor.start()
 
     # -- start-up ------------------------------------------------------------------------------
@@ -101,22 +117,14 @@ class WorkerGroup:
 
     # -- the monitor -----------------------------------------------------------------------------
 
-    def _watch(self) -> None:
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs, start=1)}
-        while sentinels:
-            ready = mp.connection.wait(list(sentinels))
-            for sentinel in ready:
-                rank = sentinels.pop(sentinel)
-                if self._closing:
-                    continue
-                self._record_death(rank)
-                self.kill()
-                for hook in list(self.on_death):
-                    try:
-                        hook(self._error)
-                    except Exception:
-                        logger.exception("an on_death hook failed")
-                return
+    def _on_death(self, rank: int) -> None:
+        self._record_death(rank)
+        self.kill()
+        for hook in list(self.on_death):
+            try:
+                hook(self._error)
+            except Exception:
+                logger.exception("an on_death hook failed")
 
     def _record_death(self, rank: int, text: str = "") -> None:
         proc = self.procs[rank - 1]
@@ -150,7 +158,7 @@ class WorkerGroup:
         deadline = time.monotonic() + wait
         while self._error is None:
             for rank, proc in enumerate(self.procs, start=1):
-                if not proc.is_alive() and not self._closing:
+                if not proc.is_alive() and not self._closing.is_set():
                     self._record_death(rank)
                     break
             if self._error is not None or time.monotonic() >= deadline:
@@ -173,7 +181,7 @@ class WorkerGroup:
 
     def fail(self, error: BaseException) -> None:
         """The ranks are out of step (rank 0 failed inside a step): end the workers."""
-        if self._error is None and not self._closing:
+        if self._error is None and not self._closing.is_set():
             try:  # a worker's own death explains it better, if that is what happened
                 self.check(wait=1.0)
             except WorkerError:
@@ -190,12 +198,12 @@ class WorkerGroup:
     # -- shutdown ------------------------------------------------------------------------------
 
     def kill(self) -> None:
-        self._closing = True
-        _kill(self.procs)
+        _stop(self.procs, self._closing)
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop every worker: a shutdown message, then SIGTERM / SIGKILL for what is left."""
-        self._closing = True
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop every worker: a shutdown message (each releases its runner and exits), then
+        SIGTERM / SIGKILL for what is left after `timeout` s (idempotent)."""
+        self._closing.set()
         if self._error is None:
             for conn in self._steps:
                 try:
@@ -209,6 +217,7 @@ class WorkerGroup:
         for conn in self._steps + self._status:
             conn.close()
         self._finalizer.detach()
+        atexit.unregister(self._finalizer)
 
 
 def _read_status(conn) -> tuple[str | None, str | None]:
@@ -218,6 +227,21 @@ def _read_status(conn) -> tuple[str | None, str | None]:
     except (EOFError, OSError):
         pass
     return None, None
+
+
+def _watch(ref: weakref.ref, sentinels: dict, closing: threading.Event) -> None:
+    """The monitor thread: report the first worker to die, unless the group ended it. It holds
+    the group weakly: a monitor that held it would keep a dropped engine's workers alive."""
+    ready = mp.connection.wait(list(sentinels))
+    group = ref()
+    if group is not None and not closing.is_set():
+        group._on_death(sentinels[ready[0]])
+
+
+def _stop(procs, closing: threading.Event) -> None:
+    """End the workers on purpose (bounded: a finalizer may run this)."""
+    closing.set()
+    _kill(procs)
 
 
 def _kill(procs) -> None:
@@ -281,6 +305,8 @@ def worker_main(
             if op == OP_SHUTDOWN:
                 break
             runner.follow(op, inputs)
+        # Nothing for a destructor to do at exit (and NCCL's could wait for rank 0).
+        runner.release()
     except BaseException:
         try:
             status.send(("error", traceback.format_exc()))
@@ -302,10 +328,13 @@ def start_runner(
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, model_path, hf_config, max_model_len, device=device)
     workers = WorkerGroup(config, model_path, max_model_len, dp_rank)
+    tp = None
     try:
         tp = EngineTPGroup(workers.store, 0, workers.size, device, config.enable_expert_parallel)
         return ModelRunner(config, model_path, hf_config, max_model_len, tp, workers)
     except BaseException as e:
+        if tp is not None:
+            tp.close()
         try:
             workers.check(wait=10.0)  # a worker's own failure says more than the collective's
         except WorkerError as worker_error:

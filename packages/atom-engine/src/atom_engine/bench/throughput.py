@@ -40,9 +40,18 @@ def format_report(result: dict) -> str:
 
 def main(args, config: EngineConfig) -> dict:
     """Run the benchmark from parsed arguments and the engine's configuration."""
-    from atom_engine import LLM, SamplingParams
+    from atom_engine import LLM
 
     llm = LLM(**asdict(config))
+    try:
+        return _run(llm, args)
+    finally:
+        llm.shutdown()
+
+
+def _run(llm, args) -> dict:
+    from atom_engine import SamplingParams
+
     engine = llm.engine
     seed = engine.config.seed
     dataset = args.dataset_name or ("sharegpt" if args.dataset_path else "random")

@@ -68,11 +68,15 @@ def stream_generate(
 def run_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     engine = LLMEngine(engine_config_from_args(args))
-    prompt: str | list[int] = args.prompt
-    if args.chat:
-        prompt = apply_chat_template(engine.tokenizer, [{"role": "user", "content": args.prompt}])
-    stream_generate(engine, prompt, params, sys.stdout)
-    sys.stdout.write("\n")
+    try:
+        prompt: str | list[int] = args.prompt
+        if args.chat:
+            messages = [{"role": "user", "content": args.prompt}]
+            prompt = apply_chat_template(engine.tokenizer, messages)
+        stream_generate(engine, prompt, params, sys.stdout)
+        sys.stdout.write("\n")
+    finally:
+        engine.shutdown()
     return 0
 
 
@@ -80,6 +84,13 @@ def run_chat(args: argparse.Namespace) -> int:
     """Read user turns from stdin until EOF or /exit; /reset clears the conversation."""
     params = sampling_params_from_args(args)
     engine = LLMEngine(engine_config_from_args(args))
+    try:
+        return _chat(engine, args, params)
+    finally:
+        engine.shutdown()
+
+
+def _chat(engine: LLMEngine, args: argparse.Namespace, params: SamplingParams) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     history = list(system)
     interactive = sys.stdin.isatty()
