@@ -248,8 +248,6 @@ def test_the_bundled_smollm2_over_three_ranks_matches_one():
     assert stats.prefix_cache_hit_rate > 0
 
 
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_no_process_left_behind():
     """Run last in this file: every worker the tests above started has ended."""
