@@ -31,10 +31,12 @@ fi
 export PYTHONPATH=$(ls -d packages/*/src | paste -sd:):${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-# The machine's tag in result names: GPU count x model, e.g. 2xh200 (unknown off a GPU machine).
+# <GPUs this run sees (CUDA_VISIBLE_DEVICES, else all)>x<name>, e.g. 4xh200
 GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null \
-    | awk 'NR == 1 { n = tolower($0); gsub(/^nvidia /, "", n); split(n, w, " "); name = w[1] }
-           END { if (NR) print NR "x" name; else print "nogpu" }')
+    | awk -v visible="${CUDA_VISIBLE_DEVICES-unset}" '
+           NR == 1 { n = tolower($0); gsub(/^nvidia /, "", n); split(n, w, " "); name = w[1] }
+           END { if (visible != "unset") NR = split(visible, v, ",");
+                 if (NR) print NR "x" name; else print "nogpu" }')
 MULTI_GPU_PYTEST=(-q -p no:cacheprovider -rfEP --durations=0 -o faulthandler_timeout=150)
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 

@@ -4,14 +4,14 @@
   and finish reasons, greedy streams equal the non-streamed text; SIGTERM ends it cleanly (0, or
   uvicorn's re-raised SIGTERM) and leaves no process behind;
 - a rank killed under load (2 GPUs): with TP=2 its tensor-parallel worker, with DP=2 a data-parallel
-  replica's process. Every open stream ends with an error within 10 s, /health answers 503 while
-  the server still answers, the server exits non-zero within 60 s naming the rank, and nothing it
-  started is left.
+  replica's process; and a TP=2 worker that raises inside a step (ATOM_TEST_WORKER_FAILURE). Every
+  open stream ends with an error within 10 s, /health answers 503 while the server still answers,
+  the server exits with status 1 within 60 s naming the rank, and nothing it started is left.
 
 The server runs as `python -m atom_engine.cli.main` (the GPU machine runs the workspace from source,
 without the console script) in a session of its own, so whatever it started is found after it exits.
-Each case has a CPU variant (gloo), marked slow: in CI for the TP=4 server and the killed TP worker
-(the killed replica's is test_data_parallel.py), the others with ATOM_MULTI_GPU_ON_CPU=1.
+Each case has a CPU variant (gloo), marked slow: in CI for the TP=4 server and the TP workers
+(the killed replica's is test_data_parallel.py), the other with ATOM_MULTI_GPU_ON_CPU=1.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import pytest
 from transformers import Qwen3MoeConfig
 
 from atom_engine.testing import http
+from atom_engine.workers import FAILURE_ENV
 
 ON_CPU = os.environ.get("ATOM_MULTI_GPU_ON_CPU") == "1"
 START_S = 300  # NOTE: a bound against hanging (a start with workers took ~100 s on 2 CPU cores)
@@ -237,33 +238,42 @@ class _Stream(threading.Thread):
             self.started.set()
 
 
-def _kill_under_load(
-    server: subprocess.Popen, url: str, log: Path, model: str, victim
-) -> tuple[int, str]:
-    """Open 4 long streams, SIGKILL `victim()`'s pid once each has its first token, and check
-    the streams, /health and the exit; returns (the pid killed, the server's output)."""
+def _fail_under_load(
+    server: subprocess.Popen, url: str, log: Path, model: str, victim=None
+) -> tuple[int | None, str]:
+    """Open 4 long streams; once each has its first token, SIGKILL `victim()`'s pid (or, without
+    a victim, wait for the failure the server was started to inject), and check that every stream
+    ends with an error within 10 s of the kill (of the first stream's end), /health and the exit;
+    returns (the pid killed, the server's output)."""
     streams = [_Stream(_client(url), model, i) for i in range(4)]
     for stream in streams:
         stream.start()
     for stream in streams:
         assert stream.started.wait(120), "a stream got no first token"
     assert not any(s.ended for s in streams), [s.outcome for s in streams]
-    pid = victim()
-    os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
+    pid = None
+    if victim is not None:
+        pid = victim()
+        os.kill(pid, signal.SIGKILL)
+        failed = time.monotonic()
+    else:
+        deadline = time.monotonic() + 120
+        while not any(s.ended for s in streams) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        failed = min((s.ended for s in streams if s.ended), default=time.monotonic())
     for stream in streams:
-        stream.join(max(0.0, killed + 10 - time.monotonic()))
+        stream.join(max(0.0, failed + 10 - time.monotonic()))
     outcomes = [s.outcome for s in streams]
-    assert all(s.ended is not None and s.ended - killed < 10 for s in streams), outcomes
+    assert all(s.ended is not None and s.ended - failed < 10 for s in streams), outcomes
     assert not any(o.startswith("finished") for o in outcomes), outcomes
     try:
         health = http("GET", url + "/health").status_code
     except OSError:  # the server is already gone
         health = None
-    assert health in (503, None), f"/health answered {health} after the kill"
-    server.wait(timeout=max(1.0, killed + 60 - time.monotonic()))
+    assert health in (503, None), f"/health answered {health} after the failure"
+    server.wait(timeout=max(1.0, failed + 60 - time.monotonic()))
     output = log.read_text()
-    assert server.returncode != 0, output[-4000:]
+    assert server.returncode == 1, output[-4000:]
     return pid, output
 
 
@@ -277,7 +287,7 @@ def test_killing_a_tp_worker_under_load_ends_the_server(checkpoint, device, tmp_
             (leaf,) = _spawned_leaves(server.pid)
             return leaf
 
-        pid, output = _kill_under_load(server, url, log, str(checkpoint), worker)
+        pid, output = _fail_under_load(server, url, log, str(checkpoint), worker)
         assert f"tensor-parallel worker rank 1 (pid {pid}) exited with code -9" in output, output
     finally:
         left = _end(server)
@@ -299,8 +309,22 @@ def test_killing_a_data_parallel_replica_under_load_ends_the_server(checkpoint, 
                     return pid
             return replicas[1]
 
-        _, output = _kill_under_load(server, url, log, str(checkpoint), replica_1)
+        _, output = _fail_under_load(server, url, log, str(checkpoint), replica_1)
         assert "data-parallel replica 1" in output, output
+    finally:
+        left = _end(server)
+    assert left == [], f"processes left behind: {left}"
+
+
+@pytest.mark.parametrize("device", devices(2, cpu_in_ci=True))
+def test_a_worker_failing_inside_a_step_ends_the_server(checkpoint, device, tmp_path, monkeypatch):
+    monkeypatch.setenv(FAILURE_ENV, "1:200")  # the server's workers inherit it
+    log = tmp_path / "serve.log"
+    server, url = _serve(checkpoint, device, log, "-tp", "2")
+    try:
+        _, output = _fail_under_load(server, url, log, str(checkpoint))
+        assert "tensor-parallel worker rank 1" in output, output
+        assert f"{FAILURE_ENV}: rank 1 fails its step 200" in output, output
     finally:
         left = _end(server)
     assert left == [], f"processes left behind: {left}"

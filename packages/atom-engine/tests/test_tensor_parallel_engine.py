@@ -19,7 +19,7 @@ from atom_engine import LLM, EngineConfig, SamplingParams
 from atom_engine.parallel import check_parallel
 from atom_engine.step_inputs import OP_LAUNCH, OP_RUN, StepInputs, shutdown_message
 from atom_engine.testing import workers_of
-from atom_engine.workers import WorkerError
+from atom_engine.workers import FAILURE_ENV, WorkerError
 
 BASE = dict(
     vocab_size=49152,  # the bundled tokenizer's, saved beside the weights
@@ -123,6 +123,19 @@ def test_dead_worker_fails_the_engine_naming_its_rank(checkpoint):
         llm.shutdown()
     # Shutting down after a worker died still ends rank 0's group (a collective would fail).
     assert llm.engine.runner.tp.closed and llm.engine.runner.closed
+
+
+def test_a_worker_failing_inside_a_step_fails_the_engine_naming_it(checkpoint, monkeypatch):
+    monkeypatch.setenv(FAILURE_ENV, "1:3")  # the spawned worker inherits it
+    llm = LLM(str(checkpoint("llama-gqa")), tensor_parallel_size=2, **ENGINE)
+    try:
+        start = time.monotonic()
+        message = rf"worker rank 1 \(pid \d+\) exited with code 1 .*{FAILURE_ENV}: rank 1 fails"
+        with pytest.raises(WorkerError, match=message):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=8), use_tqdm=False)
+        assert time.monotonic() - start < 10
+    finally:
+        llm.shutdown()
 
 
 def test_step_inputs_round_trip():

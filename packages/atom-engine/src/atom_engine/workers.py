@@ -22,6 +22,7 @@ holds the group weakly, so a dropped engine is collected.
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -263,6 +264,19 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
+# Tests: "<rank>:<step>" makes that worker raise as its step `step` (counted from 0) starts, while
+# rank 0 runs the same step: a worker failing inside a forward, as a device error would.
+FAILURE_ENV = "ATOM_TEST_WORKER_FAILURE"
+
+
+def injected_failure_step(rank: int) -> int | None:
+    value = os.environ.get(FAILURE_ENV)
+    if not value:
+        return None
+    target, _, step = value.partition(":")
+    return int(step) if int(target) == rank else None
+
+
 def worker_main(
     rank: int,
     config: EngineConfig,
@@ -296,7 +310,8 @@ def worker_main(
         )
         torch.manual_seed(config.seed)
         runner = ModelRunner(config, model_path, hf_config, max_model_len, tp)
-        while True:
+        fail_at = injected_failure_step(rank)
+        for step in itertools.count():
             try:
                 data = steps.recv_bytes()
             except (EOFError, OSError):  # rank 0 is gone
@@ -304,6 +319,8 @@ def worker_main(
             op, inputs = StepInputs.unpack(data)
             if op == OP_SHUTDOWN:
                 break
+            if step == fail_at:
+                raise RuntimeError(f"{FAILURE_ENV}: rank {rank} fails its step {step}")
             runner.follow(op, inputs)
         # Nothing for a destructor to do at exit (and NCCL's could wait for rank 0).
         runner.release()
