@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -12,6 +14,14 @@ from atom_models.testing import save_random_checkpoint
 
 @pytest.fixture(scope="session")
 def bundled_tokenizer():
+    # The GPU machine lacks the bundled model's package (its 94 MiB GGUF is over what a device
+    # call carries): there ATOM_TEST_TOKENIZER names a directory its tokenizer was saved to
+    # (`benchmarks/run_gpu.sh` and benchmarks/README.md: .bench_assets/tokenizer).
+    saved = os.environ.get("ATOM_TEST_TOKENIZER")
+    if saved:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(saved)
     return gguf_tokenizer(smollm2_gguf_path())
 
 
