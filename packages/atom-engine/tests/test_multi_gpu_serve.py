@@ -3,6 +3,8 @@
   SmolLM2 tokenizer: chat and completions, streamed and not, answer non-empty text, usage counts
   and finish reasons, greedy streams equal the non-streamed text; SIGTERM ends it cleanly (0, or
   uvicorn's re-raised SIGTERM) and leaves no process behind;
+- DP=2 x TP=2 (4 GPUs): two replica processes answer concurrent requests with one GPU's float32
+  greedy text, and /metrics sums their caches;
 - a rank killed under load (2 GPUs): with TP=2 its tensor-parallel worker, with DP=2 a data-parallel
   replica's process; and a TP=2 worker that raises inside a step (ATOM_TEST_WORKER_FAILURE). Every
   open stream ends with an error within 10 s, /health answers 503 while the server still answers,
@@ -23,12 +25,14 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
 from transformers import Qwen3MoeConfig
 
+from atom_engine import LLM, SamplingParams
 from atom_engine.testing import http
 from atom_engine.workers import FAILURE_ENV
 
@@ -239,12 +243,13 @@ class _Stream(threading.Thread):
 
 
 def _fail_under_load(
-    server: subprocess.Popen, url: str, log: Path, model: str, victim=None
+    server: subprocess.Popen, url: str, log: Path, model: str, victim=None, survivors: int = 0
 ) -> tuple[int | None, str]:
     """Open 4 long streams; once each has its first token, SIGKILL `victim()`'s pid (or, without
     a victim, wait for the failure the server was started to inject), and check that every stream
-    ends with an error within 10 s of the kill (of the first stream's end), /health and the exit;
-    returns (the pid killed, the server's output)."""
+    ends within 10 s of the kill (of the first stream's end), with an error but for at most
+    `survivors` (a healthy replica's, which may finish while the server drains), /health and the
+    exit; returns (the pid killed, the server's output)."""
     streams = [_Stream(_client(url), model, i) for i in range(4)]
     for stream in streams:
         stream.start()
@@ -265,7 +270,8 @@ def _fail_under_load(
         stream.join(max(0.0, failed + 10 - time.monotonic()))
     outcomes = [s.outcome for s in streams]
     assert all(s.ended is not None and s.ended - failed < 10 for s in streams), outcomes
-    assert not any(o.startswith("finished") for o in outcomes), outcomes
+    assert sum(o.startswith("finished") for o in outcomes) <= survivors, outcomes
+    assert all(o.startswith(("finished", "error")) for o in outcomes), outcomes
     try:
         health = http("GET", url + "/health").status_code
     except OSError:  # the server is already gone
@@ -309,7 +315,9 @@ def test_killing_a_data_parallel_replica_under_load_ends_the_server(checkpoint, 
                     return pid
             return replicas[1]
 
-        _, output = _fail_under_load(server, url, log, str(checkpoint), replica_1)
+        # The front spreads the 4 streams 2 and 2: replica 0's may finish while the server
+        # drains (on a GPU they did: 3,500 tokens of this model in seconds).
+        _, output = _fail_under_load(server, url, log, str(checkpoint), replica_1, survivors=2)
         assert "data-parallel replica 1" in output, output
     finally:
         left = _end(server)
@@ -325,6 +333,40 @@ def test_a_worker_failing_inside_a_step_ends_the_server(checkpoint, device, tmp_
         _, output = _fail_under_load(server, url, log, str(checkpoint))
         assert "tensor-parallel worker rank 1" in output, output
         assert f"{FAILURE_ENV}: rank 1 fails its step 200" in output, output
+    finally:
+        left = _end(server)
+    assert left == [], f"processes left behind: {left}"
+
+
+@pytest.mark.parametrize("device", devices(4))
+def test_serve_dp2_tp2_answers_like_one_gpu(checkpoint, device, tmp_path):
+    """`atom serve -dp 2 -tp 2`: two replica processes of two ranks each answer concurrent
+    requests with one GPU's float32 greedy text, and /metrics sums both replicas' caches."""
+    prompts = ["Once upon a time", "The capital of France is", "1, 2, 3,", "def fibonacci(n):"]
+    engine = dict(max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=2048)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(str(checkpoint), device=device, dtype="float32", **engine) as llm:
+        expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    log = tmp_path / "serve.log"
+    server, url = _serve(checkpoint, device, log, "-dp", "2", "-tp", "2", "--dtype", "float32")
+    try:
+        client = _client(url)
+
+        def complete(prompt: str) -> str:
+            reply = client.completions.create(
+                model=str(checkpoint), prompt=prompt, max_tokens=16, temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            return reply.choices[0].text
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(complete, prompts * 2))
+        assert got == expected * 2
+        metrics = http("GET", url + "/metrics").text
+        assert "atom:num_kv_blocks 4096" in metrics.replace(".0\n", "\n"), metrics
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+        assert server.returncode in (0, -signal.SIGTERM), log.read_text()[-4000:]
     finally:
         left = _end(server)
     assert left == [], f"processes left behind: {left}"
