@@ -1,5 +1,6 @@
 """Backend selection, explicit-backend errors, automatic fallback, per-op fallback to torch."""
 
+import importlib.machinery
 import importlib.util
 import logging
 import sys
@@ -76,14 +77,53 @@ def test_explicit_backend_without_its_package_raises(monkeypatch):
         ak.get_op("rms_norm", "cpu")
 
 
-def test_explicit_aiter_off_rocm_raises(monkeypatch):
+def test_explicit_aiter_says_there_is_none(monkeypatch):
     monkeypatch.setenv(registry.ENV_VAR, "aiter")
-    with pytest.raises(RuntimeError, match=r"backend 'aiter' cannot run.*AITER needs a ROCm GPU"):
-        ak.current_backend("cpu")
+    with pytest.raises(
+        RuntimeError, match=r"backend 'aiter' cannot run.*ATOM has no AITER backend"
+    ):
+        ak.current_backend("cuda")
+
+
+def _rocm_with_aiter_installed(monkeypatch) -> None:
+    """This process as on a ROCm machine where the `aiter` package is importable."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (
+            importlib.machinery.ModuleSpec(name, None) if name == "aiter" else find_spec(name, *a)
+        ),
+    )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton installed")
+def test_automatic_choice_on_rocm_is_triton_without_an_aiter_backend(monkeypatch):
+    _rocm_with_aiter_installed(monkeypatch)
+    assert registry._auto_backends("cuda") == ["triton", "torch"]
+
+
+def test_automatic_choice_that_cannot_load_falls_back_to_the_next(monkeypatch, caplog):
+    # An AITER backend package present but unloadable: the next choice is Triton, not the
+    # torch reference (AMD users would otherwise get the slowest path without a word).
+    monkeypatch.setattr(
+        registry, "_auto_backends", lambda device_type: ["aiter", "triton", "torch"]
+    )
+    monkeypatch.setattr(
+        registry,
+        "_hardware_problem",
+        lambda backend, device_type: "broken" if backend == "aiter" else None,
+    )
+    _fake_triton_backend(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="atom_kernels"):
+        assert ak.current_backend("cuda") == "triton"
+    (warning,) = caplog.records
+    assert "'aiter'" in warning.getMessage() and "backend 'triton'" in warning.getMessage()
 
 
 def test_automatic_choice_that_cannot_load_falls_back_to_torch_and_logs_once(monkeypatch, caplog):
-    monkeypatch.setattr(registry, "_auto_backend", lambda device_type: "aiter")
+    monkeypatch.setattr(registry, "_auto_backends", lambda device_type: ["aiter", "torch"])
     with caplog.at_level(logging.DEBUG, logger="atom_kernels"):
         assert ak.current_backend("cuda") == "torch"
         assert ak.current_backend("cuda:0") == "torch"
@@ -116,7 +156,7 @@ def test_op_missing_from_backend_falls_back_to_torch(monkeypatch, caplog, explic
     if explicit:
         monkeypatch.setenv(registry.ENV_VAR, "triton")
     else:
-        monkeypatch.setattr(registry, "_auto_backend", lambda device_type: "triton")
+        monkeypatch.setattr(registry, "_auto_backends", lambda device_type: ["triton", "torch"])
     x = torch.randn(3, 8)
     with caplog.at_level(logging.DEBUG, logger="atom_kernels"):
         assert ak.current_backend("cpu") == "triton"

@@ -9,9 +9,12 @@ The backend is chosen once per process per device type ("cpu", "cuda", ...):
 - ``ATOM_KERNEL_BACKEND=torch|cpu|triton|aiter`` asks for one explicitly. If it cannot load (package
   missing, wrong hardware, unknown name) the first op call raises, naming the backend and why.
 - Unset or ``auto``: CPU -> cpu (fast CPU versions of the hot ops, the torch reference for the
-  rest); CUDA device -> aiter on ROCm when ``aiter`` is importable,
-  else triton when ``triton`` is importable, else torch. An automatic choice that cannot load
-  falls back to torch and logs once.
+  rest); a CUDA or ROCm device -> triton when ``triton`` is importable, else torch. An automatic
+  choice that cannot load falls back to the next (triton, then the torch reference) and logs once.
+
+ATOM ships no AITER backend yet: "aiter" is the name reserved for one (a package
+``atom_kernels.backends.aiter``, used automatically on ROCm once it exists and ``aiter`` is
+importable); asking for it explicitly fails, saying so.
 
 An op the chosen backend does not implement runs the torch reference, logged once per op (debug
 level for an automatic choice, info for an explicit one).
@@ -80,6 +83,8 @@ def _hardware_problem(backend: str, device_type: str) -> str | None:
             return f"Triton does not support device type {device_type!r}"
         return None
     if backend == "aiter":
+        if not _has_backend_package("aiter"):
+            return "ATOM has no AITER backend yet (no package atom_kernels.backends.aiter)"
         if device_type != "cuda" or torch.version.hip is None:
             return f"AITER needs a ROCm GPU (device type {device_type!r}, HIP {torch.version.hip})"
         if importlib.util.find_spec("aiter") is None:
@@ -104,16 +109,26 @@ def _load_problem(backend: str, device_type: str) -> str | None:
     return _hardware_problem(backend, device_type) or _import_backend(backend)
 
 
-def _auto_backend(device_type: str) -> str:
+def _has_backend_package(backend: str) -> bool:
+    return importlib.util.find_spec(f"atom_kernels.backends.{backend}") is not None
+
+
+def _auto_backends(device_type: str) -> list[str]:
+    """The automatic choices for `device_type`, best first (the torch reference last)."""
     if device_type == "cpu":
-        return "cpu"
+        return ["cpu", "torch"]
     if device_type != "cuda":
-        return "torch"
-    if torch.version.hip is not None and importlib.util.find_spec("aiter") is not None:
-        return "aiter"
+        return ["torch"]
+    out = []
+    if (
+        torch.version.hip is not None
+        and _has_backend_package("aiter")
+        and importlib.util.find_spec("aiter") is not None
+    ):
+        out.append("aiter")
     if importlib.util.find_spec("triton") is not None:
-        return "triton"
-    return "torch"
+        out.append("triton")
+    return [*out, "torch"]
 
 
 def _select(device_type: str) -> tuple[str, bool]:
@@ -121,17 +136,19 @@ def _select(device_type: str) -> tuple[str, bool]:
         return _SELECTED[device_type]
     requested = os.environ.get(ENV_VAR, "").strip().lower()
     if requested in ("", "auto"):
-        backend = _auto_backend(device_type)
-        problem = _load_problem(backend, device_type)
-        if problem is not None:
+        candidates = _auto_backends(device_type)
+        for backend, fallback in zip(candidates, [*candidates[1:], None], strict=True):
+            problem = None if backend == "torch" else _load_problem(backend, device_type)
+            if problem is None:
+                break
             logger.warning(
                 "atom_kernels: backend %r was chosen automatically for %s but cannot load (%s); "
-                "using the torch reference backend",
+                "using %s",
                 backend,
                 device_type,
                 problem,
+                "the torch reference backend" if fallback == "torch" else f"backend {fallback!r}",
             )
-            backend = "torch"
         choice = (backend, False)
     else:
         if requested not in BACKENDS:
