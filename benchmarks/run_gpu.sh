@@ -15,7 +15,7 @@
 # with what is left of RUN_BUDGET_S (540 s without it); MULTI_GPU_TESTS=0 skips the tests,
 # MULTI_GPU_BENCH=0 the benchmarks, MULTI_GPU_CASES="<case> ..." runs only those benchmark cases
 # (to finish a run that was cut short). multi_gpu_serve: test_multi_gpu_serve.py (`atom serve`
-# over 2 and 4 GPUs, killed ranks) for at most MULTI_GPU_SERVE_S (240 s). Results are named by
+# over 2 and 4 GPUs, killed ranks) for at most MULTI_GPU_SERVE_S (400 s). Results are named by
 # the machine: multi-gpu-<GPUs>x<name>.json (e.g. multi-gpu-4xh200.json), the tests' logs too.
 # Needs the wheels the GPU image lacks in .whl (../shared/device/fetch-wheels.sh) and the bundled
 # tokenizer in .bench_assets/tokenizer (for the serving benchmark's text prompts).
@@ -30,6 +30,8 @@ if [ -d .whl ]; then
 fi
 export PYTHONPATH=$(ls -d packages/*/src | paste -sd:):${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# The tests' tiny checkpoints take the bundled tokenizer; its package is not on the GPU image.
+[ -d .bench_assets/tokenizer ] && export ATOM_TEST_TOKENIZER=$PWD/.bench_assets/tokenizer
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 # <GPUs this run sees (CUDA_VISIBLE_DEVICES, else all)>x<name>, e.g. 4xh200
 GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null \
@@ -73,7 +75,7 @@ for phase in "$@"; do
             ${only[@]+"${only[@]}"} --out "$OUT/multi-gpu-$GPU_TAG.json" 2>&1 \
             | tee "$OUT/multi-gpu-$GPU_TAG.log" | grep -v Warning | tail -60 ;;
     multi_gpu_serve)
-        ATOM_REQUIRE_GPU=1 timeout "${MULTI_GPU_SERVE_S:-240}" python3 -m pytest -m multi_gpu \
+        ATOM_REQUIRE_GPU=1 timeout "${MULTI_GPU_SERVE_S:-400}" python3 -m pytest -m multi_gpu \
             "${MULTI_GPU_PYTEST[@]}" --junitxml="$OUT/multi-gpu-serve-$GPU_TAG.xml" \
             packages/atom-engine/tests/test_multi_gpu_serve.py 2>&1 \
             | tee "$OUT/multi-gpu-serve-$GPU_TAG.log" | tail -40 ;;
