@@ -18,23 +18,13 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 
 def children() -> list[int]:
-    """This process's live spawned children: its engines' workers (not multiprocessing's
-    resource tracker, which lives as long as this process)."""
-    out = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (proc / "stat").read_text()
-            cmdline = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
-        if int(ppid) == os.getpid() and state != "Z" and b"spawn_main" in cmdline:
-            out.append(int(proc.name))
-    return out
+    """This process's live spawned children: its engines' workers."""
+    from atom_engine.testing import workers_of
+
+    return workers_of(os.getpid())
 
 
 def main() -> None:

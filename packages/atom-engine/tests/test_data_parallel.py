@@ -10,8 +10,6 @@ import http.client
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,9 +19,8 @@ from transformers import LlamaConfig
 
 from atom_engine import LLM, EngineConfig, SamplingParams
 from atom_engine.engine import LLMEngine
-from atom_engine.testing import http as http_request
+from atom_engine.testing import start_server
 
-ATOM = str(Path(sys.executable).parent / "atom")
 PROMPTS = [{"prompt_token_ids": [3 + i, 17, 5 * i + 1, 9]} for i in range(8)]
 ENGINE = dict(
     device="cpu", skip_tokenizer_init=True, num_kv_blocks=64, block_size=16, enforce_eager=True
@@ -148,41 +145,11 @@ def _stream(url: str, model: str, events: list, started: threading.Event) -> Non
         started.set()
 
 
-def _health(url: str) -> int | None:
-    try:
-        return http_request("GET", url + "/health").status_code
-    except OSError:  # refused: the server has stopped listening
-        return None
-
-
-def _start_server(path: Path, log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen(
-        [ATOM, "serve", "--model", str(path), "--port", str(port), "--device", "cpu",
-         "--num-kv-blocks", "512", "--enforce-eager", "--uvicorn-log-level", "warning", *flags],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600  # NOTE: a bound against hanging on a loaded 2-core CPU
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"the server exited with {server.returncode}:\n{log.read_text()}")
-        if _health(url) == 200:
-            return server, url
-        time.sleep(0.5)
-    server.kill()
-    pytest.fail("the server did not start")
-
-
 @pytest.mark.slow  # two replicas' start-up on a busy 2-core CPU
 def test_a_killed_replica_fails_its_streams_and_ends_the_server(checkpoint, tmp_path):
     log = tmp_path / "server.log"
-    server, url = _start_server(checkpoint, log, "--data-parallel-size", "2")
+    flags = ("--device", "cpu", "--num-kv-blocks", "512", "--enforce-eager", "-dp", "2")
+    server, url = start_server(checkpoint, log, *flags)
     try:
         listed = log.read_text().split("data-parallel replicas (processes ")[1].split(")")[0]
         replicas = [int(pid) for pid in listed.split(", ")]  # in replica order
@@ -202,7 +169,7 @@ def test_a_killed_replica_fails_its_streams_and_ends_the_server(checkpoint, tmp_
         killed = time.monotonic()
         health = []
         while time.monotonic() - killed < 10 and any(t.is_alive() for t, _, _ in streams):
-            health.append(_health(url))
+            health.append(health(url))
             time.sleep(0.05)
         for thread, _, _ in streams:
             thread.join(max(0.0, 10 - (time.monotonic() - killed)))

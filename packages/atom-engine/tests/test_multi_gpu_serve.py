@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +31,7 @@ import pytest
 from transformers import Qwen3MoeConfig
 
 from atom_engine import LLM, SamplingParams
-from atom_engine.testing import http
+from atom_engine.testing import http, start_server
 from atom_engine.workers import FAILURE_ENV
 
 ON_CPU = os.environ.get("ATOM_MULTI_GPU_ON_CPU") == "1"
@@ -70,39 +68,12 @@ def checkpoint(tiny_checkpoint) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _serve(path: Path, device: str, log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """Start `atom serve` with its output in `log` (a file: a pipe nobody reads would fill and
-    stall it), once /health answers 200."""
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "atom_engine.cli.main", "serve", "--model", str(path),
-         "--port", str(port), "--device", device, "--max-num-seqs", "8",
-         "--max-num-batched-tokens", "256", "--num-kv-blocks", "2048",
-         "--uvicorn-log-level", "warning", *flags],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_S
-    while True:
-        if server.poll() is not None:
-            pytest.fail(f"the server exited with {server.returncode}:\n{log.read_text()}")
-        if time.monotonic() > deadline:
-            _end(server)
-            pytest.fail("the server did not start")
-        try:
-            if http("GET", url + "/health").status_code == 200:
-                return server, url
-        except OSError:
-            pass
-        time.sleep(0.5)
+    """`atom serve` in a session of its own (whatever it starts is found after it exits)."""
+    engine = ("--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--num-kv-blocks", "2048")
+    return start_server(
+        path, log, "--device", device, *engine, *flags, new_session=True, timeout=START_S
+    )
 
 
 def _end(server: subprocess.Popen) -> list[int]:

@@ -1,17 +1,11 @@
 """`atom serve` over several ranks and replicas: `--tensor-parallel-size 2` and
 `--data-parallel-size 2` answer concurrent openai-client requests with the greedy text of one
-process; a killed worker ends the server non-zero, naming its rank; the data-parallel front spreads
-requests by load and sums the replicas' statistics."""
+process; the data-parallel front spreads requests by load and sums the replicas' statistics.
+(Killed ranks: test_multi_gpu_serve.py and test_data_parallel.py.)"""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,9 +16,8 @@ from transformers import LlamaConfig
 from atom_engine import LLM, SamplingParams
 from atom_engine.engine import EngineStats
 from atom_engine.server.data_parallel import DataParallelEngine
-from atom_engine.testing import http
+from atom_engine.testing import http, start_server, stop_server, workers_of
 
-ATOM = str(Path(sys.executable).parent / "atom")  # the [project.scripts] entry point
 PROMPTS = ["Once upon a time", "def fibonacci(n):", "1, 2, 3,", "The capital of France is"]
 
 
@@ -43,70 +36,15 @@ def checkpoint(tiny_checkpoint) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _serve(path: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    server = subprocess.Popen(
-        [ATOM, "serve", "--model", str(path), "--port", str(port), "--device", "cpu",
-         "--num-kv-blocks", "64", "--uvicorn-log-level", "warning", *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    # NOTE: a bound against hanging; a start with a worker took ~100 s at load 15 on 2 cores.
-    deadline = time.monotonic() + 600
-    while True:
-        if server.poll() is not None:
-            pytest.fail(f"the server exited with {server.returncode}:\n{server.stdout.read()}")
-        if time.monotonic() > deadline:
-            _stop(server)
-            pytest.fail("the server did not start")
-        try:
-            if http("GET", url + "/health").status_code == 200:
-                return server, url
-        except OSError:
-            pass
-        time.sleep(0.5)
-
-
-def _stop(server: subprocess.Popen) -> None:
-    if server.poll() is None:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
-def _workers_of(pid: int) -> list[int]:
-    """The engine's spawned workers among `pid`'s children."""
-    out = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (proc / "stat").read_text()
-            cmdline = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
-        if int(ppid) == pid and state != "Z" and b"spawn_main" in cmdline:
-            out.append(int(proc.name))
-    return out
-
-
 @pytest.mark.slow  # two servers' start-up on a busy 2-core CPU
 @pytest.mark.parametrize("flags", [("-tp", "2"), ("--data-parallel-size", "2")], ids=["tp2", "dp2"])
-def test_serve_answers_concurrent_requests_like_one_process(checkpoint, flags):
+def test_serve_answers_concurrent_requests_like_one_process(checkpoint, flags, tmp_path):
     with LLM(str(checkpoint), num_kv_blocks=64) as llm:
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    server, url = _serve(checkpoint, *flags)
+    # NOTE: a start with a worker took ~100 s at load 15 on 2 cores (start_server waits 600 s).
+    flags = ("--device", "cpu", "--num-kv-blocks", "64", *flags)
+    server, url = start_server(checkpoint, tmp_path / "serve.log", *flags)
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none")
 
@@ -130,27 +68,8 @@ def test_serve_answers_concurrent_requests_like_one_process(checkpoint, flags):
         blocks = 64 * (2 if "--data-parallel-size" in flags else 1)
         assert f"atom:num_kv_blocks {blocks}" in metrics.replace(".0\n", "\n")
     finally:
-        _stop(server)
-    assert _workers_of(server.pid) == []
-
-
-@pytest.mark.slow  # a server's start-up with a worker on a busy 2-core CPU
-def test_killing_a_worker_ends_the_server_naming_its_rank(checkpoint):
-    server, url = _serve(checkpoint, "--tensor-parallel-size", "2")
-    try:
-        (worker,) = _workers_of(server.pid)
-        os.kill(worker, signal.SIGKILL)
-        killed = time.monotonic()
-        server.wait(timeout=60)
-        # NOTE: a bound against hanging, with room for a busy 2-core CPU; not a speed claim.
-        assert time.monotonic() - killed < 30
-        output = server.stdout.read()
-        assert server.returncode != 0, output
-        assert f"tensor-parallel worker rank 1 (pid {worker}) exited with code -9" in output
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        stop_server(server)
+    assert workers_of(server.pid) == []
 
 
 class _FakeReplica:

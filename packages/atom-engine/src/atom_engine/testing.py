@@ -1,11 +1,14 @@
-"""Helpers for tests: an app served by a real uvicorn on loopback (in a thread), plain HTTP
-requests that return error responses instead of raising, the decode graphs on the CPU, and the
-engine's live worker processes."""
+"""Helpers for tests: an app served by a real uvicorn on loopback (in a thread), `atom serve` as a
+subprocess, plain HTTP requests that return error responses instead of raising, the decode graphs
+on the CPU, and the engine's live worker processes."""
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -140,3 +143,58 @@ def workers_of(pid: int) -> list[int]:
         if int(ppid) == pid and state != "Z" and b"spawn_main" in cmdline:
             out.append(int(proc.name))
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def health(url: str) -> int | None:
+    """/health's status, or None when nothing listens (the server has stopped)."""
+    try:
+        return http("GET", url + "/health").status_code
+    except OSError:
+        return None
+
+
+def start_server(
+    model, log: Path, *flags: str, new_session: bool = False, timeout: float = 600.0
+) -> tuple[subprocess.Popen, str]:
+    """`atom serve --model MODEL FLAGS` on a free loopback port, as a subprocess (`python -m
+    atom_engine.cli.main`: with or without the console script), its output in `log` (a pipe
+    nobody reads would fill and stall it); returns (process, url) once /health answers 200.
+    `new_session`: in a process session of its own (whatever it starts is found by its sid).
+    Raises RuntimeError, with the log's tail, if it exits or does not start in `timeout` s."""
+    port = free_port()
+    command = [sys.executable, "-m", "atom_engine.cli.main", "serve", "--model", str(model)]
+    server = subprocess.Popen(
+        [*command, "--port", str(port), "--uvicorn-log-level", "warning", *flags],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=new_session,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while health(url) != 200:
+        if server.poll() is not None or time.monotonic() > deadline:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+            raise RuntimeError(
+                f"the server did not start (exit {server.returncode}):\n{log.read_text()[-4000:]}"
+            )
+        time.sleep(0.5)
+    return server, url
+
+
+def stop_server(server: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL after `timeout` s."""
+    if server.poll() is None:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()

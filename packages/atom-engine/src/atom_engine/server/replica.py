@@ -48,6 +48,7 @@ from atom_engine.server.async_engine import (
     EngineDeadError,
     RequestAborted,
     RequestFailed,
+    _resolve,
     _Stream,
     iterate_stream,
 )
@@ -271,7 +272,7 @@ class ReplicaProcess:
                     if kind == "rejected":
                         self._streams.pop(request_id, None)
                 if future is not None:
-                    _settle(loop, future, message[2] if kind == "rejected" else None)
+                    _resolve(loop, future, message[2] if kind == "rejected" else None)
             elif kind == "stats":
                 self._stats = message[1]
             elif kind == "result":
@@ -279,7 +280,7 @@ class ReplicaProcess:
                 with self._lock:
                     loop, future = self._calls.pop(call_id, (None, None))
                 if future is not None:
-                    _settle(loop, future, value)
+                    _resolve(loop, future, value)
             elif kind == "ready":
                 self.info = message[1]
                 self._stats = self.info["stats"]
@@ -325,25 +326,10 @@ class ReplicaProcess:
             calls, self._calls = self._calls, {}
         dead = EngineDeadError(str(error))
         for loop, future in [*pending.values(), *calls.values()]:
-            _settle(loop, future, dead)
+            _resolve(loop, future, dead)
         for request_id, stream in streams.items():
             if request_id not in pending:
                 stream.put(error)
-
-
-def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any) -> None:
-    def done() -> None:
-        if future.done():
-            return
-        if isinstance(result, BaseException):
-            future.set_exception(result)
-        else:
-            future.set_result(result)
-
-    try:
-        loop.call_soon_threadsafe(done)
-    except RuntimeError:  # the loop is closed: nobody waits any more
-        pass
 
 
 def _reap(proc: mp.process.BaseProcess, conn, closing: threading.Event) -> None:
