@@ -19,7 +19,7 @@ from transformers import LlamaConfig
 
 from atom_engine import LLM, EngineConfig, SamplingParams
 from atom_engine.engine import LLMEngine
-from atom_engine.testing import start_server
+from atom_engine.testing import health, start_server
 
 PROMPTS = [{"prompt_token_ids": [3 + i, 17, 5 * i + 1, 9]} for i in range(8)]
 ENGINE = dict(
@@ -167,9 +167,9 @@ def test_a_killed_replica_fails_its_streams_and_ends_the_server(checkpoint, tmp_
         victim = replicas[1]
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
-        health = []
+        answers = []
         while time.monotonic() - killed < 10 and any(t.is_alive() for t, _, _ in streams):
-            health.append(health(url))
+            answers.append(health(url))
             time.sleep(0.05)
         for thread, _, _ in streams:
             thread.join(max(0.0, 10 - (time.monotonic() - killed)))
@@ -187,8 +187,8 @@ def test_a_killed_replica_fails_its_streams_and_ends_the_server(checkpoint, tmp_
         assert server.returncode == 1, output
         assert f"data-parallel replica 1 (pid {victim}) exited with code -9" in output, output
         # /health answered 503 after the kill, never 200 once the streams had failed.
-        assert 503 in health, health
-        assert health[health.index(503) :].count(200) == 0, health
+        assert 503 in answers, answers
+        assert answers[answers.index(503) :].count(200) == 0, answers
     finally:
         if server.poll() is None:
             server.kill()
