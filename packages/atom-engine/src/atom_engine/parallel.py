@@ -4,8 +4,8 @@ starts, the device of each rank, and the process group the model layers shard ov
 An engine with `tensor_parallel_size` N has N ranks: rank 0 in the engine's own process (the
 scheduler lives there), ranks 1..N-1 in worker processes (`atom_engine.workers`). They meet through
 a TCPStore of rank 0 and build a process group of their own (NCCL on GPUs, gloo on the CPU) outside
-torch.distributed's default group, so several engines (data-parallel replicas, tests) live in one
-process side by side.
+torch.distributed's default group, so several engines (tests, a notebook's) live in one process
+side by side. (Data-parallel replicas are processes of their own: `server/replica.py`.)
 
 A group ends with `close()`: `abort()`, which never waits for the other ranks (a shutdown of the
 communicator may: NCCL's finalize does, and its abort waits for every CUDA graph that captured it to

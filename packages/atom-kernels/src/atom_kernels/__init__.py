@@ -1,4 +1,4 @@
-"""atom-kernels: LLM inference ops with a PyTorch reference, Triton and AITER backends.
+"""atom-kernels: LLM inference ops with a PyTorch reference, CPU and Triton backends.
 
 Every op is one public function that checks its arguments and dispatches through
 ``atom_kernels.registry`` to the backend chosen for the tensor's device (``ATOM_KERNEL_BACKEND``).

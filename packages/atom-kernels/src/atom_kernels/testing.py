@@ -1,4 +1,4 @@
-"""Helpers for kernel tests (this package's, the Triton/AITER backends', the models'): comparisons
+"""Helpers for kernel tests (this package's, its backends', the models'): comparisons
 that print the first mismatches, per-dtype tolerances, strided copies of inputs."""
 
 from __future__ import annotations

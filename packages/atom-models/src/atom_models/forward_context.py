@@ -2,7 +2,7 @@
 
 Per-step metadata (slot mapping, block tables, sequence lengths, or a host's own metadata object)
 reaches the attention layers here, never through every forward signature. The context is per
-thread: engines running side by side in one process (data-parallel replicas) each see their own.
+thread: engines running side by side in one process (tests, a notebook) each see their own.
 """
 
 from __future__ import annotations
