@@ -15,8 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-export PYTHONPATH=$(ls -d packages/*/src | paste -sd:):${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+. benchmarks/device_env.sh  # wheels, PYTHONPATH, the tests' tokenizer
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, \
 'triton', triton.__version__)" | tee "$OUT/device.txt"
 START=$(date +%s)

@@ -16,12 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$(ls -d packages/*/src | paste -sd:):${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+. benchmarks/device_env.sh  # wheels, PYTHONPATH, the tests' tokenizer
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-560}  # the device call's limit, less the summary

@@ -24,14 +24,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 START=$(date +%s)
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$(ls -d packages/*/src | paste -sd:):${PYTHONPATH:-}
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-# The tests' tiny checkpoints take the bundled tokenizer; its package is not on the GPU image.
-[ -d .bench_assets/tokenizer ] && export ATOM_TEST_TOKENIZER=$PWD/.bench_assets/tokenizer
+. benchmarks/device_env.sh  # wheels, PYTHONPATH, the tests' tokenizer
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 # <GPUs this run sees (CUDA_VISIBLE_DEVICES, else all)>x<name>, e.g. 4xh200
 GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null \

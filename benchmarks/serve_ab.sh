@@ -2,9 +2,10 @@
 # atom serve under `atom bench serve` (Qwen3-0.6B shape, dummy weights, 512 in / 128 out, 4 x c
 # requests; 16 at c = 1), cudagraph modes alternating over rounds, on one GPU:
 #   MODES="full_and_piecewise full" ROUNDS=2 bash benchmarks/serve_ab.sh
-# (after run_gpu.sh's set-up: PYTHONPATH, .whl, the tokenizer). Results: $OUT/serve-c<c>-<mode>-r<round>.json
+# (carry .whl and .bench_assets: README). Results: $OUT/serve-c<c>-<mode>-r<round>.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. benchmarks/device_env.sh  # wheels, PYTHONPATH, the tests' tokenizer
 OUT=${OUT:-$PWD/gpu-out}
 MODES=${MODES:-"full_and_piecewise full"}
 ROUNDS=${ROUNDS:-2}

@@ -47,7 +47,7 @@ from atom_engine import LLM, SamplingParams
 from atom_models.testing import save_random_checkpoint
 
 # The CPU variants ran when the TP=2 cases were written (1-4 min per TP=2 engine on 2 cores, see
-# benchmarks/README.md); CI keeps the CPU's tensor-parallel checks in
+# benchmarks/HISTORY.md); CI keeps the CPU's tensor-parallel checks in
 # test_tensor_parallel_engine.py. ATOM_MULTI_GPU_ON_CPU=1 adds the CPU variants (slow).
 ON_CPU = os.environ.get("ATOM_MULTI_GPU_ON_CPU") == "1"
 

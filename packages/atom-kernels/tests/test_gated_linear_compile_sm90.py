@@ -3,7 +3,7 @@ Hopper GPU (sm_90) without one, as test_moe_compile_sm90.py does for the fused M
 ahead-of-time compiler down to a cubin with its bundled ptxas, at the tiles ``default_config``
 picks (one row: the multiply-add path; several rows: dots), with the arguments a real launch
 passes aligned. Its weight loads must stay 16-byte vector loads: a GEMV whose loads lose their
-vectorization runs far slower (benchmarks/README.md, the split-K misalignment)."""
+vectorization runs far slower (benchmarks/HISTORY.md, the split-K misalignment)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Each worker thread has its own copy of the tokenizer (a fast tokenizer's Rust co
 mutably while it encodes, so one object must not encode on two threads at once), made when the
 server starts: copied on a thread's first request instead, Qwen3's tokenizer (151K entries) took
 ~130 ms a copy with the GIL held, and the first burst of 16 concurrent requests stalled the
-engine thread 450-580 ms (one H100, `atom bench serve` at concurrency 16; benchmarks/README.md,
+engine thread 450-580 ms (one H100, `atom bench serve` at concurrency 16; benchmarks/HISTORY.md,
 "Whole-forward graphs"). A prompt is
 rejected before it is tokenized when its text is longer than any prompt that fits the context.
 """

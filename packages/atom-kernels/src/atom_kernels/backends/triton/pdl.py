@@ -15,10 +15,11 @@ after a PDL kernel waits for it as stream order says: only kernels that call
 ``ATOM_PDL=0`` turns it off; ``ATOM_PDL_PREFETCH_LINES`` sets the 128-byte lines of each weight
 row asked for before the wait (default 8).
 
-NOTE (benchmarks/env_ab.sh, one H100, triton 3.6, torch 2.11, 2026-11-24, results/s11-h100/
-pdl-call2, two rounds alternating): decode steps at batch 1 / 8, off against on: Llama-3-8B
-6.044, 6.042 / 6.370, 6.360 ms against 6.019, 6.020 / 6.366, 6.334; Qwen3-0.6B 1.342, 1.346 /
-1.613, 1.619 against 1.341, 1.349 / 1.591, 1.593. 32 lines instead of 8 were slower (6.18 ms).
+NOTE (benchmarks/env_ab.sh, since folded into decode_ab.sh; one H100, triton 3.6, torch 2.11,
+2026-11-24, results/s11-h100/pdl-call2, two rounds alternating): decode steps at batch 1 / 8,
+off against on: Llama-3-8B 6.044, 6.042 / 6.370, 6.360 ms against 6.019, 6.020 / 6.366, 6.334;
+Qwen3-0.6B 1.342, 1.346 / 1.613, 1.619 against 1.341, 1.349 / 1.591, 1.593. 32 lines instead of 8
+were slower (6.18 ms).
 """
 
 from __future__ import annotations
