@@ -1,8 +1,9 @@
 """Data-parallel replicas, each an engine in a process of its own (CPU here; the same code on GPUs,
 where each process sees only its replica's GPUs): `LLM(data_parallel_size=2)` gives one engine's
-greedy tokens and spreads the requests; a bad request is refused through a replica; `atom serve
--dp 2` with a replica killed mid-stream ends every stream with an error, answers /health 503 and
-exits non-zero naming the replica, leaving no process behind."""
+greedy tokens and spreads the requests, structured output and n > 1 included; a bad request is
+refused through a replica; `atom serve -dp 2` with a replica killed mid-stream ends every stream
+with an error, answers /health 503 and exits non-zero naming the replica, leaving no process
+behind."""
 
 from __future__ import annotations
 
@@ -17,14 +18,12 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig
 
-from atom_engine import LLM, EngineConfig, SamplingParams
+from atom_engine import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
 from atom_engine.engine import LLMEngine
 from atom_engine.testing import health, start_server
 
 PROMPTS = [{"prompt_token_ids": [3 + i, 17, 5 * i + 1, 9]} for i in range(8)]
-ENGINE = dict(
-    device="cpu", skip_tokenizer_init=True, num_kv_blocks=64, block_size=16, enforce_eager=True
-)
+ENGINE = dict(device="cpu", num_kv_blocks=64, block_size=16, enforce_eager=True)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +95,14 @@ def test_offline_replicas_give_one_engines_tokens(checkpoint):
                 break
             time.sleep(0.1)
         assert finished == [len(PROMPTS), len(PROMPTS)]
+        # A grammar is compiled again in the replica's process (compiled grammars stay where
+        # they are made): the sampled text is one of the choices, and n > 1 comes back whole.
+        choice = StructuredOutputsParams(choice=["red", "green", "blue"])
+        sampled = SamplingParams(temperature=1.0, max_tokens=8, seed=3, structured_outputs=choice)
+        for output in llm.generate(["Pick a colour:"] * 4, sampled, use_tqdm=False):
+            assert output.outputs[0].text in choice.choice, output.outputs[0]
+        (pair,) = llm.generate(["Hello"], SamplingParams(max_tokens=4, n=2), use_tqdm=False)
+        assert [c.index for c in pair.outputs] == [0, 1]
         # A request a replica refuses raises here, as with one engine.
         with pytest.raises(ValueError, match="token id"):
             llm.generate({"prompt_token_ids": [49152 + 7]}, params, use_tqdm=False)
