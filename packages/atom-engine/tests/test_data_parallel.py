@@ -73,6 +73,7 @@ def test_an_engine_is_one_replica():
         LLMEngine(EngineConfig(data_parallel_size=2))
 
 
+@pytest.mark.slow  # two replica processes' start-up: ~70 s on the 2-core CPU
 def test_offline_replicas_give_one_engines_tokens(checkpoint):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     with LLM(str(checkpoint), **ENGINE) as llm:
