@@ -194,17 +194,24 @@ def workload_prompts(model: str, args) -> tuple[list[list[int]], list[int]]:
     return prompts, [o for _, o in lengths]
 
 
-def throughput_result(engines, prompts, outs, elapsed, recorders, args) -> dict:
-    """Tokens per second, and (dense models, with the roofline measured) the per-step roofline of
-    each engine's own schedule; replicas run at once: the slowest replica's floor is the run's."""
+def rates(prompts, outs, elapsed: float) -> dict:
+    """The offline workload's counts and tokens per second over `elapsed` seconds."""
     total_out, total_in = sum(outs), sum(len(p) for p in prompts)
-    result = dict(
+    return dict(
         num_prompts=len(prompts),
         elapsed_s=elapsed,
         input_tokens=total_in,
         output_tokens=total_out,
         output_tok_per_s=total_out / elapsed,
         total_tok_per_s=(total_in + total_out) / elapsed,
+    )
+
+
+def throughput_result(engines, prompts, outs, elapsed, recorders, args) -> dict:
+    """Tokens per second, and (dense models, with the roofline measured) the per-step roofline of
+    each engine's own schedule; replicas run at once: the slowest replica's floor is the run's."""
+    result = dict(
+        **rates(prompts, outs, elapsed),
         steps=[len(r.steps) for r in recorders],
         num_preemptions=sum(e.scheduler.num_preemptions for e in engines),
         kv_cache_tokens=[e.runner.num_blocks * e.runner.block_size for e in engines],
@@ -274,15 +281,7 @@ def bench_data_parallel(llm, model: str, replicas: int, args) -> dict:
     elapsed = time.perf_counter() - t0
     produced = [len(o.outputs[0].token_ids) for o in done]
     assert produced == outs, "a request stopped short of its max_tokens"
-    total_out, total_in = sum(outs), sum(len(p) for p in prompts)
-    result = dict(
-        num_prompts=len(prompts),
-        elapsed_s=elapsed,
-        input_tokens=total_in,
-        output_tokens=total_out,
-        output_tok_per_s=total_out / elapsed,
-        total_tok_per_s=(total_in + total_out) / elapsed,
-    )
+    result = rates(prompts, outs, elapsed)
     print(f"  offline: {result['output_tok_per_s']:.0f} out tok/s ({elapsed:.1f} s)", flush=True)
     return result
 

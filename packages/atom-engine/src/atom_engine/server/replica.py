@@ -237,6 +237,7 @@ class ReplicaProcess:
         self.stop()
         self.proc.join(timeout)
         self._finalizer()  # kills what is left, closes the pipe
+        atexit.unregister(self._finalizer)
         self._end_all(RequestAborted("the engine is shutting down"))
 
     # -- the pipe's reader ---------------------------------------------------------------------
