@@ -77,11 +77,17 @@ def summary(record: dict) -> list[str]:
             + " ".join(f"{decode.get(b, '-'):>8s}" for b in (1, 8, 64))
             + f" {offline or 0:14.0f}"
         )
-    tp1, tp2 = (record["cases"].get(f"llama3-8b-tp{n}", {}) for n in (1, 2))
-    if tp1.get("decode") and tp2.get("decode"):
-        ratio = tp2["decode"][0]["step_ms"] / tp1["decode"][0]["step_ms"]
-        record["llama3_8b_tp2_over_tp1_batch1"] = ratio
-        lines.append(f"Llama-3-8B batch 1: TP=2 / TP=1 = {ratio:.2f} (target <= 0.6)")
+    tp1 = record["cases"].get("llama3-8b-tp1", {})
+    for n, target in ((2, 0.62), (4, 0.45)):
+        for suffix in ("", "-nccl"):
+            tpn = record["cases"].get(f"llama3-8b-tp{n}{suffix}", {})
+            if tp1.get("decode") and tpn.get("decode"):
+                ratio = tpn["decode"][0]["step_ms"] / tp1["decode"][0]["step_ms"]
+                key = f"llama3_8b_tp{n}{suffix.replace('-', '_')}_over_tp1_batch1"
+                record[key] = ratio
+                lines.append(
+                    f"Llama-3-8B batch 1: TP={n}{suffix} / TP=1 = {ratio:.2f} (target <= {target})"
+                )
     return lines
 
 

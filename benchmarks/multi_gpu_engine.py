@@ -4,6 +4,7 @@ random weights, its decode latency at batch 1 / 8 / 64 and the offline 512-in / 
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import tempfile
@@ -26,13 +27,28 @@ from shapes import shape_config  # noqa: E402
 ENGINE_CASES = {
     "llama3-8b-tp1": ("llama3-8b", dict(tensor_parallel_size=1)),
     "llama3-8b-tp2": ("llama3-8b", dict(tensor_parallel_size=2)),
+    "llama3-8b-tp4": ("llama3-8b", dict(tensor_parallel_size=4)),
     "llama3-8b-dp2": ("llama3-8b", dict(data_parallel_size=2)),
     "qwen3-30b-a3b-tp2": ("qwen3-30b-a3b", dict(tensor_parallel_size=2)),
     "qwen3-30b-a3b-tp2-ep": (
         "qwen3-30b-a3b",
         dict(tensor_parallel_size=2, enable_expert_parallel=True),
     ),
+    # Batch-1 decode only (and a small engine: ~59 GB of weights a GPU leave little room).
+    "qwen3-235b-a22b-fp8-tp4-ep": (
+        "qwen3-235b-a22b-fp8",
+        dict(tensor_parallel_size=4, enable_expert_parallel=True),
+    ),
 }
+# Cases that time batch-1 decode alone, on a small engine.
+DECODE_ONLY = {"qwen3-235b-a22b-fp8-tp4-ep"}
+# A case name + NCCL_SUFFIX runs the case with every all-reduce on NCCL (ATOM_ALLREDUCE=nccl):
+# the peer all-reduce's baseline, alternated with it in the same run (issue 36).
+NCCL_SUFFIX = "-nccl"
+for _name in [n for n, (_, p) in ENGINE_CASES.items() if p.get("tensor_parallel_size", 1) > 1]:
+    ENGINE_CASES[_name + NCCL_SUFFIX] = ENGINE_CASES[_name]
+    if _name in DECODE_ONLY:
+        DECODE_ONLY.add(_name + NCCL_SUFFIX)
 
 
 def shape_dir(name: str, smoke: bool) -> str:
@@ -41,9 +57,21 @@ def shape_dir(name: str, smoke: bool) -> str:
     return str(path)
 
 
-def engine_args(shape: str, args, **parallel) -> dict:
-    """The `EngineConfig` / `LLM` keyword arguments of a case."""
+def engine_args(shape: str, args, small: bool = False, **parallel) -> dict:
+    """The `EngineConfig` / `LLM` keyword arguments of a case (`small`: for batch-1 decode)."""
     cuda = torch.cuda.is_available()
+    if small:
+        return dict(
+            model=shape_dir(shape, args.smoke),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype="bfloat16" if cuda else "float32",
+            device="cuda" if cuda else "cpu",
+            max_num_seqs=8,
+            max_num_batched_tokens=1024,
+            max_model_len=1024,
+            **parallel,
+        )
     return dict(
         model=shape_dir(shape, args.smoke),
         load_format="dummy",
@@ -93,7 +121,7 @@ def collective_kernels(prof, steps: int, cuda: bool) -> dict:
             if time_us is None:  # torch before the rename
                 time_us = event.cuda_time_total
             gpu_total += time_us
-            if "nccl" not in name:
+            if "nccl" not in name and "peer_all_reduce" not in name:
                 continue
         elif name.startswith("gloo:"):
             time_us = event.cpu_time_total
@@ -107,7 +135,9 @@ def collective_kernels(prof, steps: int, cuda: bool) -> dict:
     return out
 
 
-def bench_decode(engine, args, bandwidth: float | None, profile: bool) -> list[dict]:
+def bench_decode(
+    engine, args, bandwidth: float | None, profile: bool, batches=(1, 8, 64)
+) -> list[dict]:
     from atom_engine import SamplingParams
 
     results = []
@@ -117,7 +147,7 @@ def bench_decode(engine, args, bandwidth: float | None, profile: bool) -> list[d
     vocab = engine.hf_config.vocab_size
     steps = 4 if args.smoke else 48
     prompt_len = 32 if args.smoke else 512
-    for bs in (1, 8) if args.smoke else (1, 8, 64):
+    for bs in batches[:2] if args.smoke else batches:
         params = SamplingParams(temperature=0, max_tokens=2 * steps + 24, ignore_eos=True)
         for i, ids in enumerate(random_prompts(bs, prompt_len, vocab, seed=bs)):
             engine.add_request(f"{bs}-{i}", ids, params)
@@ -290,7 +320,10 @@ def case_engine(name: str, args) -> dict:
     from atom_engine import LLM, EngineConfig, LLMEngine
 
     shape, parallel = ENGINE_CASES[name]
-    kwargs = engine_args(shape, args, **parallel)
+    if name.endswith(NCCL_SUFFIX):  # read by each rank's EngineTPGroup (workers inherit it)
+        os.environ["ATOM_ALLREDUCE"] = "nccl"
+    decode_only = name in DECODE_ONLY
+    kwargs = engine_args(shape, args, small=decode_only, **parallel)
     t0 = time.perf_counter()
     if kwargs.get("data_parallel_size", 1) > 1:
         with LLM(**kwargs) as llm:
@@ -301,11 +334,13 @@ def case_engine(name: str, args) -> dict:
     try:
         start_s = time.perf_counter() - t0
         profile = engine.config.tensor_parallel_size > 1
-        decode = bench_decode(engine, args, args.bandwidth, profile)
-        offline = bench_throughput(engine, args)
+        batches = (1,) if decode_only else (1, 8, 64)
+        decode = bench_decode(engine, args, args.bandwidth, profile, batches)
+        offline = None if decode_only else bench_throughput(engine, args)
         return dict(
             shape=shape,
             **parallel,
+            all_reduce="nccl" if name.endswith(NCCL_SUFFIX) else "auto",
             start_s=start_s,
             cuda_graphs=engine.runner.graphs is not None,
             async_scheduling=engine.async_scheduling,

@@ -5,6 +5,7 @@
 #   bash benchmarks/run_gpu.sh tune-linear tune-decode tune-moe   # tile sweeps
 #   bash benchmarks/run_gpu.sh tests quant                 # quantized GEMM / MoE, MLA decode
 #   bash benchmarks/run_gpu.sh multi_gpu multi_gpu_serve   # 2 or 4 GPUs (nvidia-h200-x2/-x4)
+#   bash benchmarks/run_gpu.sh allreduce                   # NCCL vs the peer all-reduce, 2 / 4 GPUs
 # GPU_TESTS=<paths> limits the tests phase to some test files; GPU_TESTS_EXITFIRST=0 runs them all
 # past a failure (no -x). RUN_BUDGET_S=<s>: the quant phase gets what is left of that many seconds
 # since the start (a device call's limit), 270 s without it.
@@ -72,6 +73,10 @@ for phase in "$@"; do
             "${MULTI_GPU_PYTEST[@]}" --junitxml="$OUT/multi-gpu-serve-$GPU_TAG.xml" \
             packages/atom-engine/tests/test_multi_gpu_serve.py 2>&1 \
             | tee "$OUT/multi-gpu-serve-$GPU_TAG.log" | tail -40 ;;
+    allreduce)
+        worlds=2; [ "$(nvidia-smi -L | wc -l)" -ge 4 ] && worlds="2 4"
+        timeout 300 python3 benchmarks/allreduce.py --world $worlds \
+            --out "$OUT/allreduce-$GPU_TAG.json" 2>&1 | tee "$OUT/allreduce-$GPU_TAG.log" | tail -40 ;;
     kernels)
         timeout 240 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -40 ;;
     tune-linear)

@@ -74,6 +74,29 @@ def qwen3_30b_a3b():
     )
 
 
+def qwen3_235b_a22b_fp8():
+    """Qwen3-235B-A22B-FP8: all 94 layers, block-FP8 weights (about 59 GB a GPU at TP=4)."""
+    config = qwen3_30b_a3b()
+    config.update(
+        dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            moe_intermediate_size=1536,
+            num_hidden_layers=94,
+            num_attention_heads=64,
+            num_key_value_heads=4,
+        )
+    )
+    config.layer_types = ["full_attention"] * 94
+    config.quantization_config = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "weight_block_size": [128, 128],
+    }
+    return config
+
+
 def deepseek_v3_4l():
     """DeepSeek-V3 at its real widths and block-FP8 weights, cut to 4 layers: one dense layer
     (the checkpoint has 3) and 3 MoE layers (it has 58), so MoE keeps most of the weights."""
@@ -120,6 +143,7 @@ SHAPES = {
     "qwen3-0.6b": qwen3_0_6b,
     "qwen3-30b-a3b": qwen3_30b_a3b,
     "deepseek-v3-4l": deepseek_v3_4l,
+    "qwen3-235b-a22b-fp8": qwen3_235b_a22b_fp8,
 }
 
 
@@ -152,6 +176,20 @@ SMOKE_SHAPES = {
         num_attention_heads=4,
         num_key_value_heads=4,
         vocab_size=2048,
+    ),
+    "qwen3-235b-a22b-fp8": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=2048,
+        bos_token_id=1,
+        eos_token_id=2,
     ),
     "qwen3-30b-a3b": dict(
         hidden_size=256,

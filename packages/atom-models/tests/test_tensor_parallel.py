@@ -143,6 +143,21 @@ def test_tp2_matches_tp1(config, make_checkpoint, paged_session, tmp_path):
     run_tp2_and_compare(path, paged_session, tmp_path)
 
 
+def test_tp2_all_reduce_fused_with_norm_matches_tp1(make_checkpoint, paged_session, tmp_path):
+    """o_proj's all-reduce deferred to the post-attention norm (the engine's GPU path, issue 36):
+    GPT-OSS for o_proj's bias (added by rank 0 before the sum), sinks and MoE."""
+    config = GptOssConfig(
+        **MOE_BASE,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        attention_bias=True,
+    )
+    path, _ = make_checkpoint(config)
+    run_tp2_and_compare(path, paged_session, tmp_path, fuse_norm=True)
+
+
 PADDED_BASE = dict(  # transformers wants the hidden size a multiple of the heads
     vocab_size=211,
     hidden_size=144,
@@ -198,8 +213,11 @@ def test_tp2_padded_heads_match_tp1(config, make_checkpoint, paged_session, tmp_
     run_tp2_and_compare(path, paged_session, tmp_path)
 
 
-def run_tp2_and_compare(path, paged_session, tmp_path, atol: float = 1e-4) -> None:
-    """Logits of two gloo ranks (each checking its own shards) equal one process's."""
+def run_tp2_and_compare(
+    path, paged_session, tmp_path, atol: float = 1e-4, fuse_norm: bool = False
+) -> None:
+    """Logits of two gloo ranks (each checking its own shards) equal one process's; `fuse_norm`:
+    over a group that takes the post-attention all-reduce with the residual add and norm."""
     gen = torch.Generator().manual_seed(3)
     batch = [torch.randint(0, 211, (n,), generator=gen).tolist() for n in (9, 4, 15)]
     torch.save(batch, tmp_path / "prompts.pt")
@@ -224,6 +242,7 @@ def run_tp2_and_compare(path, paged_session, tmp_path, atol: float = 1e-4) -> No
                 str(tmp_path / "prompts.pt"),
                 "--out",
                 str(tmp_path / f"rank{rank}.pt"),
+                *(["--fuse-norm"] if fuse_norm else []),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

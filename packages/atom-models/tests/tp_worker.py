@@ -19,6 +19,20 @@ from atom_models.native_mla import NativeMLAAttention, set_mla_mode
 from atom_models.weights import iter_safetensors
 
 
+class FusingTPGroup(TPGroup):
+    """A group that takes the decoder layers' post-attention all-reduce with the residual add
+    and norm (as the engine's peer all-reduce does on GPUs), here as all-reduce then the op."""
+
+    fuses_all_reduce_norm = True
+    fused_calls = 0
+
+    def all_reduce_add_rms_norm(self, x, residual, weight, eps):
+        import atom_kernels
+
+        self.fused_calls += 1
+        return atom_kernels.fused_add_rms_norm(self.all_reduce(x), residual, weight, eps)
+
+
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (float8 tensors have no torch.equal on CPU)."""
     if a.dtype.itemsize == 1:
@@ -34,6 +48,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--prompts", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--fuse-norm", action="store_true", help="a FusingTPGroup")
     args = parser.parse_args()
     dist.init_process_group(
         "gloo",
@@ -42,8 +57,12 @@ def main() -> None:
         world_size=args.world_size,
     )
     # Heads that do not split over the ranks are padded with zero heads (as the engine's group).
-    tp = TPGroup(dist.group.WORLD, pad_attention_heads=True)
+    group_cls = FusingTPGroup if args.fuse_norm else TPGroup
+    tp = group_cls(dist.group.WORLD, pad_attention_heads=True)
     model = load_model(args.checkpoint, dtype=torch.float32, tp=tp)
+    layers = model.model.layers[: model.model.num_hidden_layers]
+    deferred = [not layer.self_attn.o_proj.reduce_results for layer in layers]
+    assert all(deferred) if args.fuse_norm else not any(deferred), deferred
     full = dict(iter_safetensors(args.checkpoint))
     attn = model.model.layers[0].self_attn
     if hasattr(attn, "qkv_proj"):
@@ -87,6 +106,8 @@ def main() -> None:
     positions = torch.tensor([p for t in batch for p in range(len(t))])
     with torch.no_grad(), set_forward_context(md):
         logits = model.compute_logits(model(ids, positions))
+    if args.fuse_norm:
+        assert tp.fused_calls == len(layers), (tp.fused_calls, len(layers))
     if getattr(model, "num_mtp_layers", 0):
         # The MTP drafter over this rank's shards, from the model's own hidden states.
         bind_kv_cache(model, next_block, block_size, torch.float32, "cpu")

@@ -11,6 +11,11 @@ A group ends with `close()`: `abort()`, which never waits for the other ranks (a
 communicator may: NCCL's finalize does, and its abort waits for every CUDA graph that captured it to
 be destroyed), in a daemon thread joined at most ABORT_TIMEOUT s, so a stuck communicator can
 never block an engine's shutdown. The model runner that owns the group closes it after its graphs.
+
+On GPUs that can access each other the group also maps a staging buffer of every rank into every
+other rank (`atom_kernels.collectives.PeerAllReduce`): all-reduces up to `peer_max_bytes` take its
+one-shot kernel, larger ones NCCL, and `all_reduce_add_rms_norm` fuses the decoder layers'
+post-attention residual add and RMSNorm into it. `ATOM_ALLREDUCE=nccl` keeps everything on NCCL.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ logger = logging.getLogger("atom_engine")
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 # How long a shutdown waits for a group's abort before it leaves it to its daemon thread.
 ABORT_TIMEOUT = 10.0
+# The largest all-reduce (bytes) the peer one-shot kernel takes, by group size; larger ones go to
+# NCCL. From benchmarks/allreduce.py on H100/H200 (results/multi-gpu/allreduce-*.json).
+PEER_MAX_BYTES = {2: 512 * 1024, 4: 256 * 1024, 8: 128 * 1024}
 
 
 def num_experts_of(hf_config) -> int:
@@ -150,6 +158,34 @@ class EngineTPGroup:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, size, COLLECTIVE_TIMEOUT)
         self.closed = False
         self._aborted = False
+        self.peer = self._peer_all_reduce(dist.PrefixStore("atom_peer_ar", store))
+
+    def _peer_all_reduce(self, store: dist.Store):
+        """The one-shot all-reduce over peer-mapped buffers, or None (NCCL for everything): on
+        the CPU, with one rank, `ATOM_ALLREDUCE=nccl`, or GPUs without peer access."""
+        choice = os.environ.get("ATOM_ALLREDUCE", "auto")
+        if choice not in ("auto", "nccl"):
+            raise ValueError(f"ATOM_ALLREDUCE={choice!r}: expected 'auto' or 'nccl'")
+        if self.device.type != "cuda" or self.size == 1 or choice == "nccl":
+            return None
+        from atom_kernels.collectives import PeerAllReduce
+
+        first = (self.device.index or 0) - self.rank
+        peers = range(first, first + self.size)
+        if not all(torch.cuda.can_device_access_peer(a, b) for a in peers for b in peers if a != b):
+            logger.info("GPUs %s lack peer access: all-reduces stay on NCCL", list(peers))
+            return None
+        max_bytes = int(
+            os.environ.get("ATOM_ALLREDUCE_PEER_MAX_BYTES", PEER_MAX_BYTES.get(self.size, 0))
+        )
+        if max_bytes <= 0:
+            return None
+
+        def all_gather(blob: bytes) -> list[bytes]:
+            store.set(str(self.rank), blob)
+            return [store.get(str(r)) for r in range(self.size)]
+
+        return PeerAllReduce.create(self.rank, self.size, self.device, max_bytes, all_gather)
 
     def close(self, timeout: float = ABORT_TIMEOUT) -> bool:
         """End the group without waiting for the other ranks (idempotent); later collectives
@@ -160,6 +196,8 @@ class EngineTPGroup:
             holder = [self.pg]
             self.pg = None
             self._aborted = abort_group(holder, timeout)
+            if self._aborted:  # no kernel uses the buffers now: free them and the peers' maps
+                self.peer = None
         return self._aborted
 
     def _group(self):
@@ -172,8 +210,29 @@ class EngineTPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
+            if self.peer is not None and self.peer.fits(x):
+                self._group()  # a closed group refuses, as NCCL's would
+                return self.peer.all_reduce(x)
             self._group().allreduce([x]).wait()
         return x
+
+    @property
+    def fuses_all_reduce_norm(self) -> bool:
+        """Whether decoder layers should hand their post-attention all-reduce to
+        `all_reduce_add_rms_norm` (only where the peer kernel fuses it)."""
+        return self.peer is not None
+
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`fused_add_rms_norm(all_reduce(x), residual, weight, eps)`: one kernel when the peer
+        all-reduce takes `x`."""
+        if self.peer is not None and self.peer.fits(x) and residual.is_contiguous():
+            self._group()
+            return self.peer.all_reduce_add_rms_norm(x, residual, weight, eps)
+        import atom_kernels
+
+        return atom_kernels.fused_add_rms_norm(self.all_reduce(x), residual, weight, eps)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.size == 1:

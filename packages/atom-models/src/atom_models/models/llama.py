@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import atom_kernels
+from atom_models.distributed import get_tp_group
 from atom_models.layers.activation import SiluAndMul
 from atom_models.layers.attention import Attention
 from atom_models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -146,6 +147,18 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = self.build_mlp(config, layer_idx, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # On a group that fuses them (the engine's peer all-reduce on GPUs), o_proj's all-reduce
+        # moves into the post-attention residual add + norm: one kernel for the three.
+        tp, o_proj = get_tp_group(), getattr(self.self_attn, "o_proj", None)
+        self.reduce_group = tp if getattr(tp, "fuses_all_reduce_norm", False) else None
+        if (
+            self.reduce_group is not None
+            and isinstance(o_proj, RowParallelLinear)
+            and o_proj.reduce_results
+        ):
+            o_proj.reduce_results = False
+        else:
+            self.reduce_group = None
 
     def build_mlp(self, config, layer_idx: int, prefix: str) -> nn.Module:
         """The layer's feed-forward block (MoE models choose dense or sparse per layer)."""
@@ -169,6 +182,12 @@ class LlamaDecoderLayer(nn.Module):
             else:
                 hidden_states, residual = self.input_layernorm(hidden_states, residual)
             hidden_states = attn(positions, hidden_states)
+        if self.reduce_group is not None:  # hidden_states: this rank's part of o_proj's sum
+            norm = self.post_attention_layernorm
+            hidden_states, residual = self.reduce_group.all_reduce_add_rms_norm(
+                hidden_states, residual, norm.weight, norm.eps
+            )
+            return self.mlp(hidden_states), residual
         if isinstance(self.mlp, LlamaMLP):
             return self.mlp.forward_after_norm(
                 hidden_states, residual, self.post_attention_layernorm

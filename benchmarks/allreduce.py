@@ -1,0 +1,154 @@
+"""The tensor-parallel all-reduce on 2 / 4 GPUs: NCCL against the peer one-shot kernel, alone and
+with the residual add + RMSNorm after it (issue 36).
+
+    python benchmarks/allreduce.py --world 2 4 --out $OUT/allreduce-4xh200.json
+    python benchmarks/allreduce.py --world 2 --smoke --out /tmp/ar.json   # 2 GPUs, few sizes
+
+One process per GPU over the engine's own `EngineTPGroup` (its NCCL communicator and its
+`PeerAllReduce`, here allowed every size: ATOM_ALLREDUCE_PEER_MAX_BYTES). For each [tokens, 4096]
+bf16 message (8 KB at one token: Llama-3-8B's and Qwen3-235B's hidden size) it times, inside a CUDA
+graph of 20 back-to-back calls as the decode graphs run them, replayed:
+- `nccl`: NCCL's all-reduce; `peer`: the one-shot kernel;
+- `nccl+norm`: NCCL then the Triton `fused_add_rms_norm` (today's decoder layer); `peer+norm`:
+  `all_reduce_add_rms_norm`, one kernel.
+The four alternate round after round (median of the rounds); rank 0's times are reported.
+`crossover_bytes`: the largest size up to which `peer` beats `nccl` at every size, what
+`PEER_MAX_BYTES` in atom_engine/parallel.py is set from. The first line of the JSON names the
+devices, torch and NCCL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+HIDDEN = 4096
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+CALLS = 20  # per graph
+
+
+def _graph(fn) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up (the Triton compile) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    return graph
+
+
+def _time_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * CALLS)
+
+
+def rank_main(rank: int, world: int, port: int, smoke: bool, out: str) -> None:
+    import atom_kernels
+    from atom_engine.parallel import EngineTPGroup, make_store
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    tp = EngineTPGroup(make_store(rank, world, port), rank, world, device)
+    rounds, replays = (2, 5) if smoke else (7, 50)
+    rows = []
+    for tokens in TOKENS[:4] if smoke else TOKENS:
+        x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device=device)
+        residual = torch.randn_like(x)
+        weight = torch.rand(HIDDEN, dtype=torch.bfloat16, device=device) + 0.5
+
+        def nccl(x=x):
+            tp.pg.allreduce([x]).wait()
+
+        def nccl_norm(x=x, residual=residual, weight=weight):
+            tp.pg.allreduce([x]).wait()
+            atom_kernels.fused_add_rms_norm(x, residual, weight, 1e-6)
+
+        impls = {"nccl": nccl, "nccl+norm": nccl_norm}
+        if tp.peer is not None and tp.peer.fits(x):
+
+            def peer(x=x):
+                tp.peer.all_reduce(x)
+
+            def peer_norm(x=x, residual=residual, weight=weight):
+                tp.peer.all_reduce_add_rms_norm(x, residual, weight, 1e-6)
+
+            impls.update({"peer": peer, "peer+norm": peer_norm})
+        graphs = {name: _graph(fn) for name, fn in impls.items()}
+        times: dict[str, list[float]] = {name: [] for name in impls}
+        for _ in range(rounds):  # alternated: every implementation once a round
+            for name, graph in graphs.items():
+                times[name].append(_time_us(graph, replays))
+        row = dict(tokens=tokens, hidden=HIDDEN, bytes=x.nbytes)
+        row.update({f"{name}_us": statistics.median(t) for name, t in times.items()})
+        rows.append(row)
+        if rank == 0:
+            print(
+                f"  world {world} {x.nbytes:>9d} B: "
+                + ", ".join(f"{k[:-3]} {v:7.1f} us" for k, v in row.items() if k.endswith("_us")),
+                flush=True,
+            )
+        del graphs
+    crossover = 0
+    for row in rows:
+        if "peer_us" not in row or row["peer_us"] >= row["nccl_us"]:
+            break
+        crossover = row["bytes"]
+    if rank == 0:
+        result = dict(world=world, crossover_bytes=crossover, results=rows)
+        Path(out).write_text(json.dumps(result, indent=2))
+    torch.cuda.synchronize()
+    tp.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, nargs="+", default=[2])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--smoke", action="store_true", help="four sizes, few rounds")
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from atom_engine.testing import free_port
+
+    # Every size on the peer path, to find where it stops paying.
+    os.environ["ATOM_ALLREDUCE_PEER_MAX_BYTES"] = str(2 * TOKENS[-1] * HIDDEN * 2)
+    record = dict(
+        date=time.strftime("%Y-%m-%d"),
+        devices=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        torch=torch.__version__,
+        nccl=".".join(map(str, torch.cuda.nccl.version())),
+        calls_per_graph=CALLS,
+        worlds=[],
+    )
+    for world in args.world:
+        if world > torch.cuda.device_count():
+            record["worlds"].append(dict(world=world, skipped="not enough GPUs"))
+            continue
+        part = f"{args.out}.world{world}"
+        mp.spawn(rank_main, args=(world, free_port(), args.smoke, part), nprocs=world, join=True)
+        record["worlds"].append(json.loads(Path(part).read_text()))
+        Path(part).unlink()
+        Path(args.out).write_text(json.dumps(record, indent=2))
+    for result in record["worlds"]:
+        if "crossover_bytes" in result:
+            print(f"world {result['world']}: peer beats NCCL up to {result['crossover_bytes']} B")
+
+
+if __name__ == "__main__":
+    main()

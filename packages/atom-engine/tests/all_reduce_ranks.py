@@ -1,0 +1,117 @@
+"""The ranks of test_multi_gpu_all_reduce.py: `python all_reduce_ranks.py <world>` spawns one
+process per GPU; each builds the engine's `EngineTPGroup` (NCCL + the peer one-shot all-reduce)
+and checks, for every message the engine sends (tokens x hidden of the decode graphs and prefill
+chunks, bf16 and fp32):
+
+- `all_reduce` against NCCL's all-reduce of the same tensor;
+- `all_reduce_add_rms_norm` against NCCL's all-reduce + the reference `fused_add_rms_norm`
+  (bf16 within its rounding, fp32 within 1e-5), eagerly and replayed from a CUDA graph (twice,
+  new inputs copied in: the two halves of the staging buffer);
+- every rank gets the same bits (all-gathered over NCCL).
+
+Exits non-zero (a rank's exception) on the first mismatch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+TOKENS = (1, 3, 8, 64, 256, 512, 2048)
+HIDDEN = (512, 4096, 7168)
+EPS = 1e-6
+
+
+def _inputs(rank: int, tokens: int, hidden: int, dtype, device, seed: int):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = (torch.randn(tokens, hidden, generator=g) * 2).to(dtype).to(device)
+    g = torch.Generator().manual_seed(seed)  # the same residual and weight on every rank
+    residual = torch.randn(tokens, hidden, generator=g).to(dtype).to(device)
+    weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype).to(device)
+    return x, residual, weight
+
+
+def _check_close(got, want, dtype, what: str) -> None:
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+    if not torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol):
+        diff = (got.float() - want.float()).abs().max().item()
+        raise AssertionError(f"{what}: max |diff| {diff:.3g} over atol {atol} / rtol {rtol}")
+
+
+def _same_on_every_rank(tp, t: torch.Tensor, what: str) -> None:
+    parts = [torch.empty_like(t) for _ in range(tp.size)]
+    tp._group().allgather([parts], [t.contiguous()]).wait()
+    for r, part in enumerate(parts):
+        if not torch.equal(part, parts[0]):
+            raise AssertionError(f"{what}: rank {r}'s result differs from rank 0's")
+
+
+def rank_main(rank: int, world: int, port: int) -> None:
+    from atom_engine.parallel import EngineTPGroup, make_store
+    from atom_kernels.backends.torch.norm import fused_add_rms_norm
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    tp = EngineTPGroup(make_store(rank, world, port), rank, world, device)
+    assert tp.peer is not None, "no peer all-reduce on GPUs that should have it"
+    checked = 0
+    for dtype in (torch.bfloat16, torch.float32):
+        for hidden in HIDDEN:
+            for tokens in TOKENS:
+                seed = tokens * 7 + hidden
+                x, residual, weight = _inputs(rank, tokens, hidden, dtype, device, seed)
+                what = f"world {world} {dtype} [{tokens}, {hidden}] ({x.nbytes} B)"
+                reduced = x.clone()
+                tp._group().allreduce([reduced]).wait()  # NCCL
+                want, want_residual = fused_add_rms_norm(reduced, residual, weight, EPS)
+
+                got = tp.all_reduce(x.clone())
+                _check_close(got, reduced, dtype, f"{what} all_reduce")
+                _same_on_every_rank(tp, got, f"{what} all_reduce")
+                out, new_residual = tp.all_reduce_add_rms_norm(x.clone(), residual, weight, EPS)
+                _check_close(new_residual, want_residual, dtype, f"{what} residual")
+                _check_close(out, want, dtype, f"{what} normed")
+                _same_on_every_rank(tp, out, f"{what} normed")
+
+                # In a CUDA graph, as the engine's decode graphs run it (3 per graph).
+                static_x = x.clone()
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    tp.all_reduce_add_rms_norm(static_x.clone(), residual, weight, EPS)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    outs = [
+                        tp.all_reduce_add_rms_norm(static_x.clone(), residual, weight, EPS)
+                        for _ in range(3)
+                    ]
+                for replay in range(2):
+                    fresh, _, _ = _inputs(rank, tokens, hidden, dtype, device, seed + replay + 1)
+                    static_x.copy_(fresh)
+                    graph.replay()
+                    reduced = fresh.clone()
+                    tp._group().allreduce([reduced]).wait()
+                    want, want_residual = fused_add_rms_norm(reduced, residual, weight, EPS)
+                    for out, new_residual in outs:
+                        _check_close(out, want, dtype, f"{what} graph replay {replay}")
+                        _check_close(new_residual, want_residual, dtype, f"{what} graph residual")
+                torch.cuda.synchronize()
+                del graph
+                checked += 1
+    if rank == 0:
+        print(f"world {world}: {checked} message shapes checked, peer max {tp.peer.max_bytes} B")
+    tp.close()
+
+
+def main() -> None:
+    from atom_engine.testing import free_port
+
+    world = int(sys.argv[1])
+    mp.spawn(rank_main, args=(world, free_port()), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()
