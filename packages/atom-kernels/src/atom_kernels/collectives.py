@@ -34,6 +34,19 @@ def reference_all_reduce_add_rms_norm(
     return fused_add_rms_norm(total, residual, weight, eps)
 
 
+def _open_peer(args: tuple, device: torch.device) -> torch.Tensor:
+    """A peer's tensor from its `reduce_tensor` arguments, mapped in *this* rank's device context
+    (as vLLM's custom all-reduce opens its handles): torch would open it under the owner's device,
+    which enables no peer access from ours (an illegal address in the kernel) and creates a
+    context on the owner's GPU. The tensor claims this device; only its address is used."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    args = list(args)
+    args[6] = device.index  # storage_device
+    args[14] = False  # event_sync_required: shared after a synchronize, nothing to wait for
+    return rebuild_cuda_tensor(*args)
+
+
 class PeerAllReduce:
     """One-shot all-reduce among the `world` ranks of one host whose GPUs can access each other.
 
@@ -82,10 +95,9 @@ class PeerAllReduce:
                 buffers.append(buffer)
                 flag_arrays.append(flags)
                 continue
-            (b_args, f_args) = pickle.loads(blob)
-            rebuild = reduce_tensor(buffer)[0]
-            buffers.append(rebuild(*b_args))
-            flag_arrays.append(rebuild(*f_args))
+            b_args, f_args = pickle.loads(blob)
+            buffers.append(_open_peer(b_args, device))
+            flag_arrays.append(_open_peer(f_args, device))
         return cls(rank, world, buffers, flag_arrays, max_bytes)
 
     def fits(self, x: torch.Tensor) -> bool:
