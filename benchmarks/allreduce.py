@@ -60,8 +60,12 @@ def _time_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
 
 
 def rank_main(rank: int, world: int, port: int, smoke: bool, out: str) -> None:
+    import faulthandler
+
     import atom_kernels
     from atom_engine.parallel import EngineTPGroup, make_store
+
+    faulthandler.dump_traceback_later(150, exit=True)  # a rank stuck in a collective: its stack
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
@@ -141,9 +145,12 @@ def main() -> None:
             record["worlds"].append(dict(world=world, skipped="not enough GPUs"))
             continue
         part = f"{args.out}.world{world}"
-        mp.spawn(rank_main, args=(world, free_port(), args.smoke, part), nprocs=world, join=True)
-        record["worlds"].append(json.loads(Path(part).read_text()))
-        Path(part).unlink()
+        try:
+            mp.spawn(rank_main, args=(world, free_port(), args.smoke, part), nprocs=world)
+            record["worlds"].append(json.loads(Path(part).read_text()))
+            Path(part).unlink()
+        except Exception as e:  # the other worlds still run
+            record["worlds"].append(dict(world=world, error=f"{type(e).__name__}: {e}"[:2000]))
         Path(args.out).write_text(json.dumps(record, indent=2))
     for result in record["worlds"]:
         if "crossover_bytes" in result:

@@ -13,7 +13,7 @@ import torch
 
 from atom_kernels.backends.torch import norm as reference
 from atom_kernels.collectives import (
-    MAX_ROWS,
+    MAX_PROGRAMS,
     PeerAllReduce,
     reference_all_reduce_add_rms_norm,
 )
@@ -24,7 +24,9 @@ PASSED = 2**30  # a flag value every wait accepts
 
 def _world(world: int, max_bytes: int, device) -> list[PeerAllReduce]:
     buffers = [torch.zeros(2 * max_bytes // 4, device=device) for _ in range(world)]
-    flags = [torch.zeros(MAX_ROWS * world, dtype=torch.int32, device=device) for _ in range(world)]
+    flags = [
+        torch.zeros(MAX_PROGRAMS * world, dtype=torch.int32, device=device) for _ in range(world)
+    ]
     return [PeerAllReduce(r, world, buffers, flags, max_bytes) for r in range(world)]
 
 
@@ -45,7 +47,8 @@ def _parts(world, rows, cols, dtype, device, seed):
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "cols"), [(1, 64), (3, 100)])
+# 4 programs on the CPU: 9 rows loop (rows 0, 4, 8 in program 0).
+@pytest.mark.parametrize(("rows", "cols"), [(1, 64), (3, 100), (9, 32)])
 def test_all_reduce_add_rms_norm(triton_backend, world, dtype, rows, cols):
     device = triton_backend.device
     ranks = _world(world, 1 << 16, device)
@@ -67,11 +70,13 @@ def test_all_reduce_add_rms_norm(triton_backend, world, dtype, rows, cols):
             assert_equal(new_residual, expected_residual, name="residual")
             assert_close(out, expected, atol=atol, rtol=rtol, name="normed")
             assert_equal(out, results[0][0], name="the same bits on every rank")
-        for group in ranks:  # each rank raised its flag, at this count, at every rank's row
+        programs = min(rows, ranks[0].max_programs)
+        for group in ranks:  # each rank's programs raised their flags, at this count, everywhere
             for peer in ranks:
-                raised = peer.flags[peer.rank].view(MAX_ROWS, world)[:rows, group.rank]
+                raised = peer.flags[peer.rank].view(MAX_PROGRAMS, world)[:programs, group.rank]
                 assert (raised == count).all()
-            assert (group.counters[:rows] == count).all() and not group.counters[rows:].any()
+            counters = group.counters
+            assert (counters[:programs] == count).all() and not counters[programs:].any()
 
 
 @pytest.mark.parametrize("world", [2, 8])

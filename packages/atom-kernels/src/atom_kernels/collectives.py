@@ -19,8 +19,10 @@ import torch
 
 from atom_kernels.backends.torch.norm import fused_add_rms_norm
 
-# The most rows one call reduces (one program per row, one flag per row and rank).
-MAX_ROWS = 1024
+# The most programs of one call (one flag per program and rank); a call runs at most one per SM.
+MAX_PROGRAMS = 1024
+# Rows one call takes (each program loops over its rows).
+MAX_ROWS = 1 << 16
 # Widest row (elements): one program holds a row in registers.
 MAX_COLS = 16384
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -69,7 +71,14 @@ class PeerAllReduce:
         self.half = buffers[rank].numel() // 2  # elements of one half, in the buffer's dtype
         self.buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], device=device)
         self.flag_ptrs = torch.tensor([f.data_ptr() for f in flags], device=device)
-        self.counters = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=device)
+        # Programs a call runs: all must be resident at once (a spinning program must never keep
+        # a peer's from starting), so at most one per SM.
+        self.max_programs = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else 4  # the interpreter (tests): few, to loop over rows
+        )
 
     @classmethod
     def create(
@@ -86,7 +95,7 @@ class PeerAllReduce:
 
         # Two halves of `max_bytes`, as fp32 elements (a view per dtype at launch).
         buffer = torch.zeros(2 * max_bytes // 4, dtype=torch.float32, device=device)
-        flags = torch.zeros(MAX_ROWS * world, dtype=torch.int32, device=device)
+        flags = torch.zeros(MAX_PROGRAMS * world, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)
         mine = pickle.dumps([reduce_tensor(buffer)[1], reduce_tensor(flags)[1]])
         buffers, flag_arrays = [], []
@@ -125,6 +134,7 @@ class PeerAllReduce:
             half,
             self.rank,
             self.world,
+            min(self.max_programs, MAX_PROGRAMS),
         )
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

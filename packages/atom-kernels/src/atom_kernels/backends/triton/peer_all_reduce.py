@@ -6,12 +6,14 @@ Each rank's staging buffer (and flag array) is mapped into every other rank's ad
     copy my row into my buffer  ->  raise my flag at every rank  ->  wait for every rank's flag
     ->  sum the W rows in rank order (every rank gets the same bits)  ->  [+ residual, RMSNorm]
 
-One program per row; no multicast. The buffer alternates between two halves by the program's
-own call count, and the count is the flag value, so no second barrier is needed: a rank writes
-a half again only after passing the barrier of the call in between, which every peer reaches
-only when done reading that half (programs of one call finish before the next call's start: the
-launch is never early, i.e. not PDL). Flags grow monotonically and are compared by wrapping
-difference, so a peer already one call ahead (flag = count + 1) passes the wait too.
+At most one program per SM, each over rows p, p + G, ...; no multicast. The buffer alternates
+between two halves by each program's own call count, and the count is the flag value, so no
+second barrier is needed: a rank writes a half again only after passing the barrier of the call
+in between, which every peer reaches only when done reading that half (programs of one call
+finish before the next call's start: the launch is never early, i.e. not PDL). Row r is always
+program r % G's, so no program reads rows another one rewrites. Flags grow monotonically and are
+compared by wrapping difference, so a peer already one call ahead (flag = count + 1) passes the
+wait too.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ def _peer_all_reduce_kernel(
     out_ptr,
     stride_o,
     buffer_ptrs,  # int64 [W]: every rank's staging buffer (two halves of `half` elements)
-    flag_ptrs,  # int64 [W]: every rank's int32 flags [max_rows, W]
-    counter_ptr,  # int32 [max_rows]: this rank's call count per program
+    flag_ptrs,  # int64 [W]: every rank's int32 flags [programs, W]
+    counter_ptr,  # int32 [programs]: this rank's call count per program
+    num_rows,
     num_cols,
     half,
     rank,
@@ -44,47 +47,54 @@ def _peer_all_reduce_kernel(
     BLOCK_N: tl.constexpr,
     FUSE_NORM: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    # Program p takes rows p, p + G, ... (G programs, G <= the SMs: all resident at once, so a
+    # program spinning for its peers never keeps one of theirs from starting). Row r is always
+    # program r % G's (G = min(rows, SMs)), which keeps one program's state its own. Offsets fit
+    # int32: rows x columns <= 2**30 (collectives.MAX_ROWS, MAX_COLS).
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < num_cols
     dtype = x_ptr.dtype.element_ty
-    count = tl.load(counter_ptr + row) + 1
-    tl.store(counter_ptr + row, count)  # this program's own slot: no other reader
-    slot = (count & 1).to(tl.int64) * half + row.to(tl.int64) * num_cols
+    count = tl.load(counter_ptr + pid) + 1
+    tl.store(counter_ptr + pid, count)  # this program's own slot: no other reader
+    base = (count & 1).to(tl.int64) * half
 
     own = tl.load(buffer_ptrs + rank).to(tl.pointer_type(dtype))
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask)
-    tl.store(own + slot + cols, x, mask=mask)
+    for row in range(pid, num_rows, grid):
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask)
+        tl.store(own + base + row * num_cols + cols, x, mask=mask)
     tl.debug_barrier()  # every thread's store happens before the flag is raised
     for r in tl.static_range(WORLD):
         flags = tl.load(flag_ptrs + r).to(tl.pointer_type(tl.int32))
-        tl.atomic_xchg(flags + row * WORLD + rank, count, sem="release", scope="sys")
+        tl.atomic_xchg(flags + pid * WORLD + rank, count, sem="release", scope="sys")
     own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
     for r in tl.static_range(WORLD):
-        seen = tl.atomic_add(own_flags + row * WORLD + r, 0, sem="acquire", scope="sys")
+        seen = tl.atomic_add(own_flags + pid * WORLD + r, 0, sem="acquire", scope="sys")
         while seen - count < 0:
-            seen = tl.atomic_add(own_flags + row * WORLD + r, 0, sem="acquire", scope="sys")
+            seen = tl.atomic_add(own_flags + pid * WORLD + r, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
 
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for r in tl.static_range(WORLD):
-        buf = tl.load(buffer_ptrs + r).to(tl.pointer_type(dtype))
-        acc += tl.load(buf + slot + cols, mask=mask, other=0.0, volatile=True).to(tl.float32)
-    # The sum rounds to the input dtype, as NCCL's all-reduce result does.
-    total = acc.to(dtype)
-    if FUSE_NORM:
-        r_row = residual_ptr + row.to(tl.int64) * stride_r + cols
-        res = tl.load(r_row, mask=mask, other=0.0).to(tl.float32)
-        # As `fused_add_rms_norm`: the sum rounds before the norm; HF's rounding after it.
-        h = (total.to(tl.float32) + res).to(dtype)
-        tl.store(residual_out_ptr + row.to(tl.int64) * num_cols + cols, h, mask=mask)
-        hf = h.to(tl.float32)
-        variance = tl.sum(hf * hf, axis=0) / num_cols
-        normed = (hf * tl.math.rsqrt(variance + eps)).to(dtype).to(tl.float32)
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, w * normed, mask=mask)
-    else:
-        tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, total, mask=mask)
+    for row in range(pid, num_rows, grid):
+        slot = base + row * num_cols
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            buf = tl.load(buffer_ptrs + r).to(tl.pointer_type(dtype))
+            acc += tl.load(buf + slot + cols, mask=mask, other=0.0, volatile=True).to(tl.float32)
+        # The sum rounds to the input dtype, as NCCL's all-reduce result does.
+        total = acc.to(dtype)
+        if FUSE_NORM:
+            res = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            # As `fused_add_rms_norm`: the sum rounds before the norm; HF's rounding after it.
+            h = (total.to(tl.float32) + res.to(tl.float32)).to(dtype)
+            tl.store(residual_out_ptr + row * num_cols + cols, h, mask=mask)
+            hf = h.to(tl.float32)
+            variance = tl.sum(hf * hf, axis=0) / num_cols
+            normed = (hf * tl.math.rsqrt(variance + eps)).to(dtype).to(tl.float32)
+            w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + row * stride_o + cols, w * normed, mask=mask)
+        else:
+            tl.store(out_ptr + row * stride_o + cols, total, mask=mask)
 
 
 def launch(
@@ -100,6 +110,7 @@ def launch(
     half: int,
     rank: int,
     world: int,
+    max_programs: int,
 ) -> None:
     """Rows of `x` [T, N] summed over the ranks into `out`, or, given `residual` and `weight`:
     `residual_out = residual + sum` (contiguous) and `out = rms_norm(residual_out)`. Every rank
@@ -107,7 +118,7 @@ def launch(
     rows, cols = x.shape
     block = next_pow2(cols)
     fuse = residual is not None
-    _peer_all_reduce_kernel[(rows,)](
+    _peer_all_reduce_kernel[(min(rows, max_programs),)](
         x,
         x.stride(0),
         residual if fuse else x,
@@ -119,6 +130,7 @@ def launch(
         buffer_ptrs,
         flag_ptrs,
         counters,
+        rows,
         cols,
         half,
         rank,
