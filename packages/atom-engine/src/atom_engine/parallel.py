@@ -152,6 +152,11 @@ class EngineTPGroup:
         self.enable_expert_parallel = enable_expert_parallel
         prefixed = dist.PrefixStore("atom_tp", store)
         if device.type == "cuda":
+            if size > 1 and os.environ.get("ATOM_ALLREDUCE", "auto") != "nccl":
+                # NCCL sets up a connection when a collective first needs it, which can wait on
+                # the device while a peer all-reduce kernel there waits for a peer still in that
+                # set-up: connect everything when the communicator starts instead.
+                os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
             options = dist.ProcessGroupNCCL.Options()
             self.pg = dist.ProcessGroupNCCL(prefixed, rank, size, options)
         else:

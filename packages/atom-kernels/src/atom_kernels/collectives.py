@@ -138,9 +138,10 @@ class PeerAllReduce:
         )
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place (the caller checked `fits`)."""
-        self._launch(x, x, None, None, None, 0.0)
-        return x
+        """Sum of `x` over the ranks, a new tensor (the caller checked `fits`)."""
+        out = torch.empty_like(x)
+        self._launch(x, out, None, None, None, 0.0)
+        return out
 
     def all_reduce_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float

@@ -22,7 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_kernels.backends.triton.common import next_pow2, row_num_warps
+from atom_kernels.backends.triton.common import is_interpreted, next_pow2, row_num_warps
+
+# Polls of a peer's flag before the kernel traps (an error on the device, the process fails and
+# its engine with it) instead of waiting forever: about 30 s, far past any step.
+SPIN_LIMIT = 1 << 26
 
 
 @triton.jit
@@ -46,6 +50,8 @@ def _peer_all_reduce_kernel(
     WORLD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FUSE_NORM: tl.constexpr,
+    TRAP: tl.constexpr,
+    SPIN_LIMIT: tl.constexpr,
 ):
     # Program p takes rows p, p + G, ... (G programs, G <= the SMs: all resident at once, so a
     # program spinning for its peers never keeps one of theirs from starting). Row r is always
@@ -71,8 +77,15 @@ def _peer_all_reduce_kernel(
     own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
     for r in tl.static_range(WORLD):
         seen = tl.atomic_add(own_flags + pid * WORLD + r, 0, sem="acquire", scope="sys")
+        polls = 0
         while seen - count < 0:
             seen = tl.atomic_add(own_flags + pid * WORLD + r, 0, sem="acquire", scope="sys")
+            polls += 1
+            if TRAP:  # a peer that never comes (dead, or stuck): fail the kernel, never hang
+                if polls > SPIN_LIMIT:
+                    tl.inline_asm_elementwise(
+                        "trap;", "=r,r", [seen], dtype=tl.int32, is_pure=False, pack=1
+                    )
     tl.debug_barrier()
 
     for row in range(pid, num_rows, grid):
@@ -138,5 +151,7 @@ def launch(
         WORLD=world,
         BLOCK_N=block,
         FUSE_NORM=fuse,
+        TRAP=not is_interpreted(x.device),
+        SPIN_LIMIT=SPIN_LIMIT,
         num_warps=row_num_warps(block),
     )
