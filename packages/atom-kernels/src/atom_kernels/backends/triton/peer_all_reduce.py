@@ -76,16 +76,19 @@ def _peer_all_reduce_kernel(
         tl.atomic_xchg(flags + pid * WORLD + rank, count, sem="release", scope="sys")
     own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
     for r in tl.static_range(WORLD):
-        seen = tl.atomic_add(own_flags + pid * WORLD + r, 0, sem="acquire", scope="sys")
+        # Polled with plain (volatile) loads: read-modify-write polling of the flag the peer is
+        # writing over NVLink delayed its write (31 us a call at TP=2); one acquire once it is up.
+        seen = tl.load(own_flags + pid * WORLD + r, volatile=True)
         polls = 0
         while seen - count < 0:
-            seen = tl.atomic_add(own_flags + pid * WORLD + r, 0, sem="acquire", scope="sys")
+            seen = tl.load(own_flags + pid * WORLD + r, volatile=True)
             polls += 1
             if TRAP:  # a peer that never comes (dead, or stuck): fail the kernel, never hang
                 if polls > SPIN_LIMIT:
                     tl.inline_asm_elementwise(
                         "trap;", "=r,r", [seen], dtype=tl.int32, is_pure=False, pack=1
                     )
+        tl.atomic_add(own_flags + pid * WORLD + r, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
 
     for row in range(pid, num_rows, grid):
