@@ -12,8 +12,9 @@ graph of 20 back-to-back calls as the decode graphs run them, replayed:
 - `nccl+norm`: NCCL then the Triton `fused_add_rms_norm` (today's decoder layer); `peer+norm`:
   `all_reduce_add_rms_norm`, one kernel.
 The four alternate round after round (median of the rounds); rank 0's times are reported.
-`crossover_bytes`: the largest size up to which `peer` beats `nccl` at every size, what
-`PEER_MAX_BYTES` in atom_engine/parallel.py is set from. The first line of the JSON names the
+`crossover_bytes` / `fused_crossover_bytes`: the largest size up to which `peer` beats `nccl`
+(`peer+norm` beats `nccl+norm`) at every size, what `PEER_MAX_BYTES` in atom_engine/parallel.py is
+set from. The first line of the JSON names the
 devices, torch and NCCL.
 """
 
@@ -109,13 +110,22 @@ def rank_main(rank: int, world: int, port: int, smoke: bool, out: str) -> None:
                 flush=True,
             )
         del graphs
-    crossover = 0
-    for row in rows:
-        if "peer_us" not in row or row["peer_us"] >= row["nccl_us"]:
-            break
-        crossover = row["bytes"]
+
+    def crossover(peer: str, nccl: str) -> int:
+        largest = 0
+        for row in rows:
+            if peer not in row or row[peer] >= row[nccl]:
+                break
+            largest = row["bytes"]
+        return largest
+
     if rank == 0:
-        result = dict(world=world, crossover_bytes=crossover, results=rows)
+        result = dict(
+            world=world,
+            crossover_bytes=crossover("peer_us", "nccl_us"),
+            fused_crossover_bytes=crossover("peer+norm_us", "nccl+norm_us"),
+            results=rows,
+        )
         Path(out).write_text(json.dumps(result, indent=2))
     torch.cuda.synchronize()
     tp.close()
@@ -131,6 +141,7 @@ def main() -> None:
     from atom_engine.testing import free_port
 
     # Every size on the peer path, to find where it stops paying.
+    os.environ["ATOM_ALLREDUCE"] = "peer"
     os.environ["ATOM_ALLREDUCE_PEER_MAX_BYTES"] = str(2 * TOKENS[-1] * HIDDEN * 2)
     record = dict(
         date=time.strftime("%Y-%m-%d"),
@@ -154,7 +165,10 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(record, indent=2))
     for result in record["worlds"]:
         if "crossover_bytes" in result:
-            print(f"world {result['world']}: peer beats NCCL up to {result['crossover_bytes']} B")
+            print(
+                f"world {result['world']}: peer beats NCCL up to {result['crossover_bytes']} B, "
+                f"fused with the norm up to {result['fused_crossover_bytes']} B"
+            )
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def summary(record: dict) -> list[str]:
         )
     tp1 = record["cases"].get("llama3-8b-tp1", {})
     for n, target in ((2, 0.62), (4, 0.45)):
-        for suffix in ("", "-nccl"):
+        for suffix in ("", "-peer"):
             tpn = record["cases"].get(f"llama3-8b-tp{n}{suffix}", {})
             if tp1.get("decode") and tpn.get("decode"):
                 ratio = tpn["decode"][0]["step_ms"] / tp1["decode"][0]["step_ms"]

@@ -42,13 +42,13 @@ ENGINE_CASES = {
 }
 # Cases that time batch-1 decode alone, on a small engine.
 DECODE_ONLY = {"qwen3-235b-a22b-fp8-tp4-ep"}
-# A case name + NCCL_SUFFIX runs the case with every all-reduce on NCCL (ATOM_ALLREDUCE=nccl):
-# the peer all-reduce's baseline, alternated with it in the same run (issue 36).
-NCCL_SUFFIX = "-nccl"
+# A case name + PEER_SUFFIX runs the case with the peer all-reduce (ATOM_ALLREDUCE=peer) for
+# small messages, the others on NCCL (the default): run both in one call to compare (issue 36).
+PEER_SUFFIX = "-peer"
 for _name in [n for n, (_, p) in ENGINE_CASES.items() if p.get("tensor_parallel_size", 1) > 1]:
-    ENGINE_CASES[_name + NCCL_SUFFIX] = ENGINE_CASES[_name]
+    ENGINE_CASES[_name + PEER_SUFFIX] = ENGINE_CASES[_name]
     if _name in DECODE_ONLY:
-        DECODE_ONLY.add(_name + NCCL_SUFFIX)
+        DECODE_ONLY.add(_name + PEER_SUFFIX)
 
 
 def shape_dir(name: str, smoke: bool) -> str:
@@ -320,8 +320,8 @@ def case_engine(name: str, args) -> dict:
     from atom_engine import LLM, EngineConfig, LLMEngine
 
     shape, parallel = ENGINE_CASES[name]
-    if name.endswith(NCCL_SUFFIX):  # read by each rank's EngineTPGroup (workers inherit it)
-        os.environ["ATOM_ALLREDUCE"] = "nccl"
+    if name.endswith(PEER_SUFFIX):  # read by each rank's EngineTPGroup (workers inherit it)
+        os.environ["ATOM_ALLREDUCE"] = "peer"
     decode_only = name in DECODE_ONLY
     kwargs = engine_args(shape, args, small=decode_only, **parallel)
     t0 = time.perf_counter()
@@ -340,7 +340,7 @@ def case_engine(name: str, args) -> dict:
         return dict(
             shape=shape,
             **parallel,
-            all_reduce="nccl" if name.endswith(NCCL_SUFFIX) else "auto",
+            all_reduce="peer" if name.endswith(PEER_SUFFIX) else "nccl",
             start_s=start_s,
             cuda_graphs=engine.runner.graphs is not None,
             async_scheduling=engine.async_scheduling,

@@ -92,8 +92,13 @@ def _check_fused(got, refs, dtype, what: str) -> None:
 
 
 def rank_main(rank: int, world: int, port: int) -> None:
+    import os
+
     from atom_engine.parallel import EngineTPGroup, make_store
 
+    os.environ["ATOM_ALLREDUCE"] = "peer"
+    # Every message here on the peer path (the engine's limits are per size: PEER_MAX_BYTES).
+    os.environ["ATOM_ALLREDUCE_PEER_MAX_BYTES"] = str(4 << 20)
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     tp = EngineTPGroup(make_store(rank, world, port), rank, world, device)
@@ -108,13 +113,13 @@ def rank_main(rank: int, world: int, port: int) -> None:
                 refs = _references(tp, x, residual, weight)
                 exact, nccl, _, _, slack = refs
                 got = tp.all_reduce(x.clone())
-                if tp.peer.fits(x):  # else it is NCCL's
+                if x.nbytes <= tp.peer_max_bytes and tp.peer.fits(x):  # else NCCL's
                     _check_equal(got, exact, f"{what} all_reduce")
                 if (got.float() - nccl.float()).abs().max().item() > slack:
                     raise AssertionError(f"{what} all_reduce beyond NCCL's rounding")
                 _same_on_every_rank(tp, got, f"{what} all_reduce")
                 fused = tp.all_reduce_add_rms_norm(x.clone(), residual, weight, EPS)
-                if tp.peer.fits(x):
+                if x.nbytes <= tp.peer_fused_max_bytes and tp.peer.fits(x):
                     _check_fused(fused, refs, dtype, what)
                 _same_on_every_rank(tp, fused[0], f"{what} normed")
 
@@ -137,7 +142,7 @@ def rank_main(rank: int, world: int, port: int) -> None:
                     graph.replay()
                     refs = _references(tp, fresh, residual, weight)
                     for fused in outs:
-                        if tp.peer.fits(x):
+                        if x.nbytes <= tp.peer_fused_max_bytes and tp.peer.fits(x):
                             _check_fused(fused, refs, dtype, f"{what} graph replay {replay}")
                         else:
                             _check_close(fused[0], refs[3][0], dtype, f"{what} graph (NCCL)")

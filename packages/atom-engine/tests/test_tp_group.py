@@ -1,6 +1,7 @@
 """The engine's tensor-parallel group on the CPU (gloo): two ranks in two threads of this process.
 
-The peer all-reduce is GPU-only (test_multi_gpu_all_reduce.py); on the CPU the group has none,
+The peer all-reduce (`ATOM_ALLREDUCE=peer`) is GPU-only (test_multi_gpu_all_reduce.py); on the
+CPU the group has none,
 decoder layers keep their unfused path, and `all_reduce_add_rms_norm` is gloo's all-reduce then
 `fused_add_rms_norm`.
 """
@@ -53,6 +54,12 @@ def test_cpu_group_has_no_peer_all_reduce_and_fuses_nothing():
         assert peer is None and not fuses
         torch.testing.assert_close(new_residual, want_residual)
         torch.testing.assert_close(out, want)
+
+
+def test_peer_switch_on_the_cpu_changes_nothing(monkeypatch):
+    monkeypatch.setenv("ATOM_ALLREDUCE", "peer")
+    (result,) = _run_ranks(lambda tp: (tp.peer, tp.fuses_all_reduce_norm), world=1)
+    assert result == (None, False)
 
 
 def test_allreduce_switch_is_checked(monkeypatch):

@@ -12,10 +12,13 @@ communicator may: NCCL's finalize does, and its abort waits for every CUDA graph
 be destroyed), in a daemon thread joined at most ABORT_TIMEOUT s, so a stuck communicator can
 never block an engine's shutdown. The model runner that owns the group closes it after its graphs.
 
-On GPUs that can access each other the group also maps a staging buffer of every rank into every
-other rank (`atom_kernels.collectives.PeerAllReduce`): all-reduces up to `peer_max_bytes` take its
-one-shot kernel, larger ones NCCL, and `all_reduce_add_rms_norm` fuses the decoder layers'
-post-attention residual add and RMSNorm into it. `ATOM_ALLREDUCE=nccl` keeps everything on NCCL.
+With `ATOM_ALLREDUCE=peer`, on GPUs that can access each other, the group also maps a staging
+buffer of every rank into every other rank (`atom_kernels.collectives.PeerAllReduce`): messages up
+to PEER_MAX_BYTES take its one-shot kernel, larger ones NCCL, and `all_reduce_add_rms_norm` fuses
+the decoder layers' post-attention residual add and RMSNorm into it. The default is NCCL for every
+message (`ATOM_ALLREDUCE=nccl`): in the engine the peer kernel has not beaten NCCL yet (its plain
+all-reduce runs 31 us a call at TP=2 against NCCL's 13), and an engine at TP=4 hung in it once
+(benchmarks/README.md, "Multi-GPU").
 """
 
 from __future__ import annotations
@@ -38,9 +41,12 @@ logger = logging.getLogger("atom_engine")
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 # How long a shutdown waits for a group's abort before it leaves it to its daemon thread.
 ABORT_TIMEOUT = 10.0
-# The largest all-reduce (bytes) the peer one-shot kernel takes, by group size; larger ones go to
-# NCCL. From benchmarks/allreduce.py on H100/H200 (results/multi-gpu/allreduce-*.json).
-PEER_MAX_BYTES = {2: 512 * 1024, 4: 256 * 1024, 8: 128 * 1024}
+# The largest message (bytes) the peer kernel takes, by group size: (plain all-reduce, fused with
+# the residual add + RMSNorm); larger ones go to NCCL. The sizes up to which it beat NCCL (+ the
+# Triton norm) at every size in benchmarks/allreduce.py on H200s (results/multi-gpu/
+# allreduce-*.json); 8 ranks were not measured: NCCL.
+PEER_MAX_BYTES = {2: (0, 256 * 1024), 4: (64 * 1024, 32 * 1024)}
+ALLREDUCE_CHOICES = ("nccl", "peer")
 
 
 def num_experts_of(hf_config) -> int:
@@ -117,6 +123,14 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
+def allreduce_choice() -> str:
+    """`ATOM_ALLREDUCE`: "nccl" (default) or "peer" (the one-shot kernel for small messages)."""
+    choice = os.environ.get("ATOM_ALLREDUCE", "nccl")
+    if choice not in ALLREDUCE_CHOICES:
+        raise ValueError(f"ATOM_ALLREDUCE={choice!r}: expected one of {ALLREDUCE_CHOICES}")
+    return choice
+
+
 def make_store(rank: int, size: int, port: int = 0) -> dist.TCPStore:
     """Rank 0 opens the store (on a free port when 0: read `store.port`); the others join it."""
     return dist.TCPStore(
@@ -152,7 +166,7 @@ class EngineTPGroup:
         self.enable_expert_parallel = enable_expert_parallel
         prefixed = dist.PrefixStore("atom_tp", store)
         if device.type == "cuda":
-            if size > 1 and os.environ.get("ATOM_ALLREDUCE", "auto") != "nccl":
+            if size > 1 and allreduce_choice() == "peer":
                 # NCCL sets up a connection when a collective first needs it, which can wait on
                 # the device while a peer all-reduce kernel there waits for a peer still in that
                 # set-up: connect everything when the communicator starts instead.
@@ -163,15 +177,14 @@ class EngineTPGroup:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, size, COLLECTIVE_TIMEOUT)
         self.closed = False
         self._aborted = False
+        # The largest messages the peer path takes: plain all-reduce, fused with the norm.
+        self.peer_max_bytes = self.peer_fused_max_bytes = 0
         self.peer = self._peer_all_reduce(dist.PrefixStore("atom_peer_ar", store))
 
     def _peer_all_reduce(self, store: dist.Store):
-        """The one-shot all-reduce over peer-mapped buffers, or None (NCCL for everything): on
-        the CPU, with one rank, `ATOM_ALLREDUCE=nccl`, or GPUs without peer access."""
-        choice = os.environ.get("ATOM_ALLREDUCE", "auto")
-        if choice not in ("auto", "nccl"):
-            raise ValueError(f"ATOM_ALLREDUCE={choice!r}: expected 'auto' or 'nccl'")
-        if self.device.type != "cuda" or self.size == 1 or choice == "nccl":
+        """The one-shot all-reduce over peer-mapped buffers, or None (NCCL for everything): unless
+        `ATOM_ALLREDUCE=peer`, on the CPU, with one rank, or GPUs without peer access."""
+        if allreduce_choice() != "peer" or self.device.type != "cuda" or self.size == 1:
             return None
         from atom_kernels.collectives import PeerAllReduce
 
@@ -180,17 +193,21 @@ class EngineTPGroup:
         if not all(torch.cuda.can_device_access_peer(a, b) for a in peers for b in peers if a != b):
             logger.info("GPUs %s lack peer access: all-reduces stay on NCCL", list(peers))
             return None
-        max_bytes = int(
-            os.environ.get("ATOM_ALLREDUCE_PEER_MAX_BYTES", PEER_MAX_BYTES.get(self.size, 0))
-        )
-        if max_bytes <= 0:
+        plain, fused = PEER_MAX_BYTES.get(self.size, (0, 0))
+        override = os.environ.get("ATOM_ALLREDUCE_PEER_MAX_BYTES")
+        if override is not None:
+            plain = fused = int(override)
+        self.peer_max_bytes, self.peer_fused_max_bytes = plain, fused
+        if max(plain, fused) <= 0:
             return None
 
         def all_gather(blob: bytes) -> list[bytes]:
             store.set(str(self.rank), blob)
             return [store.get(str(r)) for r in range(self.size)]
 
-        return PeerAllReduce.create(self.rank, self.size, self.device, max_bytes, all_gather)
+        return PeerAllReduce.create(
+            self.rank, self.size, self.device, max(plain, fused), all_gather
+        )
 
     def close(self, timeout: float = ABORT_TIMEOUT) -> bool:
         """End the group without waiting for the other ranks (idempotent); later collectives
@@ -215,7 +232,7 @@ class EngineTPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            if self.peer is not None and self.peer.fits(x):
+            if self.peer is not None and x.nbytes <= self.peer_max_bytes and self.peer.fits(x):
                 self._group()  # a closed group refuses, as NCCL's would
                 return self.peer.all_reduce(x)
             self._group().allreduce([x]).wait()
@@ -225,16 +242,22 @@ class EngineTPGroup:
     def fuses_all_reduce_norm(self) -> bool:
         """Whether decoder layers should hand their post-attention all-reduce to
         `all_reduce_add_rms_norm` (only where the peer kernel fuses it)."""
-        return self.peer is not None
+        return self.peer is not None and self.peer_fused_max_bytes > 0
 
     def all_reduce_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`fused_add_rms_norm(all_reduce(x), residual, weight, eps)`: one kernel when the peer
         all-reduce takes `x`."""
-        if self.peer is not None and self.peer.fits(x) and residual.is_contiguous():
+        peer = self.peer
+        if (
+            peer is not None
+            and x.nbytes <= self.peer_fused_max_bytes
+            and peer.fits(x)
+            and residual.is_contiguous()
+        ):
             self._group()
-            return self.peer.all_reduce_add_rms_norm(x, residual, weight, eps)
+            return peer.all_reduce_add_rms_norm(x, residual, weight, eps)
         import atom_kernels
 
         return atom_kernels.fused_add_rms_norm(self.all_reduce(x), residual, weight, eps)
