@@ -46,7 +46,7 @@ from atom_engine.sequence import Sequence
 from atom_engine.step_inputs import OP_LAUNCH, OP_RUN, StepInputs, prepare_step
 from atom_engine.structured_output import apply_grammar_bitmasks
 from atom_models import load_model, set_forward_context
-from atom_models.native_attention import (
+from atom_models.native_host import (
     NativeAttentionHost,
     PagedAttentionMetadata,
     bind_kv_cache,

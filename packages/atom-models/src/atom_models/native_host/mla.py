@@ -25,11 +25,8 @@ from torch import nn
 import atom_kernels
 from atom_models.forward_context import get_forward_context
 from atom_models.layers.mla import MLAAttentionSpec
-from atom_models.native_attention import (
-    KV_CACHE_FP8_DTYPES,
-    NativeCacheLayer,
-    PagedAttentionMetadata,
-)
+from atom_models.native_host.cache_layer import KV_CACHE_FP8_DTYPES, NativeCacheLayer
+from atom_models.native_host.metadata import PagedAttentionMetadata
 
 MODES = ("auto", "absorbed", "expanded")
 
