@@ -16,16 +16,18 @@ attention is here, behind the names below.
     mla.py          NativeMLAAttention: the latent cache, absorbed / expanded; set_mla_mode
     metadata.py     PagedAttentionMetadata: a step's slots, block tables and lengths
     decode_step.py  the CPU's decode-only step plan, shared by a step's layers
-    kv_cache.py     the model's whole cache: its layers, its bytes a token, bind / release
+    kv_cache.py     the model's whole cache: PagedKVCache (the runner's handle), and the same
+                    as functions (bind_kv_cache, ...) for models used without an engine
 
 What the engine calls (atom_engine's model runner, graphs and CPU compile):
 
-    load_model(..., host=NativeAttentionHost(builds_mtp_layers=...))
-    kv_cache_bytes_per_token(model, dtype)            sizing: bytes one token costs every layer
-    bind_kv_cache(model, num_blocks, block_size, dtype, device)
+    model = load_model(..., host=NativeAttentionHost(builds_mtp_layers=...))
+    cache = PagedKVCache(model, block_size, kv_cache_dtype)   the layers, found once
+    cache.block_bytes                                 sizing (CPU space, GPU memory profile)
+    cache.bind(num_blocks, device), cache.release()   the profile's temporary cache, the real one,
+                                                      shutdown
     with set_forward_context(PagedAttentionMetadata.build(...)): model(...)   each step
     intercept_attention(fn), cache_layers(model)      the CUDA graphs, the CPU compile
-    release_kv_cache(model)                           shutdown (and the memory profile)
 
 Imports run one way: metadata, decode_step and cache_layer import nothing of this package;
 attention and mla import them; host and kv_cache sit on top.
@@ -39,6 +41,7 @@ from atom_models.native_host.cache_layer import (
 )
 from atom_models.native_host.host import NativeAttentionHost
 from atom_models.native_host.kv_cache import (
+    PagedKVCache,
     bind_kv_cache,
     cache_layers,
     kv_cache_bytes_per_token,
@@ -54,6 +57,7 @@ __all__ = [
     "NativeCacheLayer",
     "NativeMLAAttention",
     "PagedAttentionMetadata",
+    "PagedKVCache",
     "bind_kv_cache",
     "cache_layers",
     "intercept_attention",
