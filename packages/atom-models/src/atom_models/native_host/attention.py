@@ -28,6 +28,7 @@ import itertools
 import os
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,10 +36,12 @@ from torch import nn
 import atom_kernels
 from atom_kernels.registry import get_op, has_own_op
 from atom_models.forward_context import get_forward_context
-from atom_models.layers.attention import AttentionSpec
 from atom_models.native_host.cache_layer import KV_CACHE_FP8_DTYPES, NativeCacheLayer
 from atom_models.native_host.decode_step import build_decode_step, versions_of
 from atom_models.native_host.metadata import PagedAttentionMetadata
+
+if TYPE_CHECKING:  # annotations only: atom_models.layers picks this host lazily
+    from atom_models.layers.attention import AttentionSpec
 
 FUSE_ROPE_CACHE = os.environ.get("ATOM_FUSED_ROPE_CACHE", "1") != "0"
 

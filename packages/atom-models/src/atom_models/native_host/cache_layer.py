@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from atom_models.layers.attention import AttentionSpec
-from atom_models.layers.mla import MLAAttentionSpec
+if TYPE_CHECKING:  # annotations only: atom_models.layers picks this host lazily
+    from atom_models.layers.attention import AttentionSpec
+    from atom_models.layers.mla import MLAAttentionSpec
+
 
 KV_CACHE_FP8_DTYPES = (torch.float8_e4m3fn,)
 

@@ -4,12 +4,16 @@ a paged cache the engine binds (`kv_cache`)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
-from atom_models.layers.attention import AttentionSpec
-from atom_models.layers.mla import MLAAttentionSpec
 from atom_models.native_host.attention import NativeAttention
 from atom_models.native_host.mla import NativeMLAAttention
+
+if TYPE_CHECKING:  # annotations only: atom_models.layers picks this host lazily
+    from atom_models.layers.attention import AttentionSpec
+    from atom_models.layers.mla import MLAAttentionSpec
 
 
 class NativeAttentionHost:
