@@ -1,6 +1,7 @@
 """The model's paged KV cache as the engine sizes and binds it: every `NativeCacheLayer` of the
 model in layer order, the bytes one token costs them all, and binding (or releasing) every
-layer's cache at once."""
+layer's cache at once. `PagedKVCache` is the engine's model runner's one handle on it; the
+functions do the same for a model used without the engine (tests, examples)."""
 
 from __future__ import annotations
 
