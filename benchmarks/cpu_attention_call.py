@@ -32,7 +32,7 @@ import torch
 import atom_kernels
 from atom_models.forward_context import set_forward_context
 from atom_models.layers.attention import AttentionSpec
-from atom_models.native_attention import NativeAttention, PagedAttentionMetadata
+from atom_models.native_host import NativeAttention, PagedAttentionMetadata
 
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 30, 9, 3, 64, 16
 

@@ -25,7 +25,7 @@ import torch
 
 from atom_engine import LLM, SamplingParams
 from atom_kernels.backends.cpu import onednn_linear
-from atom_models.native_attention import NativeAttention
+from atom_models.native_host import NativeAttention
 
 MODES = ("base", "gemm", "attn", "both")
 

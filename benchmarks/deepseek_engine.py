@@ -86,9 +86,9 @@ def main() -> None:
     routed, moe_layers, other = expert_bytes(engine.runner.model)
     num_experts, top_k = hf.n_routed_experts, hf.num_experts_per_tok
     latent = 0
-    from atom_models.native_attention import native_attention_layers
+    from atom_models.native_host import cache_layers
 
-    for layer in native_attention_layers(engine.runner.model):
+    for layer in cache_layers(engine.runner.model):
         latent += layer.cache_bytes_per_token(engine.runner.kv_cache_dtype)
     if cuda:
         from kernels import measure_roofline

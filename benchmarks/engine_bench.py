@@ -72,9 +72,9 @@ def weight_bytes(model) -> int:
 
 
 def kv_bytes_per_token(engine) -> int:
-    from atom_models.native_attention import native_attention_layers
+    from atom_models.native_host import cache_layers
 
-    layers = native_attention_layers(engine.runner.model)
+    layers = cache_layers(engine.runner.model)
     return sum(2 * a.spec.num_kv_heads * a.spec.head_size for a in layers) * 2  # bf16
 
 

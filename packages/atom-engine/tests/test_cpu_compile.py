@@ -16,7 +16,7 @@ from transformers import Qwen3Config
 from atom_engine import LLM, SamplingParams
 from atom_engine.cpu_compile import ENV_VAR, why_not_compiled
 from atom_models import set_forward_context
-from atom_models.native_attention import PagedAttentionMetadata
+from atom_models.native_host import PagedAttentionMetadata
 
 PROMPTS = [
     "The capital of France is",

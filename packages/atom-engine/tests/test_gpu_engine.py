@@ -12,7 +12,8 @@ import torch
 from transformers import LlamaConfig, Qwen3Config
 
 from atom_engine import LLM, SamplingParams
-from atom_models import native_attention
+from atom_models.native_host import attention as host_attention
+from atom_models.native_host import cache_layers
 from atom_models.testing import save_random_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -208,13 +209,13 @@ def test_rope_in_the_cache_write_matches_the_two_ops(tiny, monkeypatch, kv_cache
     batch = prompts()
     caches, tokens = {}, {}
     for fused in (False, True):
-        monkeypatch.setattr(native_attention, "FUSE_ROPE_CACHE", fused)
+        monkeypatch.setattr(host_attention, "FUSE_ROPE_CACHE", fused)
         llm = LLM(
             str(path), dtype="float32", device="cuda", skip_tokenizer_init=True, block_size=16,
             max_num_batched_tokens=256, kv_cache_dtype=kv_cache_dtype, **SMALL,
         )  # fmt: skip
         tokens[fused] = generate(llm, batch, n=1)  # the prompts' K/V only: the same in both
-        layers = native_attention.native_attention_layers(llm.engine.runner.model)
+        layers = cache_layers(llm.engine.runner.model)
         assert all((layer.rope is not None) == fused for layer in layers)
         caches[fused] = [(la.k_cache.float().cpu(), la.v_cache.float().cpu()) for la in layers]
         llm.shutdown()

@@ -14,7 +14,7 @@ from atom_engine.cli.args import engine_config_from_args
 from atom_engine.cli.main import build_parser
 from atom_engine.piecewise_graphs import capture_sizes
 from atom_models import load_model, set_forward_context
-from atom_models.native_attention import (
+from atom_models.native_host import (
     PagedAttentionMetadata,
     bind_kv_cache,
     intercept_attention,

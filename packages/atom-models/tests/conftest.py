@@ -10,7 +10,7 @@ import torch
 
 from atom_models import set_forward_context
 from atom_models.bundled import smollm2_gguf_path
-from atom_models.native_attention import PagedAttentionMetadata, bind_kv_cache
+from atom_models.native_host import PagedAttentionMetadata, bind_kv_cache
 from atom_models.testing import save_random_checkpoint
 
 

@@ -13,12 +13,13 @@ import torch
 from transformers import DeepseekV2Config, DeepseekV3Config
 
 from atom_models import load_config, load_model, set_forward_context
-from atom_models.native_attention import (
+from atom_models.native_host import (
+    NativeMLAAttention,
     PagedAttentionMetadata,
     bind_kv_cache,
     kv_cache_bytes_per_token,
+    set_mla_mode,
 )
-from atom_models.native_mla import NativeMLAAttention, set_mla_mode
 from atom_models.testing import add_random_mtp_layers
 
 BASE = dict(

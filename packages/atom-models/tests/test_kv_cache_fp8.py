@@ -12,13 +12,13 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, LlamaConfig
 
 from atom_models import load_model, set_forward_context
-from atom_models.native_attention import (
+from atom_models.native_host import (
     NativeAttention,
+    NativeMLAAttention,
     PagedAttentionMetadata,
     bind_kv_cache,
-    native_attention_layers,
+    cache_layers,
 )
-from atom_models.native_mla import NativeMLAAttention
 from atom_models.weights import CheckpointMismatchError, safetensors_files
 
 FP8 = torch.float8_e4m3fn
@@ -99,7 +99,7 @@ def test_fp8_cache_logits_within_tolerance_of_fp32_over_64_token_decode(model):
     prompt = torch.randint(model.config.vocab_size, (13,), generator=torch.Generator()).tolist()
     reference = _decode_logits(model, torch.float32, prompt, steps=64)
     fp8 = _decode_logits(model, FP8, prompt, steps=64)
-    for layer in native_attention_layers(model):
+    for layer in cache_layers(model):
         cache = layer.k_cache if isinstance(layer, NativeAttention) else layer.kv_cache
         assert cache.dtype == FP8
     scale = reference.abs().max()
@@ -124,7 +124,7 @@ def llama_dir(make_checkpoint):
 
 
 def _attention_layers(model) -> list[NativeAttention]:
-    return [m for m in native_attention_layers(model) if isinstance(m, NativeAttention)]
+    return [m for m in cache_layers(model) if isinstance(m, NativeAttention)]
 
 
 def test_checkpoint_kv_scales_load_under_every_name(llama_dir):
@@ -211,6 +211,6 @@ def test_mla_latent_cache_takes_the_k_scale(make_checkpoint):
     )
     model = load_model(path, dtype=torch.float32)
     bind_kv_cache(model, 4, 4, FP8, "cpu")
-    layers = [m for m in native_attention_layers(model) if isinstance(m, NativeMLAAttention)]
+    layers = [m for m in cache_layers(model) if isinstance(m, NativeMLAAttention)]
     assert [layer.kv_scale for layer in layers] == [0.046875, 1.0]
     assert all(layer.kv_cache.dtype == FP8 for layer in layers)

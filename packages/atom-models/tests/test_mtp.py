@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig
 
 from atom_models import build_model, load_config, load_model, set_forward_context
 from atom_models.models.mtp import MTPLayerMixin
-from atom_models.native_attention import (
+from atom_models.native_host import (
     NativeAttentionHost,
     PagedAttentionMetadata,
     bind_kv_cache,

@@ -10,7 +10,7 @@ import torch
 import atom_kernels
 from atom_models import set_forward_context
 from atom_models.layers.attention import AttentionSpec
-from atom_models.native_attention import NativeAttention, PagedAttentionMetadata
+from atom_models.native_host import NativeAttention, PagedAttentionMetadata
 
 # H = query heads, Hk = kv heads, D = head size
 H, HK, D, BLOCK_SIZE, NUM_LAYERS = 4, 2, 16, 4, 3

@@ -19,9 +19,10 @@ from transformers import Glm4MoeConfig, GptOssConfig, LlamaConfig, Qwen3Config
 import atom_kernels.backends.torch  # noqa: F401  (registers the torch ops)
 from atom_kernels import registry
 from atom_models import load_model
-from atom_models import native_attention as native
 from atom_models.layers.attention import Attention, attention_host
 from atom_models.layers.rotary import get_rope
+from atom_models.native_host import attention as native
+from atom_models.native_host import cache_layers
 
 BASE = dict(
     vocab_size=211,
@@ -129,7 +130,7 @@ def test_fused_layers_match_transformers(name, make_checkpoint, paged_session, t
     batch = _prompts(hf.config.vocab_size)
     got, num_steps = _run(model, paged_session, batch)
     assert len(torch_backend) == hf.config.num_hidden_layers * num_steps  # every layer, step
-    layers = native.native_attention_layers(model)
+    layers = cache_layers(model)
     assert all(layer.rope is not None for layer in layers)
     if name in ("qwen3", "glm4_moe"):  # the q/k norms went along
         assert all(layer.rope[1] is not None for layer in layers)
@@ -145,7 +146,7 @@ def test_switch_off_and_cpu_backend_keep_the_ops_apart(make_checkpoint, paged_se
     model = load_model(path, dtype=torch.float32)
     batch = _prompts(hf.config.vocab_size)
     expected, _ = _run(model, paged_session, batch)  # the CPU backend: no fused op of its own
-    assert all(layer.rope is None for layer in native.native_attention_layers(model))
+    assert all(layer.rope is None for layer in cache_layers(model))
     monkeypatch.setattr(native, "FUSE_ROPE_CACHE", False)
     calls = []
     monkeypatch.setitem(

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from atom_models import load_model, set_forward_context
-from atom_models.native_attention import PagedAttentionMetadata, bind_kv_cache
+from atom_models.native_host import PagedAttentionMetadata, bind_kv_cache
 from atom_models.testing import (
     add_random_mtp_layers,
     fp8_block_quantize,

@@ -14,8 +14,12 @@ import torch.distributed as dist
 
 from atom_models import load_model, set_forward_context
 from atom_models.distributed import TPGroup
-from atom_models.native_attention import PagedAttentionMetadata, bind_kv_cache
-from atom_models.native_mla import NativeMLAAttention, set_mla_mode
+from atom_models.native_host import (
+    NativeMLAAttention,
+    PagedAttentionMetadata,
+    bind_kv_cache,
+    set_mla_mode,
+)
 from atom_models.weights import iter_safetensors
 
 

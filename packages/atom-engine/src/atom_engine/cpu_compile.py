@@ -30,10 +30,10 @@ from torch import nn
 import atom_kernels.registry
 from atom_engine.cpu_threads import CpuThreads
 from atom_models import set_forward_context
-from atom_models.native_attention import (
+from atom_models.native_host import (
     NativeAttention,
     PagedAttentionMetadata,
-    native_attention_layers,
+    cache_layers,
 )
 
 logger = logging.getLogger("atom_engine")
@@ -53,7 +53,7 @@ def why_not_compiled(model: nn.Module, device: torch.device, enforce_eager: bool
         return f"{ENV_VAR}=0"
     if tp_size > 1:
         return "tensor parallelism (collectives inside the forward)"
-    if not all(isinstance(layer, NativeAttention) for layer in native_attention_layers(model)):
+    if not all(isinstance(layer, NativeAttention) for layer in cache_layers(model)):
         return "attention layers other than NativeAttention (MLA)"
     return None
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from atom_models import set_forward_context
-from atom_models.native_attention import PagedAttentionMetadata
+from atom_models.native_host import PagedAttentionMetadata
 
 if TYPE_CHECKING:
     from atom_engine.model_runner import ModelRunner

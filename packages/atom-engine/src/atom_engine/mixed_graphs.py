@@ -28,10 +28,10 @@ from atom_engine.cuda_graphs import _aligned
 from atom_engine.piecewise_graphs import MAX_CAPTURE_TOKENS, _weak, capture_sizes
 from atom_engine.sampler import to_device
 from atom_models import set_forward_context
-from atom_models.native_attention import (
+from atom_models.native_host import (
     NativeAttention,
     PagedAttentionMetadata,
-    native_attention_layers,
+    cache_layers,
 )
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ MAX_SEQS = 512
 
 def supports_mixed_graphs(model: torch.nn.Module) -> bool:
     """Whether every cache layer of `model` reads only device metadata (see the module doc)."""
-    layers = native_attention_layers(model)
+    layers = cache_layers(model)
     return bool(layers) and all(type(layer) is NativeAttention for layer in layers)
 
 

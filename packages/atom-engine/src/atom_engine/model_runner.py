@@ -46,13 +46,7 @@ from atom_engine.sequence import Sequence
 from atom_engine.step_inputs import OP_LAUNCH, OP_RUN, StepInputs, prepare_step
 from atom_engine.structured_output import apply_grammar_bitmasks
 from atom_models import load_model, set_forward_context
-from atom_models.native_attention import (
-    NativeAttentionHost,
-    PagedAttentionMetadata,
-    bind_kv_cache,
-    kv_cache_bytes_per_token,
-    release_kv_cache,
-)
+from atom_models.native_host import NativeAttentionHost, PagedAttentionMetadata, PagedKVCache
 
 if TYPE_CHECKING:
     from atom_engine.parallel import EngineTPGroup
@@ -145,12 +139,11 @@ class ModelRunner:
         self.sampler = Sampler(self.device)
         self.vocab_size = hf_config.vocab_size
         self.hidden_size = hf_config.hidden_size
+        self.kv_cache = PagedKVCache(self.model, self.block_size, self.kv_cache_dtype)
         self.num_blocks = self._num_kv_blocks()
         if tp is not None:  # every rank's cache holds the same blocks: the smallest fits all
             self.num_blocks = tp.min(self.num_blocks)
-        bind_kv_cache(
-            self.model, self.num_blocks, self.block_size, self.kv_cache_dtype, self.device
-        )
+        self.kv_cache.bind(self.num_blocks, self.device)
         # Sampled ids of the last launch (device) and two pinned host mirrors (a launch writes one
         # while the previous launch's is read). In the graphs' token buffer when there are graphs.
         max_sampled = max(1, config.max_num_seqs)
@@ -195,7 +188,7 @@ class ModelRunner:
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.block_size,
-            kv_cache_bytes_per_token(self.model, self.kv_cache_dtype),
+            self.kv_cache.bytes_per_token,
             self.num_blocks * self._block_bytes() / GiB,
             str(self.kv_cache_dtype).removeprefix("torch."),
             self.device,
@@ -233,9 +226,9 @@ class ModelRunner:
         for owner in self._graph_owners():
             owner.close()
         self.graphs = self.pieces = self.mixed = None
-        if self.model is not None:
-            release_kv_cache(self.model)
-        self.model = self.forward = None
+        if self.kv_cache is not None:
+            self.kv_cache.release()
+        self.model = self.forward = self.kv_cache = None
         self.sampled = self.last_hidden = None
         self._sampled_host = []
         group_ended = self._finalizer() is not False
@@ -274,7 +267,7 @@ class ModelRunner:
     def _block_bytes(self) -> int:
         """One block of every layer's cache, from the layers' own cache specs (K and V per
         head for standard attention, latent + rope key for MLA)."""
-        return kv_cache_bytes_per_token(self.model, self.kv_cache_dtype) * self.block_size
+        return self.kv_cache.block_bytes
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -299,7 +292,7 @@ class ModelRunner:
         num_tokens = self.config.max_num_batched_tokens
         lens, tables, positions = profile_batch(num_tokens, self.max_model_len, self.block_size)
         blocks = sum(len(t) for t in tables)
-        bind_kv_cache(self.model, blocks, self.block_size, self.kv_cache_dtype, self.device)
+        self.kv_cache.bind(blocks, self.device)
         md = PagedAttentionMetadata.build(lens, lens, tables, self.block_size, self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         with set_forward_context(md):
@@ -308,7 +301,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - baseline
         peak -= blocks * self._block_bytes()  # the profile's own temporary cache
-        release_kv_cache(self.model)
+        self.kv_cache.release()
         del hidden
         torch.cuda.empty_cache()
         in_use = total - free

@@ -5,7 +5,7 @@ A step with a prefill varies in ways a graph cannot (how many sequences, how lon
 of each is cached), but only its attention reads them: everything else (embeddings, norms,
 projections, rotary, MLP and MoE, collectives) depends on the step's token count alone. So the
 forward is captured at a ladder of token counts (a step is padded to the next), cut at every
-native attention layer (`atom_models.native_attention.intercept_attention`): one graph from the
+native attention layer (`atom_models.native_host.intercept_attention`): one graph from the
 start to the first layer's attention, one between each two, one after the last. A step replays
 them in turn and runs each attention layer eagerly in between, on the step's real metadata and its
 real tokens (the padding rows are left out), writing into a static buffer the next piece reads.
@@ -28,7 +28,7 @@ from torch import nn
 
 from atom_engine.sampler import to_device
 from atom_models import set_forward_context
-from atom_models.native_attention import (
+from atom_models.native_host import (
     NativeCacheLayer,
     PagedAttentionMetadata,
     intercept_attention,

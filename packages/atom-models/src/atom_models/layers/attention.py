@@ -51,7 +51,7 @@ _current_host: AttentionHost | None = None
 
 def get_attention_host() -> AttentionHost:
     if _current_host is None:
-        from atom_models.native_attention import NativeAttentionHost
+        from atom_models.native_host import NativeAttentionHost
 
         return NativeAttentionHost()
     return _current_host

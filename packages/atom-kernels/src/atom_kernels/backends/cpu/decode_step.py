@@ -12,7 +12,7 @@ without a window cutting it). `attend` is two `index_copy_`, two `index_select` 
 
 Only for what the cpu backend's `paged_attention` runs as a padded decode batch: every sequence
 one query row, no padding rows, a float cache (no fp8 scales), no sinks or soft cap. The caller
-(`atom_models.native_attention`) falls back to the checked ops for anything else; the torch
+(`atom_models.native_host.attention`) falls back to the checked ops for anything else; the torch
 reference (`reshape_and_cache` then `paged_attention`) is the oracle in the tests.
 """
 

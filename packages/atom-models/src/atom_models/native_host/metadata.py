@@ -1,5 +1,5 @@
-"""The per-step metadata of ATOM's paged attention (`native_attention`): where each new token's
-K/V goes in the paged cache, each sequence's block table and lengths."""
+"""The per-step metadata of the native host's paged attention: where each new token's K/V goes in
+the paged cache, each sequence's block table and lengths."""
 
 from __future__ import annotations
 

@@ -19,17 +19,19 @@ context for one query row would cost memory in proportion to its context length)
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 import atom_kernels
 from atom_models.forward_context import get_forward_context
-from atom_models.layers.mla import MLAAttentionSpec
-from atom_models.native_attention import (
-    KV_CACHE_FP8_DTYPES,
-    NativeCacheLayer,
-    PagedAttentionMetadata,
-)
+from atom_models.native_host.cache_layer import KV_CACHE_FP8_DTYPES, NativeCacheLayer
+from atom_models.native_host.metadata import PagedAttentionMetadata
+
+if TYPE_CHECKING:  # annotations only: atom_models.layers picks this host lazily
+    from atom_models.layers.mla import MLAAttentionSpec
+
 
 MODES = ("auto", "absorbed", "expanded")
 

@@ -1,21 +1,19 @@
-"""ATOM's own attention host: a paged KV cache per layer, computed with atom_kernels.
+"""`NativeAttention`: ATOM's own paged attention layer, computed with atom_kernels.
 
-The runner allocates the cache (`bind_kv_cache`), then sets a `PagedAttentionMetadata` with
-`set_forward_context` around each forward. Each layer writes this step's K/V into its cache by slot
-mapping, then attends over the cache (cached prefix + new tokens). Every layer kind that owns a
-paged cache (`NativeAttention` here, the latent cache of `NativeMLAAttention`) is a
-`NativeCacheLayer`: it says how many bytes a token costs it and binds its own cache, so the runner
-sizes blocks without knowing the layer kinds. The cache dtype is the model's or fp8
-(`float8_e4m3fn`): an fp8 cache stores x / scale and every read multiplies back, with the layer's
-per-tensor `k_scale` / `v_scale` (1.0, or the checkpoint's, handed over by `set_kv_scale`).
+The runner binds the layer's cache (`kv_cache.bind_kv_cache`), then sets a
+`PagedAttentionMetadata` with `set_forward_context` around each forward. The layer writes this
+step's K/V into its cache by slot mapping, then attends over the cache (cached prefix + new
+tokens). The cache dtype is the model's or fp8 (`float8_e4m3fn`): an fp8 cache stores x / scale
+and every read multiplies back, with the layer's per-tensor `k_scale` / `v_scale` (1.0, or the
+checkpoint's, handed over by `set_kv_scale`).
 
 Under `torch.compile` (the engine compiles the model on the CPU) a `NativeAttention` layer is one
 opaque custom op, `atom::native_attention`: the graph holds the GEMMs, norms, rotary and
 activations around it, and the op reads the step's metadata from the forward context and writes
 the layer's cache at run time, as vLLM's `unified_attention` does. On the CPU a decode-only step's
 layers share one plan (`atom_kernels.backends.cpu.decode_step.DecodeStep`, built by the step's
-first layer and kept in the metadata's `memo`): every later layer is two cache writes, two gathers
-and one fused attention call, with no per-layer checks.
+first layer and kept in the metadata's `memo`: `decode_step`): every later layer is two cache
+writes, two gathers and one fused attention call, with no per-layer checks.
 
 Where the kernel backend has its own `rotary_embedding_and_cache` (Triton), a layer also takes
 its model's rotary embedding (`takes_rope`, through `Attention.forward_rope`): it gets q and k
@@ -26,12 +24,11 @@ ATOM_FUSED_ROPE_CACHE=0 turns that off (the rotary, then `reshape_and_cache`: A/
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -39,68 +36,14 @@ from torch import nn
 import atom_kernels
 from atom_kernels.registry import get_op, has_own_op
 from atom_models.forward_context import get_forward_context
-from atom_models.layers.attention import AttentionSpec
-from atom_models.layers.mla import MLAAttentionSpec
-from atom_models.native_decode_step import build_decode_step, versions_of
-from atom_models.paged_metadata import PagedAttentionMetadata  # noqa: F401  (re-exported)
+from atom_models.native_host.cache_layer import KV_CACHE_FP8_DTYPES, NativeCacheLayer
+from atom_models.native_host.decode_step import build_decode_step, versions_of
+from atom_models.native_host.metadata import PagedAttentionMetadata
 
-KV_CACHE_FP8_DTYPES = (torch.float8_e4m3fn,)
+if TYPE_CHECKING:  # annotations only: atom_models.layers picks this host lazily
+    from atom_models.layers.attention import AttentionSpec
+
 FUSE_ROPE_CACHE = os.environ.get("ATOM_FUSED_ROPE_CACHE", "1") != "0"
-
-
-# fn(layer, args) -> the layer's output, called instead of every native cache layer while set
-AttentionInterceptor = Callable[["NativeCacheLayer", tuple], torch.Tensor]
-_interceptor: AttentionInterceptor | None = None
-
-
-@contextlib.contextmanager
-def intercept_attention(fn: AttentionInterceptor) -> Iterator[None]:
-    """Inside this block a call of any native cache layer goes to `fn(layer, args)` instead of
-    the layer's forward (which `fn` may run: `layer.attend(*args)`). The engine's piecewise CUDA
-    graphs end a captured piece there: the layer's inputs are per-token tensors (dim 0: the
-    step's tokens) and its output is one too."""
-    global _interceptor
-    previous, _interceptor = _interceptor, fn
-    try:
-        yield
-    finally:
-        _interceptor = previous
-
-
-class NativeCacheLayer(nn.Module):
-    """A native attention layer that owns a paged cache (`spec.layer_idx` orders them)."""
-
-    spec: AttentionSpec | MLAAttentionSpec
-    kv_scales: dict[str, float]  # "k" / "v" -> per-tensor fp8 cache scale
-
-    def __call__(self, *args: torch.Tensor | None) -> torch.Tensor:
-        if _interceptor is not None:
-            return _interceptor(self, args)
-        return super().__call__(*args)
-
-    def attend(self, *args: torch.Tensor | None, **kwargs: torch.Tensor) -> torch.Tensor:
-        """The layer's own forward, also inside `intercept_attention` (for the interceptor)."""
-        return super().__call__(*args, **kwargs)
-
-    def set_kv_scale(self, which: str, value: float) -> None:
-        """The checkpoint's per-tensor scale of the K ("k") or V ("v") cache."""
-        self.kv_scales[which] = value
-
-    def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
-        raise NotImplementedError
-
-    def bind_cache(
-        self,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> tuple[torch.Tensor, ...]:
-        """Allocate (zeroed) and keep this layer's cache; returns its tensors."""
-        raise NotImplementedError
-
-    def release_cache(self) -> None:
-        raise NotImplementedError
 
 
 # Layers the custom op can find by number (a compiled graph holds the number, not the module).
@@ -371,54 +314,3 @@ def _step_key(md: PagedAttentionMetadata, q: torch.Tensor) -> tuple:
 
 def _shape_dtype(t: torch.Tensor | None) -> tuple:
     return (None, None, None) if t is None else (t.shape[1:], t.dtype, t.device)
-
-
-class NativeAttentionHost:
-    """ATOM's engine as the host. `builds_mtp_layers`: models build the multi-token-prediction
-    layers their checkpoint carries (`atom_models.models.mtp`), the engine's MTP drafters; off,
-    their weights and cache are not spent (vLLM and SGLang, which draft with their own modules,
-    never get them)."""
-
-    def __init__(self, builds_mtp_layers: bool = True) -> None:
-        self.builds_mtp_layers = builds_mtp_layers
-
-    def make_attention(self, spec: AttentionSpec) -> nn.Module:
-        return NativeAttention(spec)
-
-    def make_mla_attention(self, spec: MLAAttentionSpec, kv_b_proj: nn.Module) -> nn.Module:
-        from atom_models.native_mla import NativeMLAAttention
-
-        return NativeMLAAttention(spec, kv_b_proj)
-
-
-def native_attention_layers(model: nn.Module) -> list[NativeCacheLayer]:
-    """The model's native attention layers (every kind with a paged cache) in layer order."""
-    layers = [m for m in model.modules() if isinstance(m, NativeCacheLayer)]
-    return sorted(layers, key=lambda m: m.spec.layer_idx)
-
-
-def kv_cache_bytes_per_token(model: nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of paged cache one token takes over all of the model's attention layers."""
-    return sum(layer.cache_bytes_per_token(dtype) for layer in native_attention_layers(model))
-
-
-def bind_kv_cache(
-    model: nn.Module,
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-) -> list[tuple[torch.Tensor, ...]]:
-    """Allocate a paged cache for every attention layer and bind it to the layer: (K, V) for
-    standard attention, (latent,) for MLA. `dtype`: the model's, or float8_e4m3fn (each layer
-    then quantizes with its own per-tensor scales)."""
-    return [
-        layer.bind_cache(num_blocks, block_size, dtype, device)
-        for layer in native_attention_layers(model)
-    ]
-
-
-def release_kv_cache(model: nn.Module) -> None:
-    """Drop every layer's cache (the runner's memory profile binds a temporary one)."""
-    for layer in native_attention_layers(model):
-        layer.release_cache()
