@@ -37,9 +37,7 @@ from atom_engine.config import EngineConfig
 from atom_engine.cpu_compile import cpu_forward, pack_lm_head
 from atom_engine.cpu_linear import pack_linears
 from atom_engine.cpu_threads import set_cpu_threads
-from atom_engine.cuda_graphs import DecodeGraphs
-from atom_engine.mixed_graphs import MixedGraphs, supports_mixed_graphs
-from atom_engine.piecewise_graphs import PiecewiseGraphs
+from atom_engine.graphs import capture_step_graphs, uses_graphs
 from atom_engine.sampler import Sampler, TopLogprobs, to_device
 from atom_engine.scheduler import ScheduledBatch
 from atom_engine.sequence import Sequence
@@ -154,15 +152,9 @@ class ModelRunner:
         # Sampled ids of the last launch (device) and two pinned host mirrors (a launch writes one
         # while the previous launch's is read). In the graphs' token buffer when there are graphs.
         max_sampled = max(1, config.max_num_seqs)
-        self.graphs = DecodeGraphs(self, max_sampled) if self._use_graphs() else None
-        self.pieces = None  # the piecewise graphs of the steps with a prefill
-        self.mixed = None  # or their whole-forward graphs (cudagraph_mode="full")
-        mode = config.cudagraph_mode
-        if self.graphs is not None and mode == "full" and supports_mixed_graphs(self.model):
-            self.mixed = MixedGraphs(self, config.max_num_batched_tokens, self.graphs.pool)
-        elif self.graphs is not None and mode in ("full", "full_and_piecewise"):
-            self.pieces = PiecewiseGraphs(self, config.max_num_batched_tokens, self.graphs.pool)
-        if self.graphs is not None:
+        self.graphs = None
+        if uses_graphs(self.device, config.enforce_eager, config.cudagraph_mode):
+            self.graphs = capture_step_graphs(self, max_sampled)
             self.sampled = self.graphs.sampled
         else:
             self.sampled = torch.zeros(max_sampled, dtype=torch.long, device=self.device)
@@ -203,11 +195,8 @@ class ModelRunner:
         self.closed = False
         # Holds the torch graphs and the group, never the runner or its graph owners (they hold
         # the runner: it would never be collected).
-        graphs = [graph for owner in self._graph_owners() for graph in owner.cuda_graphs()]
+        graphs = self.graphs.cuda_graphs() if self.graphs is not None else []
         self._finalizer = weakref.finalize(self, _release_graphs_and_group, graphs, tp)
-
-    def _graph_owners(self) -> list:
-        return [g for g in (self.graphs, self.pieces, self.mixed) if g is not None]
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the other ranks' processes (each releases its runner first) and release this
@@ -230,9 +219,9 @@ class ModelRunner:
         if self.closed:
             return
         self.closed = True
-        for owner in self._graph_owners():
-            owner.close()
-        self.graphs = self.pieces = self.mixed = None
+        if self.graphs is not None:
+            self.graphs.close()
+        self.graphs = None
         if self.model is not None:
             release_kv_cache(self.model)
         self.model = self.forward = None
@@ -260,14 +249,6 @@ class ModelRunner:
             temperature = torch.ones(rows, device=self.device)
             atom_kernels.sample(logits, temperature, None, None, None)
         torch.cuda.synchronize(self.device)
-
-    def _use_graphs(self) -> bool:
-        config = self.config
-        return (
-            self.device.type == "cuda"
-            and not config.enforce_eager
-            and (config.cudagraph_mode != "none")
-        )
 
     # -- KV-cache sizing ----------------------------------------------------------------------
 
@@ -333,31 +314,20 @@ class ModelRunner:
         """Queue the forward of a step; hidden states [T, hidden]."""
         if self.cpu_threads is not None:
             self.cpu_threads.apply(len(inputs.ids))
-        if self.graphs is not None and self.graphs.fits(len(inputs.ids), inputs.query_lens):
-            return self.graphs.run(inputs.ids, inputs.seq_lens, inputs.tables, inputs.gathers)
-        positions = inputs.positions()
-        if self.mixed is not None and self.mixed.fits(len(inputs.ids), len(inputs.seq_lens)):
-            return self.mixed.run(
-                inputs.ids,
-                positions,
-                inputs.seq_lens,
-                inputs.query_lens,
-                inputs.tables,
-                inputs.gathers,
-                self.sampled,
-            )
+        if self.graphs is not None:
+            hidden = self.graphs.replay(inputs, self.sampled)
+            if hidden is not None:
+                return hidden
         md = PagedAttentionMetadata.build(
             inputs.seq_lens, inputs.query_lens, inputs.tables, self.block_size, self.device
         )
-        if self.pieces is not None and self.pieces.fits(len(inputs.ids)):
-            return self.pieces.run(inputs.ids, positions, inputs.gathers, self.sampled, md)
         input_ids = to_device(inputs.ids, torch.long, self.device)
         if inputs.gathers:
             rows, src = zip(*inputs.gathers, strict=True)
             input_ids[to_device(list(rows), torch.long, self.device)] = self.sampled[
                 to_device(list(src), torch.long, self.device)
             ]
-        pos = to_device(positions, torch.long, self.device)
+        pos = to_device(inputs.positions(), torch.long, self.device)
         with set_forward_context(md):
             return self.forward(input_ids, pos)  # [T, hidden]
 
