@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, Qwen3Config
 
 from atom_engine import LLM, SamplingParams
+from atom_engine.kv_cache import block_bytes
 from atom_models import native_attention
 from atom_models.testing import save_random_checkpoint
 
@@ -160,7 +161,9 @@ def test_kv_cache_sized_from_gpu_memory(tiny):
     )
     runner = llm.engine.runner
     free, total = torch.cuda.mem_get_info()
-    cache_bytes = runner.num_blocks * runner._block_bytes()
+    cache_bytes = runner.num_blocks * block_bytes(
+        runner.model, runner.kv_cache_dtype, runner.block_size
+    )
     assert 0.1 * total < cache_bytes < 0.3 * total
 
 

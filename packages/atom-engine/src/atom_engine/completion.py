@@ -16,7 +16,7 @@ from atom_engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from atom_engine.engine import LLMEngine
-    from atom_engine.model_runner import Launch
+    from atom_engine.step_outputs import Launch
 
 _FINISHED = SequenceStatus.FINISHED
 

@@ -27,7 +27,6 @@ from atom_engine.config import EngineConfig
 from atom_engine.detokenizer import IncrementalDetokenizer
 from atom_engine.front import EngineFront
 from atom_engine.intake import Request, prompt_of
-from atom_engine.model_runner import Launch
 from atom_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from atom_engine.parallel import rank_device
 from atom_engine.sampler import TopLogprobs
@@ -36,6 +35,7 @@ from atom_engine.scheduler import ScheduledBatch, Scheduler
 from atom_engine.sequence import PLACEHOLDER, Sequence
 from atom_engine.spec_decode import MtpDrafter, NgramDrafter, SpecDecodeStats
 from atom_engine.step_log import StepLog, clocks
+from atom_engine.step_outputs import Launch
 from atom_engine.structured_output import GrammarState
 from atom_engine.workers import WorkerError, start_runner
 
