@@ -13,6 +13,8 @@ release; `close()`. Inside:
   forward captured between the attention layers, attention eager in between.
 
 All three share one memory pool. `"full_decode_only"` captures the decode graphs alone.
+They read the runner only through `target.GraphTarget` (its model, device, config and cache
+geometry): nothing here imports the runner.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from atom_engine.graphs.piecewise import PiecewiseGraphs
 from atom_models.native_attention import PagedAttentionMetadata
 
 if TYPE_CHECKING:
-    from atom_engine.model_runner import ModelRunner
+    from atom_engine.graphs.target import GraphTarget
     from atom_engine.step_inputs import StepInputs
 
 __all__ = ["StepGraphs", "capture_step_graphs", "uses_graphs"]
@@ -88,7 +90,7 @@ class StepGraphs:
         self.mixed = self.pieces = None
 
 
-def capture_step_graphs(runner: ModelRunner, max_sampled: int) -> StepGraphs:
+def capture_step_graphs(runner: GraphTarget, max_sampled: int) -> StepGraphs:
     """Capture a runner's graphs for its config's `cudagraph_mode` (the model, its KV cache and
     the sampled-id count `max_sampled` are fixed from here on)."""
     config = runner.config

@@ -35,7 +35,7 @@ from atom_models.native_attention import (
 )
 
 if TYPE_CHECKING:
-    from atom_engine.model_runner import ModelRunner
+    from atom_engine.graphs.target import GraphTarget
 
 logger = logging.getLogger("atom_engine")
 
@@ -53,7 +53,7 @@ class MixedGraphs:
     """Whole-forward graphs of steps of up to `max_step_tokens` tokens (at most MAX_CAPTURE_TOKENS)
     and `max_seqs` sequences, at `capture_sizes` token counts."""
 
-    def __init__(self, runner: ModelRunner, max_step_tokens: int, pool=None) -> None:
+    def __init__(self, runner: GraphTarget, max_step_tokens: int, pool=None) -> None:
         self.runner = runner
         device = self.device = runner.device
         self.block_size = runner.block_size

@@ -35,7 +35,7 @@ from atom_models.native_attention import (
 )
 
 if TYPE_CHECKING:
-    from atom_engine.model_runner import ModelRunner
+    from atom_engine.graphs.target import GraphTarget
 
 logger = logging.getLogger("atom_engine")
 
@@ -102,7 +102,7 @@ class PiecewiseGraphs:
     """The piecewise graphs of one rank's model, for steps of up to `max_step_tokens` tokens (at
     most MAX_CAPTURE_TOKENS), at `capture_sizes` of that."""
 
-    def __init__(self, runner: ModelRunner, max_step_tokens: int, pool=None) -> None:
+    def __init__(self, runner: GraphTarget, max_step_tokens: int, pool=None) -> None:
         self.runner = runner
         self.model: nn.Module = runner.model
         self.device = runner.device
