@@ -1,7 +1,8 @@
 """The engine loop: schedule -> run -> postprocess.
 
 `LLMEngine` is single-threaded: callers add requests, call `step()` until
-`has_unfinished_requests()` is False, and read cumulative `RequestOutput`s from each step.
+`has_unfinished_requests()` is False, and read cumulative `RequestOutput`s from each step. The
+third verb, with the book of requests it updates, is `postprocess.Postprocessor` (`self.post`).
 
 With async scheduling (the default on CUDA) a step launches batch N+1 on the device before it
 reads batch N's sampled ids: the host schedules and prepares while the device computes. A sampled
