@@ -111,7 +111,7 @@ def run(args) -> dict:
     timers.wrap(engine, "_mark_scheduled", "mark_scheduled")
     timers.wrap(runner, "launch", "launch")
     timers.wrap(runner, "_prepare", "prepare")
-    timers.wrap(runner.graphs, "run", "graph_run")
+    timers.wrap(runner.graphs.decode, "run", "graph_run")
     timers.wrap(runner, "_logits", "logits")
     timers.wrap(runner.sampler, "sample_on_device", "sample")
     timers.wrap(runner.model, "compute_logits", "lm_head")

@@ -84,7 +84,7 @@ def main() -> None:
     step_ms = (time.perf_counter() - t0) / steps * 1e3
 
     runner = engine.runner
-    graphs = runner.graphs
+    graphs = runner.graphs.decode
     contexts = [len(seq) for seq in engine.scheduler.running]  # when the graph is timed
     size = next(b for b in graphs.sizes if b >= bs)
     graph, hidden = graphs.graphs[size]

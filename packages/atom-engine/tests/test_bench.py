@@ -14,6 +14,7 @@ import pytest
 from atom_engine.bench import serve
 from atom_engine.bench.cli import add_parser
 from atom_engine.bench.datasets import SampleRequest, count_tokens, load_tokenizer
+from atom_engine.bench.http_client import SSEDecoder
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -67,7 +68,7 @@ def test_bench_throughput_end_to_end(tmp_path, capsys):
 def test_sse_decoder_reassembles_events_split_anywhere():
     body = b'data: {"a": 1}\n\n: a comment\n\ndata: {"b": "\xc3\xa9"}\r\n\r\ndata: [DONE]\n\n'
     for cut in range(1, len(body)):
-        decoder = serve.SSEDecoder()
+        decoder = SSEDecoder()
         events = decoder.feed(body[:cut]) + decoder.feed(body[cut:])
         assert events == ['{"a": 1}', '{"b": "\u00e9"}', "[DONE]"], cut
 

@@ -191,11 +191,11 @@ def test_gpu_greedy_matches_transformers(name, tmp_path, greedy_reference):
         num_kv_blocks=256,
         cudagraph_mode="full",  # MLA reads host lengths: the prefills keep the piecewise graphs
     )
-    assert llm.engine.runner.graphs is not None and llm.engine.runner.mixed is None
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.mixed is None
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected, name
-    assert llm.engine.runner.pieces.replays > 0  # the prefills ran as piecewise graphs
+    assert llm.engine.runner.graphs.pieces.replays > 0  # the prefills ran as piecewise graphs
     # Again: the prefix cache serves every prompt's full blocks.
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected, name

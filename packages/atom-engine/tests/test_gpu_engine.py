@@ -95,12 +95,14 @@ def test_float32_greedy_matches_transformers(tiny, mode):
     runner = llm.engine.runner
     assert generate(llm, batch) == expected
     assert (runner.graphs is not None) == (mode != "none")
-    assert (runner.pieces is not None) == (mode == "full_and_piecewise")
-    assert (runner.mixed is not None) == (mode == "full")
-    if runner.pieces is not None:
-        assert runner.pieces.replays > 0 and runner.pieces.sizes[-1] == 256
-    if runner.mixed is not None:
-        assert runner.mixed.replays > 0 and runner.mixed.sizes[-1] == 256
+    pieces = runner.graphs.pieces if runner.graphs is not None else None
+    mixed = runner.graphs.mixed if runner.graphs is not None else None
+    assert (pieces is not None) == (mode == "full_and_piecewise")
+    assert (mixed is not None) == (mode == "full")
+    if pieces is not None:
+        assert pieces.replays > 0 and pieces.sizes[-1] == 256
+    if mixed is not None:
+        assert mixed.replays > 0 and mixed.sizes[-1] == 256
     # Prefix caching: the second pass hits the cache and decodes the same tokens.
     hits = llm.engine.block_manager.num_hit_tokens
     assert generate(llm, batch) == expected
@@ -123,7 +125,8 @@ def test_preemption_on_gpu(tiny, mode):
     )
     assert generate(llm, batch) == expected
     assert llm.engine.stats().num_preemptions > 0
-    graphs = llm.engine.runner.pieces if mode == "full_and_piecewise" else llm.engine.runner.mixed
+    step_graphs = llm.engine.runner.graphs
+    graphs = step_graphs.pieces if mode == "full_and_piecewise" else step_graphs.mixed
     assert graphs.replays > 0  # the recomputed prompts' steps too
 
 
@@ -158,7 +161,7 @@ def test_kv_cache_sized_from_gpu_memory(tiny):
     )
     runner = llm.engine.runner
     free, total = torch.cuda.mem_get_info()
-    cache_bytes = runner.num_blocks * runner._block_bytes()
+    cache_bytes = runner.num_blocks * runner.kv_cache.block_bytes
     assert 0.1 * total < cache_bytes < 0.3 * total
 
 
@@ -187,7 +190,7 @@ def test_piecewise_prompt_logprobs_and_async_placeholders_match_eager(tiny):
         results[mode] = (plain, [o.prompt_logprobs for o in outs])
         runner = llm.engine.runner
         if mode != "none":
-            graphs = runner.pieces if mode == "full_and_piecewise" else runner.mixed
+            graphs = runner.graphs.pieces if mode == "full_and_piecewise" else runner.graphs.mixed
             assert graphs.replays > 0
         del llm, runner
         gc.collect()

@@ -153,7 +153,7 @@ def test_gpu_greedy_matches_transformers(name, mode, tmp_path, greedy_reference)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected, name
-    graphs = runner.pieces if mode == "full_and_piecewise" else runner.mixed
+    graphs = runner.graphs.pieces if mode == "full_and_piecewise" else runner.graphs.mixed
     assert graphs.replays > 0  # the prefills ran as piecewise (or whole-forward) graphs
 
 

@@ -12,7 +12,7 @@ from transformers import Qwen3Config
 from atom_engine import EngineConfig
 from atom_engine.cli.args import engine_config_from_args
 from atom_engine.cli.main import build_parser
-from atom_engine.piecewise_graphs import capture_sizes
+from atom_engine.graphs.piecewise import capture_sizes
 from atom_models import load_model, set_forward_context
 from atom_models.native_host import (
     PagedAttentionMetadata,
@@ -50,7 +50,7 @@ def test_whole_forward_graphs_only_for_models_whose_attention_reads_device_metad
     layer is a NativeAttention (device metadata alone); MLA (host lengths) keeps the pieces."""
     from transformers import DeepseekV3Config
 
-    from atom_engine.mixed_graphs import supports_mixed_graphs
+    from atom_engine.graphs.mixed import supports_mixed_graphs
 
     qwen3 = Qwen3Config(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from atom_engine.model_runner import profile_batch
+from atom_engine.kv_cache import profile_batch
 
 
 @pytest.mark.parametrize(

@@ -262,14 +262,14 @@ def _fail_runs_of(llm_engine, seed: int, where: str) -> None:
         llm_engine.runner.run = lambda batch: (check(batch), run(batch))[1]
         llm_engine.runner.launch = lambda batch, prev: (check(batch), launch(batch, prev))[1]
     else:
-        append = llm_engine._append_token
+        append = llm_engine.post.append_token
 
         def failing_append(seq, token_id, info):
             if seq.params.seed == seed:
                 raise RuntimeError(f"injected fault of seed {seed}")
             append(seq, token_id, info)
 
-        llm_engine._append_token = failing_append
+        llm_engine.post.append_token = failing_append
 
 
 @pytest.mark.parametrize("where", ["run", "postprocess"])
@@ -294,7 +294,7 @@ def test_engine_failure_fails_only_its_request(server, victim_texts, where):
         def restore(llm_engine):
             for name in ("run", "launch"):
                 llm_engine.runner.__dict__.pop(name, None)
-            llm_engine.__dict__.pop("_append_token", None)
+            llm_engine.post.__dict__.pop("append_token", None)
 
         asyncio.run(server.engine.call(restore))
     status, text = failed

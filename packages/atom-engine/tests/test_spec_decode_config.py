@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from atom_engine.spec_decode import SpeculativeConfig, ngram_propose
+from atom_engine.spec_config import SpeculativeConfig
+from atom_engine.spec_decode import ngram_propose
 
 
 def test_ngram_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix():

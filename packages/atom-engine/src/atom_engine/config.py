@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from atom_engine.spec_decode import SpeculativeConfig
+from atom_engine.spec_config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KV-cache dtypes besides "auto" (the model's dtype); fp8 caches carry per-tensor scales.

@@ -27,7 +27,6 @@ import contextlib
 import itertools
 import logging
 import weakref
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,13 +36,13 @@ from atom_engine.config import EngineConfig
 from atom_engine.cpu_compile import cpu_forward, pack_lm_head
 from atom_engine.cpu_linear import pack_linears
 from atom_engine.cpu_threads import set_cpu_threads
-from atom_engine.cuda_graphs import DecodeGraphs
-from atom_engine.mixed_graphs import MixedGraphs, supports_mixed_graphs
-from atom_engine.piecewise_graphs import PiecewiseGraphs
-from atom_engine.sampler import Sampler, TopLogprobs, to_device
+from atom_engine.graphs import capture_step_graphs, uses_graphs
+from atom_engine.kv_cache import GiB, num_kv_blocks
+from atom_engine.sampler import Sampler, to_device
 from atom_engine.scheduler import ScheduledBatch
 from atom_engine.sequence import Sequence
 from atom_engine.step_inputs import OP_LAUNCH, OP_RUN, StepInputs, prepare_step
+from atom_engine.step_outputs import Launch, RunOutput
 from atom_engine.structured_output import apply_grammar_bitmasks
 from atom_models import load_model, set_forward_context
 from atom_models.native_host import NativeAttentionHost, PagedAttentionMetadata, PagedKVCache
@@ -53,49 +52,6 @@ if TYPE_CHECKING:
     from atom_engine.workers import WorkerGroup
 
 logger = logging.getLogger("atom_engine")
-
-GiB = 1 << 30
-
-
-def profile_batch(
-    num_tokens: int, max_model_len: int, block_size: int
-) -> tuple[list[int], list[list[int]], list[int]]:
-    """The memory profile's prefill of `num_tokens` tokens as prompts of at most `max_model_len`
-    (sequence lengths, block tables over fresh blocks, positions): a position past the model's
-    length would read past its rotary table (the GPU rotary+cache kernel does not check it)."""
-    lens = [min(max_model_len, num_tokens - s) for s in range(0, num_tokens, max_model_len)]
-    tables, first = [], 0
-    for n in lens:
-        count = -(-n // block_size)
-        tables.append(list(range(first, first + count)))
-        first += count
-    return lens, tables, [p for n in lens for p in range(n)]
-
-
-@dataclass
-class Launch:
-    """A step queued on the device (`ModelRunner.launch`): its sampled ids arrive in pinned host
-    memory when `ready` has passed."""
-
-    batch: ScheduledBatch
-    seqs: list[Sequence]  # the sampled sequences, in `sampled` row order
-    rows: dict[int, int]  # seq_id -> row of `sampled` (and of host)
-    host: torch.Tensor  # pinned int64 [len(seqs)]
-    ready: torch.cuda.Event | None  # None on the CPU (the copy was synchronous)
-
-    def token_ids(self) -> list[int]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host.tolist()
-
-
-@dataclass
-class RunOutput:
-    # seq_id -> the tokens it emits (sampled id, its TopLogprobs or None): one, or with
-    # speculative drafts the accepted drafts and the token drawn after them
-    sampled: dict[int, list[tuple[int, TopLogprobs | None]]]
-    # seq_id -> prompt log-probs of the prompt positions computed in this step, in order
-    prompt_logprobs: dict[int, list[TopLogprobs]]
 
 
 class ModelRunner:
@@ -140,22 +96,18 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.hidden_size = hf_config.hidden_size
         self.kv_cache = PagedKVCache(self.model, self.block_size, self.kv_cache_dtype)
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks = num_kv_blocks(
+            self.model, self.kv_cache, config, self.device, max_model_len
+        )
         if tp is not None:  # every rank's cache holds the same blocks: the smallest fits all
             self.num_blocks = tp.min(self.num_blocks)
         self.kv_cache.bind(self.num_blocks, self.device)
         # Sampled ids of the last launch (device) and two pinned host mirrors (a launch writes one
         # while the previous launch's is read). In the graphs' token buffer when there are graphs.
         max_sampled = max(1, config.max_num_seqs)
-        self.graphs = DecodeGraphs(self, max_sampled) if self._use_graphs() else None
-        self.pieces = None  # the piecewise graphs of the steps with a prefill
-        self.mixed = None  # or their whole-forward graphs (cudagraph_mode="full")
-        mode = config.cudagraph_mode
-        if self.graphs is not None and mode == "full" and supports_mixed_graphs(self.model):
-            self.mixed = MixedGraphs(self, config.max_num_batched_tokens, self.graphs.pool)
-        elif self.graphs is not None and mode in ("full", "full_and_piecewise"):
-            self.pieces = PiecewiseGraphs(self, config.max_num_batched_tokens, self.graphs.pool)
-        if self.graphs is not None:
+        self.graphs = None
+        if uses_graphs(self.device, config.enforce_eager, config.cudagraph_mode):
+            self.graphs = capture_step_graphs(self, max_sampled)
             self.sampled = self.graphs.sampled
         else:
             self.sampled = torch.zeros(max_sampled, dtype=torch.long, device=self.device)
@@ -189,18 +141,15 @@ class ModelRunner:
             self.block_size,
             self.num_blocks * self.block_size,
             self.kv_cache.bytes_per_token,
-            self.num_blocks * self._block_bytes() / GiB,
+            self.num_blocks * self.kv_cache.block_bytes / GiB,
             str(self.kv_cache_dtype).removeprefix("torch."),
             self.device,
         )
         self.closed = False
         # Holds the torch graphs and the group, never the runner or its graph owners (they hold
         # the runner: it would never be collected).
-        graphs = [graph for owner in self._graph_owners() for graph in owner.cuda_graphs()]
+        graphs = self.graphs.cuda_graphs() if self.graphs is not None else []
         self._finalizer = weakref.finalize(self, _release_graphs_and_group, graphs, tp)
-
-    def _graph_owners(self) -> list:
-        return [g for g in (self.graphs, self.pieces, self.mixed) if g is not None]
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the other ranks' processes (each releases its runner first) and release this
@@ -223,9 +172,9 @@ class ModelRunner:
         if self.closed:
             return
         self.closed = True
-        for owner in self._graph_owners():
-            owner.close()
-        self.graphs = self.pieces = self.mixed = None
+        if self.graphs is not None:
+            self.graphs.close()
+        self.graphs = None
         if self.kv_cache is not None:
             self.kv_cache.release()
         self.model = self.forward = self.kv_cache = None
@@ -254,67 +203,6 @@ class ModelRunner:
             atom_kernels.sample(logits, temperature, None, None, None)
         torch.cuda.synchronize(self.device)
 
-    def _use_graphs(self) -> bool:
-        config = self.config
-        return (
-            self.device.type == "cuda"
-            and not config.enforce_eager
-            and (config.cudagraph_mode != "none")
-        )
-
-    # -- KV-cache sizing ----------------------------------------------------------------------
-
-    def _block_bytes(self) -> int:
-        """One block of every layer's cache, from the layers' own cache specs (K and V per
-        head for standard attention, latent + rope key for MLA)."""
-        return self.kv_cache.block_bytes
-
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        if self.device.type == "cpu":
-            return max(1, int(self.config.cpu_kv_cache_space * GiB) // self._block_bytes())
-        return self._profile_gpu_blocks()
-
-    @torch.no_grad()
-    def _profile_gpu_blocks(self) -> int:
-        """Blocks that fit in gpu_memory_utilization once the weights and a peak-size forward
-        are accounted for.
-
-        Everything already on the GPU (this model's weights, other engines in this process, other
-        processes) is read from the free memory; the forward's own peak on top of it is measured.
-        """
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        baseline = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = self.config.max_num_batched_tokens
-        lens, tables, positions = profile_batch(num_tokens, self.max_model_len, self.block_size)
-        blocks = sum(len(t) for t in tables)
-        self.kv_cache.bind(blocks, self.device)
-        md = PagedAttentionMetadata.build(lens, lens, tables, self.block_size, self.device)
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        with set_forward_context(md):
-            hidden = self.model(ids, to_device(positions, torch.long, self.device))
-        self.model.compute_logits(hidden[-self.config.max_num_seqs :]).float().softmax(-1)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - baseline
-        peak -= blocks * self._block_bytes()  # the profile's own temporary cache
-        self.kv_cache.release()
-        del hidden
-        torch.cuda.empty_cache()
-        in_use = total - free
-        budget = total * self.config.gpu_memory_utilization - in_use - peak
-        num_blocks = int(budget // self._block_bytes())
-        if num_blocks < 1:
-            raise ValueError(
-                f"no room for a KV cache: {in_use / GiB:.2f} GiB of {total / GiB:.2f} GiB is in "
-                f"use (weights included) and a forward needs {peak / GiB:.2f} GiB more; raise "
-                "gpu_memory_utilization or lower max_num_batched_tokens"
-            )
-        return num_blocks
-
     # -- one step ------------------------------------------------------------------------------
 
     def _prepare(
@@ -326,31 +214,20 @@ class ModelRunner:
         """Queue the forward of a step; hidden states [T, hidden]."""
         if self.cpu_threads is not None:
             self.cpu_threads.apply(len(inputs.ids))
-        if self.graphs is not None and self.graphs.fits(len(inputs.ids), inputs.query_lens):
-            return self.graphs.run(inputs.ids, inputs.seq_lens, inputs.tables, inputs.gathers)
-        positions = inputs.positions()
-        if self.mixed is not None and self.mixed.fits(len(inputs.ids), len(inputs.seq_lens)):
-            return self.mixed.run(
-                inputs.ids,
-                positions,
-                inputs.seq_lens,
-                inputs.query_lens,
-                inputs.tables,
-                inputs.gathers,
-                self.sampled,
-            )
+        if self.graphs is not None:
+            hidden = self.graphs.replay(inputs, self.sampled)
+            if hidden is not None:
+                return hidden
         md = PagedAttentionMetadata.build(
             inputs.seq_lens, inputs.query_lens, inputs.tables, self.block_size, self.device
         )
-        if self.pieces is not None and self.pieces.fits(len(inputs.ids)):
-            return self.pieces.run(inputs.ids, positions, inputs.gathers, self.sampled, md)
         input_ids = to_device(inputs.ids, torch.long, self.device)
         if inputs.gathers:
             rows, src = zip(*inputs.gathers, strict=True)
             input_ids[to_device(list(rows), torch.long, self.device)] = self.sampled[
                 to_device(list(src), torch.long, self.device)
             ]
-        pos = to_device(positions, torch.long, self.device)
+        pos = to_device(inputs.positions(), torch.long, self.device)
         with set_forward_context(md):
             return self.forward(input_ids, pos)  # [T, hidden]
 

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 from atom_engine.sequence import PLACEHOLDER
 
 if TYPE_CHECKING:
-    from atom_engine.model_runner import Launch
     from atom_engine.scheduler import ScheduledBatch
     from atom_engine.sequence import Sequence
+    from atom_engine.step_outputs import Launch
 
 # What a worker does with a step (the first word of a packed message).
 OP_SHUTDOWN, OP_RUN, OP_LAUNCH = 0, 1, 2

@@ -96,7 +96,8 @@ def eager_decode_graphs(runner, on_replay=None):
     is told each replay's forward time."""
     from unittest import mock
 
-    from atom_engine.cuda_graphs import DecodeGraphs
+    from atom_engine.graphs import StepGraphs
+    from atom_engine.graphs.decode import DecodeGraphs
     from atom_models import set_forward_context
 
     class EagerReplay:
@@ -124,7 +125,7 @@ def eager_decode_graphs(runner, on_replay=None):
         mock.patch.object(torch.Tensor, "pin_memory", lambda t: t),
     ):
         graphs = DecodeGraphs(runner, max(1, runner.config.max_num_seqs))
-    runner.graphs = graphs
+    runner.graphs = StepGraphs(graphs)
     runner.sampled = graphs.sampled
     return graphs
 

@@ -35,7 +35,7 @@ from atom_models.native_host import (
 )
 
 if TYPE_CHECKING:
-    from atom_engine.model_runner import ModelRunner
+    from atom_engine.graphs.target import GraphTarget
 
 logger = logging.getLogger("atom_engine")
 
@@ -45,15 +45,15 @@ logger = logging.getLogger("atom_engine")
 MAX_CAPTURE_TOKENS = 8192
 
 
-def capture_sizes(max_tokens: int) -> list[int]:
+def capture_sizes(max_step_tokens: int) -> list[int]:
     """The token counts captured: at most 25% padding up to 512 tokens (16 apart below 64), 256
-    tokens apart up to 2048 and 512 beyond, and `max_tokens` itself (a step that fills its budget
-    is not padded)."""
+    tokens apart up to 2048 and 512 beyond, and `max_step_tokens` itself (a step that fills its
+    budget is not padded)."""
     small = [16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
-    sizes = {s for s in small if s < max_tokens}
-    sizes |= set(range(768, min(max_tokens, 2048), 256))
-    sizes |= set(range(2560, max_tokens, 512))
-    return sorted(sizes | {max_tokens})
+    sizes = {s for s in small if s < max_step_tokens}
+    sizes |= set(range(768, min(max_step_tokens, 2048), 256))
+    sizes |= set(range(2560, max_step_tokens, 512))
+    return sorted(sizes | {max_step_tokens})
 
 
 class _ArrayInterface:
@@ -99,20 +99,21 @@ class _Captured:
 
 
 class PiecewiseGraphs:
-    """The piecewise graphs of one rank's model, for steps of up to `max_tokens` tokens (at most
-    MAX_CAPTURE_TOKENS), at `capture_sizes` of that."""
+    """The piecewise graphs of one rank's model, for steps of up to `max_step_tokens` tokens (at
+    most MAX_CAPTURE_TOKENS), at `capture_sizes` of that."""
 
-    def __init__(self, runner: ModelRunner, max_tokens: int, pool=None) -> None:
+    def __init__(self, runner: GraphTarget, max_step_tokens: int, pool=None) -> None:
         self.runner = runner
         self.model: nn.Module = runner.model
         self.device = runner.device
-        max_tokens = min(max_tokens, MAX_CAPTURE_TOKENS)
-        self.sizes = capture_sizes(max_tokens)
-        self.max_tokens = max_tokens
-        self.ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
+        self.block_size = runner.block_size
+        max_step_tokens = min(max_step_tokens, MAX_CAPTURE_TOKENS)
+        self.sizes = capture_sizes(max_step_tokens)
+        self.max_step_tokens = max_step_tokens
+        self.ids = torch.zeros(max_step_tokens, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(max_step_tokens, dtype=torch.long, device=self.device)
         # Two pinned host mirrors used in turn (a launch's copy may still be queued).
-        self._host = [torch.zeros(2, max_tokens, dtype=torch.long).pin_memory() for _ in "ab"]
+        self._host = [torch.zeros(2, max_step_tokens, dtype=torch.long).pin_memory() for _ in "ab"]
         self._turn = 0
         self._widths: dict[int, tuple[int, torch.dtype]] = {}  # id(layer) -> its output's
         self._buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -137,13 +138,13 @@ class PiecewiseGraphs:
         self.runner = None
 
     def fits(self, num_tokens: int) -> bool:
-        return num_tokens <= self.max_tokens
+        return num_tokens <= self.max_step_tokens
 
     def _buffer(self, layer: NativeCacheLayer, size: int) -> torch.Tensor:
         width, dtype = self._widths[id(layer)]
         buf = self._buffers.get((width, dtype))
         if buf is None:  # in the first (largest) warm-up, never while capturing
-            buf = torch.zeros(self.max_tokens, width, dtype=dtype, device=self.device)
+            buf = torch.zeros(self.max_step_tokens, width, dtype=dtype, device=self.device)
             self._buffers[width, dtype] = buf
         return buf[:size]
 

@@ -13,7 +13,7 @@ from atom_models import set_forward_context
 from atom_models.native_host import PagedAttentionMetadata
 
 if TYPE_CHECKING:
-    from atom_engine.model_runner import ModelRunner
+    from atom_engine.graphs.target import GraphTarget
 
 logger = logging.getLogger("atom_engine")
 
@@ -33,7 +33,7 @@ class DecodeGraphs:
     the ids the host sent (`src`): a placeholder's id never goes through the host.
     """
 
-    def __init__(self, runner: ModelRunner, max_sampled: int) -> None:
+    def __init__(self, runner: GraphTarget, max_sampled: int) -> None:
         self.runner = runner
         device = runner.device
         max_bs = max(1, min(runner.config.max_num_seqs, 512))

@@ -1,6 +1,6 @@
 """Whole-forward CUDA graphs of the steps with a prefill (`cudagraph_mode="full"`).
 
-The piecewise graphs (piecewise_graphs.py) leave every attention layer eager because a step with a
+The piecewise graphs (`graphs.piecewise`) leave every attention layer eager because a step with a
 prefill varies in its sequences. But the Triton attention kernels size their grids from shapes
 alone and route each sequence on the device (query_start_loc, seq_lens): given a fixed number of
 sequence slots, a padded token count and a block table as wide as max_model_len, one graph serves
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from atom_engine.cuda_graphs import _aligned
-from atom_engine.piecewise_graphs import MAX_CAPTURE_TOKENS, _weak, capture_sizes
+from atom_engine.graphs.decode import _aligned
+from atom_engine.graphs.piecewise import MAX_CAPTURE_TOKENS, _weak, capture_sizes
 from atom_engine.sampler import to_device
 from atom_models import set_forward_context
 from atom_models.native_host import (
@@ -35,7 +35,7 @@ from atom_models.native_host import (
 )
 
 if TYPE_CHECKING:
-    from atom_engine.model_runner import ModelRunner
+    from atom_engine.graphs.target import GraphTarget
 
 logger = logging.getLogger("atom_engine")
 
@@ -50,21 +50,21 @@ def supports_mixed_graphs(model: torch.nn.Module) -> bool:
 
 
 class MixedGraphs:
-    """Whole-forward graphs of steps of up to `max_tokens` tokens (at most MAX_CAPTURE_TOKENS)
+    """Whole-forward graphs of steps of up to `max_step_tokens` tokens (at most MAX_CAPTURE_TOKENS)
     and `max_seqs` sequences, at `capture_sizes` token counts."""
 
-    def __init__(self, runner: ModelRunner, max_tokens: int, pool=None) -> None:
+    def __init__(self, runner: GraphTarget, max_step_tokens: int, pool=None) -> None:
         self.runner = runner
         device = self.device = runner.device
         self.block_size = runner.block_size
-        self.max_tokens = max_tokens = min(max_tokens, MAX_CAPTURE_TOKENS)
-        self.sizes = capture_sizes(max_tokens)
+        self.max_step_tokens = max_step_tokens = min(max_step_tokens, MAX_CAPTURE_TOKENS)
+        self.sizes = capture_sizes(max_step_tokens)
         self.max_seqs = seqs = max(1, min(runner.config.max_num_seqs, MAX_SEQS))
         self.max_blocks = -(-runner.max_model_len // self.block_size)
-        # tokens (int64): [ids | positions | slots], each section max_tokens long (16-byte
+        # tokens (int64): [ids | positions | slots], each section max_step_tokens long (16-byte
         # aligned); meta (int32): [seq_lens | query_start_loc | block tables]. One pinned host
         # mirror of each per turn (a step's copy may still be queued while the next is prepared).
-        self._row = row = _aligned(max_tokens, 2)
+        self._row = row = _aligned(max_step_tokens, 2)
         self._lens, self._starts = _aligned(seqs, 4), _aligned(seqs + 1, 4)
         self._tables_at = self._lens + self._starts
         meta_numel = self._tables_at + seqs * self.max_blocks
@@ -74,7 +74,7 @@ class MixedGraphs:
         self.meta_host = [torch.zeros(meta_numel, dtype=torch.int32).pin_memory() for _ in "ab"]
         self._turn = 0
         self.ids, self.positions, self.slot_mapping = (
-            t[:max_tokens] for t in self.tokens.split(row)
+            t[:max_step_tokens] for t in self.tokens.split(row)
         )
         lens, starts, tables = self.meta.split([self._lens, self._starts, seqs * self.max_blocks])
         self.seq_lens, self.query_start_loc = lens[:seqs], starts[: seqs + 1]
@@ -97,7 +97,7 @@ class MixedGraphs:
         self.runner = None
 
     def fits(self, num_tokens: int, num_seqs: int) -> bool:
-        return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs
+        return num_tokens <= self.max_step_tokens and num_seqs <= self.max_seqs
 
     def _metadata(self, size: int) -> PagedAttentionMetadata:
         # max_query_len only tells the kernels whether the step is decode-only: never here.
