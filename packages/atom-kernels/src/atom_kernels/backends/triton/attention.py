@@ -17,7 +17,6 @@ import triton
 
 from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.attention_config import (  # noqa: F401 (re-exported)
-    DECODE_PAGE_CONSTEXPR,
     HAS_WARP_SPECIALIZE,
     LARGE_BATCH_PROGRAMS_PER_SM,
     PROGRAMS_PER_SM,

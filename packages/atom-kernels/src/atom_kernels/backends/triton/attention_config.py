@@ -13,11 +13,6 @@ import triton.language as tl
 
 from atom_kernels.backends.triton.common import next_pow2
 
-# default_config compiles the decode kernel for the page size (AttentionConfig.
-# decode_page_constexpr; ATOM_DECODE_PAGE_CONSTEXPR=0: off, for A/B runs). On: 3-4% at every
-# batch of benchmarks/decode_sweep.py (see default_config's last NOTE).
-DECODE_PAGE_CONSTEXPR = os.environ.get("ATOM_DECODE_PAGE_CONSTEXPR", "1") != "0"
-
 
 def _env_tile(name: str) -> tuple[int, int, int] | None:
     value = os.environ.get(name, "")
@@ -80,7 +75,9 @@ class AttentionConfig:
     # 8 warps, 128 registers let two programs share an SM (see default_config's NOTE).
     prefill_maxnreg: int | None = None
     # The decode kernel compiled for the cache's page size (a power of two): a token's page and
-    # slot by shift and mask, not a runtime division per token row (DECODE_PAGE_CONSTEXPR).
+    # slot by shift and mask, not a runtime division per token row. default_config turns it on:
+    # 2.5-4% at every batch of benchmarks/decode_sweep.py (its last NOTE); off, the A/B switch
+    # ATOM_DECODE_PAGE_CONSTEXPR=0, is gone. Other page sizes take the runtime division.
     decode_page_constexpr: bool = False
 
     def decode_tile(self, programs_per_sm: float) -> tuple[int, int, int]:
@@ -205,7 +202,7 @@ def default_config(
             config = replace(
                 config, decode_block_n_large=n, decode_num_warps_large=w, decode_num_stages_large=s
             )
-    return replace(config, decode_page_constexpr=DECODE_PAGE_CONSTEXPR)
+    return replace(config, decode_page_constexpr=True)
 
 
 def _default_tiles(
