@@ -5,17 +5,17 @@ takes (``AttentionConfig.decode_tile``). The launcher is attention.py."""
 from __future__ import annotations
 
 import inspect
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton.language as tl
 
+from atom_kernels import envs
 from atom_kernels.backends.triton.common import next_pow2
 
 
-def _env_tile(name: str) -> tuple[int, int, int] | None:
-    value = os.environ.get(name, "")
+def _env_tile(name: str, value: str) -> tuple[int, int, int] | None:
+    """Switch ``name``'s ``value`` "tokens,warps,stages" as a tile ("": None)."""
     if not value:
         return None
     try:
@@ -33,16 +33,16 @@ def _env_tile(name: str) -> tuple[int, int, int] | None:
 # 16-bit batches that are split / fill the GPU unsplit / have LARGE_BATCH_PROGRAMS_PER_SM
 # programs an SM, in place of default_config's (A/B runs; benchmarks/decode_sweep.py times
 # candidates).
-DECODE_SPLIT_TILE = _env_tile("ATOM_DECODE_SPLIT_TILE")
-DECODE_UNSPLIT_TILE = _env_tile("ATOM_DECODE_UNSPLIT_TILE")
-DECODE_LARGE_TILE = _env_tile("ATOM_DECODE_LARGE_TILE")
+DECODE_SPLIT_TILE = _env_tile("ATOM_DECODE_SPLIT_TILE", envs.ATOM_DECODE_SPLIT_TILE)
+DECODE_UNSPLIT_TILE = _env_tile("ATOM_DECODE_UNSPLIT_TILE", envs.ATOM_DECODE_UNSPLIT_TILE)
+DECODE_LARGE_TILE = _env_tile("ATOM_DECODE_LARGE_TILE", envs.ATOM_DECODE_LARGE_TILE)
 
 # Programs the decode grid aims for, per SM: enough resident programs to cover memory latency.
 PROGRAMS_PER_SM = 2
 # From this many (sequence, kv head) programs an SM, the decode kernel takes the config's large
 # tiles (see default_config's last NOTE: 5 was 8). ATOM_DECODE_LARGE_TILES_FROM overrides it
 # (A/B runs).
-LARGE_BATCH_PROGRAMS_PER_SM = float(os.environ.get("ATOM_DECODE_LARGE_TILES_FROM", "5"))
+LARGE_BATCH_PROGRAMS_PER_SM = envs.ATOM_DECODE_LARGE_TILES_FROM
 
 
 @dataclass(frozen=True)

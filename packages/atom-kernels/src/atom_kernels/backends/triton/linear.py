@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import envs
 from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
 
@@ -46,7 +46,7 @@ MIN_WEIGHT_BYTES = 16 << 20
 # (results/s11-h100/pdl-call3, two rounds alternating). So it follows PDL by default;
 # ATOM_SKINNY_SPLIT_K=1 / 0 forces it on / off.
 SPLIT_K_MIN_WEIGHT_BYTES = 2 << 20
-SPLIT_K_SETTING = os.environ.get("ATOM_SKINNY_SPLIT_K", "auto")
+SPLIT_K_SETTING = envs.ATOM_SKINNY_SPLIT_K
 
 
 def split_k_enabled(device: torch.device) -> bool:
@@ -216,7 +216,7 @@ def _one_row_override(spec: str) -> SkinnyConfig | None:
     )
 
 
-ONE_ROW_OVERRIDE = _one_row_override(os.environ.get("ATOM_SKINNY_ONE_ROW", ""))
+ONE_ROW_OVERRIDE = _one_row_override(envs.ATOM_SKINNY_ONE_ROW)
 
 
 def one_row_config(n: int, k: int) -> SkinnyConfig | None:
