@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import threading
 
 import torch
 import torch.distributed as dist
 
+from atom_engine import envs
 from atom_engine.config import EngineConfig
 from atom_models.distributed import padded_attention_heads
 
@@ -116,7 +116,7 @@ def make_store(rank: int, size: int, port: int = 0) -> dist.TCPStore:
         port,
         size,
         is_master=rank == 0,
-        timeout=datetime.timedelta(seconds=float(os.environ.get("ATOM_TP_CONNECT_TIMEOUT", 300))),
+        timeout=datetime.timedelta(seconds=envs.ATOM_TP_CONNECT_TIMEOUT),
         wait_for_workers=False,
     )
 
