@@ -43,8 +43,6 @@ def test_narrow_one_row_tiles_for_the_projections(monkeypatch):
     # K >= 4096 and not an LM head: 4 x 1024 / 4 warps, 8 x 2048 / 8 warps from K = 8192;
     # smaller K (Qwen3-0.6B's projections, their split-K) and more rows keep theirs.
     monkeypatch.setattr(linear, "ONE_ROW_OVERRIDE", None)
-    monkeypatch.setattr(linear, "ONE_ROW_NARROW", True)
-    monkeypatch.setattr(linear, "ONE_ROW_PREFETCH", False)
 
     def tile(n, k, rows=1, split=True):
         c = linear.default_config(rows, n, k, 132, False, split)
@@ -58,10 +56,6 @@ def test_narrow_one_row_tiles_for_the_projections(monkeypatch):
     assert tile(4096, 4096, rows=4)[4]  # dots at more rows
     qkv = gated_linear.default_config(1, False, gated=False, k=4096, n=6144)  # norm + QKV
     assert (qkv.block_n, qkv.block_k, qkv.num_warps) == (4, 1024, 4)
-    monkeypatch.setattr(linear, "ONE_ROW_PREFETCH", True)
-    assert tile(4096, 14336)[5]
-    monkeypatch.setattr(linear, "ONE_ROW_NARROW", False)  # ATOM_SKINNY_NARROW=0
-    assert tile(4096, 14336)[:2] == (16, 512)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for a GPU")

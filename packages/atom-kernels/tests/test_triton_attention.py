@@ -390,12 +390,11 @@ def test_decode_tile_regimes_and_env_tiles(triton_backend, monkeypatch):
     assert config.decode_tile(0.5) == (64, 4, 3)
     assert config.decode_tile(ac.PROGRAMS_PER_SM) == (64, 2, 3)
     assert config.decode_tile(ac.LARGE_BATCH_PROGRAMS_PER_SM) == (128, 4, 2)
-    monkeypatch.setenv("ATOM_TEST_TILE", "32,2,4")
-    assert ac._env_tile("ATOM_TEST_TILE") == (32, 2, 4)
+    assert ac._env_tile("ATOM_TEST_TILE", "32,2,4") == (32, 2, 4)
+    assert ac._env_tile("ATOM_TEST_TILE", "") is None
     for bad in ("64,2", "a,b,c", "48,2,3", "64,0,3"):
-        monkeypatch.setenv("ATOM_TEST_TILE", bad)
         with pytest.raises(ValueError, match="ATOM_TEST_TILE"):
-            ac._env_tile("ATOM_TEST_TILE")
+            ac._env_tile("ATOM_TEST_TILE", bad)
     monkeypatch.setattr(ac, "DECODE_UNSPLIT_TILE", (32, 2, 4))
     monkeypatch.setattr(ac, "DECODE_LARGE_TILE", (64, 8, 2))
     tuned = ac.default_config(128, torch.bfloat16, False, 2)

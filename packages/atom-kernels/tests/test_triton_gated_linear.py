@@ -225,10 +225,12 @@ def test_where_the_fused_norm_linear_runs(monkeypatch):
 @pytest.mark.parametrize("has_residual", [True, False])
 def test_norm_skinny_linear_gpu_real_sizes(triton_backend, monkeypatch, has_residual, prefetch):
     # Llama-3-8B's input norm + QKV (6144 x 4096) at one row with the default tiles and the
-    # one-pass norm (W tiles loaded ahead, or not), against rms_norm then linear.
+    # one-pass norm (W tiles loaded ahead through ATOM_SKINNY_ONE_ROW's prefetch, or not),
+    # against rms_norm then linear.
     from atom_kernels.backends.triton import linear
 
-    monkeypatch.setattr(linear, "ONE_ROW_PREFETCH", prefetch)
+    tile = linear._one_row_override("4,1024,4,1,1") if prefetch else None
+    monkeypatch.setattr(linear, "ONE_ROW_OVERRIDE", tile)
     monkeypatch.setattr(gated_linear, "NORM_ONE_PASS_LINEAR", True)
     rows, n, k = 1, 6144, 4096
     x, w, _ = _inputs(rows, n, k, torch.bfloat16, "cuda", False)

@@ -20,7 +20,6 @@ MLA, or a graph break.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 import atom_kernels.registry
+from atom_engine import envs
 from atom_engine.cpu_threads import CpuThreads
 from atom_models import set_forward_context
 from atom_models.native_host import (
@@ -49,7 +49,7 @@ def why_not_compiled(model: nn.Module, device: torch.device, enforce_eager: bool
         return "not a CPU device"
     if enforce_eager:
         return "enforce_eager"
-    if os.environ.get(ENV_VAR, "").strip() == "0":
+    if not envs.ATOM_CPU_COMPILE:
         return f"{ENV_VAR}=0"
     if tp_size > 1:
         return "tensor parallelism (collectives inside the forward)"

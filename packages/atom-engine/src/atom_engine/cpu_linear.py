@@ -8,10 +8,11 @@ layer on `atom_kernels.linear`.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
+
+from atom_engine import envs
 
 logger = logging.getLogger("atom_engine")
 
@@ -39,7 +40,7 @@ ONEDNN_LINEAR = OneDnnLinearMethod()
 def pack_linears(model: nn.Module, device: torch.device, tp_size: int) -> int:
     """Give every unquantized float32 linear layer of `model` a oneDNN-packed copy of its weight
     (one rank, CPU only); how many layers got one."""
-    if device.type != "cpu" or tp_size > 1 or os.environ.get(ENV_VAR, "").strip() == "0":
+    if device.type != "cpu" or tp_size > 1 or not envs.ATOM_CPU_PACKED_LINEAR:
         return 0
     from atom_kernels.backends.cpu import onednn_linear
     from atom_models.layers.linear import UNQUANTIZED, LinearBase

@@ -31,6 +31,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from atom_engine import envs
 from atom_engine.config import EngineConfig
 from atom_models.distributed import padded_attention_heads
 
@@ -125,7 +126,7 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 def allreduce_choice() -> str:
     """`ATOM_ALLREDUCE`: "nccl" (default) or "peer" (the one-shot kernel for small messages)."""
-    choice = os.environ.get("ATOM_ALLREDUCE", "nccl")
+    choice = envs.ATOM_ALLREDUCE
     if choice not in ALLREDUCE_CHOICES:
         raise ValueError(f"ATOM_ALLREDUCE={choice!r}: expected one of {ALLREDUCE_CHOICES}")
     return choice
@@ -138,7 +139,7 @@ def make_store(rank: int, size: int, port: int = 0) -> dist.TCPStore:
         port,
         size,
         is_master=rank == 0,
-        timeout=datetime.timedelta(seconds=float(os.environ.get("ATOM_TP_CONNECT_TIMEOUT", 300))),
+        timeout=datetime.timedelta(seconds=envs.ATOM_TP_CONNECT_TIMEOUT),
         wait_for_workers=False,
     )
 
@@ -194,9 +195,9 @@ class EngineTPGroup:
             logger.info("GPUs %s lack peer access: all-reduces stay on NCCL", list(peers))
             return None
         plain, fused = PEER_MAX_BYTES.get(self.size, (0, 0))
-        override = os.environ.get("ATOM_ALLREDUCE_PEER_MAX_BYTES")
+        override = envs.ATOM_ALLREDUCE_PEER_MAX_BYTES
         if override is not None:
-            plain = fused = int(override)
+            plain = fused = override
         self.peer_max_bytes, self.peer_fused_max_bytes = plain, fused
         if max(plain, fused) <= 0:
             return None

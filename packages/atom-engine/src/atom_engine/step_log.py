@@ -10,8 +10,9 @@ does no extra work.
 from __future__ import annotations
 
 import json
-import os
 import time
+
+from atom_engine import envs
 
 ENV_VAR = "ATOM_STEP_LOG"
 
@@ -22,7 +23,7 @@ class StepLog:
 
     @classmethod
     def from_env(cls) -> StepLog | None:
-        path = os.environ.get(ENV_VAR, "").strip()
+        path = envs.ATOM_STEP_LOG
         return cls(path) if path else None
 
     def record(self, started: float, wall: float, cpu: float, num_tokens: list[int]) -> None:

@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 
+from atom_engine import envs
 from atom_engine.config import EngineConfig
 from atom_engine.parallel import EngineTPGroup, make_store, rank_device
 from atom_engine.step_inputs import OP_SHUTDOWN, StepInputs, shutdown_message
@@ -270,7 +271,7 @@ FAILURE_ENV = "ATOM_TEST_WORKER_FAILURE"
 
 
 def injected_failure_step(rank: int) -> int | None:
-    value = os.environ.get(FAILURE_ENV)
+    value = envs.ATOM_TEST_WORKER_FAILURE
     if not value:
         return None
     target, _, step = value.partition(":")

@@ -31,6 +31,8 @@ from typing import TypeVar
 
 import torch
 
+from atom_kernels import envs
+
 logger = logging.getLogger("atom_kernels")
 
 BACKENDS = ("torch", "cpu", "triton", "aiter")
@@ -134,7 +136,7 @@ def _auto_backends(device_type: str) -> list[str]:
 def _select(device_type: str) -> tuple[str, bool]:
     if device_type in _SELECTED:
         return _SELECTED[device_type]
-    requested = os.environ.get(ENV_VAR, "").strip().lower()
+    requested = envs.ATOM_KERNEL_BACKEND  # stripped, lower case
     if requested in ("", "auto"):
         candidates = _auto_backends(device_type)
         for backend, fallback in zip(candidates, [*candidates[1:], None], strict=True):

@@ -1,4 +1,7 @@
-"""The environment switches users turn the plugin with (read when the hook runs)."""
+"""The environment switches users turn the plugin with (read when the hook runs).
+
+Every ``ATOM_*`` variable the plugin reads is read here; ``TABLE`` is what docs/architecture.md
+section 14 lists (packages/atom-engine/tests/test_envs.py keeps the two in step)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,12 @@ import os
 DISABLE_PLUGIN = "ATOM_DISABLE_SGLANG_PLUGIN"
 ALLOW_UNTESTED = "ATOM_SGLANG_PLUGIN_ALLOW_UNTESTED"
 MODEL_IMPL = "atom"  # the `--model-impl` value that selects ATOM's models
+
+# name -> (default, meaning)
+TABLE: dict[str, tuple[str, str]] = {
+    DISABLE_PLUGIN: ("off", "`1`: the SGLang plugin registers nothing"),
+    ALLOW_UNTESTED: ("off", "`1`: run on an SGLang other than the tested one"),
+}
 
 _TRUE = {"1", "true", "yes", "on"}
 

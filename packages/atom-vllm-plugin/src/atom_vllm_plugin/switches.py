@@ -1,4 +1,7 @@
-"""The environment switches users turn the plugin with (read when a hook runs, never cached)."""
+"""The environment switches users turn the plugin with (read when a hook runs, never cached).
+
+Every ``ATOM_*`` variable the plugin reads is read here; ``TABLE`` is what docs/architecture.md
+section 14 lists (packages/atom-engine/tests/test_envs.py keeps the two in step)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,16 @@ ALLOW_UNTESTED = "ATOM_VLLM_PLUGIN_ALLOW_UNTESTED"
 CPU_ATTENTION = "ATOM_VLLM_PLUGIN_CPU_ATTENTION"
 COMPILE = "ATOM_VLLM_PLUGIN_COMPILE"
 CPU_GEMM = "ATOM_VLLM_PLUGIN_CPU_GEMM"
+
+# name -> (default, meaning)
+TABLE: dict[str, tuple[str, str]] = {
+    DISABLE_PLUGIN: ("off", "`1`: vLLM runs as if the plugin were absent"),
+    DISABLE_ATTENTION: ("off", "`1`: ATOM's models on vLLM's own attention backends"),
+    ALLOW_UNTESTED: ("off", "`1`: run on a vLLM outside the tested range"),
+    CPU_ATTENTION: ("off", "`1`: ATOM's attention on vLLM's CPU platform too"),
+    COMPILE: ("on", "`1` / `0`: compile ATOM's model with vLLM's `torch.compile` / never"),
+    CPU_GEMM: ("on", "`0`: `atom_kernels.linear` instead of vLLM's prepacked CPU GEMM"),
+}
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
+from atom_engine import envs
 from atom_engine.cli.args import add_engine_args
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -50,7 +50,7 @@ def _add_serve(subparsers) -> None:
     serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     serve.add_argument(
         "--api-key",
-        default=os.environ.get("ATOM_API_KEY"),
+        default=envs.ATOM_API_KEY,
         help="require `Authorization: Bearer KEY` on /v1/* (default: $ATOM_API_KEY)",
     )
     serve.add_argument(

@@ -7,9 +7,9 @@ that thread runs; the trace goes to `ATOM_TORCH_PROFILER_DIR` / `--profiler-dir`
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
+from atom_engine import envs
 from atom_engine.server.async_engine import AsyncEngine
 from atom_engine.server.serving_common import APIError
 
@@ -45,7 +45,7 @@ class Profiler:
 
     def __init__(self, engine: AsyncEngine, directory: str | None = None) -> None:
         self.engine = engine
-        directory = directory or os.environ.get(PROFILER_DIR_ENV)
+        directory = directory or envs.ATOM_TORCH_PROFILER_DIR
         self.directory = Path(directory).expanduser() if directory else None
         self._state: str | None = None  # None, "starting" or "running"
 

@@ -25,7 +25,6 @@ ATOM_FUSED_ROPE_CACHE=0 turns that off (the rotary, then `reshape_and_cache`: A/
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 
 import atom_kernels
+from atom_kernels import envs
 from atom_kernels.registry import get_op, has_own_op
 from atom_models.forward_context import get_forward_context
 from atom_models.native_host.cache_layer import KV_CACHE_FP8_DTYPES, NativeCacheLayer
@@ -43,7 +43,7 @@ from atom_models.native_host.metadata import PagedAttentionMetadata
 if TYPE_CHECKING:  # annotations only: atom_models.layers picks this host lazily
     from atom_models.layers.attention import AttentionSpec
 
-FUSE_ROPE_CACHE = os.environ.get("ATOM_FUSED_ROPE_CACHE", "1") != "0"
+FUSE_ROPE_CACHE = envs.ATOM_FUSED_ROPE_CACHE
 
 
 # Layers the custom op can find by number (a compiled graph holds the number, not the module).

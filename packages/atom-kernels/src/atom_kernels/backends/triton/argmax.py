@@ -30,17 +30,16 @@ against 5.612 / 5.609.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import envs
 from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.common import is_interpreted, num_sms, zeroed_counters
 from atom_kernels.registry import register_op
 
-ENABLED = os.environ.get("ATOM_TRITON_ARGMAX", "1") == "1"
+ENABLED = envs.ATOM_TRITON_ARGMAX
 BIG = tl.constexpr(2147483647)  # "no index" (int32 max)
 
 

@@ -10,14 +10,12 @@ one launch of programs that exit after reading query_start_loc.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
+from atom_kernels import envs
 from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.attention_config import (  # noqa: F401 (re-exported)
-    DECODE_PAGE_CONSTEXPR,
     HAS_WARP_SPECIALIZE,
     LARGE_BATCH_PROGRAMS_PER_SM,
     PROGRAMS_PER_SM,
@@ -52,8 +50,8 @@ MAX_SPLITS = 64
 # H100, PDL on, 2026-11-24, results/s12-h100/h17a-call1): Llama-3-8B batch 1 6.021 / 6.010 ms a step
 # with it against 5.875 / 5.880 without (the same other switches), batch 8 6.273 / 6.277 against
 # 6.290 / 6.301: at batch 1 the last split's serial merge costs more than the launch it saves.
-FUSED_DECODE_REDUCE = os.environ.get("ATOM_FUSED_DECODE_REDUCE", "0") in ("1", "2")
-FUSED_DECODE_REDUCE_IN_GRAPHS = os.environ.get("ATOM_FUSED_DECODE_REDUCE", "0") == "2"
+FUSED_DECODE_REDUCE = envs.ATOM_FUSED_DECODE_REDUCE in ("1", "2")
+FUSED_DECODE_REDUCE_IN_GRAPHS = envs.ATOM_FUSED_DECODE_REDUCE == "2"
 
 
 def fuse_decode_reduce(device: torch.device) -> bool:
@@ -73,9 +71,9 @@ def fuse_decode_reduce(device: torch.device) -> bool:
 # (2.6 TB/s unsplit: the uneven contexts leave no tail); 64 Llama-3-8B sequences of 4096 took
 # 364 us unsplit, 369-390 us split. ATOM_DECODE_LARGE_SPLITS / _SPLIT_TOKENS / _SPLITS_BELOW
 # override them (A/B runs; benchmarks/decode_sweep.py times the candidates).
-LARGE_BATCH_SPLITS = int(os.environ.get("ATOM_DECODE_LARGE_SPLITS", "1"))
-LARGE_BATCH_SPLIT_TOKENS = int(os.environ.get("ATOM_DECODE_LARGE_SPLIT_TOKENS", "512"))
-LARGE_BATCH_SPLITS_BELOW = float(os.environ.get("ATOM_DECODE_LARGE_SPLITS_BELOW", "inf"))
+LARGE_BATCH_SPLITS = envs.ATOM_DECODE_LARGE_SPLITS
+LARGE_BATCH_SPLIT_TOKENS = envs.ATOM_DECODE_LARGE_SPLIT_TOKENS
+LARGE_BATCH_SPLITS_BELOW = envs.ATOM_DECODE_LARGE_SPLITS_BELOW
 if LARGE_BATCH_SPLITS < 1 or LARGE_BATCH_SPLIT_TOKENS < 1:
     raise ValueError(
         "ATOM_DECODE_LARGE_SPLITS and ATOM_DECODE_LARGE_SPLIT_TOKENS must be >= 1, got "

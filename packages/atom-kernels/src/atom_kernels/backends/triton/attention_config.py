@@ -5,22 +5,17 @@ takes (``AttentionConfig.decode_tile``). The launcher is attention.py."""
 from __future__ import annotations
 
 import inspect
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton.language as tl
 
+from atom_kernels import envs
 from atom_kernels.backends.triton.common import next_pow2
 
-# default_config compiles the decode kernel for the page size (AttentionConfig.
-# decode_page_constexpr; ATOM_DECODE_PAGE_CONSTEXPR=0: off, for A/B runs). On: 3-4% at every
-# batch of benchmarks/decode_sweep.py (see default_config's last NOTE).
-DECODE_PAGE_CONSTEXPR = os.environ.get("ATOM_DECODE_PAGE_CONSTEXPR", "1") != "0"
 
-
-def _env_tile(name: str) -> tuple[int, int, int] | None:
-    value = os.environ.get(name, "")
+def _env_tile(name: str, value: str) -> tuple[int, int, int] | None:
+    """Switch ``name``'s ``value`` "tokens,warps,stages" as a tile ("": None)."""
     if not value:
         return None
     try:
@@ -38,16 +33,16 @@ def _env_tile(name: str) -> tuple[int, int, int] | None:
 # 16-bit batches that are split / fill the GPU unsplit / have LARGE_BATCH_PROGRAMS_PER_SM
 # programs an SM, in place of default_config's (A/B runs; benchmarks/decode_sweep.py times
 # candidates).
-DECODE_SPLIT_TILE = _env_tile("ATOM_DECODE_SPLIT_TILE")
-DECODE_UNSPLIT_TILE = _env_tile("ATOM_DECODE_UNSPLIT_TILE")
-DECODE_LARGE_TILE = _env_tile("ATOM_DECODE_LARGE_TILE")
+DECODE_SPLIT_TILE = _env_tile("ATOM_DECODE_SPLIT_TILE", envs.ATOM_DECODE_SPLIT_TILE)
+DECODE_UNSPLIT_TILE = _env_tile("ATOM_DECODE_UNSPLIT_TILE", envs.ATOM_DECODE_UNSPLIT_TILE)
+DECODE_LARGE_TILE = _env_tile("ATOM_DECODE_LARGE_TILE", envs.ATOM_DECODE_LARGE_TILE)
 
 # Programs the decode grid aims for, per SM: enough resident programs to cover memory latency.
 PROGRAMS_PER_SM = 2
 # From this many (sequence, kv head) programs an SM, the decode kernel takes the config's large
 # tiles (see default_config's last NOTE: 5 was 8). ATOM_DECODE_LARGE_TILES_FROM overrides it
 # (A/B runs).
-LARGE_BATCH_PROGRAMS_PER_SM = float(os.environ.get("ATOM_DECODE_LARGE_TILES_FROM", "5"))
+LARGE_BATCH_PROGRAMS_PER_SM = envs.ATOM_DECODE_LARGE_TILES_FROM
 
 
 @dataclass(frozen=True)
@@ -80,7 +75,9 @@ class AttentionConfig:
     # 8 warps, 128 registers let two programs share an SM (see default_config's NOTE).
     prefill_maxnreg: int | None = None
     # The decode kernel compiled for the cache's page size (a power of two): a token's page and
-    # slot by shift and mask, not a runtime division per token row (DECODE_PAGE_CONSTEXPR).
+    # slot by shift and mask, not a runtime division per token row. default_config turns it on:
+    # 2.5-4% at every batch of benchmarks/decode_sweep.py (its last NOTE); off, the A/B switch
+    # ATOM_DECODE_PAGE_CONSTEXPR=0, is gone. Other page sizes take the runtime division.
     decode_page_constexpr: bool = False
 
     def decode_tile(self, programs_per_sm: float) -> tuple[int, int, int]:
@@ -205,7 +202,7 @@ def default_config(
             config = replace(
                 config, decode_block_n_large=n, decode_num_warps_large=w, decode_num_stages_large=s
             )
-    return replace(config, decode_page_constexpr=DECODE_PAGE_CONSTEXPR)
+    return replace(config, decode_page_constexpr=True)
 
 
 def _default_tiles(

@@ -37,23 +37,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import envs
 from atom_kernels.backends.triton import linear, pdl
 from atom_kernels.backends.triton.common import as_rows, is_interpreted
 from atom_kernels.backends.triton.linear import SKINNY_MAX_ROWS, SkinnyConfig
 
-ENABLED = os.environ.get("ATOM_FUSED_GATE_UP", "1") != "0"
-NORM_ENABLED = os.environ.get("ATOM_FUSED_NORM_GATE_UP", "1") != "0"
-NORM_LINEAR_ENABLED = os.environ.get("ATOM_FUSED_NORM_QKV", "1") != "0"
+ENABLED = envs.ATOM_FUSED_GATE_UP
+NORM_ENABLED = envs.ATOM_FUSED_NORM_GATE_UP
+NORM_LINEAR_ENABLED = envs.ATOM_FUSED_NORM_QKV
 # One row: the norm's statistics in the GEMM's loop, its scale after it (ONE_PASS in the kernel).
 # ATOM_NORM_ONE_PASS: "linear" (default) for the norm + plain GEMM (QKV), "1" for the gated GEMM
 # too, "0" for neither (see NORM_LINEAR_MAX_FEATURES's NOTE).
-_ONE_PASS = os.environ.get("ATOM_NORM_ONE_PASS", "linear")
+_ONE_PASS = envs.ATOM_NORM_ONE_PASS
 NORM_ONE_PASS = _ONE_PASS == "1"  # the gated kernel (post-attention norm + gate/up)
 NORM_ONE_PASS_LINEAR = _ONE_PASS in ("1", "linear")  # the plain one (input norm + QKV)
 
@@ -374,7 +374,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # two alternating rounds): all three fusions took Qwen3-0.6B's (hidden 1024) batch-1 step from
 # 1.42 to 1.32-1.34 ms, but Llama-3-8B's (hidden 4096) from 6.15 to 6.48-6.49 ms.
 # ATOM_NORM_MAX_FEATURES overrides it (A/B at hidden 4096 with PDL and ATOM_NORM_ONE_PASS).
-NORM_MAX_FEATURES = int(os.environ.get("ATOM_NORM_MAX_FEATURES", "2048"))
+NORM_MAX_FEATURES = envs.ATOM_NORM_MAX_FEATURES
 
 
 def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -398,7 +398,7 @@ def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # With the narrow one-row tiles (results/s12-h100/h17a-call2): Llama-3-8B 5.605 fused against
 # 5.608 / 5.614 unfused; Qwen3-0.6B (hidden 1024) 1.125 / 1.128 one pass against 1.138 / 1.142
 # two passes.
-NORM_LINEAR_MAX_FEATURES = int(os.environ.get("ATOM_NORM_LINEAR_MAX_FEATURES", "4096"))
+NORM_LINEAR_MAX_FEATURES = envs.ATOM_NORM_LINEAR_MAX_FEATURES
 
 
 def takes_norm_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import envs
 from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
 
@@ -46,7 +46,7 @@ MIN_WEIGHT_BYTES = 16 << 20
 # (results/s11-h100/pdl-call3, two rounds alternating). So it follows PDL by default;
 # ATOM_SKINNY_SPLIT_K=1 / 0 forces it on / off.
 SPLIT_K_MIN_WEIGHT_BYTES = 2 << 20
-SPLIT_K_SETTING = os.environ.get("ATOM_SKINNY_SPLIT_K", "auto")
+SPLIT_K_SETTING = envs.ATOM_SKINNY_SPLIT_K
 
 
 def split_k_enabled(device: torch.device) -> bool:
@@ -186,13 +186,12 @@ def _skinny_kernel(
 # (2, 4) was never the best; 16 x 1024 / 8 warps was slower than 16 x 512 on all three.
 # In the engine (decode_ab.sh, results/s12-h100/h17a-call2, Llama-3-8B batch 1, ms a step):
 # 5.605 with these tiles against 5.880 with 16 x 512 (and main's other defaults); loading ahead
-# (ATOM_SKINNY_PREFETCH=1) 5.716 / 5.714, 8 x 2048 / 8 warps everywhere 5.734 / 5.732.
+# (prefetch, then ATOM_SKINNY_PREFETCH=1) 5.716 / 5.714, 8 x 2048 / 8 warps everywhere 5.734 /
+# 5.732. So the narrow tiles are the only ones, without prefetch (the switches that turned them
+# off, ATOM_SKINNY_NARROW=0, and prefetch on, ATOM_SKINNY_PREFETCH=1, are gone; the kernel's
+# PREFETCH stays for tune_linear.py --wide-one-row and ATOM_SKINNY_ONE_ROW's fifth field).
 ONE_ROW_MAX_N = 16384
 ONE_ROW_MIN_K = 4096
-# ATOM_SKINNY_NARROW=0: 16 x 512 there too (A/B); ATOM_SKINNY_PREFETCH=1: those tiles load each
-# W tile a step ahead (PREFETCH in the kernel; measured slower, off).
-ONE_ROW_NARROW = os.environ.get("ATOM_SKINNY_NARROW", "1") == "1"
-ONE_ROW_PREFETCH = os.environ.get("ATOM_SKINNY_PREFETCH", "0") == "1"
 # A/B knob that replaces them (and applies at any K):
 # ATOM_SKINNY_ONE_ROW="block_n,block_k,num_warps[,split_k[,prefetch]]" (multiply-adds).
 
@@ -217,7 +216,7 @@ def _one_row_override(spec: str) -> SkinnyConfig | None:
     )
 
 
-ONE_ROW_OVERRIDE = _one_row_override(os.environ.get("ATOM_SKINNY_ONE_ROW", ""))
+ONE_ROW_OVERRIDE = _one_row_override(envs.ATOM_SKINNY_ONE_ROW)
 
 
 def one_row_config(n: int, k: int) -> SkinnyConfig | None:
@@ -228,11 +227,11 @@ def one_row_config(n: int, k: int) -> SkinnyConfig | None:
         return None
     if ONE_ROW_OVERRIDE is not None:
         return ONE_ROW_OVERRIDE
-    if k < ONE_ROW_MIN_K or not ONE_ROW_NARROW:
+    if k < ONE_ROW_MIN_K:
         return None
     if k >= 2 * ONE_ROW_MIN_K:
-        return SkinnyConfig(8, 2048, 8, 1, use_dot=False, prefetch=ONE_ROW_PREFETCH)
-    return SkinnyConfig(4, 1024, 4, 1, use_dot=False, prefetch=ONE_ROW_PREFETCH)
+        return SkinnyConfig(8, 2048, 8, 1, use_dot=False)
+    return SkinnyConfig(4, 1024, 4, 1, use_dot=False)
 
 
 def default_config(

@@ -26,12 +26,11 @@ Three ways, the kernels' QUANT constexpr (``MODES``; ``resolve_mode`` picks one 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import envs
 from atom_kernels.backends.triton.quant import e8m0_to_f32
 
 MODES = {"legacy": 2, "bits": 3, "scaled": 4, "words": 5}
@@ -77,7 +76,7 @@ def resolve_mode(
     """QUANT code of the MXFP4 path: ``mode`` (a ``MODES`` name), else the env, else the default.
     "scaled" needs bf16 activations (``tl.dot_scaled``'s operand format here), "words" packed
     ``weights`` whose rows start 4-byte aligned with contiguous bytes; others get "bits"."""
-    mode = mode or os.environ.get(ENV) or default_mode(per_pair)
+    mode = mode or envs.ATOM_MXFP4_MOE or default_mode(per_pair)
     if mode not in MODES:
         raise ValueError(f"mxfp4 mode {mode!r} (argument or {ENV}): expected one of {list(MODES)}")
     if mode == "scaled" and dtype != torch.bfloat16:

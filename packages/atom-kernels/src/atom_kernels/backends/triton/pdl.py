@@ -25,16 +25,16 @@ were slower (6.18 ms).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import envs
 from atom_kernels.backends.triton.common import is_interpreted
 
-ENABLED = os.environ.get("ATOM_PDL", "1") == "1"
-PREFETCH_LINES = int(os.environ.get("ATOM_PDL_PREFETCH_LINES", "8"))
+ENABLED = envs.ATOM_PDL  # read once, at import (tests set ENABLED)
+PREFETCH_LINES = envs.ATOM_PDL_PREFETCH_LINES
 LINE_BYTES = 128
 
 

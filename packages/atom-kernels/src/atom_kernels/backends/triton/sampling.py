@@ -26,12 +26,11 @@ streams are torch's), and top log-probs.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import envs
 from atom_kernels.backends.torch import sampling as reference
 from atom_kernels.backends.triton import sampling_block
 from atom_kernels.backends.triton.common import is_interpreted, num_sms
@@ -40,7 +39,7 @@ _SAMPLING_EPS = reference._SAMPLING_EPS
 # The draw's kernel, and the Philox keys each takes: "gumbel" (noise per token, one pass) or
 # "block" (noise per block of tokens, then per token inside the drawn block; sampling_block.py).
 KERNELS = {"gumbel": ("token",), "block": ("block", "token")}
-KERNEL = os.environ.get("ATOM_SAMPLE_KERNEL", "block")
+KERNEL = envs.ATOM_SAMPLE_KERNEL
 
 
 @triton.jit

@@ -1,0 +1,161 @@
+"""Every ``ATOM_*`` environment variable atom-kernels reads: one table, its defaults and meanings.
+
+Read a switch as an attribute (``envs.ATOM_PDL``) or with ``envs.get("ATOM_PDL")``: each lookup
+reads ``os.environ`` at that moment (as vLLM's ``vllm/envs.py``), so a test that sets a variable
+sees it. When a switch takes effect is the reader's choice, and this table does not change it:
+the Triton launchers copy theirs into module constants at import (tests monkeypatch those
+constants), the registry reads ``ATOM_KERNEL_BACKEND`` when it first picks a device's backend,
+``ATOM_MXFP4_MOE`` is read on every MoE call. docs/architecture.md section 14 lists this table
+(packages/atom-kernels/tests/test_envs.py keeps the two in step).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Switch:
+    """An environment variable: ``default`` when unset, else ``parse(value)``."""
+
+    name: str
+    default: Any
+    parse: Callable[[str], Any]
+    meaning: str
+
+    def read(self) -> Any:
+        value = os.environ.get(self.name)
+        return self.default if value is None else self.parse(value)
+
+
+def _is_one(value: str) -> bool:  # on only for exactly "1"
+    return value == "1"
+
+
+def _not_zero(value: str) -> bool:  # off only for exactly "0"
+    return value != "0"
+
+
+def _lower(value: str) -> str:
+    return value.strip().lower()
+
+
+def _same(value: str) -> str:
+    return value
+
+
+TABLE: tuple[Switch, ...] = (
+    Switch(
+        "ATOM_KERNEL_BACKEND", "auto", _lower,
+        "`torch`, `cpu`, `triton` or `auto` (the device's best); `aiter` is reserved: it raises",
+    ),
+    Switch(
+        "ATOM_PDL", True, _is_one,
+        "programmatic dependent launch in the Triton kernels (anything but `1`: off)",
+    ),
+    Switch(
+        "ATOM_PDL_PREFETCH_LINES", 8, int,
+        "128-byte weight lines prefetched into L2 before the PDL wait",
+    ),
+    Switch(
+        "ATOM_SKINNY_SPLIT_K", "auto", _same,
+        "split-K skinny GEMM: `auto` follows PDL, `1` on, anything else off",
+    ),
+    Switch(
+        "ATOM_SKINNY_ONE_ROW", "", _same,
+        "`block_n,block_k,num_warps[,split_k[,prefetch]]`: one-row tile of the projections (A/B)",
+    ),
+    Switch(
+        "ATOM_FUSED_GATE_UP", True, _not_zero,
+        "fused gate/up GEMM + SiLU-and-mul (`0`: off, A/B)",
+    ),
+    Switch(
+        "ATOM_FUSED_NORM_GATE_UP", True, _not_zero,
+        "residual add + RMSNorm fused into the gate/up GEMM at one row (`0`: off)",
+    ),
+    Switch(
+        "ATOM_FUSED_NORM_QKV", True, _not_zero,
+        "input RMSNorm fused into the QKV GEMM at one row (`0`: off)",
+    ),
+    Switch(
+        "ATOM_NORM_ONE_PASS", "linear", _same,
+        "norm statistics in the GEMM loop: `linear` (QKV only), `1` (both), anything else neither",
+    ),
+    Switch(
+        "ATOM_NORM_MAX_FEATURES", 2048, int,
+        "widest row the norm + gate/up fusion takes",
+    ),
+    Switch(
+        "ATOM_NORM_LINEAR_MAX_FEATURES", 4096, int,
+        "widest row the one-pass norm + QKV fusion takes",
+    ),
+    Switch(
+        "ATOM_FUSED_DECODE_REDUCE", "0", _same,
+        "merge decode splits in the decode kernel: `1` eager launches, `2` in graphs too (A/B)",
+    ),
+    Switch(
+        "ATOM_DECODE_LARGE_SPLITS", 1, int,
+        "splits per sequence for decode batches that fill the GPU (tuning knob)",
+    ),
+    Switch(
+        "ATOM_DECODE_LARGE_SPLIT_TOKENS", 512, int,
+        "least tokens per split of those batches (tuning knob)",
+    ),
+    Switch(
+        "ATOM_DECODE_LARGE_SPLITS_BELOW", float("inf"), float,
+        "split those batches only below this many programs per SM (tuning knob)",
+    ),
+    Switch(
+        "ATOM_DECODE_SPLIT_TILE", "", _same,
+        "`tokens,warps,stages`: 16-bit decode tile of split batches (tuning knob)",
+    ),
+    Switch(
+        "ATOM_DECODE_UNSPLIT_TILE", "", _same,
+        "the same for unsplit batches that fill the GPU (tuning knob)",
+    ),
+    Switch(
+        "ATOM_DECODE_LARGE_TILE", "", _same,
+        "the same for large batches (tuning knob)",
+    ),
+    Switch(
+        "ATOM_DECODE_LARGE_TILES_FROM", 5.0, float,
+        "programs per SM from which the large decode tiles apply (tuning knob)",
+    ),
+    Switch(
+        "ATOM_SAMPLE_KERNEL", "block", _same,
+        "Triton sampling draw: `block` or `gumbel` (benchmarks/sample_ab.py times both)",
+    ),
+    Switch(
+        "ATOM_TRITON_ARGMAX", True, _is_one,
+        "Triton greedy argmax (anything but `1`: `torch.argmax`)",
+    ),
+    Switch(
+        "ATOM_MXFP4_MOE", "", _same,
+        "MXFP4 fused-MoE way `legacy`, `bits`, `scaled` or `words` (unset: the tuned default)",
+    ),
+    # Read by atom-models' native attention (the models package has no table of its own).
+    Switch(
+        "ATOM_FUSED_ROPE_CACHE", True, _not_zero,
+        "rotary + KV-cache write in one kernel through `forward_rope` (`0`: off, A/B)",
+    ),
+)  # fmt: skip
+
+SWITCHES: dict[str, Switch] = {s.name: s for s in TABLE}
+
+
+def get(name: str) -> Any:
+    """The value of switch ``name`` now (its default when unset)."""
+    return SWITCHES[name].read()
+
+
+def __getattr__(name: str) -> Any:
+    if name in SWITCHES:
+        return SWITCHES[name].read()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *SWITCHES])
