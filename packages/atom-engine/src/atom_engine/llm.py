@@ -31,6 +31,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         config = EngineConfig(model=model, **engine_args)
+        self.shut_down = False
         self.replicas = None
         if config.data_parallel_size > 1:
             from atom_engine.server.data_parallel import DataParallelEngine
@@ -42,7 +43,9 @@ class LLM:
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
-        """Stop the engine's worker (and replica) processes (also done when it is collected)."""
+        """Stop the engine's worker (and replica) processes (also done when it is collected);
+        `generate` raises after it."""
+        self.shut_down = True
         if self.replicas is not None:
             self.replicas.shutdown()
         else:
@@ -64,6 +67,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (strings or {"prompt_token_ids": [...]}); outputs in order."""
+        if self.shut_down:
+            raise RuntimeError("this LLM was shut down: build a new one to generate")
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
