@@ -28,6 +28,9 @@ HUB_PY = atom_engine.hub.__file__
 SHA_MAIN = "a" * 40
 SHA_V1 = "b" * 40
 TOKEN = "hf_test_token"
+# 12 MiB: the library writes what it received in 10 MiB chunks, so a cut 1 MiB short of the end
+# leaves 10 MiB on disk to resume from.
+BIG = bytes(range(256)) * (48 << 10)
 
 
 class HubServer:
@@ -40,6 +43,8 @@ class HubServer:
     def __init__(self, repos: dict) -> None:
         self.repos = repos
         self.requests: list[tuple[str, str]] = []
+        self.ranges: list[str] = []  # the Range headers of file GETs
+        self.cut_once: set[str] = set()  # files whose first GET stops 1 MiB short, then closes
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -97,8 +102,25 @@ class HubServer:
         if name not in files:
             headers["X-Error-Code"] = "EntryNotFound"
             return self.send(handler, 404, b"", headers, body)
-        headers["ETag"] = f'"{_sha(files[name])}"'
-        return self.send(handler, 200, files[name], headers, body)
+        data = files[name]
+        headers["ETag"] = f'"{_sha(data)}"'
+        ranged = handler.headers.get("range") if body else None
+        if ranged:
+            self.ranges.append(ranged)
+            start = int(ranged.removeprefix("bytes=").split("-")[0])
+            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+            return self.send(handler, 206, data[start:], headers, body)
+        if body and name in self.cut_once:  # an interrupted download
+            self.cut_once.discard(name)
+            headers["Content-Length"] = str(len(data))
+            handler.send_response(200)
+            for key, value in headers.items():
+                handler.send_header(key, value)
+            handler.end_headers()
+            handler.wfile.write(data[: len(data) - (1 << 20)])
+            handler.close_connection = True
+            return None
+        return self.send(handler, 200, data, headers, body)
 
     @staticmethod
     def send(handler, status: int, data: bytes, headers: dict, body: bool) -> None:
@@ -179,7 +201,12 @@ LOADED = {
 @pytest.fixture
 def hub():
     v1 = {**LOADED, "config.json": b'{"model_type": "llama", "rev": "v1"}'}
-    gguf = {"config.json": b"{}", "tiny-Q4.gguf": b"GGUF one", "tiny-Q8.gguf": b"GGUF two"}
+    gguf = {
+        "config.json": b"{}",
+        "tiny-Q4.gguf": b"GGUF one",
+        "tiny-Q8.gguf": b"GGUF two",
+        "tiny-F32.gguf": BIG,
+    }
     server = HubServer(
         {
             "org/tiny": {
@@ -349,3 +376,13 @@ def test_serve_takes_the_model_positionally():
     args = build_parser().parse_args(["serve", "org/a", "--model", "org/b"])
     with pytest.raises(ValueError, match="named twice"):
         _serve(args)
+
+
+def test_an_interrupted_download_resumes(hub, tmp_path):
+    hub.cut_once.add("tiny-F32.gguf")
+    path = _resolve(_env(tmp_path, hub.url), model="org/tiny-gguf", gguf_file="tiny-F32.gguf")
+    assert Path(path["path"]).read_bytes() == BIG
+    gets = [p for m, p in hub.file_requests() if m == "GET"]
+    assert gets == ["/org/tiny-gguf/resolve/main/tiny-F32.gguf"] * 2
+    (ranged,) = hub.ranges  # the second GET asked for the rest only
+    assert ranged.startswith("bytes=") and int(ranged[6:].split("-")[0]) > 0
