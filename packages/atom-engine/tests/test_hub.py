@@ -346,6 +346,9 @@ def test_wrong_id_gated_and_missing_revision_are_one_clear_error(hub, tmp_path):
     assert (Path(path) / "model-00002-of-00002.safetensors").read_bytes() == b"shard two"
     error = _resolve(env, model="org/tiny", revision="v9")["error"]
     assert "revision 'v9'" in error and "--revision" in error
+    (tmp_path / "a-file").write_text("")  # no cache directory can be made under it
+    error = _resolve(env, model="org/tiny", download_dir=str(tmp_path / "a-file"))["error"]
+    assert "could not store model 'org/tiny'" in error and "--download-dir" in error
     error = _resolve(env, model="./no/such/dir")["error"]
     assert "no local path" in error
 

@@ -14,7 +14,10 @@ resolved): the tests run it in fresh interpreters with the HF_* variables of eac
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+
+logger = logging.getLogger("atom_engine")
 
 # Everything a checkpoint directory holds besides its weights, at the top level (`*/*` is
 # ignored: ATOM reads no subfolder, and `original/` copies of the weights are large).
@@ -117,7 +120,9 @@ def _download(
     cache = download_dir or constants.HF_HUB_CACHE
     try:
         if gguf_file is not None:
-            return hf_hub_download(repo_id, gguf_file, revision=revision, cache_dir=download_dir)
+            path = hf_hub_download(repo_id, gguf_file, revision=revision, cache_dir=download_dir)
+            logger.info("%s %s%s: %s", what, repo_id, at, path)
+            return path
         snapshot = snapshot_download(
             repo_id,
             revision=revision,
@@ -141,6 +146,7 @@ def _download(
                 allow_patterns=names,
                 ignore_patterns=TOP_LEVEL_ONLY,
             )
+        logger.info("%s %s%s: %s", what, repo_id, at, snapshot)
         return snapshot
     except GatedRepoError:  # before RepositoryNotFoundError: it is one
         raise ModelNotFoundError(
@@ -180,4 +186,9 @@ def _download(
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelNotFoundError(
             f"downloading {what} {repo_id!r}{at} from {constants.ENDPOINT} failed: {first_line}"
+        ) from None
+    except OSError as e:  # the cache's disk: full, read-only, no permission
+        raise ModelNotFoundError(
+            f"could not store {what} {repo_id!r}{at} in the Hugging Face cache {cache}: {e} "
+            "(free space, or point --download-dir / HF_HUB_CACHE elsewhere)"
         ) from None
