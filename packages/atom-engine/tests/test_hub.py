@@ -350,7 +350,7 @@ def test_wrong_id_gated_and_missing_revision_are_one_clear_error(hub, tmp_path):
     error = _resolve(env, model="org/tiny", download_dir=str(tmp_path / "a-file"))["error"]
     assert "could not store model 'org/tiny'" in error and "--download-dir" in error
     error = _resolve(env, model="./no/such/dir")["error"]
-    assert "no local path" in error
+    assert "no such local path" in error
 
 
 def test_offline_without_the_model_names_hf_hub_offline(tmp_path):

@@ -82,7 +82,7 @@ def _repo_and_file(name: str, gguf_file: str | None, what: str = "model") -> tup
         return "/".join(parts[:2]), parts[2]
     looks_local = name.startswith(("/", ".", "~")) or name.endswith(".gguf") or len(parts) > 2
     not_local = (
-        f"{what} {name!r} not found: it is no local path, and not a Hugging Face Hub ID "
+        f"{what} {name!r} not found: no such local path, and not a Hugging Face Hub ID "
         "(org/name, or org/name/FILE.gguf)"
     )
     if looks_local:
@@ -156,7 +156,7 @@ def _download(
         ) from None
     except RepositoryNotFoundError:
         raise ModelNotFoundError(
-            f"{what} {repo_id!r} not found: it is no local path, and the Hugging Face Hub "
+            f"{what} {repo_id!r} not found: no such local path, and the Hugging Face Hub "
             f"({constants.ENDPOINT}) has no such model; check the name (a private model needs "
             "HF_TOKEN set to a token that may read it)"
         ) from None
