@@ -22,7 +22,8 @@ PromptType = str | list[int] | dict
 class LLM:
     """An engine for offline batched generation (vLLM-shaped: switch with one import).
 
-    `model` is a local HF checkpoint directory or a .gguf file; omitted, the bundled SmolLM2.
+    `model` is a Hugging Face Hub ID (`org/name`, fetched through the HF cache: `atom_engine.hub`),
+    a local HF checkpoint directory or a .gguf file; omitted, the bundled SmolLM2.
     Other keyword arguments are `EngineConfig` fields (dtype, device, max_model_len, ...).
     With `data_parallel_size` N the replicas are processes of their own (as under `atom serve`),
     each request to the least loaded; `engine` is then their front (`EngineFront`: tokenizer,
