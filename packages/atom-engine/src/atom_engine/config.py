@@ -177,6 +177,13 @@ class EngineConfig:
             "aliases": ["-dp"],
         },
     )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata=_help(
+            "run the checkpoint's own configuration and tokenizer code (auto_map), as "
+            "transformers does; only for checkpoints you trust"
+        ),
+    )
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:

@@ -30,13 +30,14 @@ class EngineFront:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_path = resolve_model(config.model)
-        self.hf_config = load_config(self.model_path)
+        trust = config.trust_remote_code
+        self.hf_config = load_config(self.model_path, trust_remote_code=trust)
         check_parallel(config, self.hf_config)  # before anything slow
         check_speculative(config.resolved_speculative_config(), config, self.hf_config)
         self.tokenizer = (
             None
             if config.skip_tokenizer_init
-            else load_tokenizer(config.tokenizer or self.model_path)
+            else load_tokenizer(config.tokenizer or self.model_path, trust_remote_code=trust)
         )
         self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
         self.grammars = GrammarCompiler(  # its own tokenizer: it may compile on any thread

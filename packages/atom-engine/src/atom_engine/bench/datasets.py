@@ -35,7 +35,7 @@ class SampleRequest:
 
 
 @functools.lru_cache(maxsize=4)
-def load_tokenizer(name: str | None = None):
+def load_tokenizer(name: str | None = None, trust_remote_code: bool = False):
     """A tokenizer by path, loaded once per process; fetches nothing.
 
     None is the bundled SmolLM2 (its GGUF file); a .gguf file or a local HF directory otherwise.
@@ -47,7 +47,7 @@ def load_tokenizer(name: str | None = None):
         return gguf_tokenizer(smollm2_gguf_path())
     from atom_engine.tokenizer import load_tokenizer as load
 
-    return load(str(Path(name).expanduser()))
+    return load(str(Path(name).expanduser()), trust_remote_code=trust_remote_code)
 
 
 def count_tokens(tokenizer, text: str) -> int:
