@@ -1,7 +1,8 @@
 """`trust_remote_code` / `--trust-remote-code`: a checkpoint's own tokenizer code (a tiktoken
 tokenizer shaped like Kimi-K2's, `remote_code/tokenization_kimi.py`) and configuration code
 (`remote_code/configuration_atom_test.py`) load through `transformers`' `auto_map` when trusted,
-in the engine, its tensor-parallel workers and the CLI; untrusted, one error names the flag."""
+in the engine, its tensor-parallel workers, its data-parallel replicas and the CLI; untrusted,
+one error names the flag."""
 
 from __future__ import annotations
 
@@ -126,21 +127,21 @@ def test_untrusted_custom_config_names_the_flag(custom_config_checkpoint):
     assert "configuration_atom_test.py" in str(info.value)
 
 
-def test_trusted_custom_config_reaches_the_tensor_parallel_workers(custom_config_checkpoint):
-    # Rank 1 reads the config in its own process: untrusted there, it would fail at start.
-    llm = LLM(
-        model=str(custom_config_checkpoint),
-        trust_remote_code=True,
-        tensor_parallel_size=2,
-        **ENGINE,
-    )
+@pytest.mark.parametrize(
+    "split",  # data-parallel: ~90 s on the 2-core CI machine (two engine processes)
+    ["tensor_parallel_size", pytest.param("data_parallel_size", marks=pytest.mark.slow)],
+)
+def test_trusted_custom_config_reaches_every_process(custom_config_checkpoint, split):
+    # Rank 1 (a tensor-parallel worker), or each replica (a data-parallel engine process), reads
+    # the config in a process of its own: untrusted there, it would fail at start.
+    llm = LLM(model=str(custom_config_checkpoint), trust_remote_code=True, **{split: 2}, **ENGINE)
     try:
         assert type(llm.engine.hf_config).__name__ == "AtomTestLlamaConfig"
         assert llm.engine.max_model_len == 2048  # context_k=2, as only its code reads it
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-        (out,) = llm.generate("hello world", params, use_tqdm=False)
-        assert out.prompt_token_ids == [BOS, HELLO, WORLD]
-        assert len(out.outputs[0].token_ids) == 3
+        outs = llm.generate(["hello world", "hello"], params, use_tqdm=False)
+        assert [o.prompt_token_ids for o in outs] == [[BOS, HELLO, WORLD], [BOS, HELLO]]
+        assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
     finally:
         llm.shutdown()
 
