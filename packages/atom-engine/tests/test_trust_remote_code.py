@@ -156,11 +156,13 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_without_the_flag_prints_one_error(custom_tokenizer_checkpoint):
+@pytest.mark.parametrize("command", [["generate", "hello world"], ["serve"]])
+def test_cli_without_the_flag_prints_one_error(custom_tokenizer_checkpoint, command):
     model = str(custom_tokenizer_checkpoint)
-    result = _cli("generate", "hello world", "--model", model, "--max-tokens", "2", "--device",
-                  "cpu", "--dtype", "float32", "--cpu-kv-cache-space", "0.05")  # fmt: skip
+    result = _cli(*command, "--model", model, "--device", "cpu", "--dtype", "float32",
+                  "--cpu-kv-cache-space", "0.05")  # fmt: skip
     assert result.returncode == 2, result.stderr
+    assert f"atom {command[0]}: error: " in result.stderr
     assert "Traceback" not in result.stderr and "[y/N]" not in result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and "--trust-remote-code" in errors[0], result.stderr
@@ -168,7 +170,8 @@ def test_cli_without_the_flag_prints_one_error(custom_tokenizer_checkpoint):
 
 def test_cli_with_the_flag_generates(custom_tokenizer_checkpoint):
     model = str(custom_tokenizer_checkpoint)
-    result = _cli("generate", "hello world", "--model", model, "--max-tokens", "2",
+    # --chat: through the checkpoint's chat template, tokenized by its code
+    result = _cli("generate", "hello world", "--chat", "--model", model, "--max-tokens", "2",
                   "--trust-remote-code", "--temperature", "0",
                   "--device", "cpu", "--dtype", "float32", "--cpu-kv-cache-space", "0.05",
                   "--enforce-eager")  # fmt: skip
