@@ -31,7 +31,7 @@ def test_invalid_engine_args_name_the_field(field, value):
 
 
 def test_missing_model_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="not found.*local Hugging Face checkpoint"):
+    with pytest.raises(ValueError, match="not found: no such local path"):
         LLM(str(tmp_path / "nope"))
 
 

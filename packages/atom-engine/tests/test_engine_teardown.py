@@ -112,6 +112,10 @@ def test_shutdown_aborts_every_rank_and_is_idempotent(checkpoint, device, caplog
             tp.all_reduce(torch.ones(1, device=tp.device))
         with pytest.raises(RuntimeError, match="runner of rank 0 was shut down"):
             runner.run(None)  # refused before it reads its batch
+        with pytest.raises(RuntimeError, match="LLM was shut down"):
+            llm.generate([[1, 2, 3]], use_tqdm=False)
+        with pytest.raises(RuntimeError, match="engine was shut down"):
+            llm.engine.add_request("late", [1, 2, 3])
         start = time.monotonic()
         llm.shutdown()  # a no-op
         assert time.monotonic() - start < 0.5

@@ -39,13 +39,27 @@ def _json_object(text: str) -> dict[str, Any]:
 class EngineConfig:
     model: str | None = field(
         default=None,
+        # A Hub ID is downloaded to the HF cache or found there (`atom_engine.hub`).
         metadata=_help(
-            "a local Hugging Face checkpoint directory or .gguf file "
-            "(default: the bundled SmolLM2-135M-Instruct)"
+            "a Hub ID (org/name[/FILE.gguf]), a local directory or a .gguf file (default: the "
+            "bundled SmolLM2)"
         ),
     )
+    revision: str | None = field(
+        default=None,
+        metadata=_help("the Hub model's branch, tag or commit (default: its main branch)"),
+    )
+    download_dir: str | None = field(
+        default=None,
+        metadata=_help("Hub downloads go to this cache directory (default: the HF cache)"),
+    )
+    gguf_file: str | None = field(
+        default=None,
+        metadata=_help("the one .gguf file of the model's repo or directory to load"),
+    )
     tokenizer: str | None = field(
-        default=None, metadata=_help("tokenizer directory (default: the model's own)")
+        default=None,
+        metadata=_help("tokenizer directory or Hub ID (default: the model's own)"),
     )
     dtype: str = field(
         default="auto",
@@ -215,6 +229,8 @@ class EngineConfig:
             fail("num_kv_blocks", "must be >= 1")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             fail("kv_cache_dtype", f"must be one of auto, {', '.join(KV_CACHE_DTYPES)}")
+        if self.gguf_file is not None and not self.gguf_file.endswith(".gguf"):
+            fail("gguf_file", "must name a .gguf file")
         if self.speculative_config is not None:
             if isinstance(self.speculative_config, SpeculativeConfig):
                 self.speculative_config = self.speculative_config.to_dict()

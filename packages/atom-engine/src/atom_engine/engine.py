@@ -66,6 +66,7 @@ class LLMEngine:
     (`server.replica` runs each replica in a process of its own, on its own devices)."""
 
     def __init__(self, config: EngineConfig, dp_rank: int | None = None) -> None:
+        self.shut_down = False
         if dp_rank is None:
             if config.data_parallel_size > 1:
                 raise ValueError(
@@ -141,6 +142,7 @@ class LLMEngine:
         cache, model and process group (idempotent; the engine takes no step after it).
         `graceful=False` kills the workers and aborts the group, leaving the rest to the garbage
         collector (another thread may be inside a step)."""
+        self.shut_down = True
         self.runner.shutdown(graceful)
 
     # -- requests -----------------------------------------------------------------------------
@@ -160,7 +162,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError when it can never run (too long, bad token ids)."""
+        """Queue a request. Raises ValueError when it can never run (too long, bad token ids),
+        RuntimeError once the engine is shut down."""
+        if self.shut_down:
+            raise RuntimeError("the engine was shut down: it takes no more requests")
         if request_id in self.post.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()

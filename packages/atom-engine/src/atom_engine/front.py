@@ -12,7 +12,8 @@ import copy
 import logging
 
 from atom_engine.config import EngineConfig
-from atom_engine.intake import check_request, resolve_model
+from atom_engine.hub import resolve_model, resolve_tokenizer
+from atom_engine.intake import check_request
 from atom_engine.parallel import check_parallel
 from atom_engine.sampling_params import SamplingParams
 from atom_engine.spec_decode import check_speculative
@@ -29,7 +30,19 @@ class EngineFront:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_path = resolve_model(config.model)
+        # A Hub ID becomes a local snapshot here, once: workers and replicas get the path.
+        self.model_path = resolve_model(
+            config.model,
+            revision=config.revision,
+            download_dir=config.download_dir,
+            gguf_file=config.gguf_file,
+            weights=config.load_format != "dummy",
+        )
+        self.tokenizer_path = (
+            resolve_tokenizer(config.tokenizer, download_dir=config.download_dir)
+            if config.tokenizer is not None and not config.skip_tokenizer_init
+            else self.model_path
+        )
         trust = config.trust_remote_code
         self.hf_config = load_config(self.model_path, trust_remote_code=trust)
         check_parallel(config, self.hf_config)  # before anything slow
@@ -37,7 +50,7 @@ class EngineFront:
         self.tokenizer = (
             None
             if config.skip_tokenizer_init
-            else load_tokenizer(config.tokenizer or self.model_path, trust_remote_code=trust)
+            else load_tokenizer(self.tokenizer_path, trust_remote_code=trust)
         )
         self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
         self.grammars = GrammarCompiler(  # its own tokenizer: it may compile on any thread

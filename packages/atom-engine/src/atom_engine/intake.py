@@ -1,12 +1,10 @@
-"""Requests as they enter the engine: the model path, the prompt forms, the checks a request must
-pass before it is queued (the server runs them on its own threads), and the engine's record of a
-request."""
+"""Requests as they enter the engine: the prompt forms, the checks a request must pass before it
+is queued (the server runs them on its own threads), and the engine's record of a request."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from atom_engine.outputs import RequestMetrics
 from atom_engine.sampling_params import InvalidRequest, SamplingParams
@@ -29,20 +27,6 @@ class Request:
             if not seq.is_finished:
                 return False
         return True
-
-
-def resolve_model(model: str | None) -> str:
-    if model is None:
-        from atom_models.bundled import smollm2_gguf_path
-
-        return str(smollm2_gguf_path())
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ValueError(
-            f"model {model!r} not found: ATOM loads a local Hugging Face checkpoint directory or a "
-            ".gguf file (no downloads)"
-        )
-    return str(path)
 
 
 def prompt_of(

@@ -22,7 +22,8 @@ PromptType = str | list[int] | dict
 class LLM:
     """An engine for offline batched generation (vLLM-shaped: switch with one import).
 
-    `model` is a local HF checkpoint directory or a .gguf file; omitted, the bundled SmolLM2.
+    `model` is a Hugging Face Hub ID (`org/name`, fetched through the HF cache: `atom_engine.hub`),
+    a local HF checkpoint directory or a .gguf file; omitted, the bundled SmolLM2.
     Other keyword arguments are `EngineConfig` fields (dtype, device, max_model_len, ...).
     With `data_parallel_size` N the replicas are processes of their own (as under `atom serve`),
     each request to the least loaded; `engine` is then their front (`EngineFront`: tokenizer,
@@ -31,6 +32,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         config = EngineConfig(model=model, **engine_args)
+        self.shut_down = False
         self.replicas = None
         if config.data_parallel_size > 1:
             from atom_engine.server.data_parallel import DataParallelEngine
@@ -42,7 +44,9 @@ class LLM:
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
-        """Stop the engine's worker (and replica) processes (also done when it is collected)."""
+        """Stop the engine's worker (and replica) processes (also done when it is collected);
+        `generate` raises after it."""
+        self.shut_down = True
         if self.replicas is not None:
             self.replicas.shutdown()
         else:
@@ -64,6 +68,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (strings or {"prompt_token_ids": [...]}); outputs in order."""
+        if self.shut_down:
+            raise RuntimeError("this LLM was shut down: build a new one to generate")
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):

@@ -1,11 +1,12 @@
 """All-reduce for the small messages of tensor-parallel decode, over peer-mapped buffers.
 
 `PeerAllReduce` holds one staging buffer and one flag array per rank, each mapped into every
-other rank's process (CUDA IPC: `torch.multiprocessing`'s tensor sharing, which opens the handles
-with peer access enabled), and launches the one-shot Triton kernel of
-`backends/triton/peer_all_reduce.py`: one kernel, no NCCL, no multicast, capturable in CUDA
-graphs (its state lives on the device). `all_reduce_add_rms_norm` fuses the residual add and the
-next RMSNorm into it. Messages it does not take (`fits`) stay with the host's NCCL.
+other rank's process (CUDA IPC through `torch.multiprocessing`'s tensor sharing, each handle
+opened in the reader's device context so peer access is enabled from it), and launches the
+one-shot Triton kernel of `backends/triton/peer_all_reduce.py`: one kernel, no NCCL, no
+multicast, capturable in CUDA graphs (its state lives on the device). `all_reduce_add_rms_norm`
+fuses the residual add and the next RMSNorm into it. Messages it does not take (`fits`) stay
+with the host's NCCL.
 
 `reference_all_reduce_add_rms_norm` is the PyTorch reference the kernel is tested against.
 """

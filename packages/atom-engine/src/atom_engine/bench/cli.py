@@ -95,7 +95,7 @@ def _add_serve(subparsers) -> None:
     target.add_argument(
         "--tokenizer",
         default=None,
-        help="for random prompts and token counts: a local HF directory or .gguf "
+        help="for random prompts and token counts: a Hub ID, a local HF directory or .gguf "
         "file (default: the bundled SmolLM2 tokenizer)",
     )
     target.add_argument(

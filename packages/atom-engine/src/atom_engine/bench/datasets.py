@@ -36,18 +36,20 @@ class SampleRequest:
 
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(name: str | None = None, trust_remote_code: bool = False):
-    """A tokenizer by path, loaded once per process; fetches nothing.
+    """A tokenizer, loaded once per process.
 
-    None is the bundled SmolLM2 (its GGUF file); a .gguf file or a local HF directory otherwise.
+    None is the bundled SmolLM2 (its GGUF file); a .gguf file, a local HF directory or a Hub ID
+    (its tokenizer files fetched through the HF cache: `atom_engine.hub`) otherwise.
     """
     if name is None:
         from atom_models.bundled import smollm2_gguf_path
         from atom_models.gguf_file import gguf_tokenizer
 
         return gguf_tokenizer(smollm2_gguf_path())
+    from atom_engine.hub import resolve_tokenizer
     from atom_engine.tokenizer import load_tokenizer as load
 
-    return load(str(Path(name).expanduser()), trust_remote_code=trust_remote_code)
+    return load(resolve_tokenizer(name), trust_remote_code=trust_remote_code)
 
 
 def count_tokens(tokenizer, text: str) -> int:

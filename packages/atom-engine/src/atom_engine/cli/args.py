@@ -19,9 +19,9 @@ from atom_engine.config import CUDAGRAPH_MODES, DTYPES, KV_CACHE_DTYPES, EngineC
 # SchedulerConfig, CompilationConfig, ParallelConfig and SpeculativeConfig, in its order.
 FLAG_GROUPS = (
     ("model", "the checkpoint, its tokenizer and numerics", (
-        "model", "tokenizer", "trust_remote_code", "skip_tokenizer_init", "dtype",
-        "max_model_len", "seed")),
-    ("load", "how the weights are read", ("load_format",)),
+        "model", "revision", "gguf_file", "tokenizer", "trust_remote_code",
+        "skip_tokenizer_init", "dtype", "max_model_len", "seed")),
+    ("load", "how the weights are read", ("load_format", "download_dir")),
     ("device", "where the model runs", ("device", "num_threads")),
     ("cache", "the paged KV cache", (
         "block_size", "enable_prefix_caching", "gpu_memory_utilization", "cpu_kv_cache_space",

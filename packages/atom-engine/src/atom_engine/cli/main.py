@@ -15,6 +15,12 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 def _serve(args: argparse.Namespace) -> int:
     from atom_engine.server.api_server import run_server
 
+    if args.model_tag is not None:  # `atom serve MODEL`, as `vllm serve MODEL`
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(
+                f"the model is named twice: {args.model_tag!r} and --model {args.model!r}"
+            )
+        args.model = args.model_tag
     return run_server(args)
 
 
@@ -36,6 +42,12 @@ def _add_serve(subparsers) -> None:
         help="OpenAI-compatible HTTP server",
         description="Serve a model over the OpenAI API: /v1/completions, /v1/chat/completions, "
         "/v1/models, /health, /metrics, /start_profile, /stop_profile.",
+    )
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as --model takes it: a Hub ID (org/name) or a local path",
     )
     # vLLM's "Frontend" group: the server's own flags, before the engine's.
     frontend = serve.add_argument_group("frontend", "the OpenAI-compatible HTTP server")

@@ -17,6 +17,7 @@ tensor-parallel ranks).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -52,10 +53,14 @@ class DataParallelEngine:
         """Start the replicas' processes together and wait for every one (a replica that fails
         to start stops the others and raises its error)."""
         front = EngineFront(config)  # checks the split before any process starts
+        # The replicas load the paths the front resolved (a Hub ID is downloaded once, here).
+        local = dataclasses.replace(
+            config, model=front.model_path, tokenizer=front.tokenizer_path, gguf_file=None
+        )
         replicas: list[ReplicaProcess] = []
         try:
             for dp_rank in range(config.data_parallel_size):
-                replicas.append(ReplicaProcess(config, dp_rank))
+                replicas.append(ReplicaProcess(local, dp_rank))
             for replica in replicas:
                 replica.wait_ready()
         except BaseException:

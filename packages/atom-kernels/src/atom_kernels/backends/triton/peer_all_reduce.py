@@ -76,8 +76,8 @@ def _peer_all_reduce_kernel(
         tl.atomic_xchg(flags + pid * WORLD + rank, count, sem="release", scope="sys")
     own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
     for r in tl.static_range(WORLD):
-        # Polled with plain (volatile) loads: read-modify-write polling of the flag the peer is
-        # writing over NVLink delayed its write (31 us a call at TP=2); one acquire once it is up.
+        # Polled with volatile loads (no read-modify-write on a word the peer writes over NVLink),
+        # then one acquire once it is up.
         seen = tl.load(own_flags + pid * WORLD + r, volatile=True)
         polls = 0
         while seen - count < 0:
