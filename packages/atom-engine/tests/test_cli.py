@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from atom_engine import EngineConfig
-from atom_engine.cli.args import engine_config_from_args
+from atom_engine.cli.args import FLAG_GROUPS, engine_config_from_args
 from atom_engine.cli.main import build_parser, main
 
 ATOM = str(Path(sys.executable).parent / "atom")  # the [project.scripts] entry point
@@ -95,3 +97,54 @@ def test_chat_keeps_history():
     assert result.returncode == 0, result.stderr
     replies = result.stdout.strip().splitlines()
     assert len(replies) == 2 and "Paris" in replies[0], result.stdout
+
+
+def _torch_warnings(stderr: str) -> list[str]:
+    """Lines of torch's own log format ("W1127 13:45:06.445000 2932 file.py:183] ...") and the
+    one line the CUDA toolkit check logs."""
+    return [
+        line
+        for line in stderr.splitlines()
+        if re.match(r"[WE]\d{4} \d", line) or "No CUDA runtime is found" in line
+    ]
+
+
+def test_chat_help_prints_no_warning():
+    result = subprocess.run(
+        [sys.executable, "-m", "atom_engine.cli.main", "chat", "--help"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0 and "--trust-remote-code" in result.stdout
+    assert result.stderr == ""
+
+
+@pytest.mark.slow
+def test_compiled_chat_prints_no_library_warning():
+    # The CPU forward compiled (Inductor imports torch.utils.cpp_extension, which warned "No CUDA
+    # runtime is found, using CUDA_HOME=..." on a machine with nvcc and no GPU): minutes on a
+    # busy 2-core machine.
+    result = subprocess.run(
+        [sys.executable, "-m", "atom_engine.cli.main", "chat", "--max-tokens", "2",
+         "--device", "cpu", "--cpu-kv-cache-space", "0.25"],
+        input="Hi\n", capture_output=True, text=True, timeout=900,
+        env={**os.environ, "ATOM_CPU_COMPILE": "1", "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip(), result.stderr
+    assert _torch_warnings(result.stderr) == [], result.stderr
+
+
+def test_serve_help_groups_flags_as_vllm_does():
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    titles = ["frontend:", "model:", "load:", "device:", "cache:", "scheduler:", "compilation:",
+              "parallel:", "speculative decoding:"]  # fmt: skip
+    at = [help_text.find("\n" + title + "\n") for title in titles]
+    assert -1 not in at and at == sorted(at), help_text
+    model = help_text[at[1] : at[2]]
+    assert "--trust-remote-code, --no-trust-remote-code" in model and "--max-model-len" in model
+    assert "--dtype {auto,float32,bfloat16,float16}" in help_text  # choices, as vLLM lists them
+    assert "--port PORT           port to listen on (default: 8000)" in help_text
+    named = {name for _, _, names in FLAG_GROUPS for name in names}
+    assert named <= set(EngineConfig.field_names())
+    for field in dataclasses.fields(EngineConfig):  # one line each, not a paragraph
+        assert len(field.metadata["help"]) <= 100, field.name

@@ -9,6 +9,10 @@ caches warm (about 90 s cold).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import Qwen3Config
@@ -101,3 +105,29 @@ def test_what_stays_eager(tiny_checkpoint, monkeypatch):
     assert why_not_compiled(runner.model, cpu, False, 1) is None
     monkeypatch.setenv(ENV_VAR, "0")
     assert why_not_compiled(runner.model, cpu, False, 1) == f"{ENV_VAR}=0"
+
+
+_IMPORT_CPP_EXTENSION = """
+import torch.utils.cpp_extension as ext
+print(ext.CUDA_HOME)
+"""
+
+
+def test_no_cuda_runtime_warning_is_filtered():
+    # Inductor's C++ builder imports torch.utils.cpp_extension, which warns "No CUDA runtime is
+    # found, using CUDA_HOME=..." where a CUDA toolkit is installed and no GPU is visible.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+    def run(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+        )
+
+    quiet = "from atom_engine.cpu_compile import quiet_cuda_home_warning\n"
+    quiet += "quiet_cuda_home_warning()\nquiet_cuda_home_warning()\n"
+    filtered = run(quiet + _IMPORT_CPP_EXTENSION)
+    assert filtered.returncode == 0, filtered.stderr
+    assert "No CUDA runtime" not in filtered.stderr
+    control = run(_IMPORT_CPP_EXTENSION)  # the warning, where this machine has a toolkit
+    toolkit = control.stdout.strip() != "None"
+    assert ("No CUDA runtime" in control.stderr) == toolkit, control.stderr

@@ -39,10 +39,10 @@ def _json_object(text: str) -> dict[str, Any]:
 class EngineConfig:
     model: str | None = field(
         default=None,
+        # A Hub ID is downloaded to the HF cache or found there (`atom_engine.hub`).
         metadata=_help(
-            "a Hugging Face Hub ID (org/name, or org/name/FILE.gguf), downloaded to the HF cache "
-            "or found there, or a local checkpoint directory or .gguf file "
-            "(default: the bundled SmolLM2-135M-Instruct)"
+            "a Hub ID (org/name[/FILE.gguf]), a local directory or a .gguf file (default: the "
+            "bundled SmolLM2)"
         ),
     )
     revision: str | None = field(
@@ -63,10 +63,7 @@ class EngineConfig:
     )
     dtype: str = field(
         default="auto",
-        metadata=_help(
-            "weights and activations: auto (float32 on CPU, bfloat16 on GPU), "
-            "float32, bfloat16, float16"
-        ),
+        metadata=_help("weights and activations; auto: float32 on the CPU, bfloat16 on a GPU"),
     )
     device: str = field(default="auto", metadata=_help("auto, cpu, cuda, cuda:N"))
     max_model_len: int | None = field(
@@ -76,17 +73,16 @@ class EngineConfig:
     max_num_seqs: int = field(default=128, metadata=_help("most sequences in one step"))
     max_num_batched_tokens: int | None = field(
         default=None,
-        metadata=_help(
-            "token budget of one step (decodes first, then chunked prefills; default: 2048 on a "
-            "GPU, 512 on the CPU, where it bounds how long a long prompt's step delays others)"
-        ),
+        # Decodes first, then chunked prefills. On the CPU it bounds how long a long prompt's
+        # step delays the others (the NOTE in __post_init__).
+        metadata=_help("token budget of one step (default: 2048 on a GPU, 512 on the CPU)"),
     )
     long_prefill_token_threshold: int | None = field(
         default=None,
+        # So that new requests start beside a long prompt's chunks.
         metadata=_help(
-            "while requests wait, the most tokens one prefill takes in a step, so new requests "
-            "start beside a long prompt's chunks (0: no cap; default: a quarter of "
-            "max_num_batched_tokens)"
+            "most tokens one prefill takes per step while requests wait (0: no cap; default: the "
+            "budget / 4)"
         ),
     )
     block_size: int = field(default=16, metadata=_help("tokens per KV-cache block"))
@@ -106,16 +102,13 @@ class EngineConfig:
     kv_cache_dtype: str = field(
         default="auto",
         metadata=_help(
-            "auto (the model's dtype) or fp8 / fp8_e4m3 (float8_e4m3fn with per-tensor k/v "
-            "scales: the checkpoint's, else 1.0; half the bytes of a bf16 cache per token)"
+            "auto: the model's dtype; fp8, fp8_e4m3: float8_e4m3fn with the checkpoint's k/v "
+            "scales (else 1.0)"
         ),
     )
     load_format: str = field(
         default="auto",
-        metadata=_help(
-            "auto (read the checkpoint) or dummy (random weights of the config's "
-            "shapes, for benchmarks)"
-        ),
+        metadata=_help("auto: read the checkpoint; dummy: random weights (benchmarks)"),
     )
     skip_tokenizer_init: bool = field(
         default=False,
@@ -123,10 +116,11 @@ class EngineConfig:
     )
     num_threads: int | None = field(
         default=None,
+        # Unset: per step, the cores the process may use (affinity and cgroup quota) for a
+        # batched step, one fewer (left to the server) for a one-token step.
         metadata=_help(
-            "CPU: torch's compute threads per rank for every step (default: OMP_NUM_THREADS "
-            "when set, else per step: the cores the process may use, affinity and cgroup quota, "
-            "for a batched step, one fewer, left to the server, for a one-token step)"
+            "CPU: torch's compute threads per rank (default: OMP_NUM_THREADS, else the usable "
+            "cores)"
         ),
     )
     seed: int = field(default=0, metadata=_help("seed of the engine's random sampling"))
@@ -136,34 +130,31 @@ class EngineConfig:
     )
     cudagraph_mode: str = field(
         default="full",
-        metadata=_help(
-            "CUDA graphs, as vLLM names the modes: full (a step of up to 8192 tokens and 512 "
-            "sequences replays a whole-forward graph, attention included: decode steps at their "
-            "batch size, steps with a prefill padded to a ladder of token counts; models with "
-            "MLA attention, which reads the step's lengths on the host, take "
-            "full_and_piecewise's pieces for the latter), full_and_piecewise (steps with a "
-            "prefill replay the forward in pieces cut at the attention layers, which run "
-            "eagerly), full_decode_only (steps with a prefill run eagerly) or none (as "
-            "--enforce-eager)"
-        ),
+        # full: a step of up to 8192 tokens and 512 sequences replays a whole-forward graph,
+        # attention included (decode steps at their batch size, steps with a prefill padded to a
+        # ladder of token counts; models with MLA attention, which reads the step's lengths on
+        # the host, take full_and_piecewise's pieces for the latter). full_and_piecewise: steps
+        # with a prefill replay the forward in pieces cut at the attention layers, which run
+        # eagerly. full_decode_only: steps with a prefill run eagerly. none: as --enforce-eager.
+        metadata=_help("which steps replay CUDA graphs, as vLLM names the modes"),
     )
     async_scheduling: bool | None = field(
         default=None,
+        # Requests with log-probs or penalties run their steps without overlap.
         metadata=_help(
-            "schedule step N+1 while the device runs step N (default: on for CUDA, off on the "
-            "CPU); requests with log-probs or penalties run their steps without overlap"
+            "schedule step N+1 while the device runs step N (default: on for CUDA, off on the CPU)"
         ),
     )
 
     speculative_config: dict | None = field(
         default=None,
         metadata={
-            "help": "speculative decoding, as vLLM spells it (JSON): "
-            '{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, '
-            '"prompt_lookup_min": m} (prompt lookup, any model) or {"method": "mtp", '
-            '"num_speculative_tokens": k} (a DeepSeek-V3-family checkpoint\'s MTP layers); '
-            "drafts are verified by rejection sampling, so outputs follow the model's own "
-            "distribution",
+            # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+            # "prompt_lookup_min": m} (prompt lookup, any model) or {"method": "mtp",
+            # "num_speculative_tokens": k} (a DeepSeek-V3-family checkpoint's MTP layers). Drafts
+            # are verified by rejection sampling: outputs follow the model's own distribution.
+            "help": 'JSON, as vLLM spells it: {"method": "ngram" or "mtp", '
+            '"num_speculative_tokens": k, ...}',
             "type": _json_object,
         },
     )
@@ -171,25 +162,28 @@ class EngineConfig:
     tensor_parallel_size: int = field(
         default=1,
         metadata={
-            "help": "ranks the model is split over, one worker process per rank (one GPU each; "
-            "gloo processes on the CPU)",
+            "help": "ranks the model is split over, a process each (a GPU each; gloo on the CPU)",
             "aliases": ["-tp"],
         },
     )
     enable_expert_parallel: bool = field(
         default=False,
-        metadata=_help(
-            "MoE models: give each tensor-parallel rank whole experts instead of a slice of "
-            "every expert (attention and shared experts stay tensor-parallel)"
-        ),
+        # Attention and shared experts stay tensor-parallel.
+        metadata=_help("MoE: whole experts per tensor-parallel rank, not a slice of every expert"),
     )
     data_parallel_size: int = field(
         default=1,
         metadata={
-            "help": "independent engine replicas (each with its own tensor-parallel ranks and "
-            "KV cache) behind one server, requests balanced by load",
+            "help": "engine replicas, each with its own ranks and KV cache, balanced by load",
             "aliases": ["-dp"],
         },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata=_help(
+            "run the checkpoint's own config and tokenizer code (auto_map); only for checkpoints "
+            "you trust"
+        ),
     )
 
     def __post_init__(self) -> None:

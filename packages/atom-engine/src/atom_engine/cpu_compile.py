@@ -58,10 +58,27 @@ def why_not_compiled(model: nn.Module, device: torch.device, enforce_eager: bool
     return None
 
 
+class _NoCudaRuntimeFilter(logging.Filter):
+    """Drops torch's "No CUDA runtime is found, using CUDA_HOME='...'" and nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No CUDA runtime is found")
+
+
+def quiet_cuda_home_warning() -> None:
+    """Inductor's C++ builder imports `torch.utils.cpp_extension`, which warns at import when a
+    CUDA toolkit is installed (nvcc found) but no GPU is visible: on a CPU compile a warning
+    nobody can act on (the C++ it builds never uses CUDA). Filter that one message (idempotent)."""
+    cpp_extension = logging.getLogger("torch.utils.cpp_extension")
+    if not any(isinstance(f, _NoCudaRuntimeFilter) for f in cpp_extension.filters):
+        cpp_extension.addFilter(_NoCudaRuntimeFilter())
+
+
 def compile_forward(model: nn.Module, device: torch.device) -> Forward:
     """`model.forward` (input_ids [T], positions [T] -> hidden [T, hidden]) under torch.compile."""
     # Backend choice, imports and fallback log lines cannot be traced: resolved before compiling.
     atom_kernels.registry.resolve_ops(device)
+    quiet_cuda_home_warning()
     return torch.compile(
         model.forward,
         dynamic=True,

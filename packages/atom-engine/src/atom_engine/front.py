@@ -43,10 +43,15 @@ class EngineFront:
             if config.tokenizer is not None and not config.skip_tokenizer_init
             else self.model_path
         )
-        self.hf_config = load_config(self.model_path)
+        trust = config.trust_remote_code
+        self.hf_config = load_config(self.model_path, trust_remote_code=trust)
         check_parallel(config, self.hf_config)  # before anything slow
         check_speculative(config.resolved_speculative_config(), config, self.hf_config)
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.tokenizer_path)
+        self.tokenizer = (
+            None
+            if config.skip_tokenizer_init
+            else load_tokenizer(self.tokenizer_path, trust_remote_code=trust)
+        )
         self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
         self.grammars = GrammarCompiler(  # its own tokenizer: it may compile on any thread
             copy.deepcopy(self.tokenizer), self.hf_config.vocab_size, self.eos_token_ids

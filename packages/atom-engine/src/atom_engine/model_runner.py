@@ -88,6 +88,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             load_format=config.load_format,
+            trust_remote_code=config.trust_remote_code,
             tp=tp,
             # A checkpoint's MTP layers (and their KV cache) only when they draft.
             host=NativeAttentionHost(builds_mtp_layers=spec is not None and spec.method == "mtp"),

@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 
-def load_tokenizer(model: str):
+def load_tokenizer(model: str, trust_remote_code: bool = False):
+    """The tokenizer of a checkpoint directory (its own code only with `trust_remote_code`:
+    `atom_models.remote_code`) or of a GGUF file."""
     path = Path(model)
     if path.is_file():
         from atom_models.gguf_file import gguf_tokenizer
@@ -14,7 +16,10 @@ def load_tokenizer(model: str):
         return gguf_tokenizer(path)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    from atom_models.remote_code import check_tokenizer_code
+
+    check_tokenizer_code(path, trust_remote_code)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def _as_set(value) -> set[int]:

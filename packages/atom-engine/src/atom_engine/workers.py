@@ -300,7 +300,7 @@ def worker_main(
         format=f"%(asctime)s %(levelname)s %(name)s [tp rank {rank}]: %(message)s",
     )
     try:
-        hf_config = load_config(model_path)
+        hf_config = load_config(model_path, trust_remote_code=config.trust_remote_code)
         device = rank_device(config, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)

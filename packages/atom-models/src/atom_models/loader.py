@@ -22,11 +22,13 @@ from atom_models.quantization import (
     quantize_model,
 )
 from atom_models.registry import get_model_class
+from atom_models.remote_code import check_config_code
 from atom_models.weights import iter_safetensors
 
 
-def load_config(model: str | Path):
-    """The HF config of a checkpoint directory or GGUF file."""
+def load_config(model: str | Path, *, trust_remote_code: bool = False):
+    """The HF config of a checkpoint directory or GGUF file. `trust_remote_code`: a checkpoint
+    whose config.json names its own configuration class (`auto_map`) loads it (`remote_code`)."""
     path = Path(model)
     if path.is_file():
         from atom_models.gguf_file import gguf_hf_config, is_gguf
@@ -47,11 +49,14 @@ def load_config(model: str | Path):
     alias = _CONFIG_ALIASES.get(config_dict.get("model_type"))
     if alias is not None:
         return _aliased_config(path, config_dict, alias)
-    return AutoConfig.from_pretrained(path)
+    check_config_code(path, config_dict, trust_remote_code)
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 # Checkpoints whose config.json names a model_type transformers lacks (they ship their own
 # configuration code, for trust_remote_code) but whose fields are those of a transformers config.
+# They load this way whether trust_remote_code is set or not: the transformers class is the one
+# ATOM's models are tested against; the checkpoint's own class may read its fields differently.
 _CONFIG_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
@@ -164,16 +169,18 @@ def load_model(
     host: AttentionHost | None = None,
     weights: Iterable[tuple[str, torch.Tensor]] | None = None,
     load_format: str = "auto",
+    trust_remote_code: bool = False,
 ) -> nn.Module:
     """Build and load the model of a local HF checkpoint directory or `.gguf` file.
 
     `load_format="dummy"` needs only the config and fills the weights randomly (benchmarks).
     Raises ValueError for an unsupported architecture (listing the supported ones) and
-    `CheckpointMismatchError` naming missing or unexpected tensors.
+    `CheckpointMismatchError` naming missing or unexpected tensors. `trust_remote_code`: as
+    `load_config`'s.
     """
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-    hf_config = load_config(model)
+    hf_config = load_config(model, trust_remote_code=trust_remote_code)
     built = build_model(hf_config, dtype=dtype, device=device, tp=tp, host=host)
     if load_format == "dummy":
         init_dummy_weights(built)

@@ -98,6 +98,11 @@ def _add_serve(subparsers) -> None:
         help="for random prompts and token counts: a Hub ID, a local HF directory or .gguf "
         "file (default: the bundled SmolLM2 tokenizer)",
     )
+    target.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the tokenizer's own code (auto_map), as transformers does",
+    )
     load = parser.add_argument_group("load")
     load.add_argument("--num-prompts", type=int, default=1000)
     load.add_argument(

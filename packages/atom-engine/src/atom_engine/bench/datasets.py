@@ -35,7 +35,7 @@ class SampleRequest:
 
 
 @functools.lru_cache(maxsize=4)
-def load_tokenizer(name: str | None = None):
+def load_tokenizer(name: str | None = None, trust_remote_code: bool = False):
     """A tokenizer, loaded once per process.
 
     None is the bundled SmolLM2 (its GGUF file); a .gguf file, a local HF directory or a Hub ID
@@ -49,7 +49,7 @@ def load_tokenizer(name: str | None = None):
     from atom_engine.hub import resolve_tokenizer
     from atom_engine.tokenizer import load_tokenizer as load
 
-    return load(resolve_tokenizer(name))
+    return load(resolve_tokenizer(name), trust_remote_code=trust_remote_code)
 
 
 def count_tokens(tokenizer, text: str) -> int:

@@ -234,7 +234,7 @@ def format_report(result: dict, percentiles, selected, max_concurrency=None) -> 
 def main(args) -> dict:
     """Run `atom bench serve` from parsed arguments: print (and save) the result, return it."""
     args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer, args.trust_remote_code)
     model = args.model or asyncio.run(_first_model(args.base_url, args.api_key))
     is_sharegpt = args.dataset_name == "sharegpt"
     requests = sample_requests(

@@ -1,7 +1,9 @@
 """Engine flags generated from `EngineConfig`: one `--flag` per field, documented by its `help`.
 
 `int | None` fields take an int, `bool` fields get `--x / --no-x`, and the default shown is the
-dataclass default, so a new config field becomes a flag of every engine command by itself.
+dataclass default, so a new config field becomes a flag of every engine command by itself. `--help`
+groups them as `vllm serve --help` groups the same flags (`FLAG_GROUPS`); a field in no group
+lands in the last one, "engine".
 """
 
 from __future__ import annotations
@@ -11,7 +13,34 @@ import dataclasses
 import types
 import typing
 
-from atom_engine.config import EngineConfig
+from atom_engine.config import CUDAGRAPH_MODES, DTYPES, KV_CACHE_DTYPES, EngineConfig
+
+# (title, description, fields) of `--help`'s groups: vLLM's ModelConfig, LoadConfig, CacheConfig,
+# SchedulerConfig, CompilationConfig, ParallelConfig and SpeculativeConfig, in its order.
+FLAG_GROUPS = (
+    ("model", "the checkpoint, its tokenizer and numerics", (
+        "model", "revision", "gguf_file", "tokenizer", "trust_remote_code",
+        "skip_tokenizer_init", "dtype", "max_model_len", "seed")),
+    ("load", "how the weights are read", ("load_format", "download_dir")),
+    ("device", "where the model runs", ("device", "num_threads")),
+    ("cache", "the paged KV cache", (
+        "block_size", "enable_prefix_caching", "gpu_memory_utilization", "cpu_kv_cache_space",
+        "num_kv_blocks", "kv_cache_dtype")),
+    ("scheduler", "what one engine step takes", (
+        "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
+        "async_scheduling")),
+    ("compilation", "CUDA graphs and torch.compile", ("enforce_eager", "cudagraph_mode")),
+    ("parallel", "tensor, expert and data parallelism", (
+        "tensor_parallel_size", "data_parallel_size", "enable_expert_parallel")),
+    ("speculative decoding", None, ("speculative_config",)),
+)  # fmt: skip
+# Fields whose values are a fixed set: `--help` lists them as vLLM's does ({auto,float32,...}).
+CHOICES = {
+    "dtype": ("auto", *DTYPES),
+    "kv_cache_dtype": ("auto", *KV_CACHE_DTYPES),
+    "load_format": ("auto", "dummy"),
+    "cudagraph_mode": CUDAGRAPH_MODES,
+}
 
 
 def _flag(name: str) -> str:
@@ -45,10 +74,18 @@ def on_off(value: bool) -> str:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add every `EngineConfig` field as a flag to `parser` (in an "engine" group)."""
-    group = parser.add_argument_group("engine", "EngineConfig fields")
+    """Add every `EngineConfig` field as a flag to `parser`, in `FLAG_GROUPS`' groups."""
+    groups = {}
+    for title, about, names in FLAG_GROUPS:
+        group = parser.add_argument_group(title, about)
+        groups.update(dict.fromkeys(names, group))
+    other = None  # "engine": fields no group names
     hints = typing.get_type_hints(EngineConfig)
     for field in dataclasses.fields(EngineConfig):
+        group = groups.get(field.name)
+        if group is None:
+            other = other or parser.add_argument_group("engine", "other EngineConfig fields")
+            group = other
         kind = _scalar_type(hints[field.name])
         default = field.default
         if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
@@ -64,12 +101,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             )
         else:
             shown = "" if default is None else " (default: %(default)s)"
+            choices = CHOICES.get(field.name)
             group.add_argument(
                 *names,
                 type=_parser(field.metadata["type"]) if "type" in field.metadata else kind,
                 default=default,
                 dest=field.name,
-                metavar=field.name.upper(),
+                choices=choices,
+                metavar=None if choices else field.name.upper(),
                 help=help_text + shown,
             )
     return parser

@@ -49,62 +49,65 @@ def _add_serve(subparsers) -> None:
         metavar="MODEL",
         help="the model, as --model takes it: a Hub ID (org/name) or a local path",
     )
-    serve.add_argument(
+    # vLLM's "Frontend" group: the server's own flags, before the engine's.
+    frontend = serve.add_argument_group("frontend", "the OpenAI-compatible HTTP server")
+    frontend.add_argument(
         "--served-model-name",
         default=None,
         help="the model name clients use (default: --model, or the file's stem)",
     )
-    serve.add_argument(
+    frontend.add_argument(
         "--host",
         default="127.0.0.1",
         help="address to bind; 0.0.0.0 for every interface (default: %(default)s)",
     )
-    serve.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
-    serve.add_argument(
+    frontend.add_argument(
+        "--port", type=int, default=8000, help="port to listen on (default: %(default)s)"
+    )
+    frontend.add_argument(
         "--api-key",
         default=envs.ATOM_API_KEY,
         help="require `Authorization: Bearer KEY` on /v1/* (default: $ATOM_API_KEY)",
     )
-    serve.add_argument(
+    frontend.add_argument(
         "--uvicorn-log-level",
         choices=UVICORN_LOG_LEVELS,
         default="info",
-        help="(default: %(default)s)",
+        help="uvicorn's log level (default: %(default)s)",
     )
-    serve.add_argument(
+    frontend.add_argument(
         "--profiler-dir",
         default=None,
-        help="enable /start_profile and /stop_profile, writing torch.profiler "
-        "traces here (default: $ATOM_TORCH_PROFILER_DIR)",
+        help="enables /start_profile and /stop_profile, writing torch.profiler traces here "
+        "(default: $ATOM_TORCH_PROFILER_DIR)",
     )
-    serve.add_argument(
+    frontend.add_argument(
         "--drain-timeout",
         type=float,
         default=5.0,
-        help="on SIGTERM / SIGINT, seconds to let requests in flight finish before they end "
-        "with an error and the server exits (default: %(default)s)",
+        help="on SIGTERM / SIGINT, seconds requests in flight may take to finish "
+        "(default: %(default)s)",
     )
-    serve.add_argument(
+    frontend.add_argument(
         "--max-request-body-bytes",
         type=int,
         default=16 << 20,
-        help="larger request bodies are refused with a 413 before they are read "
-        "(default: %(default)s, 16 MiB)",
+        help="larger request bodies get a 413 unread (default: %(default)s, 16 MiB)",
     )
     # The parsers' names, without importing the server (the CLI starts fast).
-    serve.add_argument(
+    frontend.add_argument(
         "--tool-call-parser",
         choices=("hermes", "llama3_json", "deepseek_v3"),
         default=None,
-        help='the model\'s tool-call format: enables tool_choice "auto" (tool calls parsed '
-        'from the model\'s text); "required" and named tools need no parser',
+        # "required" and named tools need no parser.
+        help='the model\'s tool-call format, parsed from its text for tool_choice "auto"',
     )
-    serve.add_argument(
+    frontend.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
-        help="accepted for vLLM's command lines: --tool-call-parser enables auto tool choice",
+        help="accepted as vLLM's (--tool-call-parser enables auto tool choice)",
     )
-    serve.add_argument(
+    frontend.add_argument(
         "--reasoning-parser",
         choices=("deepseek_r1", "qwen3"),
         default=None,
