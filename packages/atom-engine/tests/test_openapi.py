@@ -149,6 +149,11 @@ VALID = {
          "stream_options": {"include_usage": True}},
         {"messages": _CHAT, "max_tokens": 2, "n": 2, "stream": True, "stop": ["e"]},
     ],
+    "/tokenize": [
+        {"prompt": "hi", "return_token_strs": True},
+        {"messages": _CHAT, "add_special_tokens": True},
+    ],
+    "/detokenize": [{"tokens": [1, 2, 3]}],
 }  # fmt: skip
 
 

@@ -34,9 +34,12 @@ def apply_chat_template(
     chat_template: str | None = None,
     max_chars: int | None = None,
     tools: list[dict[str, Any]] | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Token ids of `messages` rendered by `chat_template` (a Jinja string), or by the tokenizer's
     own template when it is None; `tools` (OpenAI tool definitions) are handed to the template.
+    `add_special_tokens`: the tokenizer's own (BOS, ...) added on top of what the template writes
+    (vLLM's `/tokenize` option; off for generation).
 
     Raises ValueError when there is no template, the template refuses the conversation, or the
     rendered text is longer than `max_chars` (checked before it is tokenized).
@@ -72,4 +75,4 @@ def apply_chat_template(
             "context length (max_model_len)"
         )
     # What apply_chat_template(tokenize=True) does: the template writes the special tokens.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -1,4 +1,5 @@
-"""Pydantic models of the OpenAI API subset ATOM serves (completions, chat, models, errors).
+"""Pydantic models of the OpenAI API subset ATOM serves (completions, chat, models, errors),
+and of vLLM's /tokenize and /detokenize.
 
 Requests are strict: a field ATOM does not know is refused (400 naming it) instead of silently
 ignored, types are not coerced (`"max_tokens": "3"`, `"stream": "yes"` and `[[false]]` as token
@@ -13,9 +14,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -214,6 +215,46 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None  # False: at most one call
 
 
+# vLLM's /tokenize and /detokenize (vllm/entrypoints/serve/tokenize/protocol.py): a body with
+# `messages` is a chat request, any other a completion request.
+
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the tokenizer's own, on top of the template's
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+
+
+def _tokenize_kind(data: Any) -> str:
+    return "chat" if isinstance(data, dict) and "messages" in data else "completion"
+
+
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("completion")]
+    | Annotated[TokenizeChatRequest, Tag("chat")],
+    Discriminator(_tokenize_kind),
+]
+TOKENIZE_TAGS = ("completion", "chat")  # in a validation error's location, after "body"
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
 # -- responses --------------------------------------------------------------------------------
 
 
@@ -362,3 +403,14 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -19,6 +19,7 @@ from atom_engine.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogProbs,
+    ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
     UsageInfo,
@@ -52,15 +53,16 @@ def _refuse_unsupported(request: ChatCompletionRequest) -> None:
         raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
 
 
-def _messages(request: ChatCompletionRequest) -> list[dict]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The request's messages as the chat template gets them; a 400 naming messages."""
     try:
-        messages = []
-        for message in request.messages:
+        result = []
+        for message in messages:
             entry = message.model_dump(exclude_none=True)
             entry["content"] = message_text(message.content)
             _parse_tool_call_arguments(entry)
-            messages.append(entry)
-        return messages
+            result.append(entry)
+        return result
     except ValueError as e:
         raise APIError(str(e), param="messages") from None
 
@@ -103,7 +105,7 @@ async def create_chat_completion(
     try:
         engine_prompt = await preprocessor.run(
             preprocessor.chat_prompt,
-            _messages(request),
+            chat_messages(request.messages),
             params,
             request.add_generation_prompt,
             request.continue_final_message,
