@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any
 
 # apply_chat_template arguments that decide what it returns: the server sets them itself.
@@ -23,6 +25,32 @@ def message_text(content: str | list | None) -> str:
             raise ValueError(f"only text content parts are supported, got {part.get('type')!r}")
         texts.append(part.get("text") or "")
     return "\n".join(texts)
+
+
+def template_reads(tokenizer, chat_template: str | None, name: str) -> bool:
+    """Whether the chat template a request renders with (`chat_template`, else the tokenizer's
+    own) reads the variable `name` (e.g. GPT-OSS's `reasoning_effort`)."""
+    template = chat_template
+    if template is None:
+        template = getattr(tokenizer, "chat_template", None)
+    templates = template.values() if isinstance(template, dict) else [template]
+    return any(name in _variables(t) for t in templates if isinstance(t, str))
+
+
+_WORDS = re.compile(r"[A-Za-z_]\w*")
+
+
+@functools.lru_cache(maxsize=16)
+def _variables(template: str) -> frozenset[str]:
+    """The undeclared variables of a Jinja template (those the caller may pass)."""
+    import jinja2
+    import jinja2.meta
+
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateSyntaxError:  # a tag only transformers knows ({% generation %})
+        return frozenset(_WORDS.findall(template))
 
 
 def apply_chat_template(

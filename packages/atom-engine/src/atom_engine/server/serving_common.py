@@ -88,6 +88,12 @@ def sampling_params(
     structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; an invalid value is a 400 naming its field."""
+    if request.store:
+        raise APIError(
+            "store: true asks the server to keep the completion; ATOM stores nothing (send "
+            "store: false or leave it out)",
+            param="store",
+        )
     if request.logit_bias:
         raise APIError("logit_bias is not supported", param="logit_bias")
     if request.use_beam_search:
