@@ -30,6 +30,7 @@ from pydantic.json_schema import models_json_schema
 from atom_engine.sampling_params import (
     INT64_MAX,
     INT64_MIN,
+    MAX_BIAS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
 )
@@ -219,6 +220,16 @@ def _request_bounds(state) -> dict[str, dict[str, dict[str, dict]]]:
         "stop_token_ids": token_ids,
         "allowed_token_ids": {**token_ids, "array": {"minItems": 1}},
         "prompt_logprobs": logprobs,
+        "logit_bias": {
+            "object": {
+                "propertyNames": {"pattern": "^[0-9]+$"},  # token ids
+                "additionalProperties": {
+                    "type": "number",
+                    "minimum": -MAX_BIAS,
+                    "maximum": MAX_BIAS,
+                },
+            }
+        },
     }
     return {
         "CompletionRequest": {

@@ -170,7 +170,7 @@ class SamplingRequest(_Request):
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # not implemented: refused when non-empty
+    logit_bias: dict[str, float] | None = None  # {token id: -100..100} added to the logits
     user: str | None = None  # an end-user id for the operator's logs; no effect on the output
     safety_identifier: str | None = None  # OpenAI's successor of `user`: no effect either
     prompt_cache_key: str | None = None  # a caching hint: ATOM caches prefixes by content
