@@ -1,6 +1,6 @@
 """The Sampler's logit_bias on each of its paths, on random logits (no model): the overlapped
-path (`sample_on_device`), the synchronous one (`sample`, greedy and random, with log-probs) and
-speculative verification (`verify`, greedy and rejection sampling)."""
+path (`sample_on_device`), the synchronous one (`sample`, greedy and random, with log-probs or
+penalties) and speculative verification (`verify`, greedy and rejection sampling)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ def seq(seq_id: int, drafts: list[int] | None = None, **params) -> SimpleNamespa
         spec_token_ids=drafts or [],
         num_output_tokens=0,
         generator=None,
+        token_ids=[1, 2],  # the prompt (penalties read it)
+        num_prompt_tokens=2,
+        output_token_ids=[],
     )
 
 
@@ -32,13 +35,17 @@ def logits() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("path", ["sample", "sample_on_device", "sample_logprobs"])
+@pytest.mark.parametrize(
+    "path", ["sample", "sample_on_device", "sample_logprobs", "sample_penalties"]
+)
 def test_bias_on_every_sampling_path(logits, temperature, path):
     top = logits.argmax(dim=-1).tolist()
     forced = (top[0] + 1) % VOCAB
     common = {"temperature": temperature, "seed": None}
     if path == "sample_logprobs":
         common["logprobs"] = 2
+    if path == "sample_penalties":  # the bias goes in before the penalties
+        common["repetition_penalty"] = 1.5
     seqs = [
         seq(0, logit_bias={forced: 100}, **common),
         seq(1, logit_bias={top[1]: -100}, **common),

@@ -82,7 +82,7 @@ class SamplingParams:
     `prompt_logprobs` = N does the same for every prompt token after the first.
     `allowed_token_ids` restricts sampling to those ids. `logit_bias` ({token id: bias in
     [-100, 100]}, OpenAI's) is added to those tokens' logits before any sampling (greedy too, and
-    the target's rows under speculative decoding), after penalties; log-probs stay the model's.
+    the target's rows under speculative decoding), before penalties; log-probs stay the model's.
     `seed` is any 64-bit integer (negative ones too, as vLLM accepts them); choice i of n
     samples with seed + i (mod 2**64). A temperature in (0, 0.01) is raised to 0.01 (float32
     logits overflow below it).
