@@ -69,7 +69,8 @@ def test_document_has_no_fastapi_defaults(server):
     assert paths["/version"]["get"]["responses"]["200"]["content"]["application/json"]
     # The request schemas carry the served model's ranges.
     completion = schemas["CompletionRequest"]["properties"]
-    assert completion["n"]["maximum"] == 4 and completion["n"]["minimum"] == 1
+    n = completion["n"]["anyOf"][0]  # null: the default 1
+    assert n["maximum"] == 4 and n["minimum"] == 1
     assert completion["top_p"]["anyOf"][0] == {
         "type": "number",
         "exclusiveMinimum": 0,
@@ -149,6 +150,11 @@ VALID = {
          "stream_options": {"include_usage": True}},
         {"messages": _CHAT, "max_tokens": 2, "n": 2, "stream": True, "stop": ["e"]},
     ],
+    "/tokenize": [
+        {"prompt": "hi", "return_token_strs": True},
+        {"messages": _CHAT, "add_special_tokens": True},
+    ],
+    "/detokenize": [{"tokens": [1, 2, 3]}],
 }  # fmt: skip
 
 

@@ -131,6 +131,27 @@ def test_max_tokens_and_logprobs_inside_accepted_runs(smollm2_llm, smollm2_spec3
     assert_pool_free(llm)
 
 
+def test_logit_bias_equals_no_speculation(smollm2_llm, smollm2_spec3):
+    """logit_bias applies to the target's rows when drafts are verified: a banned token that
+    the n-gram drafter keeps proposing is never emitted, and greedy outputs with a bias equal
+    those without speculation."""
+    tokenizer = smollm2_llm.get_tokenizer()
+    # Digits are tokens of their own in SmolLM2's vocabulary ("1, 2," is 1 , Ġ 2 ,).
+    (four,) = tokenizer.encode("4", add_special_tokens=False)
+    (mat,) = tokenizer.encode(" mat", add_special_tokens=False)
+    (seven,) = tokenizer.encode("7", add_special_tokens=False)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=24, logit_bias={four: -100, mat: -100, seven: 5.0}
+    )
+    plain = token_ids(smollm2_llm.generate(PROMPTS[:2], params, use_tqdm=False))
+    llm = smollm2_spec3
+    drafted = llm.engine.stats().spec_decode.num_draft_tokens
+    assert token_ids(llm.generate(PROMPTS[:2], params, use_tqdm=False)) == plain
+    assert llm.engine.stats().spec_decode.num_draft_tokens > drafted
+    assert all(four not in ids and mat not in ids for ids in plain)
+    assert_pool_free(llm)
+
+
 # -- losslessness at temperature > 0 ----------------------------------------------------------
 
 VOCAB = 6

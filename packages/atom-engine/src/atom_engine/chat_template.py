@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any
 
 # apply_chat_template arguments that decide what it returns: the server sets them itself.
@@ -25,6 +27,32 @@ def message_text(content: str | list | None) -> str:
     return "\n".join(texts)
 
 
+def template_reads(tokenizer, chat_template: str | None, name: str) -> bool:
+    """Whether the chat template a request renders with (`chat_template`, else the tokenizer's
+    own) reads the variable `name` (e.g. GPT-OSS's `reasoning_effort`)."""
+    template = chat_template
+    if template is None:
+        template = getattr(tokenizer, "chat_template", None)
+    templates = template.values() if isinstance(template, dict) else [template]
+    return any(name in _variables(t) for t in templates if isinstance(t, str))
+
+
+_WORDS = re.compile(r"[A-Za-z_]\w*")
+
+
+@functools.lru_cache(maxsize=16)
+def _variables(template: str) -> frozenset[str]:
+    """The undeclared variables of a Jinja template (those the caller may pass)."""
+    import jinja2
+    import jinja2.meta
+
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateSyntaxError:  # a tag only transformers knows ({% generation %})
+        return frozenset(_WORDS.findall(template))
+
+
 def apply_chat_template(
     tokenizer,
     messages: list[dict[str, Any]],
@@ -34,9 +62,12 @@ def apply_chat_template(
     chat_template: str | None = None,
     max_chars: int | None = None,
     tools: list[dict[str, Any]] | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Token ids of `messages` rendered by `chat_template` (a Jinja string), or by the tokenizer's
     own template when it is None; `tools` (OpenAI tool definitions) are handed to the template.
+    `add_special_tokens`: the tokenizer's own (BOS, ...) added on top of what the template writes
+    (vLLM's `/tokenize` option; off for generation).
 
     Raises ValueError when there is no template, the template refuses the conversation, or the
     rendered text is longer than `max_chars` (checked before it is tokenized).
@@ -72,4 +103,4 @@ def apply_chat_template(
             "context length (max_model_len)"
         )
     # What apply_chat_template(tokenize=True) does: the template writes the special tokens.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

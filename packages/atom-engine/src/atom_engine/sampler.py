@@ -48,12 +48,16 @@ class Sampler:
 
     @staticmethod
     def _mask_logits(
-        seqs: list[Sequence], logits: torch.Tensor, ahead: list[int] | None = None
+        seqs: list[Sequence],
+        logits: torch.Tensor,
+        ahead: list[int] | None = None,
+        is_biased: bool = False,
     ) -> torch.Tensor:
-        """Logits with what a row may not sample set to -inf (a copy when any): tokens outside
-        its allowed_token_ids, and its stop tokens while it is short of min_tokens. `ahead[i]`:
-        tokens row i's sequence will have emitted before row i's (speculative draft rows)."""
-        masked = logits
+        """Logits with each row's logit_bias added and what a row may not sample set to -inf
+        (a copy when any): tokens outside its allowed_token_ids, and its stop tokens while it is
+        short of min_tokens. `ahead[i]`: tokens row i's sequence will have emitted before row
+        i's (speculative draft rows). `is_biased`: the bias is in `logits` already."""
+        masked = logits if is_biased else _biased(seqs, logits)
         # Only rows with allowed_token_ids or min_tokens can mask anything (the common batch
         # has none: one pass over the parameters, not the per-row checks).
         rows = [
@@ -111,6 +115,7 @@ class Sampler:
             and not p.has_penalties
             and p.min_tokens == 0
             and p.allowed_token_ids is None
+            and p.logit_bias is None
             for p in params
         ):
             # NOTE: the common greedy batch needs one argmax kernel and one sync; the sampler's
@@ -118,9 +123,10 @@ class Sampler:
             token_ids = atom_kernels.greedy_argmax(logits).tolist()
             return {s.seq_id: (t, None) for s, t in zip(seqs, token_ids, strict=True)}
         raw_logits = logits
+        logits = _biased(seqs, logits)  # before the penalties, as vLLM orders them
         if any(s.params.has_penalties for s in seqs):
             logits = self._apply_penalties(seqs, logits)
-        logits = self._mask_logits(seqs, logits)
+        logits = self._mask_logits(seqs, logits, is_biased=True)
         token_ids = self._draw(seqs, logits).token_ids.tolist()
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         info = dict.fromkeys(range(len(seqs)))
@@ -273,6 +279,23 @@ def _logprob_infos(
         )
         for j, (r, t) in enumerate(zip(rows, token_ids, strict=True))
     ]
+
+
+def _biased(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    """`logits` [rows, V] with each row's logit_bias added (a copy), or `logits` itself when no
+    row has one; one scatter for the whole batch."""
+    rows, cols, values = [], [], []
+    for i, s in enumerate(seqs):
+        bias = s.params.logit_bias
+        if bias:
+            rows += [i] * len(bias)
+            cols += bias.keys()
+            values += bias.values()
+    if not rows:
+        return logits
+    device = logits.device
+    index = (to_device(rows, torch.long, device), to_device(cols, torch.long, device))
+    return logits.index_put(index, to_device(values, logits.dtype, device), accumulate=True)
 
 
 def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -11,6 +11,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MIN_TEMPERATURE = 1e-2
 # Penalties outside this range overflow float32 logits (|logit| ~ 1e3 times or over 1e4).
 MAX_REPETITION_PENALTY = 1e4
+MAX_BIAS = 100.0  # OpenAI's logit_bias range
 
 
 class InvalidRequest(ValueError):
@@ -79,9 +80,12 @@ class SamplingParams:
     the output; `stop_token_ids` finish the request (and, like EOS, are not part of the text).
     `logprobs` = N returns the top-N log-probs of every generated token (plus the chosen one);
     `prompt_logprobs` = N does the same for every prompt token after the first.
-    `allowed_token_ids` restricts sampling to those ids. `seed` is any 64-bit integer (negative
-    ones too, as vLLM accepts them); choice i of n samples with seed + i (mod 2**64). A temperature
-    in (0, 0.01) is raised to 0.01 (float32 logits overflow below it).
+    `allowed_token_ids` restricts sampling to those ids. `logit_bias` ({token id: bias in
+    [-100, 100]}, OpenAI's) is added to those tokens' logits before any sampling (greedy too, and
+    the target's rows under speculative decoding), before penalties; log-probs stay the model's.
+    `seed` is any 64-bit integer (negative ones too, as vLLM accepts them); choice i of n
+    samples with seed + i (mod 2**64). A temperature in (0, 0.01) is raised to 0.01 (float32
+    logits overflow below it).
     `output_kind` (vLLM's RequestOutputKind): "cumulative" gives a RequestOutput from every step
     that advanced the request, "final_only" only the finished one (what `LLM.generate` uses; it
     saves copying every request's tokens at every step).
@@ -106,6 +110,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: str = "cumulative"
@@ -170,6 +175,13 @@ class SamplingParams:
             or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.allowed_token_ids)
         ):
             fail("allowed_token_ids", "must be a non-empty list of non-negative integers")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                _is_int(t) and 0 <= t <= INT64_MAX and _is_number(b) and -MAX_BIAS <= b <= MAX_BIAS
+                for t, b in self.logit_bias.items()
+            ):
+                fail("logit_bias", f"must map token ids to biases in [{-MAX_BIAS}, {MAX_BIAS}]")
+            self.logit_bias = dict(self.logit_bias) or None  # a copy; {}: no bias
         if not -2.0 <= self.presence_penalty <= 2.0:
             fail("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -192,7 +204,7 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids must be in the model's vocabulary (the engine calls this on add)."""
-        for name in ("stop_token_ids", "allowed_token_ids"):
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
             bad = [t for t in getattr(self, name) or () if t >= vocab_size]
             if bad:
                 raise ValueError(
@@ -219,3 +231,7 @@ class SamplingParams:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -36,17 +36,23 @@ from atom_engine.server.openapi import install_openapi
 from atom_engine.server.preprocess import Preprocessor
 from atom_engine.server.profiler import Profiler
 from atom_engine.server.protocol import (
+    TOKENIZE_TAGS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from atom_engine.server.reasoning import REASONING_PARSERS
 from atom_engine.server.serving_chat import create_chat_completion
 from atom_engine.server.serving_common import APIError, ServerState
 from atom_engine.server.serving_completion import create_completion
+from atom_engine.server.serving_tokenize import detokenize, tokenize
 from atom_engine.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("atom_engine.server")
@@ -74,6 +80,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
     for error in exc.errors():
         loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+        if loc and loc[0] in TOKENIZE_TAGS:  # the tagged union of /tokenize's two bodies
+            loc = loc[1:]
         kind = error.get("type")
         if kind == "json_invalid":
             return f"the request body is not valid JSON: {error.get('msg')}", None
@@ -183,6 +191,15 @@ def build_app(
         return await create_chat_completion(state, request, raw_request)
 
     app.include_router(v1)
+
+    # vLLM serves these outside /v1; here the API key guards them too (a chat template is work).
+    @app.post("/tokenize", dependencies=[Depends(check_api_key)], response_model_exclude_none=True)
+    async def tokenize_route(request: TokenizeRequest) -> TokenizeResponse:
+        return await tokenize(state, request)
+
+    @app.post("/detokenize", dependencies=[Depends(check_api_key)])
+    async def detokenize_route(request: DetokenizeRequest) -> DetokenizeResponse:
+        return await detokenize(state, request)
 
     @app.get("/health")
     async def health() -> Response:

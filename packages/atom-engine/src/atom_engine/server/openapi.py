@@ -30,6 +30,7 @@ from pydantic.json_schema import models_json_schema
 from atom_engine.sampling_params import (
     INT64_MAX,
     INT64_MIN,
+    MAX_BIAS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
 )
@@ -38,8 +39,10 @@ from atom_engine.server.protocol import (
     ChatCompletionResponse,
     CompletionChunk,
     CompletionResponse,
+    DetokenizeResponse,
     ErrorResponse,
     ModelList,
+    TokenizeResponse,
 )
 
 JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
@@ -64,6 +67,8 @@ _RESPONSE_MODELS = (
     ChatCompletionChunk,
     VersionInfo,
     ProfileStatus,
+    TokenizeResponse,
+    DetokenizeResponse,
 )
 
 _ERRORS = {
@@ -150,6 +155,18 @@ def _responses() -> dict[tuple[str, str], dict[str, Any]]:
         },
         ("/v1/completions", "post"): _generation(CompletionResponse, CompletionChunk),
         ("/v1/chat/completions", "post"): _generation(ChatCompletionResponse, ChatCompletionChunk),
+        ("/tokenize", "post"): {
+            "200": _json_ok(
+                TokenizeResponse,
+                "The prompt's token ids (`messages`: as the chat template renders them), their "
+                "count, the context length, and with `return_token_strs` the tokens' strings.",
+            ),
+            **_errors((400, 401, 404, 413, 500)),
+        },
+        ("/detokenize", "post"): {
+            "200": _json_ok(DetokenizeResponse, "The text of the token ids."),
+            **_errors((400, 401, 404, 413, 500)),
+        },
         ("/health", "get"): {
             "200": {"description": "The engine is running (an empty body)."},
             **_errors((413, 500)),
@@ -203,6 +220,16 @@ def _request_bounds(state) -> dict[str, dict[str, dict[str, dict]]]:
         "stop_token_ids": token_ids,
         "allowed_token_ids": {**token_ids, "array": {"minItems": 1}},
         "prompt_logprobs": logprobs,
+        "logit_bias": {
+            "object": {
+                "propertyNames": {"pattern": "^[0-9]+$"},  # token ids
+                "additionalProperties": {
+                    "type": "number",
+                    "minimum": -MAX_BIAS,
+                    "maximum": MAX_BIAS,
+                },
+            }
+        },
     }
     return {
         "CompletionRequest": {
@@ -219,6 +246,8 @@ def _request_bounds(state) -> dict[str, dict[str, dict[str, dict]]]:
             "top_logprobs": logprobs,
             "messages": {"array": {"minItems": 1}},
         },
+        "TokenizeChatRequest": {"messages": {"array": {"minItems": 1}}},
+        "DetokenizeRequest": {"tokens": token_ids},
     }
 
 

@@ -1,10 +1,12 @@
-"""Pydantic models of the OpenAI API subset ATOM serves (completions, chat, models, errors).
+"""Pydantic models of the OpenAI API subset ATOM serves (completions, chat, models, errors),
+and of vLLM's /tokenize and /detokenize.
 
 Requests are strict: a field ATOM does not know is refused (400 naming it) instead of silently
 ignored, types are not coerced (`"max_tokens": "3"`, `"stream": "yes"` and `[[false]]` as token
 ids are refused), floats must be finite, and every string must be encodable text (no lone UTF-16
 surrogates). Declared fields are honoured, or refused with a 400 when set to something ATOM does
-not implement (logit_bias, suffix, use_beam_search, ...). The vLLM extensions (top_k,
+not implement (suffix, use_beam_search, store: true, prediction, ...). A null means the field's
+default, for every field that has one. The vLLM extensions (top_k,
 min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, allowed_token_ids,
 prompt_logprobs, chat_template, structured_outputs, ...) are declared with vLLM's names.
 """
@@ -13,9 +15,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -63,8 +65,54 @@ def _find_unencodable(value: Any, path: tuple) -> tuple | None:
     return None
 
 
+def _defaults_for_null(cls: type[BaseModel]) -> frozenset[str]:
+    """The keys (aliases) of `cls`'s fields that have a default but do not take None: a null
+    there means the default, as OpenAI's API reads an explicit null."""
+    keys = _NULL_KEYS.get(cls)
+    if keys is None:
+        keys = _NULL_KEYS[cls] = frozenset(
+            info.alias or name
+            for name, info in cls.model_fields.items()
+            if not info.is_required() and not _takes_none(info.annotation)
+        )
+    return keys
+
+
+_NULL_KEYS: dict[type, frozenset[str]] = {}
+
+
+def _takes_none(annotation: Any) -> bool:
+    if annotation is None or annotation is type(None):
+        return True
+    return any(_takes_none(arg) for arg in get_args(annotation) if get_origin(arg) is not Literal)
+
+
+def _null_in_schema(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    """The JSON schema says what the server takes: null for each field null defaults."""
+    properties = schema.get("properties", {})
+    for key in _defaults_for_null(cls):
+        prop = properties.get(key)
+        if prop is None:
+            continue
+        outer = {k: prop.pop(k) for k in ("default", "title", "description") if k in prop}
+        branches = prop.pop("anyOf", None) or [dict(prop)]
+        prop.clear()
+        prop.update(anyOf=[*branches, {"type": "null"}], **outer)
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(
+        strict=True, extra="forbid", allow_inf_nan=False, json_schema_extra=_null_in_schema
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            keys = _defaults_for_null(cls)
+            if any(value is None and key in keys for key, value in data.items()):
+                return {k: v for k, v in data.items() if not (v is None and k in keys)}
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -122,8 +170,13 @@ class SamplingRequest(_Request):
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # not implemented: refused when non-empty
+    logit_bias: dict[str, float] | None = None  # {token id: -100..100} added to the logits
     user: str | None = None  # an end-user id for the operator's logs; no effect on the output
+    safety_identifier: str | None = None  # OpenAI's successor of `user`: no effect either
+    prompt_cache_key: str | None = None  # a caching hint: ATOM caches prefixes by content
+    store: bool | None = None  # ATOM stores nothing: true is refused
+    metadata: dict[str, str] | None = None  # tags of a stored completion: none is stored
+    service_tier: Literal["auto", "default"] | None = None  # ATOM has one tier
     # vLLM extensions (the OpenAI client sends them through `extra_body`)
     top_k: int | None = None
     min_p: float | None = None
@@ -212,6 +265,53 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call
+    modalities: list[Literal["text"]] | None = None  # ATOM answers in text only
+    # Handed to chat templates that read it (GPT-OSS's); refused for those that do not.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # Not implemented: refused when set (not null / empty).
+    functions: list[FunctionDefinition] | None = None  # deprecated: `tools`
+    function_call: Literal["none", "auto"] | FunctionName | None = None  # deprecated
+    prediction: dict[str, Any] | None = None  # OpenAI's predicted outputs
+
+
+# vLLM's /tokenize and /detokenize (vllm/entrypoints/serve/tokenize/protocol.py): a body with
+# `messages` is a chat request, any other a completion request.
+
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the tokenizer's own, on top of the template's
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+
+
+def _tokenize_kind(data: Any) -> str:
+    return "chat" if isinstance(data, dict) and "messages" in data else "completion"
+
+
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("completion")]
+    | Annotated[TokenizeChatRequest, Tag("chat")],
+    Discriminator(_tokenize_kind),
+]
+TOKENIZE_TAGS = ("completion", "chat")  # in a validation error's location, after "body"
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -362,3 +462,14 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
-from atom_engine.chat_template import message_text
+from atom_engine.chat_template import message_text, template_reads
 from atom_engine.outputs import CompletionOutput, RequestOutput
 from atom_engine.server.chat_output import ChatOutput
 from atom_engine.server.protocol import (
@@ -19,6 +19,7 @@ from atom_engine.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogProbs,
+    ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
     UsageInfo,
@@ -50,17 +51,54 @@ def _refuse_unsupported(request: ChatCompletionRequest) -> None:
         )
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
+    if request.functions:
+        raise APIError(
+            "functions (deprecated) is not supported: send the functions as tools, "
+            '[{"type": "function", "function": ...}]',
+            param="functions",
+        )
+    if request.function_call is not None:
+        raise APIError(
+            "function_call (deprecated) is not supported: use tools and tool_choice",
+            param="function_call",
+        )
+    if request.prediction is not None:
+        raise APIError(
+            "predicted outputs (prediction) are not supported; leave the field out",
+            param="prediction",
+        )
 
 
-def _messages(request: ChatCompletionRequest) -> list[dict]:
+def _template_kwargs(state: ServerState, request: ChatCompletionRequest) -> dict | None:
+    """chat_template_kwargs, with reasoning_effort for a template that reads it (a 400 for one
+    that does not: the effort would be ignored)."""
+    kwargs = request.chat_template_kwargs
+    effort = request.reasoning_effort
+    if effort is None:
+        return kwargs
+    if not template_reads(state.engine.tokenizer, request.chat_template, "reasoning_effort"):
+        raise APIError(
+            "reasoning_effort is not supported by this model: its chat template does not read it",
+            param="reasoning_effort",
+        )
+    if (kwargs or {}).get("reasoning_effort", effort) != effort:
+        raise APIError(
+            "reasoning_effort and chat_template_kwargs.reasoning_effort differ",
+            param="reasoning_effort",
+        )
+    return {**(kwargs or {}), "reasoning_effort": effort}
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The request's messages as the chat template gets them; a 400 naming messages."""
     try:
-        messages = []
-        for message in request.messages:
+        result = []
+        for message in messages:
             entry = message.model_dump(exclude_none=True)
             entry["content"] = message_text(message.content)
             _parse_tool_call_arguments(entry)
-            messages.append(entry)
-        return messages
+            result.append(entry)
+        return result
     except ValueError as e:
         raise APIError(str(e), param="messages") from None
 
@@ -99,16 +137,17 @@ async def create_chat_completion(
     )
     if plan.mode == "auto":
         params.skip_special_tokens = False  # tool-call markers may be special tokens
+    template_kwargs = _template_kwargs(state, request)
     preprocessor = state.preprocessor
     try:
         engine_prompt = await preprocessor.run(
             preprocessor.chat_prompt,
-            _messages(request),
+            chat_messages(request.messages),
             params,
             request.add_generation_prompt,
             request.continue_final_message,
             request.chat_template,
-            request.chat_template_kwargs,
+            template_kwargs,
             plan.tools,
         )
     except ValueError as e:

@@ -88,8 +88,12 @@ def sampling_params(
     structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams; an invalid value is a 400 naming its field."""
-    if request.logit_bias:
-        raise APIError("logit_bias is not supported", param="logit_bias")
+    if request.store:
+        raise APIError(
+            "store: true asks the server to keep the completion; ATOM stores nothing (send "
+            "store: false or leave it out)",
+            param="store",
+        )
     if request.use_beam_search:
         raise APIError("beam search is not supported", param="use_beam_search")
     if request.n > max_n:
@@ -123,12 +127,29 @@ def sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             allowed_token_ids=request.allowed_token_ids,
+            logit_bias=_logit_bias(request.logit_bias),
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
             structured_outputs=structured_outputs,
         )
     except ValueError as e:
         raise value_error(e, None, param_names) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON keys) with int keys; a 400 for a key that is not
+    a token id."""
+    if not bias:
+        return None
+    result = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit():
+            raise APIError(
+                f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                param="logit_bias",
+            )
+        result[int(key)] = value
+    return result
 
 
 def value_error(
