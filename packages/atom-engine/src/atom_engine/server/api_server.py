@@ -40,15 +40,12 @@ from atom_engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
-    TokenizeResponse,
 )
 from atom_engine.server.reasoning import REASONING_PARSERS
+from atom_engine.server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from atom_engine.server.serving_chat import create_chat_completion
 from atom_engine.server.serving_common import APIError, ServerState
 from atom_engine.server.serving_completion import create_completion

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import json
 
-from atom_engine.server.protocol import (
+from atom_engine.server.protocol import random_id
+from atom_engine.server.reasoning import ReasoningParser
+from atom_engine.server.responses import (
     ChatResponseMessage,
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
     ToolCall,
-    random_id,
 )
-from atom_engine.server.reasoning import ReasoningParser
 from atom_engine.server.structured import ToolPlan
 from atom_engine.server.tool_parsers import ToolCalls, ToolParser
 

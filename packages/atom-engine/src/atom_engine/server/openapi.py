@@ -34,13 +34,13 @@ from atom_engine.sampling_params import (
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
 )
-from atom_engine.server.protocol import (
+from atom_engine.server.protocol import ErrorResponse
+from atom_engine.server.responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionChunk,
     CompletionResponse,
     DetokenizeResponse,
-    ErrorResponse,
     ModelList,
     TokenizeResponse,
 )

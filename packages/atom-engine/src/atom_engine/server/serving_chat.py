@@ -13,28 +13,25 @@ from starlette.requests import Request
 from atom_engine.chat_template import message_text, template_reads
 from atom_engine.outputs import CompletionOutput, RequestOutput
 from atom_engine.server.chat_output import ChatOutput
-from atom_engine.server.protocol import (
+from atom_engine.server.logprobs import chat_logprobs, prompt_logprobs_json
+from atom_engine.server.protocol import ChatCompletionRequest, ChatMessage, random_id
+from atom_engine.server.reasoning import REASONING_PARSERS
+from atom_engine.server.responses import (
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogProbs,
-    ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
     UsageInfo,
-    random_id,
 )
-from atom_engine.server.reasoning import REASONING_PARSERS
 from atom_engine.server.serving_common import (
     SSE_DONE,
     APIError,
     RequestGroup,
     ServerState,
-    chat_logprobs,
     error_json,
     finish_reason,
-    prompt_logprobs_json,
     sampling_params,
     sse,
     value_error,

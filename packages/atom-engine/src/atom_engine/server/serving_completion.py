@@ -9,24 +9,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import Request
 
 from atom_engine.outputs import CompletionOutput, RequestOutput
-from atom_engine.server.protocol import (
+from atom_engine.server.logprobs import completion_logprobs, prompt_logprobs_json
+from atom_engine.server.protocol import CompletionRequest, random_id
+from atom_engine.server.responses import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogProbs,
-    CompletionRequest,
     CompletionResponse,
     UsageInfo,
-    random_id,
 )
 from atom_engine.server.serving_common import (
     SSE_DONE,
     APIError,
     RequestGroup,
     ServerState,
-    completion_logprobs,
     error_json,
     finish_reason,
-    prompt_logprobs_json,
     sampling_params,
     sse,
     value_error,

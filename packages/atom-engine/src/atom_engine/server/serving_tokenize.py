@@ -8,11 +8,10 @@ from __future__ import annotations
 from atom_engine.chat_template import apply_chat_template
 from atom_engine.server.protocol import (
     DetokenizeRequest,
-    DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    TokenizeResponse,
 )
+from atom_engine.server.responses import DetokenizeResponse, TokenizeResponse
 from atom_engine.server.serving_chat import chat_messages
 from atom_engine.server.serving_common import APIError, ServerState
 
