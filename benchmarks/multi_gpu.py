@@ -20,7 +20,11 @@ recorded as such while the others go on:
   `LLM(data_parallel_size=2)` (one engine process per replica, pinned to its GPU, as
   `atom serve -dp 2` runs them): one `generate` call of all 256 requests, timed to its return;
 - qwen3-30b-a3b-tp2, qwen3-30b-a3b-tp2-ep: decode latency and the offline workload, the experts
-  sliced over both GPUs against whole experts per GPU.
+  sliced over both GPUs against whole experts per GPU;
+- llama3-8b-tp4 (4 GPUs), qwen3-235b-a22b-fp8-tp4-ep (4 GPUs, all 94 layers, block FP8; batch-1
+  decode only, on a small engine);
+- <any TP case>-peer: the same with `ATOM_ALLREDUCE=peer` (the peer all-reduce, issue 36) where
+  the case without the suffix runs NCCL: run both in one call to compare.
 
 Random weights (load_format="dummy"). A decode floor is rank 0's weight bytes (its shard: the ranks
 read theirs at once) plus its KV read, over the copy bandwidth measured in this run; for the MoE,
