@@ -60,27 +60,16 @@ def shape_dir(name: str, smoke: bool) -> str:
 def engine_args(shape: str, args, small: bool = False, **parallel) -> dict:
     """The `EngineConfig` / `LLM` keyword arguments of a case (`small`: for batch-1 decode)."""
     cuda = torch.cuda.is_available()
-    if small:
-        return dict(
-            model=shape_dir(shape, args.smoke),
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            dtype="bfloat16" if cuda else "float32",
-            device="cuda" if cuda else "cpu",
-            max_num_seqs=8,
-            max_num_batched_tokens=1024,
-            max_model_len=1024,
-            **parallel,
-        )
+    limits = (8, 1024, 1024) if small else (256, 8192, 4096)
     return dict(
         model=shape_dir(shape, args.smoke),
         load_format="dummy",
         skip_tokenizer_init=True,
         dtype="bfloat16" if cuda else "float32",
         device="cuda" if cuda else "cpu",
-        max_num_seqs=256,
-        max_num_batched_tokens=8192,
-        max_model_len=4096,
+        max_num_seqs=limits[0],
+        max_num_batched_tokens=limits[1],
+        max_model_len=limits[2],
         **parallel,
     )
 
