@@ -4,7 +4,10 @@
 # (the call's drift hits them alike), then an optional kernel tune, all inside one time budget.
 #   VARIANTS="ATOM_TRITON_ARGMAX=0;ATOM_TRITON_ARGMAX=1" SHAPES="llama3-8b" ROUNDS=2 \
 #       bash benchmarks/decode_ab.sh          # results under $OUT (or ./gpu-out)
-# A variant is a space-separated list of NAME=VALUE; variants are separated by ';'.
+# A variant is a space-separated list of NAME=VALUE; variants are separated by ';'. TREE=<dir>
+# in a variant runs another source tree (its packages/*/src and benchmarks/engine_bench.py), e.g.
+# a commit before a refactor, `git archive REV packages benchmarks | tar -x -C .before` carried
+# as .before: VARIANTS="TREE=;TREE=.before" (an empty TREE is this checkout).
 # TEST_FILES / TEST_K: pytest files and -k expression run first (ATOM_REQUIRE_GPU=1; none: skip).
 # TUNE: a command run last with what is left of the budget, at least 60 s (none: skip); it may
 # read its own budget from $TUNE_BUDGET_S.
@@ -40,7 +43,13 @@ for round in $(seq 0 $(( ${ROUNDS:-2} - 1 ))); do
             echo "round $round $shape: ${variants[$i]}"
             (
                 export ${variants[$i]}
-                run_for "${RUN_S:-100}" python3 benchmarks/engine_bench.py decode --shape "$shape" \
+                bench=benchmarks/engine_bench.py
+                if [ -n "${TREE:-}" ]; then
+                    PYTHONPATH=$(ls -d "$TREE"/packages/*/src | paste -sd:):${PYTHONPATH##*/src:}
+                    export PYTHONPATH
+                    bench=$TREE/benchmarks/engine_bench.py
+                fi
+                run_for "${RUN_S:-100}" python3 "$bench" decode --shape "$shape" \
                     --batch-sizes ${BATCH_SIZES:-1 8} ${DECODE_ARGS:-} \
                     --out "$OUT/decode-$shape-v$i-$tag-r$round.json"
             )
