@@ -105,3 +105,27 @@ def test_intercept_attention_sees_every_layer_in_order_with_per_token_tensors(tm
     assert not torch.allclose(changed, expected)  # the model went on with the interceptor's output
     with set_forward_context(md):  # and the seam is gone after the block
         torch.testing.assert_close(model(ids, torch.arange(20)), expected)
+
+
+def test_no_collection_while_graphs_capture():
+    """`_no_gc`: garbage made before the capture is collected first (its finalizers run then, not
+    inside a capture), the collector is off inside and back on after, an error included."""
+    import gc
+    import weakref
+
+    from atom_engine.graphs import _no_gc
+
+    class Cycle:
+        pass
+
+    def garbage():
+        a, b = Cycle(), Cycle()
+        a.other, b.other = b, a  # a cycle: only the collector frees it
+        return weakref.ref(a)
+
+    before = garbage()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), _no_gc():
+        assert before() is None and not gc.isenabled()
+        raise RuntimeError("a capture failed")
+    assert gc.isenabled()

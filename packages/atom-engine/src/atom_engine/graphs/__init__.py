@@ -12,13 +12,17 @@ release; `close()`. Inside:
 - `pieces` (`PiecewiseGraphs`, `"full_and_piecewise"`, or `"full"` for the other models): the
   forward captured between the attention layers, attention eager in between.
 
-All three share one memory pool. `"full_decode_only"` captures the decode graphs alone.
+All three share one memory pool. `"full_decode_only"` captures the decode graphs alone. Python's
+garbage collector is off while they capture (`_no_gc`).
 They read the runner only through `target.GraphTarget` (its model, device, config and cache
 geometry): nothing here imports the runner.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -90,9 +94,31 @@ class StepGraphs:
         self.mixed = self.pieces = None
 
 
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Collect now, then no collection until the block ends. A collection during a capture runs
+    the finalizers of whatever became garbage (an earlier engine's tensors, streams, graphs), and
+    one CUDA call among them that is not allowed while a stream captures (a synchronize, a free)
+    invalidates the capture: seen on H200 (torch 2.11) as cuBLAS failing inside a piecewise
+    capture in a process that had run other engines before (issue 35)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def capture_step_graphs(runner: GraphTarget, max_sampled: int) -> StepGraphs:
     """Capture a runner's graphs for its config's `cudagraph_mode` (the model, its KV cache and
     the sampled-id count `max_sampled` are fixed from here on)."""
+    with _no_gc():
+        return _capture(runner, max_sampled)
+
+
+def _capture(runner: GraphTarget, max_sampled: int) -> StepGraphs:
     config = runner.config
     decode = DecodeGraphs(runner, max_sampled)
     mode, max_step_tokens = config.cudagraph_mode, config.max_num_batched_tokens

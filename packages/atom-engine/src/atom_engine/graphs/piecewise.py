@@ -18,6 +18,7 @@ eager forward would; a replay writes them before it reads them, in capture order
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -202,7 +203,15 @@ class PiecewiseGraphs:
 
         with torch.cuda.stream(stream), intercept_attention(cut):
             begin()
-            hidden = self.model(self.ids[:size], self.positions[:size])
+            try:
+                hidden = self.model(self.ids[:size], self.positions[:size])
+            except BaseException:
+                # End the capture before the error propagates: a stream left capturing makes
+                # every later CUDA call of the process fail (the engine could not even be
+                # released).
+                with contextlib.suppress(Exception):
+                    graphs[-1].capture_end()
+                raise
             graphs[-1].capture_end()
             hidden = _weak(hidden)
         return _Captured(graphs, attentions, hidden)
