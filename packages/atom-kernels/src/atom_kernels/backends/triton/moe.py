@@ -741,31 +741,33 @@ def _gemm2_token_kernel(
         k_valid = ks < inter_size
         pair = (token * top_k + slot).to(tl.int64)
         expert = tl.load(ids_ptr + pair).to(tl.int64)
-        live = expert >= 0  # -1: every load of the slot masked off (no weight read)
+        # -1: every load of the slot masked off (no weight read). tl.where: see _sum_topk_kernel.
+        live = expert >= 0
         expert = tl.maximum(expert, 0)
         w_rows = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn  # [1, N]
+        row_live = tl.where(live, offs_m == 0, False)  # [M]
+        col_live = tl.where(live, col_valid, False)  # [N]
         if QUANT == 0:
             a_ptrs = a_ptr + pair * stride_am + ks[None, :] + offs_m[:, None] * 0
-            a = tl.load(a_ptrs, mask=(offs_m[:, None] == 0) & k_valid[None, :] & live,
-                        other=0.0)  # fmt: skip
+            a = tl.load(a_ptrs, mask=row_live[:, None] & k_valid[None, :], other=0.0)
             w = tl.load(w_rows + ks[:, None] * stride_wk,
-                        mask=k_valid[:, None] & col_valid[None, :] & live, other=0.0)  # fmt: skip
+                        mask=k_valid[:, None] & col_live[None, :], other=0.0)  # fmt: skip
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
         else:
             a_rows = a_ptr + pair * stride_am + offs_m[:, None] * 0  # [M, 1]
             s_rows = s_ptr + expert * stride_se + (cols // group_n).to(tl.int64) * stride_sn
-            acc = _quant_dot(acc, a_rows, (offs_m == 0) & live, w_rows, s_rows, k0, inter_size,
-                             col_valid & live, stride_wk, stride_sk, group_k, QUANT, PRECISION,
-                             BLOCK_K)  # fmt: skip
+            acc = _quant_dot(acc, a_rows, row_live, w_rows, s_rows, k0, inter_size, col_live,
+                             stride_wk, stride_sk, group_k, QUANT, PRECISION, BLOCK_K)  # fmt: skip
     if HAS_BIAS:  # sum_k w_k * b2[e_k]
         for slot in range(0, top_k):
             pair = token * top_k + slot
             expert = tl.load(ids_ptr + pair).to(tl.int64)
-            live = expert >= 0
-            weight = tl.load(topk_weights_ptr + pair * stride_tw, mask=live, other=0.0)
+            col_live = tl.where(expert >= 0, col_valid, False)
+            weight = tl.load(topk_weights_ptr + pair * stride_tw).to(tl.float32)
+            weight = tl.where(expert >= 0, weight, 0.0)  # a -1 slot's weight is ignored
             bias = tl.load(bias_ptr + tl.maximum(expert, 0) * stride_be + cols * stride_bn,
-                           mask=col_valid & live, other=0.0)  # fmt: skip
-            acc += weight.to(tl.float32) * bias.to(tl.float32)[None, :]
+                           mask=col_live, other=0.0)  # fmt: skip
+            acc += weight * bias.to(tl.float32)[None, :]
     out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + cols[None, :] + offs_m[:, None] * 0
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] == 0) & col_valid)
 
@@ -873,8 +875,10 @@ def _sum_topk_kernel(
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k in range(0, top_k):
         pair = token * top_k + k
-        live = tl.load(ids_ptr + pair) >= 0
-        acc += tl.load(x_ptr + pair * stride_xm + cols, mask=valid & live, other=0.0)
+        # NOTE: tl.where, not valid & live: Triton's interpreter (3.9) rejects a mask made of a
+        # scalar and a block ("mask has unsupported dtype").
+        live = tl.where(tl.load(ids_ptr + pair) >= 0, valid, False)
+        acc += tl.load(x_ptr + pair * stride_xm + cols, mask=live, other=0.0)
     tl.store(out_ptr + token * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=valid)
 
 
@@ -1097,7 +1101,9 @@ def fused_moe(
             config = mxfp4_tiles(config, quant_code, num_pairs)
     if quant is not None:
         config = _quant_config(config, quant, block_size)
-    ids = topk_ids.reshape(-1)
+    # [N], dense: the kernels index it without a stride (reshape keeps a [T, 1] slice of a wider
+    # [T, K] as a view with stride K).
+    ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1)
     precision = "ieee" if dtype == torch.float32 else "tf32"
     b13 = w13_bias if w13_bias is not None else w13
