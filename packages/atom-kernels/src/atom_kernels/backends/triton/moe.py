@@ -23,10 +23,10 @@ block lies past the last used segment: experts that receive no token have no blo
 (their weights are never read). GEMM programs form a 1-D grid ordered in groups of GROUP_M row
 blocks (row blocks fastest within a group) so a group's A rows and expert weights stay in L2.
 
-Pairs with expert id -1 (expert parallelism: another rank's expert) cost no GEMM work: the align
-step leaves them out of every segment, the per-pair kernels return or mask their loads at once
-(no weight read), and every combine counts them as zero (the sum kernel skips their rows; rows a
-combine reads unconditionally, top-1's output and torch's sum, are zeroed first).
+Pairs with expert id -1 (expert parallelism: another rank's expert) get no GEMM rows and read no
+expert weights: the align step leaves them out of every segment, the per-pair kernels return or
+mask their loads at once, and every combine counts them as zero (the sum kernel skips their
+rows; rows a combine reads unconditionally, top-1's output and torch's sum, are zeroed first).
 
 Mixed tiles (a config's "remainder_m" > 0): the layout stays padded to BLOCK_M, but an expert's
 last row block with at most REMAINDER_M pairs left runs a REMAINDER_M-row tile (the rest of the
