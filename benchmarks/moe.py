@@ -14,6 +14,16 @@ the selected experts' weights (distinct experts hit x bytes of one expert) over 
 fraction of the measured copy bandwidth (target >= 60% at 1-16 tokens); for many, FLOP/s
 (2 * T * K * 3 * H * I) as a fraction of the bf16 matmul rate (target >= 50% at 4096 tokens).
 
+Expert parallelism (``--ep-size N``): one rank of N at DP=1. It holds experts [0, E / N) and
+routes over all E, so about (N - 1) / N of the slots belong to other ranks: passed as -1
+(``--ep-skip minus-one``, what ``FusedMoE`` does) or, the layout before issue 37's fix, as the
+rank's expert 0 with weight 0 (``expert-zero``: computed and thrown away). Bytes and FLOPs count
+the rank's own pairs only, so the two modes' rates compare directly:
+
+    python benchmarks/moe.py --ep-size 4 --tokens 1 16 64 256 --no-reference --out $OUT/moe-ep4.json
+    python benchmarks/moe.py --ep-size 4 --ep-skip expert-zero --tokens 1 16 64 256 \
+        --no-reference --out $OUT/moe-ep4-expert-zero.json
+
 T = tokens, E = experts, K = top-k, H = hidden size, I = expert intermediate size.
 """
 
@@ -43,6 +53,18 @@ def moe_flops(num_tokens: int, top_k: int, hidden: int, inter: int) -> float:
     return 2.0 * num_tokens * top_k * 3 * hidden * inter
 
 
+EP_SKIP_MODES = ("minus-one", "expert-zero")
+
+
+def ep_routing(torch, weights, ids, num_local: int, skip: str):
+    """(weights, ids) as rank 0 of expert parallelism sees them: it owns experts [0, num_local);
+    another rank's slot is -1 ("minus-one") or its expert 0 with weight 0 ("expert-zero")."""
+    owned = ids < num_local
+    if skip == "minus-one":
+        return weights, torch.where(owned, ids, -1)
+    return torch.where(owned, weights, 0.0), torch.where(owned, ids, 0)
+
+
 def format_table(rows: list[dict]) -> str:
     head = ("shape", "T", "experts hit", "triton ms", "torch ms", "rate", "% roofline", "speedup")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
@@ -66,26 +88,39 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def bench_shape(torch, name: str, shape: tuple, roofline: dict, with_reference: bool) -> list[dict]:
+def bench_shape(
+    torch,
+    name: str,
+    shape: tuple,
+    roofline: dict,
+    with_reference: bool,
+    tokens: tuple[int, ...] = TOKENS,
+    ep_size: int = 1,
+    ep_skip: str = "minus-one",
+) -> list[dict]:
     from triton.testing import do_bench, do_bench_cudagraph
 
     from atom_kernels.backends.torch import moe as reference
     from atom_kernels.backends.triton import custom_ops
 
     num_experts, top_k, hidden, inter = shape
+    num_local = num_experts // ep_size  # the experts this rank holds (all without EP)
     g = torch.Generator(device="cuda").manual_seed(0)
-    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g, device="cuda") * 0.02).to(
+    w13 = (torch.randn(num_local, 2 * inter, hidden, generator=g, device="cuda") * 0.02).to(
         torch.bfloat16
     )
-    w2 = (torch.randn(num_experts, hidden, inter, generator=g, device="cuda") * 0.02).to(
+    w2 = (torch.randn(num_local, hidden, inter, generator=g, device="cuda") * 0.02).to(
         torch.bfloat16
     )
     rows = []
-    for num_tokens in TOKENS:
+    for num_tokens in tokens:
         x = torch.randn(num_tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
         logits = torch.randn(num_tokens, num_experts, generator=g, device="cuda")
         weights, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
         ids = ids.int()
+        owned = ids < num_local  # [T, K]: this rank's pairs
+        if ep_size > 1:
+            weights, ids = ep_routing(torch, weights, ids, num_local, ep_skip)
         args = (x, w13, w2, weights, ids, "silu", None, None, False, 1.702, 7.0)
 
         def triton_fn(args=args):
@@ -100,9 +135,9 @@ def bench_shape(torch, name: str, shape: tuple, roofline: dict, with_reference: 
                 do_bench(lambda args=args: reference.fused_moe(*args), warmup=5, rep=50,
                          return_mode="median")
             )  # fmt: skip
-        hit = int(ids.unique().numel())
+        hit = int(ids[owned].unique().numel())
         weight_bytes = hit * expert_bytes(hidden, inter)
-        flops = moe_flops(num_tokens, top_k, hidden, inter)
+        flops = moe_flops(int(owned.sum()), 1, hidden, inter)  # the rank's own pairs
         gbps = weight_bytes / (ms_cold / 1e3) / 1e9
         tflops = flops / (ms_cold / 1e3) / 1e12
         if num_tokens <= BANDWIDTH_TOKENS:
@@ -116,6 +151,8 @@ def bench_shape(torch, name: str, shape: tuple, roofline: dict, with_reference: 
             "hidden": hidden,
             "intermediate": inter,
             "tokens": num_tokens,
+            "ep_size": ep_size,
+            "ep_skip": ep_skip if ep_size > 1 else None,
             "experts_hit": hit,
             "weight_bytes": weight_bytes,
             "flops": flops,
@@ -139,7 +176,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON results file")
     parser.add_argument("--no-reference", action="store_true", help="skip the torch reference")
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=list(TOKENS), help="token counts to time"
+    )
+    parser.add_argument(
+        "--ep-size", type=int, default=1, help="time one rank of this many expert-parallel ranks"
+    )
+    parser.add_argument(
+        "--ep-skip",
+        choices=EP_SKIP_MODES,
+        default="minus-one",
+        help="how another rank's slots reach fused_moe (see the docstring)",
+    )
     args = parser.parse_args(argv)
+    for name, (num_experts, *_rest) in SHAPES.items():
+        if args.ep_size < 1 or num_experts % args.ep_size:
+            parser.error(f"--ep-size {args.ep_size} does not divide {name}'s {num_experts} experts")
 
     import torch
     import triton
@@ -155,12 +207,15 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "dtype": "bfloat16",
         "activation": "silu",
+        "ep_size": args.ep_size,
+        "ep_skip": args.ep_skip if args.ep_size > 1 else None,
         "roofline": roofline,
         "results": [],
     }
     rows = result["results"]
     for name, shape in SHAPES.items():
-        rows += bench_shape(torch, name, shape, roofline, with_reference=not args.no_reference)
+        rows += bench_shape(torch, name, shape, roofline, not args.no_reference,
+                            tuple(args.tokens), args.ep_size, args.ep_skip)  # fmt: skip
         torch.cuda.empty_cache()
         with open(args.out, "w") as f:  # after each shape: a cut-off run keeps what it measured
             json.dump(result, f, indent=2)

@@ -158,6 +158,8 @@ def _naive_moe(hidden, w13, w2, weights, ids, activation, b13, b2, interleaved, 
         x = hidden[t].double()
         for k in range(ids.shape[1]):
             e = int(ids[t, k])
+            if e < 0:  # a slot this call does not compute
+                continue
             gate_up = w13[e].double() @ x
             if b13 is not None:
                 gate_up = gate_up + b13[e].double()
@@ -282,6 +284,33 @@ def test_fused_moe_interleaved_equals_split_layout():
         **args,
     )
     assert_equal(interleaved, split, name="interleaved vs split")
+
+
+def _skip_slots(ids: torch.Tensor, seed: int) -> torch.Tensor:
+    """ids with about half the slots -1 (another rank's experts), token 0's all of them."""
+    gen = torch.Generator().manual_seed(seed)
+    skipped = torch.rand(ids.shape, generator=gen) < 0.5
+    skipped[0] = True
+    return ids.masked_fill(skipped, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_moe_skips_minus_one_slots(case, dtype):
+    """A -1 slot adds nothing: the per-token loop over the other slots, biases included; a token
+    whose slots are all -1 gets an exact zero row."""
+    num_tokens, num_experts, top_k, hidden_size, size = CASES[case]
+    hidden, w13, w2, b13, b2, weights, ids = _moe_inputs(
+        num_tokens, num_experts, top_k, hidden_size, size, dtype, 3, True, 1.0
+    )
+    ids = _skip_slots(ids, seed=len(case))
+    out = ak.fused_moe(hidden, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2)
+    expected = _naive_moe(hidden, w13, w2, weights, ids, "silu", b13, b2, False, 0.0, 0.0)
+    atol, rtol = MOE_TOLERANCES[dtype]
+    if dtype != torch.float32:
+        atol *= max(1.0, expected.abs().max().item())
+    assert_close(out, expected, atol=atol, rtol=rtol, name=f"fused_moe {case} with -1 slots")
+    assert_equal(out[0], torch.zeros_like(out[0]), name="token with every slot -1")
 
 
 def test_bad_arguments():

@@ -98,8 +98,9 @@ def test_fused_moe_empty_experts_and_align_paths(triton_backend, align_kernel_ma
 @pytest.mark.parametrize("align", ["kernel", "sort", "hist", "onehot"])
 def test_align_modes_agree(triton_backend, align):
     """Each align mode against a plain Python sort: 10 experts, 0, 4 and 9 with no pair, counts 1,
-    16 and 17 (below, at and past BLOCK_M 16), pairs in order within an expert; also N = 1 and
-    N = 700 over four experts (several programs of the sort and hist aligns' second kernels), and
+    16 and 17 (below, at and past BLOCK_M 16), pairs in order within an expert; the same with
+    every third pair -1 (left out of every segment) and all pairs -1; also N = 1 and N = 700
+    over four experts (several programs of the sort and hist aligns' second kernels), and
     (hist) N = 16700 int64 ids: more chunks than one block of its histogram loop."""
     from atom_kernels.backends.triton import moe
 
@@ -109,7 +110,9 @@ def test_align_modes_agree(triton_backend, align):
     ids_list = [e for e, c in enumerate(counts_in) for _ in range(c)]
     ids_list = [ids_list[i] for i in torch.randperm(len(ids_list), generator=g).tolist()]
     many = torch.tensor([1, 2, 5, 7])[torch.randint(0, 4, (700,), generator=g)].tolist()
-    cases = [ids_list, [3], many]
+    # -1: pairs in no segment (another rank's experts), every third one, or all of them
+    skipped = [-1 if i % 3 == 0 else e for i, e in enumerate(ids_list)]
+    cases = [ids_list, [3], many, skipped, [-1, -1, -1]]
     if align == "hist":
         cases.append(torch.randint(0, 10, (16700,), generator=g).tolist())
     for ids_py in cases:
@@ -195,6 +198,128 @@ def test_fused_moe_paths_and_program_order(triton_backend, per_pair, group_m, co
     )  # fmt: skip
     config = _config(per_pair, group_m, combine=combine, align=align)
     _check(triton_backend, x, w13, w2, weights, ids, config=config)
+
+
+# -1 slots (not computed here: another expert-parallel rank's experts): mixed rows, token 1
+# with every slot -1, experts 1, 4 and 6 with no pair.
+SKIPPED_IDS = [[0, -1, 3], [-1, -1, -1], [5, 2, -1], [-1, 2, 5], [2, 3, 0], [-1, -1, 7], [2, -1, 5]]
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty returns NaN-filled float tensors while the test runs: a buffer row fused_moe
+    reads but never wrote (a -1 pair's) turns the output NaN."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def _owned_reference(x, w13, w2, weights, ids, activation="silu", b13=None, b2=None, **quant):
+    """The torch reference on the owned slots only (no -1 reaches it): per slot k, one top-1 call
+    on the tokens whose slot k is owned, summed in fp32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for k in range(ids.shape[1]):
+        rows = (ids[:, k] >= 0).nonzero().squeeze(1)
+        if rows.numel():
+            part = reference.fused_moe(x[rows], w13, w2, weights[rows, k : k + 1],
+                                       ids[rows, k : k + 1], activation, b13, b2, False, 1.702,
+                                       7.0, **quant)  # fmt: skip
+            out[rows] += part.float()
+    return out.to(x.dtype)
+
+
+def _check_skipped(x, w13, w2, weights, ids, out, tol, expected=None, **quant):
+    """out against ``_owned_reference``; the tokens with every slot -1 exactly zero."""
+    if expected is None:
+        expected = _owned_reference(x, w13, w2, weights, ids, **quant)
+    assert_close(out, expected, atol=tol[0], rtol=tol[1], name="fused_moe with -1 slots")
+    idle = (ids < 0).all(dim=1)
+    assert idle.any() and out[idle].eq(0).all(), "a token with every slot -1 is not a zero row"
+
+
+@pytest.mark.parametrize(
+    ("per_pair", "combine", "align", "top_k"),
+    [
+        (True, "sum", None, 3),
+        (True, "atomic", None, 3),
+        (True, "token", None, 3),
+        (False, "sum", "kernel", 3),
+        (False, "sum_kernel", "hist", 3),
+        (False, "atomic", "sort", 3),
+        (False, "sum", "onehot", 3),
+        (False, "sum", "sort", 1),  # top-1: GEMM 2 writes the output itself
+        (False, "atomic", "hist", 1),
+    ],
+)
+def test_fused_moe_skipped_slots(triton_backend, poisoned_empty, per_pair, combine, align, top_k):
+    """-1 slots through both paths, every align mode and combine, biases (a -1 slot adds no bias
+    either), fp32, NaN-poisoned buffers."""
+    device = triton_backend.device
+    x, w13, w2, weights, _, b13, b2 = _inputs(7, 8, 3, 40, 24, torch.float32, device, seed=31,
+                                              bias=True)  # fmt: skip
+    ids = torch.tensor(SKIPPED_IDS, dtype=torch.int32, device=device)[:, :top_k]
+    weights = weights[:, :top_k].contiguous()
+    if top_k == 1:
+        ids[1::2] = -1  # idle tokens 1, 3, 5
+    from atom_kernels.backends.triton import moe
+
+    args = (x, w13, w2, weights, ids, "silu", b13, b2, False, 1.702, 7.0)
+    out = moe.fused_moe(*args, config=_config(per_pair, group_m=2, combine=combine, align=align))
+    expected = _owned_reference(x, w13, w2, weights, ids, "silu", b13, b2)
+    _check_skipped(x, w13, w2, weights, ids, out, TOLERANCES[torch.float32], expected)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5])  # default per-pair / sorted path
+def test_fused_moe_skipped_slots_default_path(triton_backend, poisoned_empty, num_tokens):
+    """The registered op at T = 1 (the per-pair path; token 0's slots all -1) and T = 5, bf16:
+    about half the slots -1."""
+    device = triton_backend.device
+    x, w13, w2, weights, ids, _, _ = _inputs(num_tokens, 8, 2, 40, 24, torch.bfloat16, device,
+                                             seed=33)  # fmt: skip
+    g = torch.Generator().manual_seed(34)
+    skipped = (torch.rand(ids.shape, generator=g) < 0.5).to(device)
+    skipped[0] = True
+    ids = ids.masked_fill(skipped, -1)
+    args = (x, w13, w2, weights, ids, "silu", None, None, False, 1.702, 7.0)
+    out = triton_backend.custom_ops.fused_moe(*args)
+    _check_skipped(x, w13, w2, weights, ids, out, TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.parametrize(
+    ("quant", "per_pair", "combine", "mode"),
+    [
+        ("fp8_block", True, "token", None),
+        ("fp8_block", False, "sum_kernel", None),
+        ("mxfp4", True, "sum", "bits"),  # register multiply-adds (mxfp4_row)
+        ("mxfp4", False, "sum", "scaled"),
+    ],
+)
+def test_fused_moe_skipped_slots_quantized(triton_backend, poisoned_empty, quant, per_pair,
+                                           combine, mode):  # fmt: skip
+    """-1 slots with FP8-block and MXFP4 experts (weights dequantized in the K loops), bf16."""
+    from atom_kernels.backends.triton import moe
+    from atom_kernels.testing import quantize_fp8_block, quantize_mxfp4
+
+    device = triton_backend.device
+    x, w13, w2, weights, _, _, _ = _inputs(7, 8, 3, 64, 32, torch.float32, device, seed=35)
+    x = x.to(torch.bfloat16)
+    ids = torch.tensor(SKIPPED_IDS, dtype=torch.int32, device=device)
+    if quant == "fp8_block":
+        block = (16, 32)
+        (q13, s13), (q2, s2) = quantize_fp8_block(w13, block), quantize_fp8_block(w2, block)
+    else:
+        block = None
+        (q13, s13), (q2, s2) = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    quant_args = dict(quant=quant, w13_scale=s13, w2_scale=s2, block_size=block)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, GROUP_M=2)
+    config = {"per_pair": per_pair, "combine": combine, "gemm1": cfg, "gemm2": cfg}
+    args = (x, q13, q2, weights, ids, "silu", None, None, False, 1.702, 7.0)
+    out = moe.fused_moe(*args, config=config, mxfp4_mode=mode, **quant_args)
+    _check_skipped(x, q13, q2, weights, ids, out, TOLERANCES[torch.bfloat16], **quant_args)
 
 
 @pytest.mark.parametrize("combine", ["sum", "atomic"])

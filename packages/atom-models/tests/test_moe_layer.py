@@ -173,6 +173,30 @@ def test_expert_parallel_ranks_own_their_experts(layout):
     torch.testing.assert_close(partial[0] + partial[1], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_expert_parallel_passes_other_ranks_slots_as_minus_one(monkeypatch):
+    """Slots routed to another rank's experts reach fused_moe as -1 (no GEMM work there), not as
+    the rank's expert 0 with weight 0 (issue 37: every rank computed expert 0 for them)."""
+    import atom_kernels
+
+    calls = []
+    fused_moe = atom_kernels.fused_moe
+
+    def spy(hidden_states, w13, w2, topk_weights, topk_ids, **kwargs):
+        calls.append((topk_weights, topk_ids))
+        return fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, **kwargs)
+
+    monkeypatch.setattr(atom_kernels, "fused_moe", spy)
+    block = Block(ep_rank=1, ep_size=2)
+    block.load(expert_tensors(seed=4))
+    x, weights, ids = routing(seed=5)
+    block.mlp.experts(x, weights, ids)
+    ((local_weights, local_ids),) = calls
+    owned = ids >= E // 2
+    assert not owned.all() and owned.any()
+    assert torch.equal(local_ids, torch.where(owned, ids - E // 2, -1))
+    assert torch.equal(local_weights, weights)
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_expert_parallel_over_the_hosts_group(bias):
     """A host group with `enable_expert_parallel`: each of its ranks holds whole experts (the

@@ -152,8 +152,11 @@ def fused_moe(
 
     hidden_states: [T, H]; w13: [E, 2I, H] (gate and up projections, stacked); w2: [E, H, I],
     biases [E, 2I] and [E, H] or None, all in hidden_states' dtype; topk_weights: [T, K] (any
-    float dtype); topk_ids: [T, K] int32/int64 in [0, E). ``gate_up_interleaved``: the 2I rows
-    of w13 alternate gate, up (GPT-OSS's layout) instead of being [gate | up]. ``activation``:
+    float dtype); topk_ids: [T, K] int32/int64 in [0, E), or -1: a slot this call does not
+    compute (expert parallelism: an expert another rank owns). A -1 slot adds nothing to its
+    token's row (its weight is ignored), gets no GEMM rows and reads no expert weights; a token
+    whose slots are all -1 gets a zero row. ``gate_up_interleaved``: the 2I rows of w13 alternate
+    gate, up (GPT-OSS's layout) instead of being [gate | up]. ``activation``:
 
     - "silu": silu(gate) * up;  "gelu": gelu(gate) * up (erf);
     - "swiglu_oai" (GPT-OSS): g = min(gate, limit), u = clamp(up, -limit, limit),

@@ -314,11 +314,11 @@ class FusedMoE(nn.Module):
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         if self.ep_size > 1:
-            # Experts of other ranks contribute nothing here; the host sums over the EP group.
+            # Experts of other ranks are -1 here: fused_moe skips them (no GEMM work, no weight
+            # read) and the all-reduce below sums the EP group's parts.
             local_ids = topk_ids - self.expert_start
             owned = (local_ids >= 0) & (local_ids < self.num_experts)
-            topk_ids = torch.where(owned, local_ids, 0)
-            topk_weights = torch.where(owned, topk_weights, 0.0)
+            topk_ids = torch.where(owned, local_ids, -1)
         out = atom_kernels.fused_moe(
             hidden_states,
             self.w13_weight,

@@ -120,10 +120,11 @@ def fused_moe(
     weight_of = topk_weights.reshape(-1).float()
     # Each pair's weighted expert output gets its own row; a token's K rows are summed at the end.
     pair_out = hidden_states.new_zeros(num_tokens * top_k, w2.shape[1], dtype=torch.float32)
-    # Group the pairs by expert: one sort, one host sync for the counts.
+    # Group the pairs by expert: one sort, one host sync for the counts. Pairs with id -1 (not
+    # computed here) sort first and are skipped: their rows stay zero.
     order = expert_of.argsort(stable=True)
-    counts = torch.bincount(expert_of, minlength=num_experts).tolist()
-    start = 0
+    skipped, *counts = torch.bincount(expert_of + 1, minlength=num_experts + 1).tolist()
+    start = skipped
     for expert, count in enumerate(counts):
         if count == 0:
             continue

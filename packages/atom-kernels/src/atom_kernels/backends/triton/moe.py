@@ -23,6 +23,11 @@ block lies past the last used segment: experts that receive no token have no blo
 (their weights are never read). GEMM programs form a 1-D grid ordered in groups of GROUP_M row
 blocks (row blocks fastest within a group) so a group's A rows and expert weights stay in L2.
 
+Pairs with expert id -1 (expert parallelism: another rank's expert) get no GEMM rows and read no
+expert weights: the align step leaves them out of every segment, the per-pair kernels return or
+mask their loads at once, and every combine counts them as zero (the sum kernel skips their
+rows; rows a combine reads unconditionally, top-1's output and torch's sum, are zeroed first).
+
 Mixed tiles (a config's "remainder_m" > 0): the layout stays padded to BLOCK_M, but an expert's
 last row block with at most REMAINDER_M pairs left runs a REMAINDER_M-row tile (the rest of the
 block is never read nor written), so e.g. 260 pairs cost 128 + 128 + 32 rows of MMA work, not
@@ -128,7 +133,7 @@ def _align_kernel(
         same = (ids[:, None] == ids[None, :]) & earlier  # [C, C]
         rank = tl.sum(same.to(tl.int32), axis=1)
         row = tl.sum(onehot * seen[None, :], axis=1) + rank
-        tl.store(sorted_ptr + row, start + lanes, mask=valid)
+        tl.store(sorted_ptr + row, start + lanes, mask=valid & (ids >= 0))  # -1: no segment
         seen += tl.sum(onehot, axis=0)
 
 
@@ -146,8 +151,14 @@ def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int, sorted_ids, 
     padded = (counts + block_m - 1) // block_m * block_m
     torch.cumsum(padded, 0, dtype=torch.int32, out=ends)
     pairs = torch.arange(num_pairs, device=ids.device)
-    rank = running[ids, pairs] - 1  # [N]
-    rows = (ends - padded)[ids] + rank
+    owned = ids >= 0  # -1: a pair not computed here, in no expert's segment
+    expert = ids.clamp(min=0)
+    rank = running[expert, pairs] - 1  # [N]
+    rows = (ends - padded)[expert] + rank
+    # NOTE: a -1 pair goes to the last row instead (no host sync to drop it): with N' < N pairs
+    # owned, the used segments end by N' + min(E, N') * (BLOCK_M - 1) < P, so that row is past
+    # every segment and never read.
+    rows = torch.where(owned, rows, sorted_ids.numel() - 1)
     sorted_ids.scatter_(0, rows.long(), pairs.to(torch.int32))
 
 
@@ -168,7 +179,7 @@ def _align_sorted_kernel(
     """Each program finds every expert's segment in the sorted ids (a binary search per expert
     lane, ~log2(N) gathers of E values, cheaper than a second launch), then moves its BLOCK sorted
     positions to their padded rows: row = position + (padded start - unpadded start) of its
-    expert."""
+    expert. Pairs with id -1 (sorted first) are in no segment and left out."""
     experts = tl.arange(0, BLOCK_E)
     lo = tl.zeros([BLOCK_E], dtype=tl.int32)  # lower bound of expert e
     hi = tl.zeros([BLOCK_E], dtype=tl.int32) + num_pairs
@@ -196,7 +207,7 @@ def _align_sorted_kernel(
     onehot = keys[:, None] == experts[None, :]  # [BLOCK, E]
     rows = offs + tl.sum(tl.where(onehot, shift[None, :], 0), axis=1)
     pairs = tl.load(order_ptr + offs, mask=valid, other=0).to(tl.int32)
-    tl.store(sorted_ptr + rows, pairs, mask=valid)
+    tl.store(sorted_ptr + rows, pairs, mask=valid & (keys >= 0))
 
 
 def _align_sort(ids: torch.Tensor, num_experts: int, block_m: int, sorted_ids, counts, ends):
@@ -280,7 +291,7 @@ def _align_place_kernel(
         same = (ids[:, None] == ids[None, :]) & earlier  # [S, S]
         rank = tl.sum(same.to(tl.int32), axis=1)
         row = tl.sum(onehot * seen[None, :], axis=1) + rank
-        tl.store(sorted_ptr + row, offs, mask=valid)
+        tl.store(sorted_ptr + row, offs, mask=valid & (ids >= 0))  # -1: no segment
         seen += tl.sum(onehot, axis=0)
 
 
@@ -537,7 +548,7 @@ def _gemm1_kernel(
             pid_m, ends_ptr, counts_ptr, num_experts, BLOCK_M, BLOCK_E
         )
         row0 = pid_m * BLOCK_M
-    if expert >= num_experts:
+    if (expert < 0) | (expert >= num_experts):  # per-pair -1: not computed here
         return
     args = (
         x_ptr, w_ptr, w_desc, bias_ptr, out_ptr, sorted_ptr, topk_weights_ptr,
@@ -715,7 +726,7 @@ def _gemm2_token_kernel(
 ):
     """out[t, cols] = sum over the token's K pairs of a[pair] @ W2[expert]^T: one flat loop over
     K x ceil(I / BLOCK_K) blocks, so the software pipeline runs across expert boundaries. The dot
-    needs 16 rows; only row 0 (the token) is live."""
+    needs 16 rows; only row 0 (the token) is live. A slot with id -1 loads nothing (masked)."""
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < hidden_size
@@ -730,25 +741,32 @@ def _gemm2_token_kernel(
         k_valid = ks < inter_size
         pair = (token * top_k + slot).to(tl.int64)
         expert = tl.load(ids_ptr + pair).to(tl.int64)
+        # -1: every load of the slot masked off (no weight read). tl.where: see _sum_topk_kernel.
+        live = expert >= 0
+        expert = tl.maximum(expert, 0)
         w_rows = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn  # [1, N]
+        row_live = tl.where(live, offs_m == 0, False)  # [M]
+        col_live = tl.where(live, col_valid, False)  # [N]
         if QUANT == 0:
             a_ptrs = a_ptr + pair * stride_am + ks[None, :] + offs_m[:, None] * 0
-            a = tl.load(a_ptrs, mask=(offs_m[:, None] == 0) & k_valid[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=row_live[:, None] & k_valid[None, :], other=0.0)
             w = tl.load(w_rows + ks[:, None] * stride_wk,
-                        mask=k_valid[:, None] & col_valid[None, :], other=0.0)  # fmt: skip
+                        mask=k_valid[:, None] & col_live[None, :], other=0.0)  # fmt: skip
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
         else:
             a_rows = a_ptr + pair * stride_am + offs_m[:, None] * 0  # [M, 1]
             s_rows = s_ptr + expert * stride_se + (cols // group_n).to(tl.int64) * stride_sn
-            acc = _quant_dot(acc, a_rows, offs_m == 0, w_rows, s_rows, k0, inter_size,
-                             col_valid, stride_wk, stride_sk, group_k, QUANT, PRECISION,
-                             BLOCK_K)  # fmt: skip
+            acc = _quant_dot(acc, a_rows, row_live, w_rows, s_rows, k0, inter_size, col_live,
+                             stride_wk, stride_sk, group_k, QUANT, PRECISION, BLOCK_K)  # fmt: skip
     if HAS_BIAS:  # sum_k w_k * b2[e_k]
         for slot in range(0, top_k):
             pair = token * top_k + slot
             expert = tl.load(ids_ptr + pair).to(tl.int64)
+            col_live = tl.where(expert >= 0, col_valid, False)
             weight = tl.load(topk_weights_ptr + pair * stride_tw).to(tl.float32)
-            bias = tl.load(bias_ptr + expert * stride_be + cols * stride_bn, mask=col_valid)
+            weight = tl.where(expert >= 0, weight, 0.0)  # a -1 slot's weight is ignored
+            bias = tl.load(bias_ptr + tl.maximum(expert, 0) * stride_be + cols * stride_bn,
+                           mask=col_live, other=0.0)  # fmt: skip
             acc += weight * bias.to(tl.float32)[None, :]
     out_ptrs = out_ptr + token.to(tl.int64) * stride_ot + cols[None, :] + offs_m[:, None] * 0
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] == 0) & col_valid)
@@ -789,13 +807,16 @@ def _gemm2_pair_kernel(
 ):
     """out[pair or its token, cols] (+)= a[pair] @ W2[expert]^T (+ w * b2[expert]): one program
     per (pair, column tile), N * H / BLOCK_N programs, each streaming one expert's slice. The dot
-    needs 16 rows; only row 0 (the pair) is live."""
+    needs 16 rows; only row 0 (the pair) is live. A pair with id -1 writes nothing (the sum
+    kernel skips its row)."""
     pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if expert < 0:
+        return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_valid = cols < hidden_size
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
     a_ptrs = a_ptr + pair * stride_am + offs_k[None, :] + offs_m[:, None] * 0  # [M, K]
     w_ptrs = (
         w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
@@ -838,6 +859,7 @@ def _gemm2_pair_kernel(
 @triton.jit
 def _sum_topk_kernel(
     x_ptr,  # [T * K, H] fp32 or the output dtype
+    ids_ptr,  # [T * K] expert of each pair: the rows of -1 pairs are skipped (never written)
     out_ptr,  # [T, H]
     hidden_size,
     top_k,
@@ -845,13 +867,18 @@ def _sum_topk_kernel(
     stride_ot,
     BLOCK_N: tl.constexpr,
 ):
-    """out[t] = sum_k x[t * K + k], cast to the output dtype (one launch for sum + cast)."""
+    """out[t] = sum_k x[t * K + k] over the pairs with an expert (id >= 0), cast to the output
+    dtype (one launch for sum + cast)."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     valid = cols < hidden_size
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k in range(0, top_k):
-        acc += tl.load(x_ptr + (token * top_k + k) * stride_xm + cols, mask=valid, other=0.0)
+        pair = token * top_k + k
+        # NOTE: tl.where, not valid & live: Triton's interpreter (3.9) rejects a mask made of a
+        # scalar and a block ("mask has unsupported dtype").
+        live = tl.where(tl.load(ids_ptr + pair) >= 0, valid, False)
+        acc += tl.load(x_ptr + pair * stride_xm + cols, mask=live, other=0.0)
     tl.store(out_ptr + token * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=valid)
 
 
@@ -1074,7 +1101,9 @@ def fused_moe(
             config = mxfp4_tiles(config, quant_code, num_pairs)
     if quant is not None:
         config = _quant_config(config, quant, block_size)
-    ids = topk_ids.reshape(-1)
+    # [N], dense: the kernels index it without a stride (reshape keeps a [T, 1] slice of a wider
+    # [T, K] as a view with stride K).
+    ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1)
     precision = "ieee" if dtype == torch.float32 else "tf32"
     b13 = w13_bias if w13_bias is not None else w13
@@ -1182,17 +1211,21 @@ def fused_moe(
             return out.copy_(summed)
         block_n = min(1024, next_pow2(hidden_size, 16))
         _sum_topk_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
-            dest, out, hidden_size, top_k, dest.stride(0), out.stride(0), BLOCK_N=block_n,
+            dest, ids, out, hidden_size, top_k, dest.stride(0), out.stride(0), BLOCK_N=block_n,
         )  # fmt: skip
         return out
 
     # NOTE: each pair's weighted output is stored in the input dtype (as vLLM does): half the
     # traffic of fp32 at prefill; the K-way sum below is still done in fp32.
+    # The rows of -1 pairs (in no segment) are never written: zeroed where they are read as they
+    # are (top-1: the output itself; torch's sum), skipped by the sum kernel, absent from atomics.
     atomic = combine == "atomic" and top_k > 1
     if atomic:
         dest = summed
     elif top_k == 1:
-        dest = out  # pair == token
+        dest = out.zero_()  # pair == token
+    elif combine == "sum":
+        dest = torch.zeros((num_pairs, hidden_size), dtype=dtype, device=device)  # [N, H]
     else:
         dest = torch.empty((num_pairs, hidden_size), dtype=dtype, device=device)  # [N, H]
     grid2 = (num_row_blocks * triton.cdiv(hidden_size, gemm2["BLOCK_N"]),)
@@ -1212,7 +1245,7 @@ def fused_moe(
     if combine == "sum_kernel":
         block_n = min(1024, next_pow2(hidden_size, 16))
         _sum_topk_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
-            dest, out, hidden_size, top_k, dest.stride(0), out.stride(0), BLOCK_N=block_n,
+            dest, ids, out, hidden_size, top_k, dest.stride(0), out.stride(0), BLOCK_N=block_n,
         )  # fmt: skip
         return out
     # One reduction kernel; torch accumulates a bf16/fp16 sum in fp32.
