@@ -72,10 +72,12 @@ def weight_bytes(model) -> int:
 
 
 def kv_bytes_per_token(engine) -> int:
-    from atom_models.native_host import cache_layers
+    """Bytes of paged cache one token takes on this rank: each layer's own count (K and V heads,
+    or MLA's latent and rotary key), in the cache's dtype (fp8 caches count one byte)."""
+    from atom_models.native_host.kv_cache import kv_cache_bytes_per_token
 
-    layers = cache_layers(engine.runner.model)
-    return sum(2 * a.spec.num_kv_heads * a.spec.head_size for a in layers) * 2  # bf16
+    runner = engine.runner
+    return kv_cache_bytes_per_token(runner.model, runner.kv_cache_dtype)
 
 
 def bench_decode(args) -> dict:

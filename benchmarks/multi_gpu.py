@@ -21,15 +21,20 @@ recorded as such while the others go on:
   `atom serve -dp 2` runs them): one `generate` call of all 256 requests, timed to its return;
 - qwen3-30b-a3b-tp2, qwen3-30b-a3b-tp2-ep: decode latency and the offline workload, the experts
   sliced over both GPUs against whole experts per GPU;
-- llama3-8b-tp4 (4 GPUs), qwen3-235b-a22b-fp8-tp4-ep (4 GPUs, all 94 layers, block FP8; batch-1
-  decode only, on a small engine);
+- llama3-8b-tp4 (4 GPUs), qwen3-235b-a22b-fp8-tp4-ep-b1 (4 GPUs, all 94 layers, block FP8;
+  batch-1 decode only, on a small engine);
+- `--moe4` (4 GPUs, issue 37): qwen3-235b-a22b-fp8 and deepseek-v3-40l (DeepSeek-V3 cut to 40 of
+  its 61 layers: 3 dense, 37 MoE, MLA; ~431 GB: 4x H200) at TP=4 (`-tp4`), TP=4 + EP (`-tp4-ep`)
+  and TP=4 + EP + an fp8 KV cache (`-tp4-ep-fp8kv`), full engines; each also as `<case>-b1`
+  (batch-1 decode alone, small engine);
 - <any TP case>-peer: the same with `ATOM_ALLREDUCE=peer` (the peer all-reduce, issue 36) where
   the case without the suffix runs NCCL: run both in one call to compare.
 
 Random weights (load_format="dummy"). A decode floor is rank 0's weight bytes (its shard: the ranks
 read theirs at once) plus its KV read, over the copy bandwidth measured in this run; for the MoE,
 the expert weights count by the share of experts a batch of B tokens hits under uniform top-k
-routing, 1 - (1 - k / E)^B.
+routing, 1 - (1 - k / E)^B (E: `num_experts`, `n_routed_experts` or `num_local_experts`); the
+KV read is each layer's own cache bytes per token in the cache's dtype (MLA: its latent).
 """
 
 from __future__ import annotations
@@ -50,6 +55,22 @@ from collectives import case_allreduce, case_roofline  # noqa: E402
 from multi_gpu_engine import ENGINE_CASES, case_engine  # noqa: E402
 
 CASES = ["roofline", "allreduce", *ENGINE_CASES]
+# --moe4: the flagship MoE shapes on 4 GPUs (issue 37), full engines (decode 1 / 8 / 64, offline).
+MOE4_CASES = [
+    "roofline",
+    *(
+        f"{shape}-tp4{suffix}"
+        for shape in ("qwen3-235b-a22b-fp8", "deepseek-v3-40l")
+        for suffix in ("", "-ep", "-ep-fp8kv")
+    ),
+]
+# The default run: everything but the flagship shapes' full engines (batch 1 of one of them stays).
+DEFAULT_CASES = [
+    name
+    for name in CASES
+    if not name.startswith(("qwen3-235b", "deepseek-v3-40l"))
+    or name == "qwen3-235b-a22b-fp8-tp4-ep-b1"
+]
 
 
 def run_case(name: str, args) -> None:
@@ -66,18 +87,18 @@ def run_case(name: str, args) -> None:
 
 def summary(record: dict) -> list[str]:
     """The table printed last: decode ms per step and offline out tok/s per case."""
-    lines = [f"{'case':22s} {'bs 1':>8s} {'bs 8':>8s} {'bs 64':>8s} {'offline tok/s':>14s}"]
+    lines = [f"{'case':30s} {'bs 1':>8s} {'bs 8':>8s} {'bs 64':>8s} {'offline tok/s':>14s}"]
     for name in ENGINE_CASES:
         case = record["cases"].get(name)
         if case is None:
             continue
         if "error" in case:
-            lines.append(f"{name:22s} {case['error'][:60]}")
+            lines.append(f"{name:30s} {case['error'][:60]}")
             continue
         decode = {r["batch_size"]: f"{r['step_ms']:.2f}" for r in case.get("decode", [])}
-        offline = case.get("offline", {}).get("output_tok_per_s")
+        offline = (case.get("offline") or {}).get("output_tok_per_s")
         lines.append(
-            f"{name:22s} "
+            f"{name:30s} "
             + " ".join(f"{decode.get(b, '-'):>8s}" for b in (1, 8, 64))
             + f" {offline or 0:14.0f}"
         )
@@ -99,7 +120,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, gloo: no GPU)")
-    parser.add_argument("--only", nargs="+", choices=CASES, default=CASES)
+    parser.add_argument("--only", nargs="+", choices=CASES, help="these cases, in this order")
+    parser.add_argument(
+        "--moe4",
+        action="store_true",
+        help="the 4-GPU MoE mode: Qwen3-235B-A22B-FP8 and DeepSeek-V3 (40 layers) at TP=4, "
+        "TP=4 + EP and TP=4 + EP + fp8 KV cache",
+    )
     parser.add_argument(
         "--budget-s", type=float, default=330.0, help="stop starting cases past this many seconds"
     )
@@ -107,6 +134,8 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, help=argparse.SUPPRESS)  # bytes/s, from roofline
     parser.add_argument("--matmul", type=float, help=argparse.SUPPRESS)  # FLOP/s
     args = parser.parse_args()
+    if args.only is None:
+        args.only = MOE4_CASES if args.moe4 else DEFAULT_CASES
     if args.case:
         run_case(args.case, args)
         return

@@ -34,14 +34,18 @@ ENGINE_CASES = {
         "qwen3-30b-a3b",
         dict(tensor_parallel_size=2, enable_expert_parallel=True),
     ),
-    # Batch-1 decode only (and a small engine: ~59 GB of weights a GPU leave little room).
-    "qwen3-235b-a22b-fp8-tp4-ep": (
-        "qwen3-235b-a22b-fp8",
-        dict(tensor_parallel_size=4, enable_expert_parallel=True),
-    ),
 }
+# The flagship MoE shapes on 4 GPUs (issue 37): TP=4, TP=4 + EP, TP=4 + EP + an fp8 KV cache
+# (MLA's latent cache for DeepSeek). Each also has a "-b1" form timing batch-1 decode alone on
+# a small engine (for 4x H100, where ~59 GB of Qwen3-235B weights a GPU leave little room).
+_EP = dict(enable_expert_parallel=True)
+_VARIANTS = (("", {}), ("-ep", _EP), ("-ep-fp8kv", {**_EP, "kv_cache_dtype": "fp8"}))
+for _shape in ("qwen3-235b-a22b-fp8", "deepseek-v3-40l"):
+    for _suffix, _extra in _VARIANTS:
+        ENGINE_CASES[f"{_shape}-tp4{_suffix}"] = (_shape, dict(tensor_parallel_size=4, **_extra))
+        ENGINE_CASES[f"{_shape}-tp4{_suffix}-b1"] = ENGINE_CASES[f"{_shape}-tp4{_suffix}"]
 # Cases that time batch-1 decode alone, on a small engine.
-DECODE_ONLY = {"qwen3-235b-a22b-fp8-tp4-ep"}
+DECODE_ONLY = {name for name in ENGINE_CASES if name.endswith("-b1")}
 # A case name + PEER_SUFFIX runs the case with the peer all-reduce (ATOM_ALLREDUCE=peer) for
 # small messages, the others on NCCL (the default): run both in one call to compare (issue 36).
 PEER_SUFFIX = "-peer"
@@ -87,8 +91,23 @@ def expert_split(engine) -> tuple[int, int, float]:
         if ".experts." in name:
             experts += p.numel() * p.element_size()
     total = weight_bytes(engine.runner.model)
-    num = getattr(config, "num_experts", 0) or 0
+    num = routed_experts(config)
     return experts, total - experts, (config.num_experts_per_tok / num if num else 0.0)
+
+
+# The routed-expert count under each checkpoint family's name for it.
+ROUTED_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def routed_experts(config) -> int:
+    """Routed experts of a mixture-of-experts config (0 for a dense one): Qwen3-MoE's
+    `num_experts`, DeepSeek / Kimi / GLM's `n_routed_experts`, Mixtral / GPT-OSS's
+    `num_local_experts`."""
+    for key in ROUTED_EXPERT_KEYS:
+        value = getattr(config, key, None)
+        if value:
+            return int(value)
+    return 0
 
 
 def collective_kernels(prof, steps: int, cuda: bool) -> dict:
