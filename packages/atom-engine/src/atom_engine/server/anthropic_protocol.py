@@ -93,6 +93,7 @@ class Thinking(_Request):
     # Anthropic's thinking budget (>= 1024, < max_tokens there); ATOM has no separate budget:
     # the reasoning and the answer share max_tokens.
     budget_tokens: int | None = None
+    display: Literal["summarized"] | None = None  # thinking is shown; "omitted" is not implemented
 
 
 class Metadata(_Request):
@@ -120,6 +121,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     metadata: Metadata | None = None
     stream: bool = False
+    cache_control: CacheControl | None = None  # automatic caching: ATOM's prefix cache is
 
 
 # -- responses --------------------------------------------------------------------------------
