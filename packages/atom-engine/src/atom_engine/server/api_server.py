@@ -3,8 +3,10 @@
 Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`: 400 for
 a request that is invalid (pydantic validation included: FastAPI's 422 becomes 400), 401 for a
 missing or wrong API key on /v1/*, 404 for an unknown model or route, 413 for a body over the
-size limit, 500 for a bug (the connection stays open), 503 while shutting down. No request can
-stop the server or fail another request.
+size limit, 500 for a bug (the connection stays open), 503 while shutting down; on Anthropic's
+routes (`/v1/messages*`, `serving_messages`) the same errors take Anthropic's shape
+`{"type": "error", "error": {"type", "message"}}`. No request can stop the server or fail
+another request.
 
 Shutdown (SIGTERM / SIGINT) stops accepting connections and lets requests in flight finish for
 `drain_timeout` seconds; then the ones left end with an error (an error event when streaming)

@@ -5,7 +5,8 @@ answers 400), JSON for every route (`/health` answers an empty body, `/metrics` 
 a streamed completion `text/event-stream`) and no schema for the completion responses (the
 handlers return their responses themselves). `install_openapi` replaces each operation's
 responses with what the server sends: its success bodies, and the OpenAI-style error body
-(`ErrorResponse`) for each status that can occur there.
+(`ErrorResponse`) for each status that can occur there (Anthropic's, `AnthropicErrorResponse`,
+on `/v1/messages` and `/v1/messages/count_tokens`, whose stream is of named events).
 
 The request schemas (pydantic's, from the request models) also get the ranges the server
 checks, so that generated clients and fuzzers know them: sampling values, token ids within the
