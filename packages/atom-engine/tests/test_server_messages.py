@@ -10,6 +10,10 @@ Two apps share the engine: one with an API key, and one started with `--tool-cal
 from __future__ import annotations
 
 import json
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPConnection
+from urllib.parse import urlsplit
 
 import anthropic
 import pytest
@@ -246,27 +250,25 @@ def test_other_errors(server):
 
 
 def test_tool_use_round_trip(client):
-    forced = client.messages.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "What is the weather in Tokyo?"}],
-        tools=[WEATHER],
-        tool_choice={"type": "tool", "name": "get_weather"},
-        max_tokens=40,
-        extra_body=GREEDY,
-    )
+    ask = [{"role": "user", "content": "What is the weather in Tokyo?"}]
+    base = {"model": MODEL, "messages": ask, "tools": [WEATHER], "max_tokens": 30,
+            "extra_body": GREEDY}  # fmt: skip
+
+    def streamed():
+        any_tool = {"type": "any", "disable_parallel_tool_use": True}
+        with client.messages.stream(**base, tool_choice=any_tool) as stream:
+            return stream.get_final_message()
+
+    with ThreadPoolExecutor(2) as pool:  # the two share engine steps
+        named = pool.submit(
+            client.messages.create, **base, tool_choice={"type": "tool", "name": "get_weather"}
+        )
+        streamed = pool.submit(streamed).result()
+        forced = named.result()
     assert forced.stop_reason == "tool_use"
     (call,) = [block for block in forced.content if block.type == "tool_use"]
     assert call.id.startswith("toolu_") and call.name == "get_weather"
     assert call.input["city"] in ("Paris", "London", "Tokyo") and "unit" in call.input
-    with client.messages.stream(
-        model=MODEL,
-        messages=[{"role": "user", "content": "What is the weather in Tokyo?"}],
-        tools=[WEATHER],
-        tool_choice={"type": "any", "disable_parallel_tool_use": True},
-        max_tokens=40,
-        extra_body=GREEDY,
-    ) as stream:
-        streamed = stream.get_final_message()
     assert streamed.stop_reason == "tool_use"
     assert [b.type for b in streamed.content] == ["tool_use"]
     assert streamed.content[0].name == "get_weather" and "city" in streamed.content[0].input
@@ -324,3 +326,27 @@ def test_thinking_and_parsed_tools(parser_client):
     with pytest.raises(anthropic.BadRequestError) as e:
         parser_client.messages.create(**{**kwargs, "thinking": {"type": "enabled"}})
     assert "budget_tokens" in e.value.body["error"]["message"]
+
+
+def _aborted(server) -> float:
+    registry = server.uvicorn.config.app.state.atom.metrics.registry
+    labels = {"finished_reason": "abort"}
+    return registry.get_sample_value("atom:request_success_total", labels) or 0.0
+
+
+def test_disconnect_aborts(server):
+    wait_idle(server.engine)
+    before = _aborted(server)
+    body = {"model": MODEL, "max_tokens": 900, "stream": True, "messages": [
+        {"role": "user", "content": "Count from 1 to 1000, one number a line."}]}  # fmt: skip
+    connection = HTTPConnection(urlsplit(server.url).netloc, timeout=120)
+    headers = {"content-type": "application/json", "x-api-key": KEY}
+    connection.request("POST", "/v1/messages", json.dumps(body), headers)
+    response = connection.getresponse()
+    assert response.status == 200
+    lines = [response.fp.readline().decode() for _ in range(11)]  # up to the first delta
+    assert lines[0] == "event: message_start\n" and "content_block_delta" in "".join(lines)
+    connection.sock.shutdown(socket.SHUT_RDWR)  # hang up mid-stream
+    connection.close()
+    wait_idle(server.engine, timeout=30)  # aborted: no running request, KV blocks all free
+    assert _aborted(server) == before + 1
