@@ -10,7 +10,6 @@ Two apps share the engine: one with an API key, and one started with `--tool-cal
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import pytest
@@ -164,17 +163,10 @@ def test_tool_use_round_trip(client):
     base = {"model": MODEL, "messages": ask, "tools": [WEATHER], "max_tokens": 40,
             "extra_body": GREEDY}  # fmt: skip
 
-    def streamed():
-        any_tool = {"type": "any", "disable_parallel_tool_use": True}
-        with client.messages.stream(**base, tool_choice=any_tool) as stream:
-            return stream.get_final_message()
-
-    with ThreadPoolExecutor(2) as pool:  # the two share engine steps
-        named = pool.submit(
-            client.messages.create, **base, tool_choice={"type": "tool", "name": "get_weather"}
-        )
-        streamed = pool.submit(streamed).result()
-        forced = named.result()
+    forced = client.messages.create(**base, tool_choice={"type": "tool", "name": "get_weather"})
+    any_tool = {"type": "any", "disable_parallel_tool_use": True}
+    with client.messages.stream(**base, tool_choice=any_tool) as stream:
+        streamed = stream.get_final_message()
     assert forced.stop_reason == "tool_use"
     (call,) = [block for block in forced.content if block.type == "tool_use"]
     assert call.id.startswith("toolu_") and call.name == "get_weather"
