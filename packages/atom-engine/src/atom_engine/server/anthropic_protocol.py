@@ -121,7 +121,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     metadata: Metadata | None = None
     stream: bool = False
-    cache_control: CacheControl | None = None  # automatic caching: ATOM's prefix cache is
+    cache_control: CacheControl | None = None  # ATOM caches prompt prefixes anyway: no effect
 
 
 # -- responses --------------------------------------------------------------------------------
