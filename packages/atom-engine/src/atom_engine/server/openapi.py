@@ -83,8 +83,8 @@ _RESPONSE_MODELS = (
 _ERRORS = {
     400: "The request is invalid: malformed JSON, a field of the wrong type, out of range or "
     "unknown, a prompt longer than the context; `error.param` names the field.",
-    401: "The server runs with `--api-key` and the `Authorization: Bearer` key is missing or "
-    "wrong.",
+    401: "The server runs with `--api-key` and neither `Authorization: Bearer` nor `x-api-key` "
+    "carries it.",
     404: "The `model` is not served here.",
     413: "The request body is larger than the server's limit (`--max-request-body-bytes`).",
     500: "An internal error; the connection stays open and other requests go on.",
