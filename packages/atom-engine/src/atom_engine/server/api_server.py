@@ -3,8 +3,10 @@
 Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`: 400 for
 a request that is invalid (pydantic validation included: FastAPI's 422 becomes 400), 401 for a
 missing or wrong API key on /v1/*, 404 for an unknown model or route, 413 for a body over the
-size limit, 500 for a bug (the connection stays open), 503 while shutting down. No request can
-stop the server or fail another request.
+size limit, 500 for a bug (the connection stays open), 503 while shutting down; on Anthropic's
+routes (`/v1/messages*`, `serving_messages`) the same errors take Anthropic's shape
+`{"type": "error", "error": {"type", "message"}}`. No request can stop the server or fail
+another request.
 
 Shutdown (SIGTERM / SIGINT) stops accepting connections and lets requests in flight finish for
 `drain_timeout` seconds; then the ones left end with an error (an error event when streaming)
@@ -28,6 +30,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atom_engine import __version__
+from atom_engine.server.anthropic_protocol import (
+    is_messages_path,
+    messages_error_response,
+    messages_validation_message,
+)
 from atom_engine.server.async_engine import AsyncEngine
 from atom_engine.server.data_parallel import DataParallelEngine
 from atom_engine.server.metrics import ServerMetrics
@@ -49,6 +56,7 @@ from atom_engine.server.responses import DetokenizeResponse, ModelCard, ModelLis
 from atom_engine.server.serving_chat import create_chat_completion
 from atom_engine.server.serving_common import APIError, ServerState
 from atom_engine.server.serving_completion import create_completion
+from atom_engine.server.serving_messages import register_messages
 from atom_engine.server.serving_tokenize import detokenize, tokenize
 from atom_engine.server.tool_parsers import TOOL_PARSERS
 
@@ -95,27 +103,38 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
+    # The Anthropic routes (/v1/messages...) answer errors in Anthropic's shape.
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        if is_messages_path(request.url.path):
+            return messages_error_response(exc.status, exc.message)
         return error_response(exc.status, exc.message, exc.type, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if is_messages_path(request.url.path):
+            return messages_error_response(400, messages_validation_message(exc.errors()))
         message, param = _validation_message(exc)
         return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if is_messages_path(request.url.path):
+            return messages_error_response(exc.status_code, str(exc.detail))
         return error_response(exc.status_code, str(exc.detail))
 
 
-def _api_key_matches(authorization: str, api_key: str) -> bool:
-    """`Authorization: Bearer <api_key>`, compared in constant time as bytes (a header is
-    latin-1 text: a non-ASCII one must be refused, not fail the comparison)."""
+def _api_key_matches(authorization: str, api_key: str, x_api_key: str | None = None) -> bool:
+    """`Authorization: Bearer <api_key>`, or `x-api-key: <api_key>` (Anthropic's clients),
+    compared in constant time as bytes (a header is latin-1 text: a non-ASCII one must be
+    refused, not fail the comparison)."""
+    expected = api_key.encode("utf-8")
+    if x_api_key is not None and secrets.compare_digest(x_api_key.encode("latin-1"), expected):
+        return True
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer":
         return False
-    return secrets.compare_digest(token.strip().encode("latin-1"), api_key.encode("utf-8"))
+    return secrets.compare_digest(token.strip().encode("latin-1"), expected)
 
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
@@ -167,7 +186,9 @@ def build_app(
     async def check_api_key(request: Request) -> None:
         if api_key is None:
             return
-        if not _api_key_matches(request.headers.get("authorization", ""), api_key):
+        authorization = request.headers.get("authorization", "")
+        x_api_key = request.headers.get("x-api-key")
+        if not _api_key_matches(authorization, api_key, x_api_key):
             raise APIError("invalid or missing API key", status=401)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
@@ -187,6 +208,7 @@ def build_app(
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
         return await create_chat_completion(state, request, raw_request)
 
+    register_messages(v1, state)  # Anthropic's /v1/messages
     app.include_router(v1)
 
     # vLLM serves these outside /v1; here the API key guards them too (a chat template is work).

@@ -11,13 +11,18 @@ import logging
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from atom_engine.server.anthropic_protocol import anthropic_error, is_messages_path
+
 logger = logging.getLogger("atom_engine.server")
 
 
-async def send_json_error(send: Send, status: int, message: str, type_: str) -> None:
-    body = json.dumps(
-        {"error": {"message": message, "type": type_, "param": None, "code": status}}
-    ).encode()
+async def send_json_error(send: Send, status: int, message: str, type_: str, path: str) -> None:
+    """An OpenAI-style error body, or Anthropic's on the /v1/messages routes."""
+    if is_messages_path(path):
+        error = anthropic_error(status, message)
+    else:
+        error = {"error": {"message": message, "type": type_, "param": None, "code": status}}
+    body = json.dumps(error).encode()
     await send(
         {
             "type": "http.response.start",
@@ -55,7 +60,9 @@ class BodySizeLimit:
                 except ValueError:
                     declared = 0  # the HTTP server refuses a malformed length itself
                 if declared > self.max_bytes:
-                    await send_json_error(send, 413, self._message(), "RequestTooLarge")
+                    await send_json_error(
+                        send, 413, self._message(), "RequestTooLarge", scope["path"]
+                    )
                     return
         received = 0
 
@@ -101,4 +108,4 @@ class CatchAll:
             if started:
                 raise  # nothing can be answered any more; the connection has to go
             message = f"internal error: {type(e).__name__}: {e}"
-            await send_json_error(send, 500, message, "InternalServerError")
+            await send_json_error(send, 500, message, "InternalServerError", scope["path"])

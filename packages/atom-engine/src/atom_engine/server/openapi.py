@@ -5,7 +5,8 @@ answers 400), JSON for every route (`/health` answers an empty body, `/metrics` 
 a streamed completion `text/event-stream`) and no schema for the completion responses (the
 handlers return their responses themselves). `install_openapi` replaces each operation's
 responses with what the server sends: its success bodies, and the OpenAI-style error body
-(`ErrorResponse`) for each status that can occur there.
+(`ErrorResponse`) for each status that can occur there (Anthropic's, `AnthropicErrorResponse`,
+on `/v1/messages` and `/v1/messages/count_tokens`, whose stream is of named events).
 
 The request schemas (pydantic's, from the request models) also get the ranges the server
 checks, so that generated clients and fuzzers know them: sampling values, token ids within the
@@ -33,6 +34,12 @@ from atom_engine.sampling_params import (
     MAX_BIAS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
+)
+from atom_engine.server.anthropic_protocol import (
+    STREAM_EVENTS,
+    AnthropicErrorResponse,
+    CountTokensResponse,
+    MessagesResponse,
 )
 from atom_engine.server.protocol import ErrorResponse
 from atom_engine.server.responses import (
@@ -69,13 +76,15 @@ _RESPONSE_MODELS = (
     ProfileStatus,
     TokenizeResponse,
     DetokenizeResponse,
+    CountTokensResponse,
+    *STREAM_EVENTS,  # MessagesResponse and AnthropicErrorResponse among them
 )
 
 _ERRORS = {
     400: "The request is invalid: malformed JSON, a field of the wrong type, out of range or "
     "unknown, a prompt longer than the context; `error.param` names the field.",
-    401: "The server runs with `--api-key` and the `Authorization: Bearer` key is missing or "
-    "wrong.",
+    401: "The server runs with `--api-key` and neither `Authorization: Bearer` nor `x-api-key` "
+    "carries it.",
     404: "The `model` is not served here.",
     413: "The request body is larger than the server's limit (`--max-request-body-bytes`).",
     500: "An internal error; the connection stays open and other requests go on.",
@@ -97,18 +106,22 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": _REF.format(model=model.__name__)}
 
 
-def _error(status: int, description: str) -> dict[str, Any]:
+def _error(status: int, description: str, body: type[BaseModel] = ErrorResponse) -> dict[str, Any]:
     response: dict[str, Any] = {
         "description": description,
-        "content": {JSON: {"schema": _ref(ErrorResponse)}},
+        "content": {JSON: {"schema": _ref(body)}},
     }
     if status == 401:
         response["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
     return response
 
 
-def _errors(statuses: tuple[int, ...], descriptions: dict[int, str] = _ERRORS) -> dict:
-    return {str(status): _error(status, descriptions[status]) for status in statuses}
+def _errors(
+    statuses: tuple[int, ...],
+    descriptions: dict[int, str] = _ERRORS,
+    body: type[BaseModel] = ErrorResponse,
+) -> dict:
+    return {str(status): _error(status, descriptions[status], body) for status in statuses}
 
 
 def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
@@ -138,6 +151,42 @@ def _generation(response: type[BaseModel], chunk: type[BaseModel]) -> dict[str, 
     return {"200": ok, **_errors(statuses, _ERRORS_OF_GENERATION)}
 
 
+_MESSAGES_ERRORS = {
+    **_ERRORS_OF_GENERATION,
+    400: "`invalid_request_error`: malformed JSON, a field of the wrong type, out of range, "
+    "unknown or not implemented (image blocks, server tools, ...), a prompt longer than the "
+    "context; the message names the field.",
+    401: "`authentication_error`: the server runs with `--api-key` and neither `x-api-key` nor "
+    "`Authorization: Bearer` carries it.",
+    404: "`not_found_error`: the `model` is not served here.",
+}
+
+
+def _messages() -> dict[str, Any]:
+    """POST /v1/messages: Anthropic's message, or its named events, errors in its shape."""
+    event = {
+        "type": "object",
+        "properties": {
+            "event": {"enum": [m.model_fields["type"].default for m in STREAM_EVENTS]},
+            "data": {
+                "type": "string",
+                "contentMediaType": JSON,
+                "contentSchema": {"anyOf": [_ref(m) for m in STREAM_EVENTS]},
+            },
+        },
+        "required": ["event", "data"],
+    }
+    ok = {
+        "description": "`MessagesResponse` as JSON; with `stream: true`, Anthropic's server-sent "
+        "events (`event: <type>` and `data: <its JSON>`: message_start, ping, content_block_start"
+        " / _delta / _stop, message_delta, message_stop; `error` if the request fails once "
+        "streaming).",
+        "content": {JSON: {"schema": _ref(MessagesResponse)}, SSE: {"schema": event}},
+    }
+    statuses = (400, 401, 404, 413, 500, 503)
+    return {"200": ok, **_errors(statuses, _MESSAGES_ERRORS, AnthropicErrorResponse)}
+
+
 def _json_ok(model: type[BaseModel], description: str) -> dict[str, Any]:
     return {"description": description, "content": {JSON: {"schema": _ref(model)}}}
 
@@ -155,6 +204,14 @@ def _responses() -> dict[tuple[str, str], dict[str, Any]]:
         },
         ("/v1/completions", "post"): _generation(CompletionResponse, CompletionChunk),
         ("/v1/chat/completions", "post"): _generation(ChatCompletionResponse, ChatCompletionChunk),
+        ("/v1/messages", "post"): _messages(),
+        ("/v1/messages/count_tokens", "post"): {
+            "200": _json_ok(
+                CountTokensResponse,
+                "The prompt's token count, as `/v1/messages` renders the same request.",
+            ),
+            **_errors((400, 401, 404, 413, 500), _MESSAGES_ERRORS, AnthropicErrorResponse),
+        },
         ("/tokenize", "post"): {
             "200": _json_ok(
                 TokenizeResponse,
@@ -246,6 +303,15 @@ def _request_bounds(state) -> dict[str, dict[str, dict[str, dict]]]:
             "top_logprobs": logprobs,
             "messages": {"array": {"minItems": 1}},
         },
+        "MessagesRequest": {
+            "max_tokens": _numbers(minimum=1, maximum=max_len),
+            "temperature": common["temperature"],
+            "top_p": common["top_p"],
+            "top_k": common["top_k"],
+            "stop_sequences": {"string": {"minLength": 1}},
+            "messages": {"array": {"minItems": 1}},
+        },
+        "CountTokensRequest": {"messages": {"array": {"minItems": 1}}},
         "TokenizeChatRequest": {"messages": {"array": {"minItems": 1}}},
         "DetokenizeRequest": {"tokens": token_ids},
     }

@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from atom_engine.chat_template import message_text, template_reads
 from atom_engine.outputs import CompletionOutput, RequestOutput
+from atom_engine.sampling_params import SamplingParams
 from atom_engine.server.chat_output import ChatOutput
 from atom_engine.server.logprobs import chat_logprobs, prompt_logprobs_json
 from atom_engine.server.protocol import ChatCompletionRequest, ChatMessage, random_id
@@ -112,9 +113,12 @@ def _parse_tool_call_arguments(message: dict) -> None:
                 pass  # not JSON: the template gets the text
 
 
-async def create_chat_completion(
-    state: ServerState, request: ChatCompletionRequest, raw_request: Request
-):
+async def chat_engine_prompt(
+    state: ServerState, request: ChatCompletionRequest
+) -> tuple[tuple[dict, SamplingParams], ToolPlan]:
+    """The request's (engine prompt, sampling params) and its ToolPlan: its messages through the
+    chat template, its fields checked (a 400 naming the first bad one). Also the path of
+    /v1/messages (`serving_messages`), which converts its request to a chat request."""
     state.check_model(request.model)
     _refuse_unsupported(request)
     # Field names as a chat request spells them (the prompt is its messages).
@@ -149,6 +153,13 @@ async def create_chat_completion(
         )
     except ValueError as e:
         raise value_error(e, "messages", names) from None
+    return engine_prompt, plan
+
+
+async def create_chat_completion(
+    state: ServerState, request: ChatCompletionRequest, raw_request: Request
+):
+    engine_prompt, plan = await chat_engine_prompt(state, request)
     chat_id = random_id("chatcmpl")
     group = await RequestGroup.start(state, raw_request, chat_id, [engine_prompt])
     stream = _ChatStream(state, request, group, chat_id, plan)
