@@ -90,6 +90,42 @@ def test_min_tokens_holds_back_stop_tokens(smollm2_llm):
     assert out.finish_reason == ("stop" if out.token_ids[-1] == stop_id else "length")
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_thinking_budget_forces_the_end_marker(smollm2_llm, temperature):
+    """After thinking_budget tokens without the marker, the marker's ids are forced one per step
+    (greedy and sampled alike); the tokens before the budget are the unconstrained ones."""
+    marker = ids_of(smollm2_llm, "</think>")
+    assert len(marker) > 1  # several tokens: the forcing goes on across steps
+    free = SamplingParams(temperature=temperature, seed=7, max_tokens=12, ignore_eos=True)
+    full = generate_one(smollm2_llm, PROMPT, free).outputs[0].token_ids
+    params = SamplingParams(
+        temperature=temperature,
+        seed=7,
+        max_tokens=12,
+        ignore_eos=True,
+        thinking_budget=3,
+        thinking_end_ids=marker,
+    )
+    out = generate_one(smollm2_llm, PROMPT, params).outputs[0].token_ids
+    assert out[:3] == full[:3]
+    assert out[3 : 3 + len(marker)] == marker
+    assert len(out) == 12
+
+
+def test_thinking_budget_leaves_a_closed_reasoning_alone(smollm2_llm):
+    """A marker the model wrote before the budget ends the forcing: the output is unchanged."""
+    free = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    full = generate_one(smollm2_llm, PROMPT, free).outputs[0].token_ids
+    params = SamplingParams(
+        temperature=0, max_tokens=10, ignore_eos=True, thinking_budget=4, thinking_end_ids=full[1:3]
+    )
+    assert generate_one(smollm2_llm, PROMPT, params).outputs[0].token_ids == full
+    with pytest.raises(ValueError, match="go together"):
+        SamplingParams(thinking_budget=4)
+    with pytest.raises(ValueError, match="thinking_end_ids"):
+        SamplingParams(thinking_budget=4, thinking_end_ids=[])
+
+
 @torch.no_grad()
 def test_logprobs_match_transformers(smollm2_llm, smollm2_hf):
     prompt = ids_of(smollm2_llm, "The quick brown fox")

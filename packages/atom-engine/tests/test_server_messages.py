@@ -200,17 +200,25 @@ def test_thinking_and_parsed_tools(parser_client):
     kwargs = {
         "model": MODEL,
         "messages": ASK,
-        "max_tokens": 8,
+        "max_tokens": 12,
         "extra_body": GREEDY,
         "thinking": {"type": "enabled", "budget_tokens": 4},
     }
     message = parser_client.messages.create(**kwargs)
-    assert [b.type for b in message.content] == ["thinking"]
-    assert message.content[0].thinking and message.stop_reason == "max_tokens"
+    # The budget: after 4 tokens `</think>` is forced, and the answer follows in a text block.
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[1].text and message.stop_reason == "max_tokens"
+    free = parser_client.messages.create(**{**kwargs, "max_tokens": 4, "thinking": None})
+    assert message.content[0].thinking == free.content[0].thinking  # the same first 4 tokens
     with parser_client.messages.stream(**kwargs) as stream:
         events = list(stream)
-    deltas = [e.delta.thinking for e in events if e.type == "content_block_delta"]
-    assert "".join(deltas) == message.content[0].thinking
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == (
+        message.content[0].thinking
+    )
+    assert "".join(d.text for d in deltas if d.type == "text_delta") == message.content[1].text
+    adaptive = parser_client.messages.create(**{**kwargs, "thinking": {"type": "adaptive"}})
+    assert [b.type for b in adaptive.content] == ["thinking"]  # no budget: SmolLM2 never closes
     # Thinking blocks of an assistant turn are accepted back; tools with the hermes parser.
     history = [
         *ASK,

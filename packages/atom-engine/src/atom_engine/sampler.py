@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 import atom_kernels
-from atom_engine.sequence import Sequence
+from atom_engine.sequence import PLACEHOLDER, Sequence
 
 
 @dataclass
@@ -63,7 +63,9 @@ class Sampler:
         rows = [
             i
             for i, s in enumerate(seqs)
-            if s.params.min_tokens or s.params.allowed_token_ids is not None
+            if s.params.min_tokens
+            or s.params.allowed_token_ids is not None
+            or s.params.thinking_budget is not None
         ]
         for i in rows:
             s = seqs[i]
@@ -71,6 +73,13 @@ class Sampler:
             stops = s.params.all_stop_token_ids
             emitted = s.num_output_tokens + (ahead[i] if ahead else 0)
             short = emitted < s.params.min_tokens and bool(stops)
+            forced = _forced_thinking_end(s, emitted)
+            if forced is not None:  # overrides every other filter of the row
+                if masked is logits:
+                    masked = logits.clone()
+                masked[i] = float("-inf")
+                masked[i, forced] = 0.0
+                continue
             if allowed is None and not short:
                 continue
             if masked is logits:
@@ -116,6 +125,7 @@ class Sampler:
             and p.min_tokens == 0
             and p.allowed_token_ids is None
             and p.logit_bias is None
+            and p.thinking_budget is None
             for p in params
         ):
             # NOTE: the common greedy batch needs one argmax kernel and one sync; the sampler's
@@ -304,3 +314,30 @@ def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> to
     if device.type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def _forced_thinking_end(seq: Sequence, emitted: int) -> int | None:
+    """The token a row must sample under its thinking budget, or None: once `thinking_budget`
+    tokens are out without the end-of-reasoning marker, the marker's ids one per step.
+    NOTE: under async scheduling the last step's token may not be on the host yet, so a marker
+    the model writes itself exactly at the budget can be followed by a forced copy."""
+    params = seq.params
+    if params.thinking_budget is None or emitted < params.thinking_budget:
+        return None
+    marker = params.thinking_end_ids
+    step = emitted - params.thinking_budget
+    if step >= len(marker):
+        return None
+    out = seq.output_token_ids
+    if step == 0 and _contains(out, marker):
+        return None  # the model closed its reasoning within the budget
+    # A placeholder (async scheduling: the last step's id, not on the host yet) was forced too.
+    tail = out[len(out) - step :] if step else []
+    if any(t != m and t != PLACEHOLDER for t, m in zip(tail, marker[:step], strict=True)):
+        return None  # the marker's start is not what was forced: the reasoning ended before
+    return marker[step]
+
+
+def _contains(ids: list[int], marker: list[int]) -> bool:
+    first, size = marker[0], len(marker)
+    return any(ids[i : i + size] == marker for i in range(len(ids) - size + 1) if ids[i] == first)

@@ -91,6 +91,9 @@ class SamplingParams:
     saves copying every request's tokens at every step).
     `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar
     (`atom_engine.structured_output`); the request ends when its grammar is complete.
+    `thinking_budget` (with `thinking_end_ids`, the token ids of the model's end-of-reasoning
+    marker, e.g. `</think>`): once that many tokens are out and the marker is not among them, the
+    marker is forced, token by token (the Anthropic API's `thinking.budget_tokens`).
     """
 
     n: int = 1
@@ -115,6 +118,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: str = "cumulative"
     structured_outputs: StructuredOutputsParams | None = None
+    thinking_budget: int | None = None
+    thinking_end_ids: list[int] | None = None
     # Filled by the engine from the model's generation config (not a user field).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # The compiled grammar of structured_outputs (filled by the engine's checks; not a user field).
@@ -127,6 +132,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.thinking_end_ids is not None:
+            self.thinking_end_ids = list(self.thinking_end_ids)
         self._check()
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
@@ -192,6 +199,14 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 fail(name, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if (self.thinking_budget is None) != (self.thinking_end_ids is None):
+            fail("thinking_budget", "and thinking_end_ids go together")
+        if self.thinking_budget is not None:
+            if not _is_int(self.thinking_budget) or self.thinking_budget < 0:
+                fail("thinking_budget", "must be a non-negative integer")
+            ids = self.thinking_end_ids
+            if not ids or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids):
+                fail("thinking_end_ids", "must be a non-empty list of token ids")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 fail("structured_outputs", "must be a StructuredOutputsParams")
@@ -204,7 +219,7 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids must be in the model's vocabulary (the engine calls this on add)."""
-        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias", "thinking_end_ids"):
             bad = [t for t in getattr(self, name) or () if t >= vocab_size]
             if bad:
                 raise ValueError(

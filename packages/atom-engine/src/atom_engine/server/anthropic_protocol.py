@@ -89,9 +89,11 @@ class ToolChoice(_Request):
 
 
 class Thinking(_Request):
-    type: Literal["enabled", "disabled"]
-    # Anthropic's thinking budget (>= 1024, < max_tokens there); ATOM has no separate budget:
-    # the reasoning and the answer share max_tokens.
+    # "adaptive": the model decides how long it reasons (enabled, with no budget)
+    type: Literal["enabled", "adaptive", "disabled"]
+    # With "enabled": after this many output tokens the end-of-reasoning marker is forced (the
+    # sampler's thinking_budget); >= 1 and < max_tokens (Anthropic's own floor of 1024 is not
+    # required). The reasoning and the answer share max_tokens.
     budget_tokens: int | None = None
     display: Literal["summarized"] | None = None  # thinking is shown; "omitted" is not implemented
 

@@ -146,17 +146,19 @@ def _thinking_kwargs(
     if thinking is None:
         return None  # the model's default
     reads = template_reads(state.engine.tokenizer, None, "enable_thinking")
+    if thinking.type != "enabled" and thinking.budget_tokens is not None:
+        raise APIError("thinking.budget_tokens goes with type enabled", param="thinking")
     if thinking.type == "disabled":
-        if thinking.budget_tokens is not None:
-            raise APIError("thinking.budget_tokens goes with type enabled", param="thinking")
         return {"enable_thinking": False} if reads else None
     if state.reasoning_parser is None:
         raise APIError(
-            'thinking of type "enabled" needs a reasoning parser for the model\'s format: start '
-            "the server with --reasoning-parser (deepseek_r1, qwen3)",
+            f'thinking of type "{thinking.type}" needs a reasoning parser for the model\'s '
+            "format: start the server with --reasoning-parser (deepseek_r1, qwen3)",
             param="thinking",
         )
     budget = thinking.budget_tokens
+    if thinking.type == "adaptive":
+        return {"enable_thinking": True} if reads else None
     if budget is None or budget < 1 or (max_tokens is not None and budget >= max_tokens):
         raise APIError(
             "thinking.budget_tokens must be at least 1 and less than max_tokens", param="thinking"

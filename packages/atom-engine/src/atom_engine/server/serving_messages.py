@@ -50,6 +50,7 @@ from atom_engine.server.anthropic_protocol import (
 )
 from atom_engine.server.chat_output import ChatOutput
 from atom_engine.server.messages_convert import anthropic_names, to_chat_request
+from atom_engine.server.reasoning import END as REASONING_END
 from atom_engine.server.reasoning import REASONING_PARSERS
 from atom_engine.server.serving_chat import chat_engine_prompt, chat_messages
 from atom_engine.server.serving_common import APIError, RequestGroup, ServerState
@@ -89,6 +90,7 @@ async def create_message(state: ServerState, request: MessagesRequest, raw_reque
     try:
         chat = to_chat_request(state, request)
         engine_prompt, plan = await chat_engine_prompt(state, chat)
+        _set_thinking_budget(state, request, engine_prompt[1])
     except APIError as e:
         raise anthropic_names(e) from None
     message_id = anthropic_id("msg")
@@ -104,6 +106,16 @@ async def create_message(state: ServerState, request: MessagesRequest, raw_reque
     finally:
         group.close()
     return JSONResponse(stream.response(final).model_dump())
+
+
+def _set_thinking_budget(state: ServerState, request: MessagesRequest, params) -> None:
+    """`thinking.budget_tokens` as the sampler's thinking budget: the reasoning parser's end
+    marker is forced once that many tokens are out (`to_chat_request` checked the fields)."""
+    thinking = request.thinking
+    if thinking is None or thinking.type != "enabled" or thinking.budget_tokens is None:
+        return
+    marker = state.engine.tokenizer.encode(REASONING_END, add_special_tokens=False)
+    params.thinking_budget, params.thinking_end_ids = thinking.budget_tokens, marker
 
 
 async def count_tokens(state: ServerState, request: CountTokensRequest) -> CountTokensResponse:
