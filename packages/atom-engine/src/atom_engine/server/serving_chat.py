@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from atom_engine.chat_template import message_text, template_reads
 from atom_engine.outputs import CompletionOutput, RequestOutput
+from atom_engine.sampling_params import SamplingParams
 from atom_engine.server.chat_output import ChatOutput
 from atom_engine.server.logprobs import chat_logprobs, prompt_logprobs_json
 from atom_engine.server.protocol import ChatCompletionRequest, ChatMessage, random_id
@@ -112,10 +113,12 @@ def _parse_tool_call_arguments(message: dict) -> None:
                 pass  # not JSON: the template gets the text
 
 
-async def create_chat_completion(
-    state: ServerState, request: ChatCompletionRequest, raw_request: Request
-):
-    state.check_model(request.model)
+async def prepare_chat(
+    state: ServerState, request: ChatCompletionRequest
+) -> tuple[tuple[dict, SamplingParams], ToolPlan]:
+    """The checked engine prompt of a chat request (rendered by the chat template, with its
+    sampling params and grammar) and its tool plan; a 400 naming the field at fault. The
+    Responses API (`responses_api`) runs its requests through here too."""
     _refuse_unsupported(request)
     # Field names as a chat request spells them (the prompt is its messages).
     max_tokens, names = request.max_tokens, {"logprobs": "top_logprobs", "prompt": "messages"}
@@ -149,6 +152,14 @@ async def create_chat_completion(
         )
     except ValueError as e:
         raise value_error(e, "messages", names) from None
+    return engine_prompt, plan
+
+
+async def create_chat_completion(
+    state: ServerState, request: ChatCompletionRequest, raw_request: Request
+):
+    state.check_model(request.model)
+    engine_prompt, plan = await prepare_chat(state, request)
     chat_id = random_id("chatcmpl")
     group = await RequestGroup.start(state, raw_request, chat_id, [engine_prompt])
     stream = _ChatStream(state, request, group, chat_id, plan)
