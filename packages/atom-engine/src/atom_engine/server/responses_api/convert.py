@@ -115,6 +115,7 @@ def chat_request(request: ResponsesRequest, conversation: list[dict]) -> ChatCom
         "top_k": request.top_k,
         "min_p": request.min_p,
         "repetition_penalty": request.repetition_penalty,
+        "ignore_eos": request.ignore_eos,
         "parallel_tool_calls": request.parallel_tool_calls,
     }
     if request.structured_outputs is not None:

@@ -148,6 +148,7 @@ class ResponsesRequest(_Request):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    ignore_eos: bool = False
     structured_outputs: StructuredOutputsRequest | None = None
 
     @field_validator("tools", mode="before")
