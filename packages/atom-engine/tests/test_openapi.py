@@ -59,7 +59,7 @@ def test_document_has_no_fastapi_defaults(server):
                 if status.startswith(("4", "5")):
                     assert response["content"] == {"application/json": {"schema": error}}
     paths = document["paths"]
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         responses = paths[path]["post"]["responses"]
         assert set(responses) == {"200", "400", "401", "404", "413", "500", "503"}
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
@@ -123,7 +123,7 @@ def test_event_stream_events_are_checked(server):
 # Generated requests per operation and mode; the generation endpoints get more. Measured on the
 # 2-core CPU: 25 each, ~120 s of requests (~160 s with loading the model); 80 each took 480 s.
 _NUM = int(os.environ.get("ATOM_SCHEMATHESIS_EXAMPLES", "25"))
-EXAMPLES = {"/v1/completions": _NUM, "/v1/chat/completions": _NUM}
+EXAMPLES = {"/v1/completions": _NUM, "/v1/chat/completions": _NUM, "/v1/responses": _NUM}
 OTHER_EXAMPLES = 8
 
 
@@ -149,6 +149,15 @@ VALID = {
         {"messages": _CHAT, "max_tokens": 3, "stream": True, "logprobs": True,
          "stream_options": {"include_usage": True}},
         {"messages": _CHAT, "max_tokens": 2, "n": 2, "stream": True, "stop": ["e"]},
+    ],
+    "/v1/responses": [
+        {"input": "Name a color.", "max_output_tokens": 3, "instructions": "Be brief."},
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+         "max_output_tokens": 3, "stream": True, "store": False},
+        {"input": "Weather?", "max_output_tokens": 24, "tool_choice": "required",
+         "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]},
+        {"input": "JSON:", "max_output_tokens": 8, "stream": True,
+         "text": {"format": {"type": "json_object"}}},
     ],
     "/tokenize": [
         {"prompt": "hi", "return_token_strs": True},
