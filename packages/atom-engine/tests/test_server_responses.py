@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPConnection
 from urllib.parse import urlsplit
 
@@ -75,12 +76,36 @@ def _chat(client, messages, max_tokens):
     )
 
 
+def _together(*calls):
+    """Run the calls at once (they share engine steps); their results in order."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
 def test_text_equals_the_chat_completion(client):
-    response = client.responses.create(
-        model=MODEL, input=ASK, instructions="Be brief.", max_output_tokens=12, temperature=0
-    )
-    chat = _chat(
-        client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ASK}], 12
+    # A list of message items: parts, a developer message (a system one to the template), an
+    # assistant turn.
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": ASK}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Blue."}]},
+        {"type": "message", "role": "user", "content": "Another one."},
+    ]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one."},
+    ]
+    response, chat, listed, listed_chat = _together(
+        lambda: client.responses.create(
+            model=MODEL, input=ASK, instructions="Be brief.", max_output_tokens=12, temperature=0
+        ),
+        lambda: _chat(client, messages[:2], 12),
+        lambda: client.responses.create(
+            model=MODEL, input=items, max_output_tokens=8, temperature=0, metadata={"k": "v"}
+        ),
+        lambda: _chat(client, messages, 8),
     )
     assert response.id.startswith("resp_") and response.object == "response"
     assert response.output_text == chat.choices[0].message.content
@@ -93,27 +118,9 @@ def test_text_equals_the_chat_completion(client):
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     finished = chat.choices[0].finish_reason
     assert response.status == ("incomplete" if finished == "length" else "completed")
-    # A list of message items: parts, a developer message (a system one to the template), an
-    # assistant turn.
-    items = [
-        {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "input_text", "text": ASK}]},
-        {"role": "assistant", "content": [{"type": "output_text", "text": "Blue."}]},
-        {"type": "message", "role": "user", "content": "Another one."},
-    ]
-    response = client.responses.create(
-        model=MODEL, input=items, max_output_tokens=8, temperature=0, metadata={"k": "v"}
-    )
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": ASK},
-        {"role": "assistant", "content": "Blue."},
-        {"role": "user", "content": "Another one."},
-    ]
-    chat = _chat(client, messages, 8)
-    assert response.output_text == chat.choices[0].message.content
-    assert response.usage.input_tokens == chat.usage.prompt_tokens
-    assert response.metadata == {"k": "v"}
+    assert listed.output_text == listed_chat.choices[0].message.content
+    assert listed.usage.input_tokens == listed_chat.usage.prompt_tokens
+    assert listed.metadata == {"k": "v"} and listed.instructions is None
 
 
 def test_max_output_tokens_is_incomplete(client):
@@ -133,11 +140,13 @@ def test_max_output_tokens_is_incomplete(client):
 def test_stream_events_in_order(client):
     kwargs = dict(model=MODEL, input=ASK, max_output_tokens=24, temperature=0)
     kwargs["extra_body"] = {"stop": ["."]}  # ends the reply: response.completed
-    whole = client.responses.create(**kwargs)
+
+    def streamed():
+        with client.responses.stream(**kwargs) as stream:
+            return list(stream), stream.get_final_response()
+
+    whole, (events, final) = _together(lambda: client.responses.create(**kwargs), streamed)
     assert whole.status == "completed", whole.output_text
-    with client.responses.stream(**kwargs) as stream:
-        events = list(stream)
-        final = stream.get_final_response()
     assert [e.sequence_number for e in events] == list(range(len(events)))
     types = [e.type for e in events]
     num_deltas = types.count("response.output_text.delta")
@@ -172,21 +181,24 @@ def test_previous_response_id_and_store(server, client):
     first = client.responses.create(
         model=MODEL, input="My name is Ada.", max_output_tokens=6, temperature=0
     )
-    second = client.responses.create(
-        model=MODEL,
-        input="What is my name?",
-        previous_response_id=first.id,
-        max_output_tokens=6,
-        temperature=0,
-    )
     conversation = [
         {"role": "user", "content": "My name is Ada."},
         {"role": "assistant", "content": first.output_text},
         {"role": "user", "content": "What is my name?"},
     ]
+    second, chat = _together(
+        lambda: client.responses.create(
+            model=MODEL,
+            input="What is my name?",
+            previous_response_id=first.id,
+            max_output_tokens=6,
+            temperature=0,
+        ),
+        lambda: _chat(client, conversation, 6),
+    )
     assert second.previous_response_id == first.id
     assert second.usage.input_tokens == _tokens(server, conversation)
-    assert second.output_text == _chat(client, conversation, 6).choices[0].message.content
+    assert second.output_text == chat.choices[0].message.content
     # Stored: GET answers it; a missing id is a 404 naming it.
     assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
     with pytest.raises(openai.NotFoundError) as e:
@@ -239,7 +251,14 @@ def test_tool_call_and_reasoning_round_trip(parser_client):
         temperature=0,
         extra_body={"structured_outputs": {"regex": TOOL_CALL}},
     )
-    response = parser_client.responses.create(**kwargs)
+
+    def streamed():
+        with parser_client.responses.stream(**kwargs) as stream:
+            return list(stream), stream.get_final_response()
+
+    response, (events, final) = _together(
+        lambda: parser_client.responses.create(**kwargs), streamed
+    )
     kinds = [item.type for item in response.output]
     assert kinds == ["reasoning", "function_call"] and response.status == "completed"
     reasoning, call = response.output
@@ -247,9 +266,6 @@ def test_tool_call_and_reasoning_round_trip(parser_client):
     assert call.id.startswith("fc_") and call.call_id and call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
     # Streamed: reasoning events, then the call's argument events; the same items.
-    with parser_client.responses.stream(**kwargs) as stream:
-        events = list(stream)
-        final = stream.get_final_response()
     types = [e.type for e in events]
     assert "response.reasoning_text.delta" in types
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
@@ -304,6 +320,8 @@ def test_tool_choice_required_without_a_parser(client):
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"model": "gpt-5"}, "model"),
+        ({"input": []}, "input"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
     ],
 )
 def test_unsupported_fields_are_400(server, extra, param):

@@ -321,6 +321,7 @@ def _request_bounds(state) -> dict[str, dict[str, dict[str, dict]]]:
             **{k: common[k] for k in ("seed", "stop", "temperature", "top_p", "top_k", "min_p")},
             "repetition_penalty": common["repetition_penalty"],
             "max_output_tokens": _numbers(minimum=1, maximum=max_len),
+            "input": {"array": {"minItems": 1}},
         },
         "TokenizeChatRequest": {"messages": {"array": {"minItems": 1}}},
         "DetokenizeRequest": {"tokens": token_ids},

@@ -123,6 +123,8 @@ async def create_response(
             raise _not_found(request.previous_response_id, "previous_response_id")
         history = previous.messages
     conversation = [*history, *input_messages(request)]
+    if not conversation:
+        raise APIError("input holds no message (nor function call output)", param="input")
     try:
         engine_prompt, plan = await prepare_chat(state, chat_request(request, conversation))
     except APIError as e:
