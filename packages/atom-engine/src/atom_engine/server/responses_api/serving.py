@@ -87,7 +87,9 @@ def _skeleton(state: ServerState, request: ResponsesRequest, response_id: str) -
         reasoning={"effort": effort, "summary": None},
         store=request.store,
         temperature=1.0 if request.temperature is None else request.temperature,
-        text={"format": fmt.model_dump(by_alias=True) if fmt else {"type": "text"}},
+        text={
+            "format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
+        },
         tool_choice=tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
         tools=[t.model_dump() for t in request.tools or []],
         top_p=1.0 if request.top_p is None else request.top_p,
