@@ -20,6 +20,8 @@ import openai
 import pytest
 
 from atom_engine.server.api_server import build_app
+from atom_engine.server.responses_api.objects import ResponseObject
+from atom_engine.server.responses_api.store import ResponseStore, StoredResponse
 from atom_engine.testing import http, serve, wait_idle
 
 MODEL = "smollm2-test"
@@ -350,3 +352,20 @@ def test_disconnect_aborts(server):
     connection.sock.shutdown(socket.SHUT_RDWR)  # hang up mid-stream
     connection.close()
     wait_idle(server.engine, timeout=30)  # aborted: no running request, KV blocks all free
+
+
+def test_store_keeps_the_most_recently_used():
+    store = ResponseStore(2)
+    entries = [
+        StoredResponse(ResponseObject(id=f"resp_{i}", status="completed", model=MODEL), [])
+        for i in range(3)
+    ]
+    store.put(entries[0])
+    store.put(entries[1])
+    assert store.get("resp_0") is entries[0]  # now the most recent
+    store.put(entries[2])
+    assert store.get("resp_1") is None and len(store) == 2
+    assert store.delete("resp_0") and not store.delete("resp_0")
+    ResponseStore(0).put(entries[0])  # keeps none
+    with pytest.raises(ValueError, match="store size"):
+        ResponseStore(-1)
