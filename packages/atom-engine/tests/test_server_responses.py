@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import socket
-from concurrent.futures import ThreadPoolExecutor
 from http.client import HTTPConnection
 from urllib.parse import urlsplit
 
@@ -45,7 +44,7 @@ WEATHER = {
     },
 }
 TOOL_CALL = (
-    r"[A-Za-z ]{1,16}\n</think>\n\n<tool_call>\n"
+    r"[a-z]{1,6}\n</think>\n\n<tool_call>\n"
     r'\{"name": "get_weather", "arguments": \{"city": "(Paris|Tokyo)"\}\}\n</tool_call>'
 )
 
@@ -78,12 +77,6 @@ def _chat(client, messages, max_tokens):
     )
 
 
-def _together(*calls):
-    """Run the calls at once (they share engine steps); their results in order."""
-    with ThreadPoolExecutor(len(calls)) as pool:
-        return [f.result() for f in [pool.submit(call) for call in calls]]
-
-
 def test_text_equals_the_chat_completion(client):
     # A list of message items: parts, a developer message (a system one to the template), an
     # assistant turn.
@@ -99,16 +92,14 @@ def test_text_equals_the_chat_completion(client):
         {"role": "assistant", "content": "Blue."},
         {"role": "user", "content": "Another one."},
     ]
-    response, chat, listed, listed_chat = _together(
-        lambda: client.responses.create(
-            model=MODEL, input=ASK, instructions="Be brief.", max_output_tokens=12, temperature=0
-        ),
-        lambda: _chat(client, messages[:2], 12),
-        lambda: client.responses.create(
-            model=MODEL, input=items, max_output_tokens=8, temperature=0, metadata={"k": "v"}
-        ),
-        lambda: _chat(client, messages, 8),
+    response = client.responses.create(
+        model=MODEL, input=ASK, instructions="Be brief.", max_output_tokens=12, temperature=0
     )
+    chat = _chat(client, messages[:2], 12)
+    listed = client.responses.create(
+        model=MODEL, input=items, max_output_tokens=8, temperature=0, metadata={"k": "v"}
+    )
+    listed_chat = _chat(client, messages, 8)
     assert response.id.startswith("resp_") and response.object == "response"
     assert response.output_text == chat.choices[0].message.content
     message = response.output[0]
@@ -147,7 +138,7 @@ def test_stream_events_in_order(client):
         with client.responses.stream(**kwargs) as stream:
             return list(stream), stream.get_final_response()
 
-    whole, (events, final) = _together(lambda: client.responses.create(**kwargs), streamed)
+    whole, (events, final) = client.responses.create(**kwargs), streamed()
     assert whole.status == "completed", whole.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
     types = [e.type for e in events]
@@ -188,16 +179,14 @@ def test_previous_response_id_and_store(server, client):
         {"role": "assistant", "content": first.output_text},
         {"role": "user", "content": "What is my name?"},
     ]
-    second, chat = _together(
-        lambda: client.responses.create(
-            model=MODEL,
-            input="What is my name?",
-            previous_response_id=first.id,
-            max_output_tokens=6,
-            temperature=0,
-        ),
-        lambda: _chat(client, conversation, 6),
+    second = client.responses.create(
+        model=MODEL,
+        input="What is my name?",
+        previous_response_id=first.id,
+        max_output_tokens=6,
+        temperature=0,
     )
+    chat = _chat(client, conversation, 6)
     assert second.previous_response_id == first.id
     assert second.usage.input_tokens == _tokens(server, conversation)
     assert second.output_text == chat.choices[0].message.content
@@ -258,9 +247,9 @@ def test_tool_call_and_reasoning_round_trip(parser_client):
         with parser_client.responses.stream(**kwargs) as stream:
             return list(stream), stream.get_final_response()
 
-    response, (events, final) = _together(
-        lambda: parser_client.responses.create(**kwargs), streamed
-    )
+    # NOTE: requests one after the other: sent together (batched) this module's tests took 2-3x
+    # longer on the shared 2-core CPU (eager; this test 68-107 s instead of 27-34 s).
+    response, (events, final) = parser_client.responses.create(**kwargs), streamed()
     kinds = [item.type for item in response.output]
     assert kinds == ["reasoning", "function_call"] and response.status == "completed"
     reasoning, call = response.output
