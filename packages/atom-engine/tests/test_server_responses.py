@@ -77,6 +77,12 @@ def _chat(client, messages, max_tokens):
     )
 
 
+def _streamed(client, **kwargs):
+    """(the events, the final response) of a streamed response."""
+    with client.responses.stream(**kwargs) as stream:
+        return list(stream), stream.get_final_response()
+
+
 def test_text_equals_the_chat_completion(client):
     # A list of message items: parts, a developer message (a system one to the template), an
     # assistant turn.
@@ -133,12 +139,8 @@ def test_max_output_tokens_is_incomplete(client):
 def test_stream_events_in_order(client):
     kwargs = dict(model=MODEL, input=ASK, max_output_tokens=24, temperature=0)
     kwargs["extra_body"] = {"stop": ["."]}  # ends the reply: response.completed
-
-    def streamed():
-        with client.responses.stream(**kwargs) as stream:
-            return list(stream), stream.get_final_response()
-
-    whole, (events, final) = client.responses.create(**kwargs), streamed()
+    whole = client.responses.create(**kwargs)
+    events, final = _streamed(client, **kwargs)
     assert whole.status == "completed", whole.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
     types = [e.type for e in events]
@@ -234,35 +236,23 @@ def test_text_format(client):
 
 
 def test_tool_call_and_reasoning_round_trip(parser_client):
-    kwargs = dict(
+    # NOTE: requests one after the other: sent together (batched) this module's tests took 2-3x
+    # longer on the shared 2-core CPU (eager; this test 68-107 s instead of 27-34 s).
+    response = parser_client.responses.create(
         model=MODEL,
         input="What is the weather in Tokyo?",
         tools=[WEATHER],
-        max_output_tokens=128,
+        max_output_tokens=128,  # the forced markup takes ~70 tokens
         temperature=0,
         extra_body={"structured_outputs": {"regex": TOOL_CALL}},
     )
-
-    def streamed():
-        with parser_client.responses.stream(**kwargs) as stream:
-            return list(stream), stream.get_final_response()
-
-    # NOTE: requests one after the other: sent together (batched) this module's tests took 2-3x
-    # longer on the shared 2-core CPU (eager; this test 68-107 s instead of 27-34 s).
-    response, (events, final) = parser_client.responses.create(**kwargs), streamed()
     kinds = [item.type for item in response.output]
     assert kinds == ["reasoning", "function_call"] and response.status == "completed"
     reasoning, call = response.output
+    assert reasoning.id.startswith("rs_")
     assert reasoning.content[0].text and "</think>" not in reasoning.content[0].text
     assert call.id.startswith("fc_") and call.call_id and call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
-    # Streamed: reasoning events, then the call's argument events; the same items.
-    types = [e.type for e in events]
-    assert "response.reasoning_text.delta" in types
-    done = [e for e in events if e.type == "response.function_call_arguments.done"]
-    assert len(done) == 1 and done[0].arguments == call.arguments
-    assert [i.type for i in final.output] == kinds
-    assert final.output[0].content[0].text == reasoning.content[0].text
     # The call's output fed back: the next turn's prompt holds the call and its result.
     feedback = [
         {"role": "user", "content": "What is the weather in Tokyo?"},
@@ -279,10 +269,23 @@ def test_tool_call_and_reasoning_round_trip(parser_client):
     )
     assert answer.usage.input_tokens > response.usage.input_tokens
     assert answer.output  # the reply (all reasoning to deepseek_r1 with no </think>)
+    # Streamed reasoning, then text: reasoning events, then text events; the same items.
+    regex = r"[a-z ]{1,12}\n</think>\n\nSunny\."
+    kwargs = dict(model=MODEL, input="Weather?", max_output_tokens=32, temperature=0)
+    kwargs["extra_body"] = {"structured_outputs": {"regex": regex}}
+    whole = parser_client.responses.create(**kwargs)
+    events, final = _streamed(parser_client, **kwargs)
+    assert [i.type for i in whole.output] == ["reasoning", "message"]
+    assert whole.output_text == final.output_text == "Sunny."
+    assert final.output[0].content[0].text == whole.output[0].content[0].text
+    types = [e.type for e in events]
+    first_text = types.index("response.output_text.delta")
+    assert "response.reasoning_text.delta" in types[:first_text]
+    assert "response.reasoning_text.done" in types[:first_text]
 
 
-def test_tool_choice_required_without_a_parser(client):
-    response = client.responses.create(
+def test_tool_choice_named_without_a_parser(client):
+    kwargs = dict(
         model=MODEL,
         input="What is the weather in Tokyo?",
         tools=[WEATHER],
@@ -290,9 +293,21 @@ def test_tool_choice_required_without_a_parser(client):
         max_output_tokens=40,
         temperature=0,
     )
+    response = client.responses.create(**kwargs)
     (call,) = response.output
     assert call.type == "function_call" and call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    # Streamed: the call's argument events, and the same call.
+    events, final = _streamed(client, **kwargs)
+    types = [e.type for e in events]
+    assert types[2:-1] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ]
+    assert events[4].arguments == call.arguments == final.output[0].arguments
+    assert final.output[0].name == "get_weather"
 
 
 @pytest.mark.parametrize(
