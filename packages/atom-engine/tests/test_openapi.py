@@ -61,7 +61,7 @@ def test_document_has_no_fastapi_defaults(server):
                 if status.startswith(("4", "5")):
                     assert response["content"] == {"application/json": {"schema": body}}
     paths = document["paths"]
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         responses = paths[path]["post"]["responses"]
         assert set(responses) == {"200", "400", "401", "404", "413", "500", "503"}
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
@@ -131,9 +131,15 @@ def test_event_stream_events_are_checked(server):
 
 # Generated requests per operation and mode; the generation endpoints get more. Measured on the
 # 2-core CPU: 25 each, ~120 s of requests (~160 s with loading the model); 80 each took 480 s.
-# /v1/messages runs the chat path: half as many (with it, 215 s of requests at load ~3.5).
+# /v1/messages and /v1/responses run the chat path: half as many each (with /v1/messages alone,
+# 215 s of requests at load ~3.5; with /v1/responses alone at 25, 213 s).
 _NUM = int(os.environ.get("ATOM_SCHEMATHESIS_EXAMPLES", "25"))
-EXAMPLES = {"/v1/completions": _NUM, "/v1/chat/completions": _NUM, "/v1/messages": _NUM // 2}
+EXAMPLES = {
+    "/v1/completions": _NUM,
+    "/v1/chat/completions": _NUM,
+    "/v1/messages": _NUM // 2,
+    "/v1/responses": _NUM // 2,
+}
 OTHER_EXAMPLES = 8
 
 
@@ -171,6 +177,15 @@ VALID = {
          "tool_choice": {"type": "any"}},
     ],
     "/v1/messages/count_tokens": [{"model": MODEL, "messages": _CHAT, "system": "Be brief."}],
+    "/v1/responses": [
+        {"input": "Name a color.", "max_output_tokens": 3, "instructions": "Be brief."},
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+         "max_output_tokens": 3, "stream": True, "store": False},
+        {"input": "Weather?", "max_output_tokens": 24, "tool_choice": "required",
+         "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]},
+        {"input": "JSON:", "max_output_tokens": 8, "stream": True,
+         "text": {"format": {"type": "json_object"}}},
+    ],
     "/tokenize": [
         {"prompt": "hi", "return_token_strs": True},
         {"messages": _CHAT, "add_special_tokens": True},

@@ -94,6 +94,13 @@ def _add_serve(subparsers) -> None:
         default=16 << 20,
         help="larger request bodies get a 413 unread (default: %(default)s, 16 MiB)",
     )
+    frontend.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1024,  # responses_api.store.DEFAULT_STORE_SIZE
+        help="how many /v1/responses responses the server keeps (most recently used) for "
+        "previous_response_id and GET /v1/responses/{id}; 0 keeps none (default: %(default)s)",
+    )
     # The parsers' names, without importing the server (the CLI starts fast).
     frontend.add_argument(
         "--tool-call-parser",

@@ -53,6 +53,8 @@ from atom_engine.server.protocol import (
 )
 from atom_engine.server.reasoning import REASONING_PARSERS
 from atom_engine.server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from atom_engine.server.responses_api import serving as responses_api
+from atom_engine.server.responses_api.store import DEFAULT_STORE_SIZE, ResponseStore
 from atom_engine.server.serving_chat import create_chat_completion
 from atom_engine.server.serving_common import APIError, ServerState
 from atom_engine.server.serving_completion import create_completion
@@ -151,10 +153,11 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    responses_store_size: int = DEFAULT_STORE_SIZE,
 ) -> FastAPI:
     """The FastAPI app serving `engine` as `served_model_name` (also accepted: the model path).
     `tool_call_parser` / `reasoning_parser` name the model's formats (`tool_parsers`,
-    `reasoning`)."""
+    `reasoning`); `responses_store_size` bounds the responses kept for `previous_response_id`."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(
             f"unknown tool-call parser {tool_call_parser!r}; ATOM has {sorted(TOOL_PARSERS)}"
@@ -176,6 +179,7 @@ def build_app(
         tool_call_parser,
         reasoning_parser,
     )
+    responses_store = ResponseStore(responses_store_size)  # a bad size fails before the app
     profiler = Profiler(engine, profiler_dir)
     app = FastAPI(title="ATOM", version=__version__)
     app.state.atom = state
@@ -209,6 +213,7 @@ def build_app(
         return await create_chat_completion(state, request, raw_request)
 
     register_messages(v1, state)  # Anthropic's /v1/messages
+    responses_api.register(v1, state, responses_store)  # OpenAI's /v1/responses
     app.include_router(v1)
 
     # vLLM serves these outside /v1; here the API key guards them too (a chat template is work).
@@ -299,6 +304,7 @@ def run_server(args) -> int:
             max_request_body_bytes=args.max_request_body_bytes,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            responses_store_size=args.responses_store_size,
         )
         logger.info(
             "serving %s (%s) at http://%s:%d", name, engine.model_path, args.host, args.port

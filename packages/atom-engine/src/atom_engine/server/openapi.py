@@ -16,7 +16,8 @@ served model's vocabulary, `n` up to its batch size. A value within them can sti
 A streamed response (`"stream": true`) is documented as `text/event-stream` whose `schema`
 describes one event, as OpenAPI 3.2's `itemSchema` does (tools such as schemathesis read it so
 in 3.1 documents): its `data` is a chunk, an error (the request failed after the stream began),
-or the final `[DONE]`.
+or the final `[DONE]`. `/v1/responses` streams named events instead (`event: <type>`, `data:
+<event>`, no `[DONE]`): its event `schema` has both fields.
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ from atom_engine.server.responses import (
     ModelList,
     TokenizeResponse,
 )
+from atom_engine.server.responses_api.objects import (
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ContentPartEvent,
+    DeletedResponse,
+    ErrorEvent,
+    OutputItemEvent,
+    ResponseLifecycleEvent,
+    ResponseObject,
+    TextDeltaEvent,
+    TextDoneEvent,
+)
 
 JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
 _REF = "#/components/schemas/{model}"
@@ -65,6 +78,18 @@ class ProfileStatus(BaseModel):
     directory: str  # where the trace is written
 
 
+# The events of a streamed /v1/responses.
+_RESPONSE_EVENTS = (
+    ResponseLifecycleEvent,
+    OutputItemEvent,
+    ContentPartEvent,
+    TextDeltaEvent,
+    TextDoneEvent,
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ErrorEvent,
+)
+
 _RESPONSE_MODELS = (
     ErrorResponse,
     ModelList,
@@ -78,6 +103,9 @@ _RESPONSE_MODELS = (
     DetokenizeResponse,
     CountTokensResponse,
     *STREAM_EVENTS,  # MessagesResponse and AnthropicErrorResponse among them
+    ResponseObject,
+    DeletedResponse,
+    *_RESPONSE_EVENTS,
 )
 
 _ERRORS = {
@@ -187,6 +215,48 @@ def _messages() -> dict[str, Any]:
     return {"200": ok, **_errors(statuses, _MESSAGES_ERRORS, AnthropicErrorResponse)}
 
 
+def _responses_api() -> dict[tuple[str, str], dict[str, Any]]:
+    """/v1/responses: a response, or its events (`event: <type>`, `data: <event>`)."""
+    event = {
+        "type": "object",
+        "properties": {
+            "event": {"type": "string"},
+            "data": {
+                "type": "string",
+                "contentMediaType": JSON,
+                "contentSchema": {"anyOf": [_ref(e) for e in _RESPONSE_EVENTS]},
+            },
+        },
+        "required": ["event", "data"],
+    }
+    created = {
+        "description": "`ResponseObject` as JSON; with `stream: true`, server-sent events "
+        "(`event: <type>` and `data: <event>`, from `response.created` to `response.completed` "
+        "or `response.incomplete`; an `error` event if the request fails once streaming).",
+        "content": {JSON: {"schema": _ref(ResponseObject)}, SSE: {"schema": event}},
+    }
+    not_stored = "No stored response has this id (`store: false`, deleted, or evicted)."
+    errors = {
+        **_ERRORS_OF_GENERATION,
+        404: "The `model` is not served here, or `previous_response_id` names no stored response.",
+    }
+    stored_errors = {**_errors((401, 413, 500)), "404": _error(404, not_stored)}
+    return {
+        ("/v1/responses", "post"): {
+            "200": created,
+            **_errors((400, 401, 404, 413, 500, 503), errors),
+        },
+        ("/v1/responses/{response_id}", "get"): {
+            "200": _json_ok(ResponseObject, "The stored response."),
+            **stored_errors,
+        },
+        ("/v1/responses/{response_id}", "delete"): {
+            "200": _json_ok(DeletedResponse, "The response was deleted from the store."),
+            **stored_errors,
+        },
+    }
+
+
 def _json_ok(model: type[BaseModel], description: str) -> dict[str, Any]:
     return {"description": description, "content": {JSON: {"schema": _ref(model)}}}
 
@@ -212,6 +282,7 @@ def _responses() -> dict[tuple[str, str], dict[str, Any]]:
             ),
             **_errors((400, 401, 404, 413, 500), _MESSAGES_ERRORS, AnthropicErrorResponse),
         },
+        **_responses_api(),
         ("/tokenize", "post"): {
             "200": _json_ok(
                 TokenizeResponse,
@@ -310,6 +381,12 @@ def _request_bounds(state) -> dict[str, dict[str, dict[str, dict]]]:
             "top_k": common["top_k"],
             "stop_sequences": {"string": {"minLength": 1}},
             "messages": {"array": {"minItems": 1}},
+        },
+        "ResponsesRequest": {
+            **{k: common[k] for k in ("seed", "stop", "temperature", "top_p", "top_k", "min_p")},
+            "repetition_penalty": common["repetition_penalty"],
+            "max_output_tokens": _numbers(minimum=1, maximum=max_len),
+            "input": {"array": {"minItems": 1}},
         },
         "CountTokensRequest": {"messages": {"array": {"minItems": 1}}},
         "TokenizeChatRequest": {"messages": {"array": {"minItems": 1}}},
