@@ -1,0 +1,152 @@
+"""Load formats: which are accepted, the errors of the others, and the parallel safetensors read
+(bit-equal to the serial one on multi-shard checkpoints of every architecture the suite builds)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from atom_models import load_model
+from atom_models.checkpoint import LOAD_FORMATS, iter_checkpoint, iter_safetensors_parallel
+from atom_models.testing import save_random_checkpoint
+from atom_models.weights import iter_safetensors, safetensors_files
+
+
+def _configs(module: str) -> dict:
+    path = Path(__file__).with_name(f"{module}.py")
+    spec = importlib.util.spec_from_file_location(f"atom_models_tests_{module}", path)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded.CONFIGS
+
+
+# One tiny config per architecture of test_parity.py and test_deepseek_v3.py.
+_PARITY = _configs("test_parity")
+_DEEPSEEK = _configs("test_deepseek_v3")
+ARCHITECTURES = {
+    "llama": _PARITY["llama-gqa-untied"],
+    "qwen3": _PARITY["qwen3-untied-bias"],
+    "qwen3_moe": _PARITY["qwen3_moe"],
+    "mixtral": _PARITY["mixtral"],
+    "glm4_moe": _PARITY["glm4_moe"],
+    "gpt_oss": _PARITY["gpt_oss"],
+    "deepseek_v3": _DEEPSEEK["v3-q-lora-yarn"],
+    "deepseek_v2": _DEEPSEEK["v2-group-limited-yarn"],
+}
+TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    def make(name: str) -> Path:
+        path = tmp_path_factory.mktemp(name)
+        save_random_checkpoint(ARCHITECTURES[name](), path, max_shard_size="40KB")
+        return path
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("llama")
+    save_random_checkpoint(LlamaConfig(**TINY), path, max_shard_size="8KB")
+    return path
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:  # bit for bit (NaN == NaN, -0.0 != 0.0)
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_parallel_load_is_bit_equal_to_serial(sharded, name):
+    path = sharded(name)
+    assert len(safetensors_files(path)) >= 3, "the checkpoint should have several shards"
+    serial = load_model(path, weights=iter_safetensors(path))
+    parallel = load_model(path, load_format="safetensors")
+    auto = load_model(path)  # a directory: the same parallel read
+    expected = dict(serial.named_parameters())
+    for model in (parallel, auto):
+        got = dict(model.named_parameters())
+        assert got.keys() == expected.keys()
+        for key, param in got.items():
+            assert param.dtype == expected[key].dtype, key
+            assert torch.equal(_bytes(param), _bytes(expected[key])), key
+
+
+def test_parallel_read_yields_every_tensor_once(llama):
+    assert len(safetensors_files(llama)) >= 4
+    serial = dict(iter_safetensors(llama))
+    names = []
+    for name, tensor in iter_safetensors_parallel(llama, max_threads=3):
+        names.append(name)
+        assert torch.equal(tensor, serial[name]), name
+    assert sorted(names) == sorted(serial)
+
+
+def test_parallel_read_stops_when_the_consumer_does(llama):
+    reader = iter_safetensors_parallel(llama, max_threads=2)
+    next(reader)
+    reader.close()  # the reader threads end (the pool is joined), nothing hangs
+
+
+def test_a_bad_shard_is_an_error(llama, tmp_path):
+    for f in llama.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    safetensors_files(tmp_path)[1].write_bytes(b"not a safetensors file")
+    with pytest.raises(Exception):  # noqa: B017 - safetensors' own error type
+        list(iter_safetensors_parallel(tmp_path))
+
+
+def test_unknown_format_lists_the_choices(llama):
+    with pytest.raises(ValueError, match="load_format must be one of auto, safetensors, "):
+        load_model(llama, load_format="pt")
+    assert LOAD_FORMATS == ("auto", "safetensors", "fastsafetensors", "gguf", "dummy")
+
+
+def test_safetensors_needs_safetensors_files(tmp_path):
+    LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="load_format 'safetensors': no \\*.safetensors files"):
+        load_model(tmp_path, load_format="safetensors")
+    model = load_model(tmp_path, load_format="dummy")  # the config alone
+    assert next(model.parameters()).abs().sum() > 0
+
+
+def test_gguf_format_needs_a_gguf_file(llama):
+    with pytest.raises(ValueError, match="load_format 'gguf' reads a .gguf file"):
+        load_model(llama, load_format="gguf")
+
+
+def test_safetensors_format_refuses_a_gguf_file():
+    from atom_models.bundled import smollm2_gguf_path
+
+    with pytest.raises(ValueError, match="reads a checkpoint directory"):
+        load_model(smollm2_gguf_path(), load_format="safetensors")
+
+
+def test_fastsafetensors_needs_its_package_and_a_gpu(llama):
+    if importlib.util.find_spec("fastsafetensors") is None:
+        with pytest.raises(ValueError, match="pip install fastsafetensors"):
+            load_model(llama, load_format="fastsafetensors")
+    else:
+        with pytest.raises(ValueError, match="reads to a GPU"):
+            list(iter_checkpoint(llama, "fastsafetensors", device="cpu"))
+
+
+def test_shard_bar_on_stderr_only_when_asked(llama, capfd):
+    load_model(llama, show_progress=True)
+    err = capfd.readouterr().err
+    shards = len(safetensors_files(llama))
+    assert "Loading safetensors checkpoint shards" in err and f"{shards}/{shards}" in err
+    load_model(llama)
+    assert "Loading safetensors" not in capfd.readouterr().err
