@@ -109,19 +109,16 @@ class EngineConfig:
     )
     load_format: str = field(
         default="auto",
+        # auto: a .gguf file as GGUF, a directory as safetensors; safetensors: the directory's
+        # shards, read in parallel; fastsafetensors: through that package, to the GPU (pip
+        # install fastsafetensors); gguf: a .gguf file; dummy: random weights (benchmarks).
         metadata=_help(
-            "auto: a .gguf file as GGUF, a directory as safetensors; safetensors: the "
-            "directory's shards, read in parallel; fastsafetensors: through that package, to "
-            "the GPU (pip install fastsafetensors); gguf: a .gguf file; dummy: random weights "
-            "(benchmarks)"
+            "how to read the weights (auto: by the path; dummy: random, for benchmarks)"
         ),
     )
     show_progress: bool = field(
         default=True,
-        metadata=_help(
-            "start-up progress bars on stderr (checkpoint shards, CUDA-graph sizes; "
-            "tensor-parallel rank 0 only)"
-        ),
+        metadata=_help("start-up progress bars on stderr (tensor-parallel rank 0)"),
     )
     skip_tokenizer_init: bool = field(
         default=False,
