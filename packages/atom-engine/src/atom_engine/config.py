@@ -110,8 +110,8 @@ class EngineConfig:
     load_format: str = field(
         default="auto",
         # auto: a .gguf file as GGUF, a directory as safetensors; safetensors: the directory's
-        # shards, read in parallel; fastsafetensors: through that package, to the GPU (pip
-        # install fastsafetensors); gguf: a .gguf file; dummy: random weights (benchmarks).
+        # shards, read in parallel; fastsafetensors: through that package (pip install
+        # fastsafetensors); gguf: a .gguf file; dummy: random weights (benchmarks).
         metadata=_help(
             "how to read the weights (auto: by the path; dummy: random, for benchmarks)"
         ),

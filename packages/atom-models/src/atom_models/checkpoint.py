@@ -6,7 +6,7 @@
   whole model. Each tensor is memory-mapped and read whole (`get_tensor`); the parameter's
   `weight_loader` then copies only this tensor-parallel rank's slice of it.
 - `fastsafetensors`: the same shards through the `fastsafetensors` package (an optional extra),
-  straight to the GPU; a clear error without the package or off a GPU.
+  a shard at a time straight to the model's device; a clear error without the package.
 - `gguf`: a `.gguf` file (what `auto` does for one).
 - `dummy`: no checkpoint read; random weights (`loader.init_dummy_weights`).
 """
@@ -152,18 +152,16 @@ def iter_safetensors_parallel(
 def iter_fastsafetensors(
     model_dir: str | Path, device: torch.device | str, *, show_progress: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of every shard through fastsafetensors, one shard on the device at a time
-    (vLLM's fastsafetensors iterator, one rank's group)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(
-            f"load_format 'fastsafetensors' reads to a GPU, not {device}; use 'safetensors' "
-            "(or 'auto') here"
-        )
+    """The tensors of every shard through fastsafetensors, one shard on `device` at a time
+    (vLLM's fastsafetensors iterator, one rank's group). `nogds`: read with pread through a
+    bounce buffer, which works on every machine (GPUDirect Storage is not assumed)."""
     try:
         from fastsafetensors import SafeTensorsFileLoader, SingleGroup
     except ImportError:
         raise ValueError(_FASTSAFETENSORS_MISSING) from None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     files = safetensors_files(model_dir)
     bar = progress_bar(
         files,
@@ -172,7 +170,7 @@ def iter_fastsafetensors(
         unit="shard",
     )
     for path in bar:
-        loader = SafeTensorsFileLoader(SingleGroup(), device)
+        loader = SafeTensorsFileLoader(SingleGroup(), str(device), nogds=True)
         try:
             loader.add_filenames({0: [str(path)]})
             buffer = loader.copy_files_to_device()
