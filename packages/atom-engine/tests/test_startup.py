@@ -57,3 +57,33 @@ def test_load_format_choices():
     with pytest.raises(ValueError, match="^load_format must be one of auto, safetensors, "):
         EngineConfig(load_format="pt")
     EngineConfig(load_format="safetensors")
+
+
+@pytest.mark.gpu
+def test_graph_capture_bars_leave_outputs_unchanged(sharded, capfd, caplog):
+    """A bar per graph family over its capture sizes; with the bars off the same graphs give the
+    same greedy tokens."""
+    from atom_engine import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1, 2, 3, 4 + i]} for i in range(3)]
+    outputs = []
+    for show in (True, False):
+        with caplog.at_level(logging.INFO, logger="atom_engine"):
+            llm = LLM(
+                str(sharded),
+                device="cuda",
+                skip_tokenizer_init=True,
+                num_kv_blocks=64,
+                max_num_seqs=4,
+                max_num_batched_tokens=64,
+                show_progress=show,
+            )
+        err = capfd.readouterr().err
+        assert ("Capturing CUDA graphs (decode)" in err) is show, err
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        outputs.append([o.outputs[0].token_ids for o in outs])
+        llm.shutdown()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("startup ")]
+    assert len(lines) == 2 and ", graphs " in lines[0], lines
+    assert outputs[0] == outputs[1]

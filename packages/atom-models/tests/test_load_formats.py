@@ -154,6 +154,19 @@ def test_fastsafetensors_load_is_bit_equal_to_serial(sharded, name):
         assert torch.equal(_bytes(param), _bytes(serial[key])), key
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_FASTSAFETENSORS, reason="fastsafetensors is not installed")
+def test_fastsafetensors_to_the_gpu_is_bit_equal_to_serial(sharded):
+    path = sharded("qwen3_moe")
+    kwargs = dict(device="cuda", dtype=torch.bfloat16)
+    serial = dict(load_model(path, weights=iter_safetensors(path), **kwargs).named_parameters())
+    fast = dict(load_model(path, load_format="fastsafetensors", **kwargs).named_parameters())
+    assert fast.keys() == serial.keys()
+    for key, param in fast.items():
+        assert param.device.type == "cuda", key
+        assert torch.equal(_bytes(param), _bytes(serial[key])), key
+
+
 def test_shard_bar_on_stderr_only_when_asked(llama, capfd):
     load_model(llama, show_progress=True)
     err = capfd.readouterr().err
