@@ -42,7 +42,7 @@ def test_bars_and_phase_times(sharded, capfd, caplog):
     err = capfd.readouterr().err
     assert "Loading safetensors checkpoint shards" in err and f"{shards}/{shards}" in err
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("startup ")]
-    assert ": load " in line and ", kv-cache " in line, line
+    assert ": front " in line and ", load " in line and ", kv-cache " in line, line
     llm.shutdown()
 
 

@@ -77,7 +77,8 @@ class LLMEngine:
                 )
             dp_rank = 0
         self.config = config
-        self.front = EngineFront(config)  # checks the parallel and speculative settings first
+        with startup.phase("front"):  # the model's files (Hub), its config and tokenizer
+            self.front = EngineFront(config)  # checks the parallel and speculative settings first
         self.model_path = self.front.model_path
         self.hf_config = self.front.hf_config
         self.tokenizer = self.front.tokenizer

@@ -1,8 +1,9 @@
 """How long an engine's start took, by phase: one log line at its end (rank 0's).
 
 `StartupTimes.phase(name)` times a phase; `line(total)` writes them as
-"startup 12.3 s: load 8.1 s, kv-cache 0.4 s, graphs 3.2 s, other 0.6 s", "other" being the rest
-of `total` (the config and tokenizer, tensor-parallel workers meeting, CPU weight packing).
+"startup 12.3 s: front 0.5 s, load 8.1 s, kv-cache 0.4 s, graphs 3.2 s, other 0.1 s": "front" the
+model's files, config and tokenizer (`EngineFront`), "other" the rest of `total` (tensor-parallel
+workers meeting, CPU weight packing, the scheduler).
 """
 
 from __future__ import annotations
