@@ -12,6 +12,7 @@ from transformers import LlamaConfig
 
 from atom_models import load_model
 from atom_models.checkpoint import LOAD_FORMATS, iter_safetensors_parallel
+from atom_models.checkpoint_slice import CheckpointSlice
 from atom_models.testing import save_random_checkpoint
 from atom_models.weights import iter_safetensors, safetensors_files
 
@@ -82,6 +83,45 @@ def test_parallel_load_is_bit_equal_to_serial(sharded, name):
         for key, param in got.items():
             assert param.dtype == expected[key].dtype, key
             assert torch.equal(_bytes(param), _bytes(expected[key])), key
+
+
+class FakeGroup:
+    """Rank `rank` of 2 for building and loading only (no collective runs)."""
+
+    def __init__(self, rank: int, expert_parallel: bool = False) -> None:
+        self.rank, self.size = rank, 2
+        self.enable_expert_parallel = expert_parallel
+        self.pad_attention_heads = False
+
+    def all_reduce(self, x):
+        raise AssertionError("loading runs no collective")
+
+    all_gather = all_reduce
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_tensor_parallel_ranks_read_by_range_bit_equal(sharded, name, monkeypatch):
+    """Over 2 ranks each reads checkpoint ranges (`CheckpointSlice`); every rank's parameters
+    are those the whole tensors give, with and without expert parallelism."""
+    path = sharded(name)
+    wholes = []
+    whole = CheckpointSlice.whole
+    monkeypatch.setattr(CheckpointSlice, "whole", lambda s: wholes.append(s._name) or whole(s))
+    num_tensors = sum(1 for _ in iter_safetensors(path))
+    is_moe = name not in ("llama", "qwen3")
+    for group in [FakeGroup(0), FakeGroup(1), *([FakeGroup(1, True)] if is_moe else [])]:
+        try:
+            serial = load_model(path, tp=group, weights=iter_safetensors(path))
+        except ValueError as e:  # a shape that does not split over 2 ranks
+            pytest.skip(str(e))
+        wholes.clear()
+        sliced = load_model(path, tp=group)
+        assert len(wholes) < num_tensors / 2, f"read whole: {wholes}"
+        expected = dict(serial.named_parameters())
+        got = dict(sliced.named_parameters())
+        assert got.keys() == expected.keys()
+        for key, param in got.items():
+            assert torch.equal(_bytes(param), _bytes(expected[key])), (group.rank, key)
 
 
 def test_parallel_read_yields_every_tensor_once(llama):

@@ -4,7 +4,8 @@
 - `safetensors`: a directory's safetensors shards, read by a bounded pool of threads (one shard
   each, at most `MAX_READ_THREADS`) into a bounded queue: a few tensors wait at a time, never the
   whole model. Each tensor is memory-mapped and read whole (`get_tensor`); the parameter's
-  `weight_loader` then copies only this tensor-parallel rank's slice of it.
+  `weight_loader` then copies only this tensor-parallel rank's slice of it. Over several ranks
+  the tensors come as `CheckpointSlice`s instead: a loader's `narrow` reads only its range.
 - `fastsafetensors`: the same shards through the `fastsafetensors` package (an optional extra),
   a shard at a time straight to the model's device; a clear error without the package.
 - `gguf`: a `.gguf` file (what `auto` does for one).
@@ -13,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from atom_models.checkpoint_slice import CheckpointSlice
 from atom_models.progress import progress_bar
 from atom_models.weights import safetensors_files
 
@@ -69,8 +72,10 @@ def iter_checkpoint(
     *,
     device: torch.device | str = "cpu",
     show_progress: bool = False,
+    slices: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The `(name, tensor)` pairs of the checkpoint at `model`, read in `load_format`."""
+    """The `(name, tensor)` pairs of the checkpoint at `model`, read in `load_format`.
+    `slices` (a tensor-parallel rank): safetensors come as `CheckpointSlice`s, read by range."""
     check_checkpoint(model, load_format)
     path = Path(model)
     if load_format == "dummy":
@@ -81,7 +86,7 @@ def iter_checkpoint(
         return iter_gguf_weights(path)
     if load_format == "fastsafetensors":
         return iter_fastsafetensors(path, device, show_progress=show_progress)
-    return iter_safetensors_parallel(path, show_progress=show_progress)
+    return iter_safetensors_parallel(path, show_progress=show_progress, slices=slices)
 
 
 _DONE = object()  # a reader thread's shard is read
@@ -92,10 +97,12 @@ def iter_safetensors_parallel(
     *,
     max_threads: int = MAX_READ_THREADS,
     show_progress: bool = False,
+    slices: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of every shard, read by min(max_threads, shards) threads; the order is the
     reads' (a shard's tensors in its order). The caller's consumption bounds the memory: at most
-    2 tensors per thread wait in the queue."""
+    2 tensors per thread wait in the queue. With `slices` the threads only open the shards and
+    yield `CheckpointSlice`s: the loading thread reads each rank's range as it loads it."""
     from safetensors import safe_open
 
     files = safetensors_files(model_dir)
@@ -113,11 +120,13 @@ def iter_safetensors_parallel(
 
     def read(path: Path) -> None:
         try:
-            with safe_open(str(path), framework="pt") as f:
+            # Unclosed with `slices`: the file stays open while its slices live.
+            f = safe_open(str(path), framework="pt")
+            with contextlib.nullcontext() if slices else f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                     if stop.is_set():
                         return
-                    put((name, f.get_tensor(name)))
+                    put((name, CheckpointSlice(f, name) if slices else f.get_tensor(name)))
         except BaseException as e:  # handed to the consumer, raised there
             put(e)
         finally:

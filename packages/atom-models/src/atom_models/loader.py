@@ -186,7 +186,11 @@ def load_model(
     with torch.no_grad():
         if weights is None:
             weights = iter_checkpoint(
-                model, load_format, device=device, show_progress=show_progress
+                model,
+                load_format,
+                device=device,
+                show_progress=show_progress,
+                slices=tp is not None and tp.size > 1,  # each rank reads its ranges
             )
         built.load_weights(weights)
     return built
