@@ -13,16 +13,16 @@ from transformers import LlamaConfig
 from atom_models import load_model
 from atom_models.checkpoint import LOAD_FORMATS, iter_safetensors_parallel
 from atom_models.checkpoint_slice import CheckpointSlice
-from atom_models.testing import save_random_checkpoint
+from atom_models.testing import save_random_checkpoint, write_quantized_checkpoint
 from atom_models.weights import iter_safetensors, safetensors_files
 
 
-def _configs(module: str) -> dict:
+def _configs(module: str, table: str = "CONFIGS") -> dict:
     path = Path(__file__).with_name(f"{module}.py")
     spec = importlib.util.spec_from_file_location(f"atom_models_tests_{module}", path)
     loaded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded)
-    return loaded.CONFIGS
+    return getattr(loaded, table)
 
 
 # One tiny config per architecture of test_parity.py and test_deepseek_v3.py.
@@ -38,6 +38,8 @@ ARCHITECTURES = {
     "deepseek_v3": _DEEPSEEK["v3-q-lora-yarn"],
     "deepseek_v2": _DEEPSEEK["v2-group-limited-yarn"],
 }
+# test_tensor_parallel.py's quantized checkpoints: name -> (config, quant config, quantize, select).
+QUANTIZED = _configs("test_tensor_parallel", "QUANTIZED")
 TINY = dict(
     vocab_size=97,
     hidden_size=32,
@@ -91,7 +93,7 @@ class FakeGroup:
     def __init__(self, rank: int, expert_parallel: bool = False) -> None:
         self.rank, self.size = rank, 2
         self.enable_expert_parallel = expert_parallel
-        self.pad_attention_heads = False
+        self.pad_attention_heads = True  # as the engine's group
 
     def all_reduce(self, x):
         raise AssertionError("loading runs no collective")
@@ -122,6 +124,20 @@ def test_tensor_parallel_ranks_read_by_range_bit_equal(sharded, name, monkeypatc
         assert got.keys() == expected.keys()
         for key, param in got.items():
             assert torch.equal(_bytes(param), _bytes(expected[key])), (group.rank, key)
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+def test_quantized_ranks_read_by_range_bit_equal(name, tmp_path):
+    make_config, quant_config, quantize, select = QUANTIZED[name]
+    src = tmp_path / "src"
+    save_random_checkpoint(make_config(), src)
+    path = write_quantized_checkpoint(src, tmp_path / "q", quant_config, quantize, select)
+    for group in (FakeGroup(0), FakeGroup(1)):
+        serial = dict(load_model(path, tp=group, weights=iter_safetensors(path)).named_parameters())
+        sliced = dict(load_model(path, tp=group).named_parameters())
+        assert sliced.keys() == serial.keys()
+        for key, param in sliced.items():
+            assert torch.equal(_bytes(param), _bytes(serial[key])), (group.rank, key)
 
 
 def test_parallel_read_yields_every_tensor_once(llama):
