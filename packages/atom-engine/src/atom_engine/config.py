@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from atom_engine.spec_config import SpeculativeConfig
+from atom_models.checkpoint import check_load_format
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KV-cache dtypes besides "auto" (the model's dtype); fp8 caches carry per-tensor scales.
@@ -108,7 +109,16 @@ class EngineConfig:
     )
     load_format: str = field(
         default="auto",
-        metadata=_help("auto: read the checkpoint; dummy: random weights (benchmarks)"),
+        # auto: a .gguf file as GGUF, a directory as safetensors; safetensors: the directory's
+        # shards, read in parallel; fastsafetensors: through that package (pip install
+        # fastsafetensors); gguf: a .gguf file; dummy: random weights (benchmarks).
+        metadata=_help(
+            "how to read the weights (auto: by the path; dummy: random, for benchmarks)"
+        ),
+    )
+    show_progress: bool = field(
+        default=True,
+        metadata=_help("start-up progress bars on stderr (tensor-parallel rank 0)"),
     )
     skip_tokenizer_init: bool = field(
         default=False,
@@ -221,8 +231,7 @@ class EngineConfig:
             fail("gpu_memory_utilization", "must be in (0, 1]")
         if not self.cpu_kv_cache_space > 0:
             fail("cpu_kv_cache_space", "must be > 0 GiB")
-        if self.load_format not in ("auto", "dummy"):
-            fail("load_format", "must be auto or dummy")
+        check_load_format(self.load_format)  # names the choices, or the missing package
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             fail("cudagraph_mode", f"must be one of {', '.join(CUDAGRAPH_MODES)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

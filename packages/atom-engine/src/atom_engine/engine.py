@@ -34,6 +34,7 @@ from atom_engine.sampling_params import SamplingParams
 from atom_engine.scheduler import ScheduledBatch, Scheduler
 from atom_engine.sequence import PLACEHOLDER, Sequence
 from atom_engine.spec_decode import MtpDrafter, NgramDrafter, SpecDecodeStats
+from atom_engine.startup import StartupTimes
 from atom_engine.step_log import StepLog, clocks
 from atom_engine.step_outputs import Launch
 from atom_engine.structured_output import GrammarState
@@ -67,6 +68,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, dp_rank: int | None = None) -> None:
         self.shut_down = False
+        startup = StartupTimes()
         if dp_rank is None:
             if config.data_parallel_size > 1:
                 raise ValueError(
@@ -75,7 +77,8 @@ class LLMEngine:
                 )
             dp_rank = 0
         self.config = config
-        self.front = EngineFront(config)  # checks the parallel and speculative settings first
+        with startup.phase("front"):  # the model's files (Hub), its config and tokenizer
+            self.front = EngineFront(config)  # checks the parallel and speculative settings first
         self.model_path = self.front.model_path
         self.hf_config = self.front.hf_config
         self.tokenizer = self.front.tokenizer
@@ -132,6 +135,8 @@ class LLMEngine:
         self._step_log = StepLog.from_env()  # ATOM_STEP_LOG: a line per synchronous step
         self._pending: Launch | None = None  # the launched step whose ids are not read yet
         self.profile = None  # torch.profiler between /start_profile and /stop_profile
+        startup.phases.update(self.runner.startup.phases)
+        logger.info(startup.line())
 
     @classmethod
     def from_args(cls, **kwargs) -> LLMEngine:

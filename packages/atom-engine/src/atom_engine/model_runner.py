@@ -41,6 +41,7 @@ from atom_engine.kv_cache import GiB, num_kv_blocks
 from atom_engine.sampler import Sampler, to_device
 from atom_engine.scheduler import ScheduledBatch
 from atom_engine.sequence import Sequence
+from atom_engine.startup import StartupTimes
 from atom_engine.step_inputs import OP_LAUNCH, OP_RUN, StepInputs, prepare_step
 from atom_engine.step_outputs import Launch, RunOutput
 from atom_engine.structured_output import apply_grammar_bitmasks
@@ -83,32 +84,40 @@ class ModelRunner:
         self.kv_cache_dtype = config.resolved_kv_cache_dtype()  # the model's, or fp8
         self.block_size = config.block_size
         spec = config.resolved_speculative_config()
-        self.model = load_model(
-            model_path,
-            dtype=self.dtype,
-            device=self.device,
-            load_format=config.load_format,
-            trust_remote_code=config.trust_remote_code,
-            tp=tp,
-            # A checkpoint's MTP layers (and their KV cache) only when they draft.
-            host=NativeAttentionHost(builds_mtp_layers=spec is not None and spec.method == "mtp"),
-        )
+        self.show_progress = config.show_progress and self.rank == 0  # start-up bars
+        self.startup = StartupTimes()  # the phases' seconds, for the engine's start-up line
+        with self.startup.phase("load"):
+            self.model = load_model(
+                model_path,
+                dtype=self.dtype,
+                device=self.device,
+                load_format=config.load_format,
+                trust_remote_code=config.trust_remote_code,
+                tp=tp,
+                # A checkpoint's MTP layers (and their KV cache) only when they draft.
+                host=NativeAttentionHost(
+                    builds_mtp_layers=spec is not None and spec.method == "mtp"
+                ),
+                show_progress=self.show_progress,
+            )
         self.sampler = Sampler(self.device)
         self.vocab_size = hf_config.vocab_size
         self.hidden_size = hf_config.hidden_size
-        self.kv_cache = PagedKVCache(self.model, self.block_size, self.kv_cache_dtype)
-        self.num_blocks = num_kv_blocks(
-            self.model, self.kv_cache, config, self.device, max_model_len
-        )
-        if tp is not None:  # every rank's cache holds the same blocks: the smallest fits all
-            self.num_blocks = tp.min(self.num_blocks)
-        self.kv_cache.bind(self.num_blocks, self.device)
+        with self.startup.phase("kv-cache"):
+            self.kv_cache = PagedKVCache(self.model, self.block_size, self.kv_cache_dtype)
+            self.num_blocks = num_kv_blocks(
+                self.model, self.kv_cache, config, self.device, max_model_len
+            )
+            if tp is not None:  # every rank's cache holds the same blocks: the smallest fits all
+                self.num_blocks = tp.min(self.num_blocks)
+            self.kv_cache.bind(self.num_blocks, self.device)
         # Sampled ids of the last launch (device) and two pinned host mirrors (a launch writes one
         # while the previous launch's is read). In the graphs' token buffer when there are graphs.
         max_sampled = max(1, config.max_num_seqs)
         self.graphs = None
         if uses_graphs(self.device, config.enforce_eager, config.cudagraph_mode):
-            self.graphs = capture_step_graphs(self, max_sampled)
+            with self.startup.phase("graphs"):
+                self.graphs = capture_step_graphs(self, max_sampled)
             self.sampled = self.graphs.sampled
         else:
             self.sampled = torch.zeros(max_sampled, dtype=torch.long, device=self.device)
@@ -121,7 +130,8 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None
         self.step_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (first row, first position)
         if self.device.type == "cuda":
-            self._warm_up_sampling()
+            with self.startup.phase("warm-up"):
+                self._warm_up_sampling()
         if pack_lm_head(self.model, self.device, config.tensor_parallel_size):
             logger.info("CPU: the LM head runs on packed weights (MKL: 1 row, oneDNN: 2-16)")
         pack_linears(self.model, self.device, config.tensor_parallel_size)

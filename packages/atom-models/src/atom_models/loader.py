@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from atom_models.checkpoint import check_checkpoint, iter_checkpoint
 from atom_models.distributed import TensorParallelGroup, tp_group
 from atom_models.layers.attention import AttentionHost, attention_host
 from atom_models.quantization import (
@@ -23,7 +24,6 @@ from atom_models.quantization import (
 )
 from atom_models.registry import get_model_class
 from atom_models.remote_code import check_config_code
-from atom_models.weights import iter_safetensors
 
 
 def load_config(model: str | Path, *, trust_remote_code: bool = False):
@@ -71,12 +71,8 @@ def _aliased_config(path: Path, config_dict: dict, model_type: str):
 
 
 def iter_weights(model: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    path = Path(model)
-    if path.is_file():
-        from atom_models.gguf_file import iter_gguf_weights
-
-        return iter_gguf_weights(path)
-    return iter_safetensors(path)
+    """The checkpoint's tensors as `load_format="auto"` reads them (`checkpoint.py`)."""
+    return iter_checkpoint(model)
 
 
 def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
@@ -170,21 +166,31 @@ def load_model(
     weights: Iterable[tuple[str, torch.Tensor]] | None = None,
     load_format: str = "auto",
     trust_remote_code: bool = False,
+    show_progress: bool = False,
 ) -> nn.Module:
     """Build and load the model of a local HF checkpoint directory or `.gguf` file.
 
-    `load_format="dummy"` needs only the config and fills the weights randomly (benchmarks).
+    `load_format`: one of `checkpoint.LOAD_FORMATS` (ValueError otherwise, or when the
+    checkpoint is not of that format); "dummy" needs only the config and fills the weights
+    randomly (benchmarks). `show_progress`: a bar over the checkpoint's shards on stderr.
     Raises ValueError for an unsupported architecture (listing the supported ones) and
     `CheckpointMismatchError` naming missing or unexpected tensors. `trust_remote_code`: as
     `load_config`'s.
     """
-    if load_format not in ("auto", "dummy"):
-        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    check_checkpoint(model, load_format)
     hf_config = load_config(model, trust_remote_code=trust_remote_code)
     built = build_model(hf_config, dtype=dtype, device=device, tp=tp, host=host)
     if load_format == "dummy":
         init_dummy_weights(built)
         return built
     with torch.no_grad():
-        built.load_weights(iter_weights(model) if weights is None else weights)
+        if weights is None:
+            weights = iter_checkpoint(
+                model,
+                load_format,
+                device=device,
+                show_progress=show_progress,
+                slices=tp is not None and tp.size > 1,  # each rank reads its ranges
+            )
+        built.load_weights(weights)
     return built

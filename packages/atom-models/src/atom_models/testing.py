@@ -36,8 +36,11 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
-def save_random_checkpoint(config, path: str | Path, seed: int = 0, tokenizer=None):
-    """Save a randomly initialized `transformers` model of `config` (float32) to `path`.
+def save_random_checkpoint(
+    config, path: str | Path, seed: int = 0, tokenizer=None, max_shard_size: str | None = None
+):
+    """Save a randomly initialized `transformers` model of `config` (float32) to `path`
+    (in shards of at most `max_shard_size`, e.g. "20KB", when given).
 
     Returns the transformers model (eval mode) for use as the reference. With `tokenizer`, its
     files are saved beside the weights so engines can load the directory as a whole checkpoint.
@@ -48,7 +51,7 @@ def save_random_checkpoint(config, path: str | Path, seed: int = 0, tokenizer=No
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize_(model, seed)
     path = Path(path)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
         GenerationConfig(

@@ -14,6 +14,7 @@ import types
 import typing
 
 from atom_engine.config import CUDAGRAPH_MODES, DTYPES, KV_CACHE_DTYPES, EngineConfig
+from atom_models.checkpoint import LOAD_FORMATS
 
 # (title, description, fields) of `--help`'s groups: vLLM's ModelConfig, LoadConfig, CacheConfig,
 # SchedulerConfig, CompilationConfig, ParallelConfig and SpeculativeConfig, in its order.
@@ -21,7 +22,7 @@ FLAG_GROUPS = (
     ("model", "the checkpoint, its tokenizer and numerics", (
         "model", "revision", "gguf_file", "tokenizer", "trust_remote_code",
         "skip_tokenizer_init", "dtype", "max_model_len", "seed")),
-    ("load", "how the weights are read", ("load_format", "download_dir")),
+    ("load", "how the weights are read", ("load_format", "download_dir", "show_progress")),
     ("device", "where the model runs", ("device", "num_threads")),
     ("cache", "the paged KV cache", (
         "block_size", "enable_prefix_caching", "gpu_memory_utilization", "cpu_kv_cache_space",
@@ -38,7 +39,7 @@ FLAG_GROUPS = (
 CHOICES = {
     "dtype": ("auto", *DTYPES),
     "kv_cache_dtype": ("auto", *KV_CACHE_DTYPES),
-    "load_format": ("auto", "dummy"),
+    "load_format": LOAD_FORMATS,
     "cudagraph_mode": CUDAGRAPH_MODES,
 }
 

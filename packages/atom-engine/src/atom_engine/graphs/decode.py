@@ -11,6 +11,7 @@ import torch
 
 from atom_models import set_forward_context
 from atom_models.native_host import PagedAttentionMetadata
+from atom_models.progress import progress_bar
 
 if TYPE_CHECKING:
     from atom_engine.graphs.target import GraphTarget
@@ -98,7 +99,15 @@ class DecodeGraphs:
     @torch.no_grad()
     def _capture(self) -> None:
         pool = None
-        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
+        # The bar advances between captures, never inside one.
+        sizes = progress_bar(
+            reversed(self.sizes),
+            desc="Capturing CUDA graphs (decode)",
+            total=len(self.sizes),
+            enabled=self.runner.show_progress,
+            unit="size",
+        )
+        for bs in sizes:  # largest first: smaller graphs reuse its memory pool
             with set_forward_context(self._metadata(bs)):
                 self._forward(bs)  # warm-up (autotune, allocs)
                 torch.cuda.synchronize()

@@ -33,6 +33,7 @@ from atom_models.native_host import (
     PagedAttentionMetadata,
     cache_layers,
 )
+from atom_models.progress import progress_bar
 
 if TYPE_CHECKING:
     from atom_engine.graphs.target import GraphTarget
@@ -131,7 +132,14 @@ class MixedGraphs:
     @torch.no_grad()
     def _capture(self) -> None:
         model = self.runner.model
-        for size in reversed(self.sizes):  # largest first
+        sizes = progress_bar(  # advances between captures, never inside one
+            reversed(self.sizes),
+            desc="Capturing CUDA graphs (mixed prefill-decode, full)",
+            total=len(self.sizes),
+            enabled=self.runner.show_progress,
+            unit="size",
+        )
+        for size in sizes:  # largest first
             self._fill_warm_up(size)
             with set_forward_context(self._metadata(size)):
                 model(self.ids[:size], self.positions[:size])  # warm-up: kernels compile

@@ -34,6 +34,7 @@ from atom_models.native_host import (
     PagedAttentionMetadata,
     intercept_attention,
 )
+from atom_models.progress import progress_bar
 
 if TYPE_CHECKING:
     from atom_engine.graphs.target import GraphTarget
@@ -219,7 +220,14 @@ class PiecewiseGraphs:
     @torch.no_grad()
     def _capture(self) -> None:
         stream = torch.cuda.Stream(self.device)
-        for size in reversed(self.sizes):  # largest first: the buffers get their full size
+        sizes = progress_bar(  # advances between captures, never inside one
+            reversed(self.sizes),
+            desc="Capturing CUDA graphs (piecewise, mixed prefill-decode)",
+            total=len(self.sizes),
+            enabled=self.runner.show_progress,
+            unit="size",
+        )
+        for size in sizes:  # largest first: the buffers get their full size
             self._warm_up(size)
             torch.cuda.synchronize(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))

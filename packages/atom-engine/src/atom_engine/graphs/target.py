@@ -20,3 +20,4 @@ class GraphTarget(Protocol):
     device: torch.device
     block_size: int
     max_model_len: int
+    show_progress: bool  # a bar over the capture sizes (rank 0, `EngineConfig.show_progress`)
