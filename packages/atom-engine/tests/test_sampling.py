@@ -289,3 +289,37 @@ def _check_async_scheduling(llm, prompts, params, expected) -> None:
     assert engine.abort_request("a")
     assert not engine.has_unfinished_requests() and engine.stats().kv_cache_usage == 0.0
     assert engine.step() == []  # the in-flight step of the aborted request is dropped
+
+
+def _seq(out: list[int], budget: int, marker: list[int], start=None, drafts=()):
+    from types import SimpleNamespace
+
+    params = SimpleNamespace(
+        thinking_budget=budget, thinking_end_ids=marker, thinking_start_ids=start
+    )
+    return SimpleNamespace(params=params, output_token_ids=out, spec_token_ids=list(drafts))
+
+
+def test_thinking_budget_forcing_cases():
+    """`_forced_thinking_end` over hand-made outputs: a marker written before the budget stops
+    the forcing (also when a later token equals the marker's first); the forcing follows its own
+    forced tokens; drafts before a verified row count as output; with start ids, only a reply
+    that opened its reasoning is closed."""
+    from atom_engine.sampler import _forced_thinking_end as forced
+
+    m = [7, 8, 9]
+    assert forced(_seq([1, 2, 3], 5, m), 3) is None  # under the budget
+    assert forced(_seq([1, 2, 3, 4, 5], 5, m), 5) == 7
+    assert forced(_seq([1, 2, 3, 4, 5, 7], 5, m), 6) == 8  # goes on with what it forced
+    assert forced(_seq([1, 2, 3, 4, 5, 7, 8], 5, m), 7) == 9
+    assert forced(_seq([1, 2, 3, 4, 5, 7, 8, 9], 5, m), 8) is None  # closed
+    assert forced(_seq([1, 7, 8, 9, 2, 3], 5, m), 6) is None  # closed by the model before
+    assert forced(_seq([1, 7, 8, 9, 2, 7], 5, m), 6) is None  # ... a later 7 is the answer's
+    assert forced(_seq([1, 2, 3, 4, 5, 6], 5, m), 6) is None  # the model wrote no 7 at 5: not ours
+    # Speculative decoding: row j sees the j drafts before it.
+    assert forced(_seq([1, 2, 3, 4], 5, [9], drafts=[9, 7]), 5, ahead=1) is None
+    assert forced(_seq([1, 2, 3, 4], 5, [9], drafts=[6, 7]), 5, ahead=1) == 9
+    assert forced(_seq([1, 2, 3, 4], 4, m, drafts=[7, 5]), 5, ahead=1) == 8
+    # Start ids: a reply that never opened a reasoning block is left alone.
+    assert forced(_seq([1, 2, 3, 4, 5], 5, m, start=[1]), 5) == 7
+    assert forced(_seq([2, 2, 3, 4, 5], 5, m, start=[1]), 5) is None

@@ -236,3 +236,7 @@ def test_thinking_and_parsed_tools(parser_client):
     with pytest.raises(anthropic.BadRequestError) as e:
         parser_client.messages.create(**{**kwargs, "thinking": {"type": "enabled"}})
     assert "budget_tokens" in e.value.body["error"]["message"]
+    # A forced tool call takes no thinking (as Anthropic's API): a 400, not a failed request.
+    with pytest.raises(anthropic.BadRequestError) as e:
+        parser_client.messages.create(**kwargs, tools=[WEATHER], tool_choice={"type": "any"})
+    assert "tool_choice" in e.value.body["error"]["message"]

@@ -186,6 +186,7 @@ class LLMEngine:
             or params.prompt_logprobs is not None
             or params.has_penalties
             or params.compiled_grammar is not None  # each mask needs the last token
+            or params.thinking_budget is not None  # the forced marker reads the output so far
         ):
             self.post.host_sampled.add(request_id)
         if params.prompt_logprobs is not None:

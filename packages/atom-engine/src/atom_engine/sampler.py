@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 import atom_kernels
-from atom_engine.sequence import PLACEHOLDER, Sequence
+from atom_engine.sequence import Sequence
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Sampler:
             stops = s.params.all_stop_token_ids
             emitted = s.num_output_tokens + (ahead[i] if ahead else 0)
             short = emitted < s.params.min_tokens and bool(stops)
-            forced = _forced_thinking_end(s, emitted)
+            forced = _forced_thinking_end(s, emitted, ahead[i] if ahead else 0)
             if forced is not None:  # overrides every other filter of the row
                 if masked is logits:
                     masked = logits.clone()
@@ -316,11 +316,12 @@ def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> to
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _forced_thinking_end(seq: Sequence, emitted: int) -> int | None:
+def _forced_thinking_end(seq: Sequence, emitted: int, ahead: int = 0) -> int | None:
     """The token a row must sample under its thinking budget, or None: once `thinking_budget`
-    tokens are out without the end-of-reasoning marker, the marker's ids one per step.
-    NOTE: under async scheduling the last step's token may not be on the host yet, so a marker
-    the model writes itself exactly at the budget can be followed by a forced copy."""
+    tokens are out without the end-of-reasoning marker (and, given `thinking_start_ids`, after
+    an output that opened its reasoning with them), the marker's ids one per step. `ahead`: the
+    draft tokens before this row (speculative decoding) count as output. Requests with a budget
+    are sampled on the host (the engine's `host_sampled`), so the output holds no placeholder."""
     params = seq.params
     if params.thinking_budget is None or emitted < params.thinking_budget:
         return None
@@ -328,13 +329,16 @@ def _forced_thinking_end(seq: Sequence, emitted: int) -> int | None:
     step = emitted - params.thinking_budget
     if step >= len(marker):
         return None
-    out = seq.output_token_ids
-    if step == 0 and _contains(out, marker):
-        return None  # the model closed its reasoning within the budget
-    # A placeholder (async scheduling: the last step's id, not on the host yet) was forced too.
-    tail = out[len(out) - step :] if step else []
-    if any(t != m and t != PLACEHOLDER for t, m in zip(tail, marker[:step], strict=True)):
-        return None  # the marker's start is not what was forced: the reasoning ended before
+    out = seq.output_token_ids + seq.spec_token_ids[:ahead]
+    start = params.thinking_start_ids
+    if start and out[: len(start)] != start:
+        return None  # the reply did not open a reasoning block: nothing to close
+    # Forcing goes on only where the last `step` tokens are the marker's start, forced here, and
+    # the output before them holds no marker (the model closed its reasoning itself).
+    if step and out[len(out) - step :] != marker[:step]:
+        return None
+    if _contains(out[: len(out) - step], marker):
+        return None
     return marker[step]
 
 

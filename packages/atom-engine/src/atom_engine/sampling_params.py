@@ -93,7 +93,8 @@ class SamplingParams:
     (`atom_engine.structured_output`); the request ends when its grammar is complete.
     `thinking_budget` (with `thinking_end_ids`, the token ids of the model's end-of-reasoning
     marker, e.g. `</think>`): once that many tokens are out and the marker is not among them, the
-    marker is forced, token by token (the Anthropic API's `thinking.budget_tokens`).
+    marker is forced, token by token (the Anthropic API's `thinking.budget_tokens`); with
+    `thinking_start_ids`, only in an output that opens with them (a model that may not think).
     """
 
     n: int = 1
@@ -120,6 +121,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     thinking_budget: int | None = None
     thinking_end_ids: list[int] | None = None
+    thinking_start_ids: list[int] | None = None
     # Filled by the engine from the model's generation config (not a user field).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # The compiled grammar of structured_outputs (filled by the engine's checks; not a user field).
@@ -134,6 +136,8 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.thinking_end_ids is not None:
             self.thinking_end_ids = list(self.thinking_end_ids)
+        if self.thinking_start_ids is not None:
+            self.thinking_start_ids = list(self.thinking_start_ids)
         self._check()
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
@@ -204,9 +208,14 @@ class SamplingParams:
         if self.thinking_budget is not None:
             if not _is_int(self.thinking_budget) or self.thinking_budget < 0:
                 fail("thinking_budget", "must be a non-negative integer")
-            ids = self.thinking_end_ids
-            if not ids or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids):
-                fail("thinking_end_ids", "must be a non-empty list of token ids")
+            for name in ("thinking_end_ids", "thinking_start_ids"):
+                ids = getattr(self, name)
+                if name == "thinking_start_ids" and ids is None:
+                    continue
+                if not ids or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids):
+                    fail(name, "must be a non-empty list of token ids")
+        elif self.thinking_start_ids is not None:
+            fail("thinking_start_ids", "needs thinking_budget")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 fail("structured_outputs", "must be a StructuredOutputsParams")
@@ -219,7 +228,13 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids must be in the model's vocabulary (the engine calls this on add)."""
-        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias", "thinking_end_ids"):
+        for name in (
+            "stop_token_ids",
+            "allowed_token_ids",
+            "logit_bias",
+            "thinking_end_ids",
+            "thinking_start_ids",
+        ):
             bad = [t for t in getattr(self, name) or () if t >= vocab_size]
             if bad:
                 raise ValueError(

@@ -18,7 +18,6 @@ import contextlib
 import queue
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -101,8 +100,9 @@ def iter_safetensors_parallel(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of every shard, read by min(max_threads, shards) threads; the order is the
     reads' (a shard's tensors in its order). The caller's consumption bounds the memory: at most
-    2 tensors per thread wait in the queue. With `slices` the threads only open the shards and
-    yield `CheckpointSlice`s: the loading thread reads each rank's range as it loads it."""
+    3 tensors per thread are held (2 queued a thread, one being read). With `slices` the threads
+    only open the shards and yield `CheckpointSlice`s: the loading thread reads each rank's range
+    as it loads it."""
     from safetensors import safe_open
 
     files = safetensors_files(model_dir)
@@ -118,6 +118,12 @@ def iter_safetensors_parallel(
             except queue.Full:
                 pass
 
+    def read_all(paths: list[Path]) -> None:
+        for path in paths:
+            if stop.is_set():
+                return
+            read(path)
+
     def read(path: Path) -> None:
         try:
             # Unclosed with `slices`: the file stays open while its slices live.
@@ -132,7 +138,13 @@ def iter_safetensors_parallel(
         finally:
             put(_DONE)
 
-    pool = ThreadPoolExecutor(num_threads, thread_name_prefix="atom-safetensors")
+    # Daemon threads (not an executor's): a reader blocked on a consumer that is gone never
+    # keeps the process from exiting.
+    readers = [
+        threading.Thread(target=read_all, args=(files[i::num_threads],), daemon=True,
+                         name=f"atom-safetensors-{i}")
+        for i in range(num_threads)
+    ]  # fmt: skip
     bar = progress_bar(
         desc="Loading safetensors checkpoint shards",
         total=len(files),
@@ -140,8 +152,8 @@ def iter_safetensors_parallel(
         unit="shard",
     )
     try:
-        for path in files:
-            pool.submit(read, path)
+        for reader in readers:
+            reader.start()
         done = 0
         while done < len(files):
             item = results.get()
@@ -154,7 +166,8 @@ def iter_safetensors_parallel(
                 yield item
     finally:
         stop.set()
-        pool.shutdown(wait=True)
+        for reader in readers:
+            reader.join(timeout=1.0)
         bar.close()
 
 

@@ -192,5 +192,12 @@ def load_model(
                 show_progress=show_progress,
                 slices=tp is not None and tp.size > 1,  # each rank reads its ranges
             )
-        built.load_weights(weights)
+        try:
+            built.load_weights(weights)
+        finally:
+            # A failed load ends the shard readers now (a traceback kept alive would otherwise
+            # keep the generator, and its reader threads, from ever finishing).
+            close = getattr(weights, "close", None)
+            if close is not None:
+                close()
     return built

@@ -143,9 +143,9 @@ def _thinking_kwargs(
     state: ServerState, thinking: Thinking | None, max_tokens: int | None
 ) -> dict[str, Any] | None:
     """The chat template kwargs of `thinking`; a 400 when the server cannot honour it."""
-    if thinking is None:
-        return None  # the model's default
     reads = template_reads(state.engine.tokenizer, None, "enable_thinking")
+    if thinking is None:  # Anthropic's default is no thinking (Qwen3's template thinks unless told)
+        return {"enable_thinking": False} if reads else None
     if thinking.type != "enabled" and thinking.budget_tokens is not None:
         raise APIError("thinking.budget_tokens goes with type enabled", param="thinking")
     if thinking.type == "disabled":
@@ -187,7 +187,14 @@ def to_chat_request(state: ServerState, request: CountTokensRequest) -> ChatComp
             }
             for tool in request.tools
         ]
-    kwargs = _thinking_kwargs(state, request.thinking, max_tokens)
+    thinking, choice = request.thinking, request.tool_choice
+    if thinking is not None and thinking.type != "disabled" and choice is not None:
+        if choice.type in ("any", "tool"):  # as Anthropic's API: a forced call has no thinking
+            raise APIError(
+                "thinking may not be enabled when tool_choice forces tool use (any or tool)",
+                param="thinking",
+            )
+    kwargs = _thinking_kwargs(state, thinking, max_tokens)
     if kwargs is not None:
         fields["chat_template_kwargs"] = kwargs
     if is_generation:

@@ -52,6 +52,7 @@ from atom_engine.server.chat_output import ChatOutput
 from atom_engine.server.messages_convert import anthropic_names, to_chat_request
 from atom_engine.server.reasoning import END as REASONING_END
 from atom_engine.server.reasoning import REASONING_PARSERS
+from atom_engine.server.reasoning import START as REASONING_START
 from atom_engine.server.serving_chat import chat_engine_prompt, chat_messages
 from atom_engine.server.serving_common import APIError, RequestGroup, ServerState
 from atom_engine.server.structured import ToolPlan
@@ -114,8 +115,12 @@ def _set_thinking_budget(state: ServerState, request: MessagesRequest, params) -
     thinking = request.thinking
     if thinking is None or thinking.type != "enabled" or thinking.budget_tokens is None:
         return
-    marker = state.engine.tokenizer.encode(REASONING_END, add_special_tokens=False)
-    params.thinking_budget, params.thinking_end_ids = thinking.budget_tokens, marker
+    tokenizer = state.engine.tokenizer
+    params.thinking_budget = thinking.budget_tokens
+    params.thinking_end_ids = tokenizer.encode(REASONING_END, add_special_tokens=False)
+    if not REASONING_PARSERS[state.reasoning_parser].implicit_start:
+        # The reply reasons only when it opens with <think> (qwen3): close only such a reply.
+        params.thinking_start_ids = tokenizer.encode(REASONING_START, add_special_tokens=False)
 
 
 async def count_tokens(state: ServerState, request: CountTokensRequest) -> CountTokensResponse:
