@@ -373,3 +373,34 @@ def test_store_keeps_the_most_recently_used():
     ResponseStore(0).put(entries[0])  # keeps none
     with pytest.raises(ValueError, match="store size"):
         ResponseStore(-1)
+
+
+def test_engine_failure_ends_the_stream_failed(server, client):
+    """A request the engine fails on once streaming: an `error` event, then `response.failed`
+    (status failed, the error in the response); the next request is served."""
+    import asyncio
+
+    def fail_requests_of_7(llm_engine) -> None:
+        append = llm_engine.post.append_token
+
+        def failing_append(seq, token_id, info):
+            if seq.params.max_tokens == 7:
+                raise RuntimeError("injected fault")
+            append(seq, token_id, info)
+
+        llm_engine.post.append_token = failing_append
+
+    asyncio.run(server.engine.call(fail_requests_of_7))
+    try:
+        body = {"model": MODEL, "input": "Hi", "max_output_tokens": 7, "stream": True}
+        streamed = http("POST", f"{server.url}/v1/responses", json.dumps(body).encode())
+    finally:
+        asyncio.run(server.engine.call(lambda e: e.post.__dict__.pop("append_token", None)))
+    assert streamed.status_code == 200, streamed.text
+    events = [chunk.split("\n") for chunk in streamed.text.strip().split("\n\n")]
+    kinds = [e[0].removeprefix("event: ") for e in events]
+    assert kinds[0] == "response.created" and kinds[-2:] == ["error", "response.failed"]
+    failed = json.loads(events[-1][1].removeprefix("data: "))["response"]
+    assert failed["status"] == "failed" and "injected fault" in failed["error"]["message"]
+    good = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    assert good.status == "incomplete"

@@ -28,6 +28,7 @@ from atom_engine.server.responses_api.objects import (
     DeletedResponse,
     ErrorEvent,
     IncompleteDetails,
+    ResponseError,
     ResponseObject,
     ResponseUsage,
     new_id,
@@ -194,8 +195,17 @@ async def _events(
         if e.status == 499:
             return  # the client is gone
         yield writer.error(ErrorEvent(code=e.type, message=e.message, param=e.param))
+        yield _failed(writer, response, e.type, e.message)
     except Exception as e:
         error = ErrorEvent(code="InternalServerError", message=f"{type(e).__name__}: {e}")
         yield writer.error(error)
+        yield _failed(writer, response, error.code, error.message)
     finally:
         group.close()
+
+
+def _failed(writer: EventWriter, response: ResponseObject, code: str, message: str) -> str:
+    """The `response.failed` event that ends a stream whose request failed (after `error`)."""
+    response.status = "failed"
+    response.error = ResponseError(code=code, message=message)
+    return writer.lifecycle("response.failed", response)
