@@ -29,19 +29,13 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from atom_engine.sampling_params import (
-    INT64_MAX,
-    INT64_MIN,
-    MAX_BIAS,
-    MAX_LOGPROBS,
-    MAX_REPETITION_PENALTY,
-)
 from atom_engine.server.anthropic_protocol import (
     STREAM_EVENTS,
     AnthropicErrorResponse,
     CountTokensResponse,
     MessagesResponse,
 )
+from atom_engine.server.openapi_bounds import bound, request_bounds
 from atom_engine.server.protocol import ErrorResponse
 from atom_engine.server.responses import (
     ChatCompletionChunk,
@@ -322,88 +316,6 @@ def _responses() -> dict[tuple[str, str], dict[str, Any]]:
     }
 
 
-def _numbers(**bounds: float) -> dict[str, dict[str, float]]:
-    return {"integer": bounds, "number": bounds}
-
-
-def _request_bounds(state) -> dict[str, dict[str, dict[str, dict]]]:
-    """Request schema -> field -> JSON type -> the keywords bounding values of that type."""
-    max_len, vocab = state.engine.max_model_len, state.engine.engine.vocab_size
-    token_ids = {"integer": {"minimum": 0, "maximum": vocab - 1}}
-    logprobs = _numbers(minimum=0, maximum=MAX_LOGPROBS)
-    common = {
-        "n": _numbers(minimum=1, maximum=state.max_n),
-        "seed": _numbers(minimum=INT64_MIN, maximum=INT64_MAX),
-        "stop": {"string": {"minLength": 1}},
-        "temperature": _numbers(minimum=0),
-        "top_p": _numbers(exclusiveMinimum=0, maximum=1),
-        "top_k": _numbers(minimum=-1, maximum=INT64_MAX),
-        "min_p": _numbers(minimum=0, maximum=1),
-        "presence_penalty": _numbers(minimum=-2, maximum=2),
-        "frequency_penalty": _numbers(minimum=-2, maximum=2),
-        "repetition_penalty": _numbers(
-            minimum=1 / MAX_REPETITION_PENALTY, maximum=MAX_REPETITION_PENALTY
-        ),
-        "min_tokens": _numbers(minimum=0, maximum=max_len),
-        "stop_token_ids": token_ids,
-        "allowed_token_ids": {**token_ids, "array": {"minItems": 1}},
-        "prompt_logprobs": logprobs,
-        "logit_bias": {
-            "object": {
-                "propertyNames": {"pattern": "^[0-9]+$"},  # token ids
-                "additionalProperties": {
-                    "type": "number",
-                    "minimum": -MAX_BIAS,
-                    "maximum": MAX_BIAS,
-                },
-            }
-        },
-    }
-    return {
-        "CompletionRequest": {
-            **common,
-            # 0 only with echo (scores the prompt)
-            "max_tokens": _numbers(minimum=0, maximum=max_len),
-            "logprobs": logprobs,
-            "prompt": {**token_ids, "string": {"minLength": 1}, "array": {"minItems": 1}},
-        },
-        "ChatCompletionRequest": {
-            **common,
-            "max_tokens": _numbers(minimum=1, maximum=max_len),
-            "max_completion_tokens": _numbers(minimum=1, maximum=max_len),
-            "top_logprobs": logprobs,
-            "messages": {"array": {"minItems": 1}},
-        },
-        "MessagesRequest": {
-            "max_tokens": _numbers(minimum=1, maximum=max_len),
-            "temperature": common["temperature"],
-            "top_p": common["top_p"],
-            "top_k": common["top_k"],
-            "stop_sequences": {"string": {"minLength": 1}},
-            "messages": {"array": {"minItems": 1}},
-        },
-        "ResponsesRequest": {
-            **{k: common[k] for k in ("seed", "stop", "temperature", "top_p", "top_k", "min_p")},
-            "repetition_penalty": common["repetition_penalty"],
-            "max_output_tokens": _numbers(minimum=1, maximum=max_len),
-            "input": {"array": {"minItems": 1}},
-        },
-        "CountTokensRequest": {"messages": {"array": {"minItems": 1}}},
-        "TokenizeChatRequest": {"messages": {"array": {"minItems": 1}}},
-        "DetokenizeRequest": {"tokens": token_ids},
-    }
-
-
-def _bound(schema: dict[str, Any], by_type: dict[str, dict]) -> None:
-    """Add `by_type[t]` to each (sub)schema of JSON type t: anyOf branches, array items."""
-    for branch in schema.get("anyOf", ()):
-        _bound(branch, by_type)
-    kind = schema.get("type")
-    schema.update(by_type.get(kind, {}))
-    if kind == "array" and isinstance(schema.get("items"), dict):
-        _bound(schema["items"], by_type)
-
-
 # FastAPI's schemas of its 422 body, which this server never sends.
 _UNUSED_SCHEMAS = ("HTTPValidationError", "ValidationError")
 
@@ -426,11 +338,11 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     schemas.update(definitions["$defs"])
     state = getattr(app.state, "atom", None)  # the ServerState of an app from build_app
     if state is not None:
-        for name, fields in _request_bounds(state).items():
+        for name, fields in request_bounds(state).items():
             properties = schemas.get(name, {}).get("properties", {})
             for field_name, by_type in fields.items():
                 if field_name in properties:
-                    _bound(properties[field_name], by_type)
+                    bound(properties[field_name], by_type)
     known = _responses()
     for path, item in document.get("paths", {}).items():
         for method, operation in item.items():
