@@ -207,6 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # invalid flags (EngineConfig, SamplingParams), a missing model
         print(f"atom {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from atom_engine.nodes import NodeError
+
+        if not isinstance(e, NodeError):
+            raise
+        # Over several nodes: one did not arrive, was refused, or went away.
+        print(f"atom {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

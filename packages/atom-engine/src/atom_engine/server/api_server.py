@@ -290,6 +290,10 @@ def run_server(args) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     config = engine_config_from_args(args)
+    if config.node_rank > 0:  # no API server here: this node's ranks follow node 0's
+        from atom_engine.node_agent import run_node
+
+        return run_node(config)
     if config.data_parallel_size > 1:
         engine = DataParallelEngine.from_config(config)
     else:

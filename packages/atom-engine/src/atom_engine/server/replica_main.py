@@ -35,7 +35,7 @@ def replica_main(
     if cpus:
         os.sched_setaffinity(0, cpus)
     from atom_engine.engine import LLMEngine
-    from atom_engine.workers import _exit_with_parent
+    from atom_engine.worker_main import _exit_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server; it stops us
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()

@@ -1,0 +1,191 @@
+"""Tensor parallelism across nodes (`atom_engine.nodes`), on the CPU: two `atom serve` processes on
+127.0.0.1 as node 0 and node 1 (gloo), one rank each. The greedy tokens of one process; a wrong
+split refused before anything starts; a node that never arrives, a node refused for a different
+model or flag, and a node killed mid-request each end both nodes non-zero, naming the node or
+field. (The rendezvous itself, in one process: test_multi_node_rendezvous.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig
+
+from atom_engine import LLM, SamplingParams
+from atom_engine.testing import free_port, start_server, stop_server
+
+PROMPTS = ["Once upon a time", "def fibonacci(n):", "The capital of France is"]
+SERVE = [sys.executable, "-m", "atom_engine.cli.main", "serve"]
+
+
+def _llama(hidden_size: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=hidden_size,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint) -> Path:
+    return tiny_checkpoint(_llama(64))[0]
+
+
+def _node_flags(checkpoint, rank: int, addr: str, *extra: str) -> list[str]:
+    return [
+        "--model", str(checkpoint), "--device", "cpu", "--num-kv-blocks", "64", "-tp", "2",
+        "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", addr, *extra,
+    ]  # fmt: skip
+
+
+def _start(args: list[str], log: Path, **env) -> subprocess.Popen:
+    return subprocess.Popen(
+        args,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **env},
+        start_new_session=True,  # a kill of the node takes its ranks too
+    )
+
+
+def _exit(proc: subprocess.Popen, log: Path, timeout: float) -> tuple[int, str]:
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        tail = log.read_text()[-3000:]
+        raise AssertionError(f"still running after {timeout} s:\n{tail}") from None
+    return code, log.read_text()
+
+
+def _addr() -> str:
+    port = free_port()
+    while port > 65000:  # PORT+1 is the step channel
+        port = free_port()
+    return f"127.0.0.1:{port}"
+
+
+def test_a_split_the_nodes_cannot_take_fails_at_startup(checkpoint, tmp_path):
+    cases = {
+        ("-tp", "3"): "tensor_parallel_size 3 does not split over nnodes 2",
+        ("--node-rank", "2"): "node_rank must be in 0..1 (nnodes 2), got 2",
+    }
+    for flags, message in cases.items():
+        args = [*SERVE, *_node_flags(checkpoint, 0, "127.0.0.1:29999"), *flags]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr
+
+
+def test_a_node_that_never_arrives_ends_both_after_dist_timeout(checkpoint, tmp_path):
+    # Node 0 waits for node 1, and (on another address) a node 1 waits for a node 0: neither comes.
+    logs = tmp_path / "node0.log", tmp_path / "node1.log"
+    flags = ("--dist-timeout", "4")
+    node0 = _start([*SERVE, *_node_flags(checkpoint, 0, _addr(), *flags)], logs[0])
+    node1 = _start([*SERVE, *_node_flags(checkpoint, 1, _addr(), *flags)], logs[1])
+    code0, out0 = _exit(node0, logs[0], timeout=120)
+    code1, out1 = _exit(node1, logs[1], timeout=120)
+    assert code0 == 1 and "node(s) 1 of 2 did not join node 0's rendezvous" in out0, out0
+    assert "within 4 s (--dist-timeout)" in out0
+    assert code1 == 1 and "node 0's rendezvous at 127.0.0.1" in out1, out1
+    assert "did not answer within 4 s (--dist-timeout)" in out1
+
+
+@pytest.mark.parametrize(
+    "node1_flags, field",
+    [
+        (("--max-model-len", "128"), "max_model_len is None on node 0 but 128 on node 1"),
+        (("--model", "OTHER"), "model config hidden_size is 64 on node 0 but 128 on node 1"),
+    ],
+    ids=["flag", "model"],
+)
+def test_a_mismatched_node_is_refused_naming_the_field(
+    checkpoint, tiny_checkpoint, node1_flags, field, tmp_path
+):
+    if "OTHER" in node1_flags:
+        node1_flags = ("--model", str(tiny_checkpoint(_llama(128))[0]))
+    addr, logs = _addr(), (tmp_path / "node0.log", tmp_path / "node1.log")
+    node0 = _start([*SERVE, *_node_flags(checkpoint, 0, addr, "--port", str(free_port()))], logs[0])
+    node1 = _start([*SERVE, *_node_flags(checkpoint, 1, addr), *node1_flags], logs[1])
+    code1, out1 = _exit(node1, logs[1], timeout=180)
+    code0, out0 = _exit(node0, logs[0], timeout=60)
+    assert code1 == 1 and f"node 1 refused at the rendezvous: {field}" in out1, out1
+    assert code0 == 1 and f"node 1 refused at the rendezvous: {field}" in out0, out0
+
+
+def _two_nodes(checkpoint, tmp_path, **env):
+    addr, log1 = _addr(), tmp_path / "node1.log"
+    node1 = _start([*SERVE, *_node_flags(checkpoint, 1, addr)], log1, **env)
+    try:
+        node0, url = start_server(
+            checkpoint, tmp_path / "node0.log", *_node_flags(checkpoint, 0, addr)[2:]
+        )
+    except BaseException:
+        os.killpg(node1.pid, signal.SIGKILL)
+        raise
+    return node0, url, node1, log1
+
+
+@pytest.mark.slow  # two nodes' start-up: ~50 s on the 2-core CPU
+def test_tensor_parallel_over_two_nodes_matches_one_process(checkpoint, tmp_path):
+    import openai
+
+    with LLM(str(checkpoint), num_kv_blocks=64) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        expected = [o.outputs[0].text for o in outputs]
+    node0, url, node1, log1 = _two_nodes(checkpoint, tmp_path)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        for prompt, want in zip(PROMPTS, expected, strict=True):
+            choice = client.completions.create(
+                model=str(checkpoint),
+                prompt=prompt,
+                max_tokens=16,
+                temperature=0.0,
+                extra_body={"ignore_eos": True},
+            ).choices[0]
+            assert choice.text == want, prompt  # 16 greedy tokens of a random model: its ids
+    finally:
+        stop_server(node0)
+    code1, out1 = _exit(node1, log1, timeout=30)
+    assert node0.returncode == 0
+    assert code1 == 0 and "node 0 shut its ranks down" in out1, out1
+
+
+@pytest.mark.slow  # two nodes' start-up: ~50 s on the 2-core CPU
+def test_a_node_killed_mid_request_fails_the_request_and_both_nodes(checkpoint, tmp_path):
+    node0, url, node1, log1 = _two_nodes(checkpoint, tmp_path)
+    body = {"model": str(checkpoint), "prompt": "Once", "max_tokens": 200, "stream": True}
+    body["ignore_eos"] = True
+    import urllib.request
+
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as stream:
+            assert stream.readline().startswith(b"data: ")  # generating now
+            os.killpg(node1.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            rest = stream.read().decode()
+        failed_after = time.monotonic() - killed
+    finally:
+        code0, out0 = _exit(node0, tmp_path / "node0.log", timeout=60)
+    assert failed_after < 10, failed_after
+    assert '"error"' in rest and "node 1 (tensor-parallel rank 1" in rest, rest[-2000:]
+    assert code0 == 1 and "node 1 (tensor-parallel rank 1 at 127.0.0.1) went away" in out0
+    assert node1.wait() != 0
