@@ -106,7 +106,7 @@ def test_a_node_that_never_arrives_ends_both_after_dist_timeout(checkpoint, tmp_
     "node1_flags, field",
     [
         (("--max-model-len", "128"), "max_model_len is None on node 0 but 128 on node 1"),
-        (("--model", "OTHER"), "model config hidden_size is 64 on node 0 but 128 on node 1"),
+        (("--model", "OTHER"), "model config head_dim is 16 on node 0 but 32 on node 1"),
     ],
     ids=["flag", "model"],
 )

@@ -169,6 +169,10 @@ def meet_nodes(store: dist.Store, config: EngineConfig, mine: dict, max_model_le
             refused.append(verdict["error"])
         ns.set(f"verdict/{r}", json.dumps(verdict))
     if refused:
+        try:  # the store ends with this process: let the refused nodes read why first
+            ns.wait([f"read/{r}" for r in others], datetime.timedelta(seconds=10))
+        except RuntimeError:
+            pass
         raise NodeError("; ".join(refused))
     return token
 
@@ -183,13 +187,19 @@ def join_nodes(store: dist.Store, config: EngineConfig, mine: dict) -> dict:
             f"node rank {r} has joined node 0 already: give each node its own --node-rank"
         )
     ns.set(f"node/{r}", json.dumps(mine))
+    start = time.monotonic()
     try:
         ns.wait([f"verdict/{r}"], datetime.timedelta(seconds=timeout))
-    except RuntimeError:
+        verdict = json.loads(ns.get(f"verdict/{r}"))
+        ns.set(f"read/{r}", "1")
+    except RuntimeError as e:
+        if time.monotonic() - start < timeout:
+            raise NodeError(
+                f"node 0 stopped before it answered node {r} (its log says why): {_first_line(e)}"
+            ) from None
         raise NodeError(
             f"node 0 did not answer node {r} within {timeout:g} s (--dist-timeout)"
         ) from None
-    verdict = json.loads(ns.get(f"verdict/{r}"))
     if "error" in verdict:
         raise NodeError(verdict["error"])
     return verdict
