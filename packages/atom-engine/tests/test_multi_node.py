@@ -160,7 +160,7 @@ def test_tensor_parallel_over_two_nodes_matches_one_process(checkpoint, tmp_path
     finally:
         stop_server(node0)
     code1, out1 = _exit(node1, log1, timeout=30)
-    assert node0.returncode == 0
+    assert node0.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
     assert code1 == 0 and "node 0 shut its ranks down" in out1, out1
 
 

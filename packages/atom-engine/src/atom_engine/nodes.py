@@ -31,6 +31,7 @@ node 0 closes its connection without a shutdown message; its node exits 1 when a
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import logging
 import multiprocessing.connection
@@ -99,9 +100,8 @@ def fingerprint(config: EngineConfig, model_path: str, hf_config) -> dict[str, A
         if key not in ("_name_or_path", "transformers_version"):
             out[f"model config {key}"] = value
     out["model weight files"] = _weight_files(model_path)
-    from atom_engine import __version__
-
-    out["atom-engine version"], out["torch version"] = __version__, torch.__version__
+    out["atom-engine version"] = importlib.metadata.version("atom-engine")
+    out["torch version"] = torch.__version__
     return json.loads(json.dumps(out, default=str, sort_keys=True))
 
 
