@@ -37,7 +37,8 @@ TABLE: tuple[Switch, ...] = (
     ),
     Switch(
         "ATOM_TP_CONNECT_TIMEOUT", 300.0, float,
-        "seconds the tensor-parallel ranks wait to meet at rank 0's TCPStore",
+        "seconds the tensor-parallel ranks wait to meet at rank 0's TCPStore (and the default of "
+        "`--dist-timeout`)",
     ),
     Switch(
         "ATOM_ALLREDUCE", "nccl", _stripped,

@@ -261,7 +261,8 @@ class RemoteRanks:
             if hello is None or hello.get("token") != token or rank not in pending:
                 conn.close()  # a stray connection, or a rank of an earlier attempt
                 continue
-            self.conns[rank], self.peers[rank] = conn, peer[0]
+            # An IPv4 peer on the dual-stack listener reads ::ffff:a.b.c.d.
+            self.conns[rank], self.peers[rank] = conn, peer[0].removeprefix("::ffff:")
             pending.discard(rank)
         self.listener.close()
 
