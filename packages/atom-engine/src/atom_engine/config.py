@@ -216,10 +216,8 @@ class EngineConfig:
     )
     dist_init_addr: str | None = field(
         default=None,
-        metadata=_help(
-            "HOST:PORT of node 0's rendezvous (a TCPStore on PORT, the steps on PORT+1), "
-            "reachable from every node; needed with nnodes > 1"
-        ),
+        # A TCPStore on PORT; rank 0's steps to the other nodes on PORT+1 (atom_engine.nodes).
+        metadata=_help("HOST:PORT of node 0, reachable from every node (needed with nnodes > 1)"),
     )
     dist_timeout: float | None = field(
         default=None,
