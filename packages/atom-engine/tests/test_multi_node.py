@@ -189,3 +189,26 @@ def test_a_node_killed_mid_request_fails_the_request_and_both_nodes(checkpoint, 
     assert '"error"' in rest and "node 1 (tensor-parallel rank 1" in rest, rest[-2000:]
     assert code0 == 1 and "node 1 (tensor-parallel rank 1 at 127.0.0.1) went away" in out0
     assert node1.wait() != 0
+
+
+@pytest.mark.slow  # two nodes' start-up: ~50 s on the 2-core CPU
+def test_llm_spans_two_nodes_as_atom_serve_does(checkpoint, tmp_path):
+    # Node 0: LLM(...) in this process; node 1: LLM(..., node_rank=1), which blocks until node 0
+    # is done, in a process of its own.
+    shared = dict(device="cpu", num_kv_blocks=64, tensor_parallel_size=2, nnodes=2)
+    shared["dist_init_addr"] = _addr()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with LLM(str(checkpoint), num_kv_blocks=64) as llm:
+        expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    code = f"from atom_engine import LLM; LLM({str(checkpoint)!r}, node_rank=1, **{shared!r})"
+    log = tmp_path / "node1.log"
+    node1 = _start([sys.executable, "-c", code], log)
+    try:
+        with LLM(str(checkpoint), node_rank=0, **shared) as llm:
+            outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    except BaseException:
+        os.killpg(node1.pid, signal.SIGKILL)
+        raise
+    assert [o.outputs[0].text for o in outputs] == expected
+    code1, out1 = _exit(node1, log, timeout=60)
+    assert code1 == 0, out1  # its ranks ended on node 0's shutdown message
