@@ -1,6 +1,6 @@
-"""The multi-node start-up in one process (`atom_engine.nodes`): the flags and their checks, which
-ranks each node runs, and the rendezvous at node 0's TCPStore (threads as nodes). Two real
-`atom serve` nodes: test_multi_node.py."""
+"""The multi-node start-up in one process (`atom_engine.nodes`, `node_steps`): the flags and their
+checks, which ranks each node runs, the rendezvous at node 0's TCPStore and the step channel
+(threads as nodes). Two real `atom serve` nodes: test_multi_node.py."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from transformers import LlamaConfig
 from atom_engine import EngineConfig
 from atom_engine.cli.args import engine_config_from_args
 from atom_engine.cli.main import build_parser
+from atom_engine.config import split_host_port
+from atom_engine.node_steps import RemoteRanks, StepChannel
 from atom_engine.nodes import (
     NodeError,
     difference,
@@ -21,6 +23,7 @@ from atom_engine.nodes import (
     meet_nodes,
     node_ranks,
     open_store,
+    report_failure,
 )
 from atom_engine.parallel import rank_device
 from atom_engine.testing import free_port
@@ -145,3 +148,43 @@ def test_the_rendezvous_ends_on_a_missing_node_or_a_taken_rank():
     alone = _config(dist_timeout=1, node_rank=1)  # nobody listens there
     with pytest.raises(NodeError, match="did not answer within 1 s"):
         open_store(alone)
+
+
+def test_node_0_stops_waiting_for_the_ranks_of_a_node_that_failed():
+    config = _config(tensor_parallel_size=2, dist_timeout=60)
+    store, remote = open_store(config), RemoteRanks(config)
+    report_failure(store, 1, "rank 1 exited with code 1")
+    try:
+        with pytest.raises(NodeError, match="node 1 failed to start its ranks: rank 1 exited"):
+            remote.accept("token", store)
+    finally:
+        remote.close()
+
+
+def test_the_step_channel_carries_steps_and_names_a_failing_rank():
+    config = _config(tensor_parallel_size=2, dist_timeout=60)
+    store, remote = open_store(config), RemoteRanks(config)
+    host, port = split_host_port(config.dist_init_addr)
+    made = {}
+    connect = threading.Thread(
+        target=lambda: made.update(channel=StepChannel(1, host, port + 1, "token", 60))
+    )
+    connect.start()
+    remote.accept("token", store)
+    connect.join(60)
+    channel, deaths, closing = made["channel"], [], threading.Event()
+    try:
+        remote.watch(deaths.append, closing)
+        remote.send(b"\x01step")
+        assert channel.recv_bytes() == b"\x01step"
+        channel.send(("hello", None))  # status that is not an error keeps it alive
+        channel.send(("error", "Traceback (most recent call last):\nRuntimeError: boom"))
+        remote._monitor.join(30)
+        assert deaths == ["node 1 (tensor-parallel rank 1 at 127.0.0.1) failed: RuntimeError: boom"]
+        assert remote.error == deaths[0]
+    finally:
+        closing.set()
+        channel.close()
+        remote.close()
+    with pytest.raises(NodeError, match="node 0 closed the step connection"):
+        channel.recv_bytes()

@@ -16,7 +16,14 @@ import signal
 import threading
 
 from atom_engine.config import EngineConfig, split_host_port
-from atom_engine.nodes import NodeError, fingerprint, join_nodes, node_ranks, open_store
+from atom_engine.nodes import (
+    NodeError,
+    fingerprint,
+    join_nodes,
+    node_ranks,
+    open_store,
+    report_failure,
+)
 from atom_engine.parallel import check_parallel
 from atom_engine.worker_main import worker_main
 
@@ -69,10 +76,10 @@ def run_node(config: EngineConfig) -> int:
         )
         proc.start()
         procs[proc.sentinel] = (rank, proc)
-    return _wait(config.node_rank, procs)
+    return _wait(config.node_rank, procs, store)
 
 
-def _wait(node: int, procs: dict) -> int:
+def _wait(node: int, procs: dict, store) -> int:
     """Wait for every rank; the first to fail (or a signal) ends the others."""
     stop = threading.Event()
 
@@ -99,6 +106,7 @@ def _wait(node: int, procs: dict) -> int:
                 )
                 status = 1
                 stop.set()
+                report_failure(store, node, f"rank {rank} exited with code {proc.exitcode}")
     if stop.is_set() and status == 0:
         logger.error("node %d: stopped by a signal; ending its ranks", node)
         status = 1

@@ -68,7 +68,7 @@ def worker_main(
     )
     try:
         if remote is not None:
-            from atom_engine.nodes import StepChannel
+            from atom_engine.node_steps import StepChannel
 
             steps = status = StepChannel(rank, *remote)
         hf_config = load_config(model_path, trust_remote_code=config.trust_remote_code)

@@ -96,7 +96,7 @@ class WorkerGroup:
         try:
             self._wait_for_hello()
             if self.remote is not None:
-                self.remote.accept(remote_token)
+                self.remote.accept(remote_token, self.store)
         except BaseException:
             self.shutdown()
             raise
@@ -284,9 +284,10 @@ def _meet_nodes(config: EngineConfig, model_path: str, hf_config, max_model_len:
     """Node 0's side of the start-up over several nodes (`atom_engine.nodes`): the store at
     dist_init_addr, the listener for the other nodes' ranks, the rendezvous."""
     from atom_engine import nodes
+    from atom_engine.node_steps import RemoteRanks
 
     store = nodes.open_store(config)
-    remote = nodes.RemoteRanks(config)
+    remote = RemoteRanks(config)
     try:
         mine = nodes.fingerprint(config, model_path, hf_config)
         token = nodes.meet_nodes(store, config, mine, max_model_len)
