@@ -80,6 +80,7 @@ def test_a_split_the_nodes_cannot_take_fails_at_startup(checkpoint, tmp_path):
     cases = {
         ("-tp", "3"): "tensor_parallel_size 3 does not split over nnodes 2",
         ("--node-rank", "2"): "node_rank must be in 0..1 (nnodes 2), got 2",
+        ("--headless",): "--headless is for nodes of --node-rank > 0",
     }
     for flags, message in cases.items():
         args = [*SERVE, *_node_flags(checkpoint, 0, "127.0.0.1:29999"), *flags]

@@ -66,6 +66,7 @@ def test_flags_take_sglang_and_vllm_spellings():
     with pytest.raises(ValueError, match="not both"):
         engine_config_from_args(both)
     assert _config(dist_timeout=None).resolved_dist_timeout() == 300.0
+    assert parse([*vllm, "--headless"]).headless  # vLLM's flag for the nodes without HTTP
 
 
 def test_each_node_runs_its_share_of_the_ranks():

@@ -120,6 +120,11 @@ def _add_serve(subparsers) -> None:
         default=None,
         help="split the model's <think>...</think> into reasoning_content (chat completions)",
     )
+    frontend.add_argument(
+        "--headless",
+        action="store_true",
+        help="accepted as vLLM's: a node of --node-rank > 0 never serves HTTP (node 0 refuses it)",
+    )
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 

@@ -305,6 +305,8 @@ def run_server(args) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     config = engine_config_from_args(args)
+    if getattr(args, "headless", False) and config.node_rank == 0:
+        raise ValueError("--headless is for nodes of --node-rank > 0: node 0 serves HTTP")
     if config.node_rank > 0:  # no API server here: this node's ranks follow node 0's
         from atom_engine.node_agent import run_node
 
