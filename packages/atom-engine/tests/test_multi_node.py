@@ -12,13 +12,14 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from transformers import LlamaConfig, Qwen3MoeConfig
 
 from atom_engine import LLM, SamplingParams
-from atom_engine.testing import free_port, start_server, stop_server
+from atom_engine.testing import free_port, http, start_server, stop_server
 
 PROMPTS = ["Once upon a time", "def fibonacci(n):", "The capital of France is"]
 SERVE = [sys.executable, "-m", "atom_engine.cli.main", "serve"]
@@ -62,7 +63,10 @@ def _exit(proc: subprocess.Popen, log: Path, timeout: float) -> tuple[int, str]:
     try:
         code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # not a session leader (start_server's node 0)
+            proc.kill()
         proc.wait()
         tail = log.read_text()[-3000:]
         raise AssertionError(f"still running after {timeout} s:\n{tail}") from None
@@ -125,12 +129,12 @@ def test_a_mismatched_node_is_refused_naming_the_field(
     assert code0 == 1 and f"node 1 refused at the rendezvous: {field}" in out0, out0
 
 
-def _two_nodes(checkpoint, tmp_path, **env):
+def _two_nodes(checkpoint, tmp_path, *extra: str):
     addr, log1 = _addr(), tmp_path / "node1.log"
-    node1 = _start([*SERVE, *_node_flags(checkpoint, 1, addr)], log1, **env)
+    node1 = _start([*SERVE, *_node_flags(checkpoint, 1, addr, *extra)], log1)
     try:
         node0, url = start_server(
-            checkpoint, tmp_path / "node0.log", *_node_flags(checkpoint, 0, addr)[2:]
+            checkpoint, tmp_path / "node0.log", *_node_flags(checkpoint, 0, addr, *extra)[2:]
         )
     except BaseException:
         os.killpg(node1.pid, signal.SIGKILL)
@@ -165,30 +169,80 @@ def test_tensor_parallel_over_two_nodes_matches_one_process(checkpoint, tmp_path
     assert code1 == 0 and "node 0 shut its ranks down" in out1, out1
 
 
+# Data parallelism: one replica (tp 1) on each node; their connections need the shared secret.
+DP = ("-tp", "1", "-dp", "2")
+
+
+@pytest.mark.slow  # two nodes' start-up: ~70 s on the 2-core CPU
+def test_data_parallel_over_two_nodes_balances_like_one_process(checkpoint, tmp_path, monkeypatch):
+    import openai
+
+    with LLM(str(checkpoint), num_kv_blocks=64) as llm:
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        expected = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    monkeypatch.setenv("ATOM_DIST_AUTHKEY", "a shared secret")  # both nodes inherit it
+    node0, url, node1, log1 = _two_nodes(checkpoint, tmp_path, *DP)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+
+        def complete(prompt: str) -> str:
+            body = dict(model=str(checkpoint), prompt=prompt, max_tokens=16, temperature=0.0)
+            return client.completions.create(**body, extra_body={"ignore_eos": True}).choices[0]
+
+        with ThreadPoolExecutor(4) as pool:
+            got = [c.text for c in pool.map(complete, PROMPTS * 2)]
+        assert got == expected * 2
+        metrics = http("GET", url + "/metrics").text.replace(".0\n", "\n")
+        assert "atom:num_kv_blocks 128" in metrics  # both replicas' caches
+    finally:
+        stop_server(node0)
+    code1, out1 = _exit(node1, log1, timeout=60)
+    assert code1 == 0 and "node 0 shut its ranks down" in out1, out1
+
+
 @pytest.mark.slow  # two nodes' start-up: ~50 s on the 2-core CPU
-def test_a_node_killed_mid_request_fails_the_request_and_both_nodes(checkpoint, tmp_path):
-    node0, url, node1, log1 = _two_nodes(checkpoint, tmp_path)
+@pytest.mark.parametrize(
+    "extra, who",
+    [((), "node 1 (tensor-parallel rank 1 at 127.0.0.1) went away"),
+     (DP, "data-parallel replica 1 on node 1 (at 127.0.0.1)")],
+    ids=["tp", "dp"],
+)  # fmt: skip
+def test_a_node_killed_mid_request_fails_the_request_and_both_nodes(
+    checkpoint, tmp_path, extra, who, monkeypatch
+):
+    monkeypatch.setenv("ATOM_DIST_AUTHKEY", "a shared secret")
+    node0, url, node1, log1 = _two_nodes(checkpoint, tmp_path, *extra)
     body = {"model": str(checkpoint), "prompt": "Once", "max_tokens": 200, "stream": True}
     body["ignore_eos"] = True
     import urllib.request
 
-    request = urllib.request.Request(
-        url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-    )
+    def open_stream():
+        request = urllib.request.Request(
+            url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+        )
+        stream = urllib.request.urlopen(request, timeout=60)
+        assert stream.readline().startswith(b"data: ")  # generating now
+        return stream
+
+    def rest(stream) -> tuple[str, float]:
+        with stream:
+            return stream.read().decode(), time.monotonic()
+
     try:
-        with urllib.request.urlopen(request, timeout=60) as stream:
-            assert stream.readline().startswith(b"data: ")  # generating now
-            os.killpg(node1.pid, signal.SIGKILL)
-            killed = time.monotonic()
-            rest = stream.read().decode()
-        failed_after = time.monotonic() - killed
+        # Two requests: with data parallelism the second goes to node 1's replica (least loaded).
+        streams = [open_stream(), open_stream()]
+        os.killpg(node1.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            ends = list(pool.map(rest, streams))
     finally:
         code0, out0 = _exit(node0, tmp_path / "node0.log", timeout=60)
-    assert failed_after < 10, failed_after
-    assert '"error"' in rest and "node 1 (tensor-parallel rank 1" in rest, rest[-2000:]
-    assert code0 == 1 and "node 1 (tensor-parallel rank 1 at 127.0.0.1) went away" in out0
+    named = [(text, end - killed) for text, end in ends if who in text]
+    assert named, [text[-500:] for text, _ in ends]
+    assert all('"error"' in text and after < 10 for text, after in named), named
+    assert code0 == 1 and who in out0, out0[-3000:]
     assert node1.wait() != 0
 
 

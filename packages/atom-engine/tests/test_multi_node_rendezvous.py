@@ -45,7 +45,7 @@ def _config(**kwargs) -> EngineConfig:
         (dict(dist_init_addr="node0"), "dist_init_addr must be HOST:PORT"),
         (dict(dist_init_addr="node0:99999"), "dist_init_addr must be HOST:PORT"),
         (dict(dist_timeout=0), "dist_timeout must be > 0"),
-        (dict(data_parallel_size=2), "data_parallel_size > 1 with nnodes > 1 is not supported"),
+        (dict(data_parallel_size=3), "data_parallel_size 3 does not split over nnodes 2"),
     ],
 )
 def test_a_split_the_nodes_cannot_take_is_refused(kwargs, message):
@@ -76,6 +76,20 @@ def test_each_node_runs_its_share_of_the_ranks():
     gpus = EngineConfig(tensor_parallel_size=8, nnodes=2, dist_init_addr="h:1", device="cuda:0")
     # Each node's ranks take its GPUs from the first: rank 5 is the second node's cuda:1.
     assert rank_device(gpus, 5) == torch.device("cuda", 1)
+
+
+def test_data_parallelism_places_whole_replicas_on_each_node(monkeypatch):
+    from atom_engine.server.remote_replica import authkey, node_config
+
+    config = _config(tensor_parallel_size=3, data_parallel_size=4)  # tp need not split now
+    assert (config.ranks_per_node(), config.replicas_per_node()) == (3, 2)
+    here = node_config(config)
+    assert (here.data_parallel_size, here.nnodes, here.dist_init_addr) == (2, 1, None)
+    monkeypatch.delenv("ATOM_DIST_AUTHKEY", raising=False)
+    with pytest.raises(ValueError, match="needs ATOM_DIST_AUTHKEY"):
+        authkey()
+    monkeypatch.setenv("ATOM_DIST_AUTHKEY", "secret")
+    assert authkey() == b"secret"
 
 
 def _fingerprint(config: EngineConfig, tmp_path, hidden_size: int = 64) -> dict:

@@ -297,15 +297,16 @@ class EngineConfig:
             fail("dist_timeout", "must be > 0 seconds")
         if self.nnodes == 1:
             return
-        if self.tensor_parallel_size % self.nnodes:
+        if self.data_parallel_size > 1:  # whole replicas on each node, their ranks on it
+            if self.data_parallel_size % self.nnodes:
+                raise ValueError(
+                    f"data_parallel_size {self.data_parallel_size} does not split over nnodes "
+                    f"{self.nnodes}: every node runs data_parallel_size / nnodes replicas"
+                )
+        elif self.tensor_parallel_size % self.nnodes:
             raise ValueError(
                 f"tensor_parallel_size {self.tensor_parallel_size} does not split over nnodes "
                 f"{self.nnodes}: every node runs tensor_parallel_size / nnodes ranks"
-            )
-        if self.data_parallel_size > 1:
-            raise ValueError(
-                "data_parallel_size > 1 with nnodes > 1 is not supported yet: run a deployment "
-                'per replica behind a router (README, "Several nodes")'
             )
         if self.dist_init_addr is None:
             raise ValueError(
@@ -319,7 +320,14 @@ class EngineConfig:
         return [f.name for f in fields(cls)]
 
     def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks of one engine on one node (all of them with data parallelism:
+        each replica stays on its node)."""
+        if self.data_parallel_size > 1:
+            return self.tensor_parallel_size
         return self.tensor_parallel_size // self.nnodes
+
+    def replicas_per_node(self) -> int:
+        return max(1, self.data_parallel_size // self.nnodes)
 
     def resolved_dist_timeout(self) -> float:
         return self.dist_timeout or envs.ATOM_TP_CONNECT_TIMEOUT

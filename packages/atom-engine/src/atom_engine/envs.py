@@ -41,6 +41,11 @@ TABLE: tuple[Switch, ...] = (
         "`--dist-timeout`)",
     ),
     Switch(
+        "ATOM_DIST_AUTHKEY", None, _same,
+        "data parallelism across nodes: the secret every node shares (the replicas' connections "
+        "to node 0 are authenticated with it)",
+    ),
+    Switch(
         "ATOM_ALLREDUCE", "nccl", _stripped,
         "tensor-parallel all-reduce on GPUs: `nccl`, or `peer` (the one-shot kernel for small "
         "messages, NCCL for the rest; see parallel.py)",

@@ -9,6 +9,7 @@ channel close); SIGTERM / SIGINT end its ranks and return 1.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -50,6 +51,17 @@ def run_node(config: EngineConfig) -> int:
     timeout = config.resolved_dist_timeout()
     store = open_store(config)
     verdict = join_nodes(store, config, fingerprint(config, model_path, hf_config))
+    if config.data_parallel_size > 1:  # whole replicas, connecting to node 0's balancer
+        from atom_engine.server.remote_replica import run_replicas
+
+        local = dataclasses.replace(config, model=model_path, gguf_file=None)
+        procs = run_replicas(local)
+        logger.info(
+            "node %d: started data-parallel replicas %s",
+            config.node_rank,
+            sorted(rank for rank, _ in procs.values()),
+        )
+        return _wait(config.node_rank, procs, store, "data-parallel replica")
     ranks = node_ranks(config)
     logger.info(
         "node %d of %d: joined node 0 at %s; starting tensor-parallel ranks %d..%d",
@@ -76,10 +88,10 @@ def run_node(config: EngineConfig) -> int:
         )
         proc.start()
         procs[proc.sentinel] = (rank, proc)
-    return _wait(config.node_rank, procs, store)
+    return _wait(config.node_rank, procs, store, "tensor-parallel rank")
 
 
-def _wait(node: int, procs: dict, store) -> int:
+def _wait(node: int, procs: dict, store, what: str) -> int:
     """Wait for every rank; the first to fail (or a signal) ends the others."""
     stop = threading.Event()
 
@@ -97,16 +109,16 @@ def _wait(node: int, procs: dict, store) -> int:
             proc.join()
             if proc.exitcode != 0 and status == 0:
                 logger.error(
-                    "node %d: tensor-parallel rank %d (pid %d) exited with code %s: ending this "
-                    "node's ranks",
+                    "node %d: %s %d (pid %d) exited with code %s: ending the others",
                     node,
+                    what,
                     rank,
                     proc.pid,
                     proc.exitcode,
                 )
                 status = 1
                 stop.set()
-                report_failure(store, node, f"rank {rank} exited with code {proc.exitcode}")
+                report_failure(store, node, f"{what} {rank} exited with code {proc.exitcode}")
     if stop.is_set() and status == 0:
         logger.error("node %d: stopped by a signal; ending its ranks", node)
         status = 1

@@ -73,7 +73,7 @@ def check_parallel(config: EngineConfig, hf_config) -> None:
     if device.type == "cuda":
         found = torch.cuda.device_count()
         first = device.index or 0
-        local = config.ranks_per_node() * dp
+        local = config.ranks_per_node() * config.replicas_per_node()
         if first + local > found:
             where = f" on each of {config.nnodes} nodes" if config.nnodes > 1 else ""
             raise ValueError(

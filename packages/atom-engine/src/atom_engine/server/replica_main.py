@@ -55,6 +55,10 @@ def replica_main(
             config,
             data_parallel_size=1,
             device="cuda" if on_gpus else config.device,
+            # One engine on this node (replicas across nodes meet node 0's front, not each other).
+            nnodes=1,
+            node_rank=0,
+            dist_init_addr=None,
         )
         engine = AsyncEngine(LLMEngine(local, dp_rank=dp_rank))
     except BaseException:
