@@ -238,7 +238,11 @@ def test_a_node_killed_mid_request_fails_the_request_and_both_nodes(
         with ThreadPoolExecutor(2) as pool:
             ends = list(pool.map(rest, streams))
     finally:
-        code0, out0 = _exit(node0, tmp_path / "node0.log", timeout=60)
+        try:
+            code0, out0 = _exit(node0, tmp_path / "node0.log", timeout=60)
+        finally:
+            if node1.poll() is None:  # the test failed before it killed node 1
+                os.killpg(node1.pid, signal.SIGKILL)
     named = [(text, end - killed) for text, end in ends if who in text]
     assert named, [text[-500:] for text, _ in ends]
     assert all('"error"' in text and after < 10 for text, after in named), named
