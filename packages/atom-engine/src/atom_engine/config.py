@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from atom_engine import envs
 from atom_engine.spec_config import SpeculativeConfig
 from atom_models.checkpoint import check_load_format
 
@@ -34,6 +35,15 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"expected a JSON object, got {text!r}")
     return value
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """`HOST:PORT` (`[v6addr]:PORT` too) -> (host, port); ValueError naming dist_init_addr."""
+    host, sep, port = addr.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65535:
+        raise ValueError(f"dist_init_addr must be HOST:PORT (PORT < 65535), got {addr!r}")
+    return host, int(port)
 
 
 @dataclass
@@ -188,6 +198,34 @@ class EngineConfig:
             "aliases": ["-dp"],
         },
     )
+    nnodes: int = field(
+        default=1,
+        # vLLM spells it --nnodes / -n too; its --master-addr / --master-port give dist_init_addr.
+        metadata={
+            "help": "nodes the tensor-parallel ranks span, tensor_parallel_size / nnodes on each "
+            "(as SGLang's --nnodes)",
+            "aliases": ["-n"],
+        },
+    )
+    node_rank: int = field(
+        default=0,
+        metadata={
+            "help": "this node: 0 serves HTTP and schedules, the others run their ranks only",
+            "aliases": ["-r"],
+        },
+    )
+    dist_init_addr: str | None = field(
+        default=None,
+        # A TCPStore on PORT; rank 0's steps to the other nodes on PORT+1 (atom_engine.nodes).
+        metadata=_help("HOST:PORT of node 0, reachable from every node (needed with nnodes > 1)"),
+    )
+    dist_timeout: float | None = field(
+        default=None,
+        metadata=_help(
+            "seconds the nodes wait for each other at start-up (default: "
+            "$ATOM_TP_CONNECT_TIMEOUT, 300)"
+        ),
+    )
     trust_remote_code: bool = field(
         default=False,
         metadata=_help(
@@ -248,10 +286,51 @@ class EngineConfig:
             fail("tensor_parallel_size", "must be >= 1")
         if self.data_parallel_size < 1:
             fail("data_parallel_size", "must be >= 1")
+        self._check_nodes(fail)
+
+    def _check_nodes(self, fail) -> None:
+        if self.nnodes < 1:
+            fail("nnodes", "must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            fail("node_rank", f"must be in 0..{self.nnodes - 1} (nnodes {self.nnodes})")
+        if self.dist_timeout is not None and not self.dist_timeout > 0:
+            fail("dist_timeout", "must be > 0 seconds")
+        if self.nnodes == 1:
+            return
+        if self.data_parallel_size > 1:  # whole replicas on each node, their ranks on it
+            if self.data_parallel_size % self.nnodes:
+                raise ValueError(
+                    f"data_parallel_size {self.data_parallel_size} does not split over nnodes "
+                    f"{self.nnodes}: every node runs data_parallel_size / nnodes replicas"
+                )
+        elif self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} does not split over nnodes "
+                f"{self.nnodes}: every node runs tensor_parallel_size / nnodes ranks"
+            )
+        if self.dist_init_addr is None:
+            raise ValueError(
+                f"nnodes {self.nnodes} needs dist_init_addr (--dist-init-addr HOST:PORT, or "
+                "--master-addr / --master-port): node 0's address, the same on every node"
+            )
+        split_host_port(self.dist_init_addr)  # raises naming the field
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    def ranks_per_node(self) -> int:
+        """Tensor-parallel ranks of one engine on one node (all of them with data parallelism:
+        each replica stays on its node)."""
+        if self.data_parallel_size > 1:
+            return self.tensor_parallel_size
+        return self.tensor_parallel_size // self.nnodes
+
+    def replicas_per_node(self) -> int:
+        return max(1, self.data_parallel_size // self.nnodes)
+
+    def resolved_dist_timeout(self) -> float:
+        return self.dist_timeout or envs.ATOM_TP_CONNECT_TIMEOUT
 
     def resolved_speculative_config(self) -> SpeculativeConfig | None:
         if self.speculative_config is None:

@@ -37,7 +37,13 @@ TABLE: tuple[Switch, ...] = (
     ),
     Switch(
         "ATOM_TP_CONNECT_TIMEOUT", 300.0, float,
-        "seconds the tensor-parallel ranks wait to meet at rank 0's TCPStore",
+        "seconds the tensor-parallel ranks wait to meet at rank 0's TCPStore (and the default of "
+        "`--dist-timeout`)",
+    ),
+    Switch(
+        "ATOM_DIST_AUTHKEY", None, _same,
+        "data parallelism across nodes: the secret every node shares (the replicas' connections "
+        "to node 0 are authenticated with it)",
     ),
     Switch(
         "ATOM_ALLREDUCE", "nccl", _stripped,

@@ -34,6 +34,9 @@ class LLM:
         config = EngineConfig(model=model, **engine_args)
         self.shut_down = False
         self.replicas = None
+        if config.node_rank > 0:
+            self._run_node(config)
+            return
         if config.data_parallel_size > 1:
             from atom_engine.server.data_parallel import DataParallelEngine
 
@@ -43,13 +46,23 @@ class LLM:
             self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
+    def _run_node(self, config: EngineConfig) -> None:
+        """`LLM(node_rank=R)`, R > 0, as SGLang's Engine there: run this node's ranks until node
+        0 ends them (NodeError if one failed), then stand shut down: node 0 generates."""
+        from atom_engine.node_agent import run_node
+        from atom_engine.nodes import NodeError
+
+        self.shut_down, self.engine = True, None
+        if run_node(config) != 0:
+            raise NodeError(f"node {config.node_rank}'s ranks failed (their log says why)")
+
     def shutdown(self) -> None:
         """Stop the engine's worker (and replica) processes (also done when it is collected);
         `generate` raises after it."""
         self.shut_down = True
         if self.replicas is not None:
             self.replicas.shutdown()
-        else:
+        elif self.engine is not None:
             self.engine.shutdown()
 
     def __enter__(self) -> LLM:

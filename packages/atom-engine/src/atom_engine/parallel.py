@@ -73,10 +73,12 @@ def check_parallel(config: EngineConfig, hf_config) -> None:
     if device.type == "cuda":
         found = torch.cuda.device_count()
         first = device.index or 0
-        if first + tp * dp > found:
+        local = config.ranks_per_node() * config.replicas_per_node()
+        if first + local > found:
+            where = f" on each of {config.nnodes} nodes" if config.nnodes > 1 else ""
             raise ValueError(
                 f"tensor_parallel_size {tp} x data_parallel_size {dp} = {tp * dp} ranks need "
-                f"{first + tp * dp} GPUs from cuda:{first}, but {found} are visible"
+                f"{first + local} GPUs from cuda:{first}{where}, but {found} are visible"
             )
     if tp == 1 and not config.enable_expert_parallel:
         return
@@ -115,12 +117,12 @@ def check_parallel(config: EngineConfig, hf_config) -> None:
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """Rank `rank`'s device: GPU first + rank; the CPU for all on CPU. (A data-parallel replica's
-    process sees only its own GPUs: `server.replica`.)"""
+    """Rank `rank`'s device: GPU first + its index on its node; the CPU for all on CPU. (A
+    data-parallel replica's process sees only its own GPUs: `server.replica`.)"""
     device = config.resolved_device()
     if device.type != "cuda":
         return device
-    index = (device.index or 0) + rank
+    index = (device.index or 0) + rank % config.ranks_per_node()
     return torch.device("cuda", index)
 
 
@@ -132,14 +134,18 @@ def allreduce_choice() -> str:
     return choice
 
 
-def make_store(rank: int, size: int, port: int = 0) -> dist.TCPStore:
-    """Rank 0 opens the store (on a free port when 0: read `store.port`); the others join it."""
+def make_store(
+    rank: int, size: int, port: int = 0, host: str = "127.0.0.1", timeout: float | None = None
+) -> dist.TCPStore:
+    """Rank 0 opens the store (on a free port when 0: read `store.port`); the others join it,
+    waiting up to `timeout` s (default `ATOM_TP_CONNECT_TIMEOUT`) for it to answer. (Over several
+    nodes the store is node 0's, at `dist_init_addr`: `atom_engine.nodes`.)"""
     return dist.TCPStore(
-        "127.0.0.1",
+        host,
         port,
         size,
         is_master=rank == 0,
-        timeout=datetime.timedelta(seconds=envs.ATOM_TP_CONNECT_TIMEOUT),
+        timeout=datetime.timedelta(seconds=timeout or envs.ATOM_TP_CONNECT_TIMEOUT),
         wait_for_workers=False,
     )
 
@@ -161,8 +167,10 @@ class EngineTPGroup:
         size: int,
         device: torch.device,
         enable_expert_parallel: bool = False,
+        single_host: bool = True,
     ) -> None:
         self.rank, self.size = rank, size
+        self.single_host = single_host  # False: ranks on several nodes (no peer-mapped memory)
         self.device = device
         self.enable_expert_parallel = enable_expert_parallel
         prefixed = dist.PrefixStore("atom_tp", store)
@@ -186,6 +194,9 @@ class EngineTPGroup:
         """The one-shot all-reduce over peer-mapped buffers, or None (NCCL for everything): unless
         `ATOM_ALLREDUCE=peer`, on the CPU, with one rank, or GPUs without peer access."""
         if allreduce_choice() != "peer" or self.device.type != "cuda" or self.size == 1:
+            return None
+        if not self.single_host:
+            logger.info("ranks on several nodes: all-reduces stay on NCCL")
             return None
         from atom_kernels.collectives import PeerAllReduce
 

@@ -22,24 +22,19 @@ holds the group weakly, so a dropped engine is collected.
 from __future__ import annotations
 
 import atexit
-import itertools
+import functools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
-import os
-import signal
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable
 
-import torch
-
-from atom_engine import envs
 from atom_engine.config import EngineConfig
 from atom_engine.parallel import EngineTPGroup, make_store, rank_device
-from atom_engine.step_inputs import OP_SHUTDOWN, StepInputs, shutdown_message
+from atom_engine.step_inputs import shutdown_message
+from atom_engine.worker_main import FAILURE_ENV, _exit_with_parent, worker_main  # noqa: F401
 
 logger = logging.getLogger("atom_engine")
 
@@ -52,11 +47,23 @@ class WorkerGroup:
     """Rank 0's handle on ranks 1..N-1 of one engine (replica `dp_rank`)."""
 
     def __init__(
-        self, config: EngineConfig, model_path: str, max_model_len: int, dp_rank: int = 0
+        self,
+        config: EngineConfig,
+        model_path: str,
+        max_model_len: int,
+        dp_rank: int = 0,
+        hf_config=None,
     ) -> None:
         self.size = config.tensor_parallel_size
         self.dp_rank = dp_rank
-        self.store = make_store(0, self.size)
+        # Over several nodes: node 0's rendezvous, and rank 0's channel to the other nodes' ranks.
+        self.remote = remote_token = None
+        if config.nnodes > 1:
+            self.store, self.remote, remote_token = _meet_nodes(
+                config, model_path, hf_config, max_model_len
+            )
+        else:
+            self.store = make_store(0, self.size)
         self.on_death: list[Callable[[WorkerError], None]] = []
         self._error: WorkerError | None = None
         # Set before any worker is ended on purpose (shared with the monitor and the finalizer).
@@ -66,7 +73,7 @@ class WorkerGroup:
         self.procs: list[mp.process.BaseProcess] = []
         self._steps: list[mp.connection.Connection] = []
         self._status: list[mp.connection.Connection] = []
-        for rank in range(1, self.size):
+        for rank in range(1, config.ranks_per_node()):
             steps_r, steps_w = ctx.Pipe(duplex=False)
             status_r, status_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(
@@ -86,7 +93,15 @@ class WorkerGroup:
         # atexit runs its handlers last registered first: this one (multiprocessing is imported by
         # now) marks the group closing before multiprocessing's terminates the daemonic workers.
         atexit.register(self._finalizer)
-        self._wait_for_hello()
+        try:
+            self._wait_for_hello()
+            if self.remote is not None:
+                self.remote.accept(remote_token, self.store)
+        except BaseException:
+            self.shutdown()
+            raise
+        if self.remote is not None:
+            self.remote.watch(functools.partial(_remote_died, weakref.ref(self)), self._closing)
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs, start=1)}
         self._monitor = threading.Thread(
             target=_watch,
@@ -119,8 +134,16 @@ class WorkerGroup:
 
     # -- the monitor -----------------------------------------------------------------------------
 
-    def _on_death(self, rank: int) -> None:
-        self._record_death(rank)
+    def _on_remote_death(self, message: str) -> None:
+        logger.error("%s", message)
+        with self._lock:
+            if self._error is None:
+                self._error = WorkerError(message)
+        self._on_death(None)
+
+    def _on_death(self, rank: int | None) -> None:
+        if rank is not None:
+            self._record_death(rank)
         self.kill()
         for hook in list(self.on_death):
             try:
@@ -163,6 +186,9 @@ class WorkerGroup:
                 if not proc.is_alive() and not self._closing.is_set():
                     self._record_death(rank)
                     break
+            if self.remote is not None and self.remote.error is not None:
+                with self._lock:
+                    self._error = self._error or WorkerError(self.remote.error)
             if self._error is not None or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
@@ -176,6 +202,8 @@ class WorkerGroup:
         try:
             for conn in self._steps:
                 conn.send_bytes(message)
+            if self.remote is not None:
+                self.remote.send(message)
         except OSError as e:  # a closed pipe: the worker is gone
             self.check(wait=2.0)
             self.fail(e)
@@ -201,6 +229,8 @@ class WorkerGroup:
 
     def kill(self) -> None:
         _stop(self.procs, self._closing)
+        if self.remote is not None:  # their ranks exit 1: node 0 left without a shutdown
+            self.remote.close()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop every worker: a shutdown message (each releases its runner and exits), then
@@ -213,11 +243,15 @@ class WorkerGroup:
                 except OSError:
                     pass
         deadline = time.monotonic() + timeout
+        if self.remote is not None and self._error is None:
+            self.remote.finish(shutdown_message(), timeout)
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         _kill(self.procs)
         for conn in self._steps + self._status:
             conn.close()
+        if self.remote is not None:
+            self.remote.close()
         self._finalizer.detach()
         atexit.unregister(self._finalizer)
 
@@ -240,6 +274,29 @@ def _watch(ref: weakref.ref, sentinels: dict, closing: threading.Event) -> None:
         group._on_death(sentinels[ready[0]])
 
 
+def _remote_died(ref: weakref.ref, message: str) -> None:
+    group = ref()
+    if group is not None:
+        group._on_remote_death(message)
+
+
+def _meet_nodes(config: EngineConfig, model_path: str, hf_config, max_model_len: int):
+    """Node 0's side of the start-up over several nodes (`atom_engine.nodes`): the store at
+    dist_init_addr, the listener for the other nodes' ranks, the rendezvous."""
+    from atom_engine import nodes
+    from atom_engine.node_steps import RemoteRanks
+
+    store = nodes.open_store(config)
+    remote = RemoteRanks(config)
+    try:
+        mine = nodes.fingerprint(config, model_path, hf_config)
+        token = nodes.meet_nodes(store, config, mine, max_model_len)
+    except BaseException:
+        remote.close()
+        raise
+    return store, remote, token
+
+
 def _stop(procs, closing: threading.Event) -> None:
     """End the workers on purpose (bounded: a finalizer may run this)."""
     closing.set()
@@ -257,84 +314,6 @@ def _kill(procs) -> None:
             proc.join(1.0)
 
 
-def _exit_with_parent(parent: int) -> None:
-    """End this worker when rank 0's process is gone (it may be inside a collective that would
-    otherwise wait for rank 0 forever)."""
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(1)
-
-
-# Tests: "<rank>:<step>" makes that worker raise as its step `step` (counted from 0) starts, while
-# rank 0 runs the same step: a worker failing inside a forward, as a device error would.
-FAILURE_ENV = "ATOM_TEST_WORKER_FAILURE"
-
-
-def injected_failure_step(rank: int) -> int | None:
-    value = envs.ATOM_TEST_WORKER_FAILURE
-    if not value:
-        return None
-    target, _, step = value.partition(":")
-    return int(step) if int(target) == rank else None
-
-
-def worker_main(
-    rank: int,
-    config: EngineConfig,
-    model_path: str,
-    max_model_len: int,
-    port: int,
-    dp_rank: int,
-    *,
-    steps,
-    status,
-) -> None:
-    """A worker process: build rank `rank`'s runner, then follow rank 0's steps."""
-    from atom_engine.model_runner import ModelRunner
-    from atom_models import load_config
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    logging.basicConfig(
-        level=logging.WARNING,
-        format=f"%(asctime)s %(levelname)s %(name)s [tp rank {rank}]: %(message)s",
-    )
-    try:
-        hf_config = load_config(model_path, trust_remote_code=config.trust_remote_code)
-        device = rank_device(config, rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        status.send(("hello", None))
-        store = make_store(rank, config.tensor_parallel_size, port)
-        tp = EngineTPGroup(
-            store, rank, config.tensor_parallel_size, device, config.enable_expert_parallel
-        )
-        torch.manual_seed(config.seed)
-        runner = ModelRunner(config, model_path, hf_config, max_model_len, tp)
-        fail_at = injected_failure_step(rank)
-        for step in itertools.count():
-            try:
-                data = steps.recv_bytes()
-            except (EOFError, OSError):  # rank 0 is gone
-                break
-            op, inputs = StepInputs.unpack(data)
-            if op == OP_SHUTDOWN:
-                break
-            if step == fail_at:
-                raise RuntimeError(f"{FAILURE_ENV}: rank {rank} fails its step {step}")
-            runner.follow(op, inputs)
-        # Nothing for a destructor to do at exit (and NCCL's could wait for rank 0).
-        runner.release()
-    except BaseException:
-        try:
-            status.send(("error", traceback.format_exc()))
-        finally:
-            os._exit(1)
-    # NOTE: a gloo rank sometimes aborted at interpreter exit (SIGABRT from a joinable C++ thread
-    # destroyed by static destructors; tp_worker.py): leave without running them.
-    os._exit(0)
-
-
 def start_runner(
     config: EngineConfig, model_path: str, hf_config, max_model_len: int, dp_rank: int = 0
 ):
@@ -345,10 +324,17 @@ def start_runner(
     device = rank_device(config, 0)
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, model_path, hf_config, max_model_len, device=device)
-    workers = WorkerGroup(config, model_path, max_model_len, dp_rank)
+    workers = WorkerGroup(config, model_path, max_model_len, dp_rank, hf_config)
     tp = None
     try:
-        tp = EngineTPGroup(workers.store, 0, workers.size, device, config.enable_expert_parallel)
+        tp = EngineTPGroup(
+            workers.store,
+            0,
+            workers.size,
+            device,
+            config.enable_expert_parallel,
+            single_host=config.nnodes == 1,
+        )
         return ModelRunner(config, model_path, hf_config, max_model_len, tp, workers)
     except BaseException as e:
         if tp is not None:

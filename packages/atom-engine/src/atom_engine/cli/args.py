@@ -31,8 +31,9 @@ FLAG_GROUPS = (
         "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
         "async_scheduling")),
     ("compilation", "CUDA graphs and torch.compile", ("enforce_eager", "cudagraph_mode")),
-    ("parallel", "tensor, expert and data parallelism", (
-        "tensor_parallel_size", "data_parallel_size", "enable_expert_parallel")),
+    ("parallel", "tensor, expert and data parallelism, on one node or several", (
+        "tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "nnodes",
+        "node_rank", "dist_init_addr", "dist_timeout")),
     ("speculative decoding", None, ("speculative_config",)),
 )  # fmt: skip
 # Fields whose values are a fixed set: `--help` lists them as vLLM's does ({auto,float32,...}).
@@ -112,9 +113,38 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                 metavar=None if choices else field.name.upper(),
                 help=help_text + shown,
             )
+    _add_master_addr(groups["nnodes"])
     return parser
+
+
+def _add_master_addr(group) -> None:
+    """vLLM's spelling of node 0's address: --master-addr and --master-port (its defaults
+    127.0.0.1 and 29501), folded into dist_init_addr."""
+    group.add_argument(
+        "--master-addr",
+        default=None,
+        help="node 0's address, as vLLM spells it (with --master-port: --dist-init-addr)",
+    )
+    group.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="node 0's rendezvous port, as vLLM spells it (default with --master-addr: 29501)",
+    )
+
+
+def _dist_init_addr(args: argparse.Namespace) -> str | None:
+    addr, port = getattr(args, "master_addr", None), getattr(args, "master_port", None)
+    if addr is None and port is None:
+        return args.dist_init_addr
+    if args.dist_init_addr is not None:
+        raise ValueError("give --dist-init-addr or --master-addr / --master-port, not both")
+    host = addr or "127.0.0.1"
+    return f"[{host}]:{port or 29501}" if ":" in host else f"{host}:{port or 29501}"
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed flags (raises ValueError for invalid values)."""
-    return EngineConfig(**{name: getattr(args, name) for name in EngineConfig.field_names()})
+    values = {name: getattr(args, name) for name in EngineConfig.field_names()}
+    values["dist_init_addr"] = _dist_init_addr(args)
+    return EngineConfig(**values)

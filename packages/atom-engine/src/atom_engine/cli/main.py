@@ -120,6 +120,11 @@ def _add_serve(subparsers) -> None:
         default=None,
         help="split the model's <think>...</think> into reasoning_content (chat completions)",
     )
+    frontend.add_argument(
+        "--headless",
+        action="store_true",
+        help="accepted as vLLM's: a node of --node-rank > 0 never serves HTTP (node 0 refuses it)",
+    )
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 
@@ -207,6 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # invalid flags (EngineConfig, SamplingParams), a missing model
         print(f"atom {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from atom_engine.nodes import NodeError
+
+        if not isinstance(e, NodeError):
+            raise
+        # Over several nodes: one did not arrive, was refused, or went away.
+        print(f"atom {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ and the process exits.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
@@ -256,9 +257,20 @@ class _DrainingServer(uvicorn.Server):
     still in flight are failed (their streams end with an error event) so their connections
     close, and uvicorn's own timeout cancels whatever is left a moment later."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        engine: AsyncEngine,
+        drain_timeout: float,
+        stop_engine: bool = False,
+    ) -> None:
         super().__init__(config)
         self.engine, self.drain_timeout = engine, drain_timeout
+        # Over several nodes the engine stops here, once drained: uvicorn re-raises SIGTERM /
+        # SIGINT when `run` returns, which ends the process before `run_server`'s own shutdown,
+        # and the other nodes' ranks need node 0's shutdown message to exit 0 (on one node the
+        # workers end with their parent).
+        self.stop_engine = stop_engine
 
     async def shutdown(self, sockets=None) -> None:
         def expire() -> None:
@@ -273,6 +285,9 @@ class _DrainingServer(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             timer.cancel()
+            if self.stop_engine:
+                stop = functools.partial(self.engine.shutdown, timeout=1.0)
+                await asyncio.get_running_loop().run_in_executor(None, stop)
 
 
 def run_server(args) -> int:
@@ -290,6 +305,12 @@ def run_server(args) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     config = engine_config_from_args(args)
+    if getattr(args, "headless", False) and config.node_rank == 0:
+        raise ValueError("--headless is for nodes of --node-rank > 0: node 0 serves HTTP")
+    if config.node_rank > 0:  # no API server here: this node's ranks follow node 0's
+        from atom_engine.node_agent import run_node
+
+        return run_node(config)
     if config.data_parallel_size > 1:
         engine = DataParallelEngine.from_config(config)
     else:
@@ -317,7 +338,9 @@ def run_server(args) -> int:
             # a backstop: the drain timer fails what is left first
             timeout_graceful_shutdown=args.drain_timeout + 2.0,
         )
-        server = _DrainingServer(uvicorn_config, engine, args.drain_timeout)
+        server = _DrainingServer(
+            uvicorn_config, engine, args.drain_timeout, stop_engine=config.nnodes > 1
+        )
 
         def on_fatal(error: BaseException) -> None:
             logger.critical("the engine cannot go on, shutting the server down: %s", error)

@@ -58,9 +58,16 @@ class DataParallelEngine:
             config, model=front.model_path, tokenizer=front.tokenizer_path, gguf_file=None
         )
         replicas: list[ReplicaProcess] = []
+        nodes = None  # over several nodes: node 0's listener for the others' replicas
+        if config.nnodes > 1:
+            from atom_engine.server.remote_replica import meet_replica_nodes
+
+            local, nodes = meet_replica_nodes(local, front)
         try:
-            for dp_rank in range(config.data_parallel_size):
+            for dp_rank in range(local.data_parallel_size):
                 replicas.append(ReplicaProcess(local, dp_rank))
+            if nodes is not None:
+                replicas += nodes.accept()
             for replica in replicas:
                 replica.wait_ready()
         except BaseException:

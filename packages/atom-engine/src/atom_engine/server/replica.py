@@ -92,19 +92,7 @@ class ReplicaProcess:
     """Replica `dp_rank` of `config`, started at once; `wait_ready()` waits for its engine."""
 
     def __init__(self, config: EngineConfig, dp_rank: int) -> None:
-        self.dp_rank = dp_rank
-        self.fatal_error: BaseException | None = None
-        self.info: dict[str, Any] = {}
-        self._fatal_hooks: list[Callable[[BaseException], None]] = []
-        self._lock = threading.Lock()  # guards the dicts below, the pipe's writes and the state
-        self._streams: dict[str, _Stream] = {}
-        self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._call_ids = itertools.count()
-        self._stats: EngineStats | None = None
-        self._closing = threading.Event()  # set when this side stops it: its end is no failure
-        self._ready = threading.Event()
-        self._start_error: BaseException | None = None
+        self._init_state(dp_rank)
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         level = logging.getLogger("atom_engine").getEffectiveLevel()
@@ -124,10 +112,31 @@ class ReplicaProcess:
         # atexit runs last-registered first: this ends the replica before multiprocessing's own
         # exit handler joins its non-daemonic children (forever, were the replica still waiting).
         atexit.register(self._finalizer)
+        self._start_reader()
+
+    def _init_state(self, dp_rank: int) -> None:
+        self.dp_rank = dp_rank
+        self.fatal_error: BaseException | None = None
+        self.info: dict[str, Any] = {}
+        self._fatal_hooks: list[Callable[[BaseException], None]] = []
+        self._lock = threading.Lock()  # guards the dicts below, the pipe's writes and the state
+        self._streams: dict[str, _Stream] = {}
+        self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
+        self._stats: EngineStats | None = None
+        self._closing = threading.Event()  # set when this side stops it: its end is no failure
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+
+    def _start_reader(self) -> None:
         self._reader = threading.Thread(
-            target=self._read, name=f"atom-dp{dp_rank}-reader", daemon=True
+            target=self._read, name=f"atom-dp{self.dp_rank}-reader", daemon=True
         )
         self._reader.start()
+
+    def where(self) -> str:
+        return f"data-parallel replica {self.dp_rank} (pid {self.proc.pid})"
 
     # -- start-up -------------------------------------------------------------------------------
 
@@ -298,7 +307,7 @@ class ReplicaProcess:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(2.0)
-        summary = f"data-parallel replica {self.dp_rank} (pid {self.proc.pid}) " + (
+        summary = f"{self.where()} " + (
             f"failed: {text}" if text else f"exited with code {self.proc.exitcode}"
         )
         error = ReplicaError(summary)

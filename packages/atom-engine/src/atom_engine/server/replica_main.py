@@ -35,7 +35,7 @@ def replica_main(
     if cpus:
         os.sched_setaffinity(0, cpus)
     from atom_engine.engine import LLMEngine
-    from atom_engine.workers import _exit_with_parent
+    from atom_engine.worker_main import _exit_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server; it stops us
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
@@ -55,6 +55,10 @@ def replica_main(
             config,
             data_parallel_size=1,
             device="cuda" if on_gpus else config.device,
+            # One engine on this node (replicas across nodes meet node 0's front, not each other).
+            nnodes=1,
+            node_rank=0,
+            dist_init_addr=None,
         )
         engine = AsyncEngine(LLMEngine(local, dp_rank=dp_rank))
     except BaseException:
