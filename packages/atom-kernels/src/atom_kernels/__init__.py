@@ -10,6 +10,7 @@ from atom_kernels.ops import (
     apply_top_k_top_p_min_p,
     dequantize_fp8_block,
     dequantize_mxfp4,
+    dequantize_wna16,
     fp8_block_linear,
     fp8_linear,
     fused_add_rms_norm,
@@ -18,6 +19,7 @@ from atom_kernels.ops import (
     gelu_and_mul,
     greedy_argmax,
     grouped_topk,
+    int8_linear,
     linear,
     linear_silu_and_mul,
     mla_cache_write,
@@ -34,6 +36,7 @@ from atom_kernels.ops import (
     silu_and_mul,
     topk_softmax,
     topk_then_softmax,
+    wna16_linear,
 )
 from atom_kernels.registry import current_backend, get_op, register_op
 from atom_kernels.rope import rope_cos_sin_cache, rope_inv_freq_and_attention_factor
@@ -41,22 +44,23 @@ from atom_kernels.rope import rope_cos_sin_cache, rope_inv_freq_and_attention_fa
 __version__ = "0.1.0"
 
 __all__ = [
-    "SamplerOutput",
     "__version__",
     "apply_penalties",
     "apply_top_k_top_p_min_p",
     "current_backend",
     "dequantize_fp8_block",
     "dequantize_mxfp4",
+    "dequantize_wna16",
     "fp8_block_linear",
     "fp8_linear",
     "fused_add_rms_norm",
     "fused_add_rms_norm_linear_silu_and_mul",
     "fused_moe",
     "gelu_and_mul",
-    "greedy_argmax",
     "get_op",
+    "greedy_argmax",
     "grouped_topk",
+    "int8_linear",
     "linear",
     "linear_silu_and_mul",
     "mla_cache_write",
@@ -73,7 +77,9 @@ __all__ = [
     "rotary_embedding",
     "rotary_embedding_and_cache",
     "sample",
+    "SamplerOutput",
     "silu_and_mul",
     "topk_softmax",
     "topk_then_softmax",
+    "wna16_linear",
 ]

@@ -3,6 +3,7 @@
 from atom_kernels.ops.activation import gelu_and_mul, silu_and_mul
 from atom_kernels.ops.attention import paged_attention
 from atom_kernels.ops.cache import reshape_and_cache
+from atom_kernels.ops.int_quant import dequantize_wna16, int8_linear, wna16_linear
 from atom_kernels.ops.linear import (
     fused_add_rms_norm_linear_silu_and_mul,
     linear,
@@ -30,11 +31,11 @@ from atom_kernels.ops.sampling import (
 from atom_kernels.ops.spec_decode import rejection_sample
 
 __all__ = [
-    "SamplerOutput",
     "apply_penalties",
     "apply_top_k_top_p_min_p",
     "dequantize_fp8_block",
     "dequantize_mxfp4",
+    "dequantize_wna16",
     "fp8_block_linear",
     "fp8_linear",
     "fused_add_rms_norm",
@@ -43,6 +44,7 @@ __all__ = [
     "gelu_and_mul",
     "greedy_argmax",
     "grouped_topk",
+    "int8_linear",
     "linear",
     "linear_silu_and_mul",
     "mla_cache_write",
@@ -56,7 +58,9 @@ __all__ = [
     "rotary_embedding",
     "rotary_embedding_and_cache",
     "sample",
+    "SamplerOutput",
     "silu_and_mul",
     "topk_softmax",
     "topk_then_softmax",
+    "wna16_linear",
 ]

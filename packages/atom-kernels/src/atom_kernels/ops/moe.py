@@ -19,6 +19,7 @@ from atom_kernels.ops._checks import (
     check_shape,
     check_tensor,
 )
+from atom_kernels.ops.int_quant import check_wna16_weight
 from atom_kernels.ops.quant import (
     FP8_DTYPE,
     MXFP4_BLOCK,
@@ -28,7 +29,7 @@ from atom_kernels.ops.quant import (
 from atom_kernels.registry import get_op
 
 ACTIVATIONS = ("silu", "gelu", "swiglu_oai")
-QUANT_METHODS = ("fp8_block", "fp8_channel", "mxfp4")
+QUANT_METHODS = ("fp8_block", "fp8_channel", "mxfp4", "wna16")
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 
@@ -145,6 +146,8 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_size: tuple[int, int] | list[int] | None = None,
+    w13_zeros: torch.Tensor | None = None,
+    w2_zeros: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden_states[t]).
 
@@ -170,6 +173,12 @@ def fused_moe(
     - "fp8_channel": the same weights, scales per output row: w13_scale [E, 2I], w2_scale [E, H].
     - "mxfp4": w13 uint8 [E, 2I, H / 2] (two e2m1 values a byte along H, low nibble first) with
       w13_scale uint8 e8m0 [E, 2I, H / 32]; w2 uint8 [E, H, I / 2] with w2_scale [E, H, I / 32].
+    - "wna16": 4- or 8-bit integer weights packed in int32 along the input dim, per expert the
+      layout of ``atom_kernels.wna16_linear`` (``atom_kernels.ops.int_quant``): w13 int32
+      [E, 2I, H * bits / 32] with w13_scale [E, 2I, G13] in hidden_states' dtype and w13_zeros
+      (None: symmetric) of the same shape; w2 int32 [E, H, I * bits / 32] with w2_scale and
+      w2_zeros [E, H, G2]. bits (4 or 8) is read from w13's shape and H; group sizes from the
+      scales' last dims (H / G13, I / G2).
 
     The torch backend computes exactly the dequantized model (each routed expert's weights
     dequantized in float32 and cast to hidden_states' dtype); the Triton kernels dequantize the
@@ -181,6 +190,10 @@ def fused_moe(
     check_tensor(op, "hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, hidden_size = hidden_states.shape
     num_experts = w13.shape[0] if isinstance(w13, torch.Tensor) and w13.dim() else 0
+    if quant != "wna16":
+        for name, value in (("w13_zeros", w13_zeros), ("w2_zeros", w2_zeros)):
+            if value is not None:
+                raise ValueError(f"{op}: {name} is only for quant='wna16', got quant={quant!r}")
     if quant is None:
         for name, value in (
             ("w13_scale", w13_scale),
@@ -201,7 +214,7 @@ def fused_moe(
         check_shape(op, "w2", w2, (num_experts, hidden_size, intermediate_size), "([E, H, I])")
     else:
         intermediate_size = _check_quant_experts(
-            op, quant, hidden_size, w13, w2, w13_scale, w2_scale, block_size
+            op, quant, hidden_size, w13, w2, w13_scale, w2_scale, block_size, w13_zeros, w2_zeros
         )
     check_tensor(op, "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor(op, "topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES)
@@ -227,6 +240,8 @@ def fused_moe(
         w2_bias=w2_bias,
         w13_scale=w13_scale,
         w2_scale=w2_scale,
+        w13_zeros=w13_zeros,
+        w2_zeros=w2_zeros,
     )
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -240,6 +255,8 @@ def fused_moe(
             w2_scale=w2_scale,
             block_size=None if block_size is None else tuple(block_size),
         )
+        if quant == "wna16":
+            extra.update(w13_zeros=w13_zeros, w2_zeros=w2_zeros)
     return get_op(op, hidden_states.device)(
         hidden_states,
         w13,
@@ -265,6 +282,8 @@ def _check_quant_experts(
     w13_scale: object,
     w2_scale: object,
     block_size: object,
+    w13_zeros: object = None,
+    w2_zeros: object = None,
 ) -> int:
     """The quantized expert weights and their scales (see ``fused_moe``); returns I."""
     if quant not in QUANT_METHODS:
@@ -277,6 +296,10 @@ def _check_quant_experts(
     for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
         if scale is None:
             raise ValueError(f"{op}: quant={quant!r} needs {name}")
+    if quant == "wna16":
+        return _check_wna16_experts(
+            op, hidden_size, w13, w2, w13_scale, w2_scale, w13_zeros, w2_zeros
+        )
     weight_dtypes = (torch.uint8,) if quant == "mxfp4" else (FP8_DTYPE,)
     check_tensor(op, "w13", w13, ndim=3, dtypes=weight_dtypes)
     check_tensor(op, "w2", w2, ndim=3, dtypes=weight_dtypes)
@@ -327,4 +350,32 @@ def _check_quant_experts(
         for name, scale, weight in (("w13_scale", w13_scale, w13), ("w2_scale", w2_scale, w2)):
             check_tensor(op, name, scale, ndim=2, dtypes=(torch.float32,))
             check_shape(op, name, scale, tuple(weight.shape[:2]), "(one scale per output row)")
+    return inter_size
+
+
+def _check_wna16_experts(
+    op: str,
+    hidden_size: int,
+    w13: object,
+    w2: object,
+    w13_scale: object,
+    w2_scale: object,
+    w13_zeros: object,
+    w2_zeros: object,
+) -> int:
+    """quant="wna16" experts (see ``fused_moe``); returns I."""
+    check_tensor(op, "w13", w13, ndim=3, dtypes=(torch.int32,))
+    check_tensor(op, "w2", w2, ndim=3, dtypes=(torch.int32,))
+    if hidden_size == 0 or (32 * w13.shape[2]) % hidden_size:
+        raise ValueError(
+            f"{op}: w13 has shape {tuple(w13.shape)}; its last dim must be H * bits / 32"
+        )
+    bits = 32 * w13.shape[2] // hidden_size
+    num_experts, two_i = w13.shape[0], w13.shape[1]
+    if two_i % 2:
+        raise ValueError(f"{op}: w13 has shape {tuple(w13.shape)}; its dim 1 (2I) must be even")
+    inter_size = two_i // 2
+    lead = (num_experts,)
+    check_wna16_weight(op, w13, w13_scale, w13_zeros, None, bits, hidden_size, "w13_", lead)
+    check_wna16_weight(op, w2, w2_scale, w2_zeros, None, bits, inter_size, "w2_", lead)
     return inter_size

@@ -7,6 +7,7 @@ from atom_kernels.backends.torch import (  # noqa: F401  (imported to register t
     activation,
     attention,
     cache,
+    int_quant,
     linear,
     mla,
     moe,

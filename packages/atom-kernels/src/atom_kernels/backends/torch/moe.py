@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from atom_kernels.backends.torch.int_quant import dequantize_wna16
 from atom_kernels.backends.torch.quant import (
     dequantize_fp8_block,
     dequantize_fp8_channel,
@@ -95,6 +96,10 @@ def _dequantize(
     return mxfp4_weight(weight, scale, dtype)
 
 
+def _at(t: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+    return None if t is None else t[expert]
+
+
 @register_op("fused_moe", "torch")
 def fused_moe(
     hidden_states: torch.Tensor,
@@ -112,6 +117,8 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block_size: tuple[int, int] | None = None,
+    w13_zeros: torch.Tensor | None = None,
+    w2_zeros: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # T = tokens, K = experts per token, H = hidden size
     num_tokens, top_k = topk_ids.shape
@@ -132,7 +139,15 @@ def fused_moe(
         start += count
         x = hidden_states[pairs // top_k]  # [n, H] gather
         w13_e, w2_e = w13[expert], w2[expert]
-        if quant is not None:  # the dequantized model: only the routed experts, one at a time
+        if quant == "wna16":
+            bits = 32 * w13_e.shape[1] // x.shape[1]
+            w13_e = dequantize_wna16(
+                w13_e, w13_scale[expert], _at(w13_zeros, expert), None, bits, x.dtype
+            )
+            w2_e = dequantize_wna16(
+                w2_e, w2_scale[expert], _at(w2_zeros, expert), None, bits, x.dtype
+            )
+        elif quant is not None:  # the dequantized model: only the routed experts, one at a time
             w13_e = _dequantize(w13_e, w13_scale[expert], quant, block_size, x.dtype)
             w2_e = _dequantize(w2_e, w2_scale[expert], quant, block_size, x.dtype)
         gate_up = F.linear(x, w13_e, None if w13_bias is None else w13_bias[expert])
