@@ -40,7 +40,7 @@ ENGINE_CASES = {
 # a small engine (for 4x H100, where ~59 GB of Qwen3-235B weights a GPU leave little room).
 _EP = dict(enable_expert_parallel=True)
 _VARIANTS = (("", {}), ("-ep", _EP), ("-ep-fp8kv", {**_EP, "kv_cache_dtype": "fp8"}))
-for _shape in ("qwen3-235b-a22b-fp8", "deepseek-v3-40l"):
+for _shape in ("qwen3-235b-a22b-fp8", "deepseek-v3-40l", "deepseek-v3-24l"):
     for _suffix, _extra in _VARIANTS:
         ENGINE_CASES[f"{_shape}-tp4{_suffix}"] = (_shape, dict(tensor_parallel_size=4, **_extra))
         ENGINE_CASES[f"{_shape}-tp4{_suffix}-b1"] = ENGINE_CASES[f"{_shape}-tp4{_suffix}"]

@@ -147,12 +147,21 @@ def deepseek_v3_40l():
     return config
 
 
+def deepseek_v3_24l():
+    """DeepSeek-V3 cut to 24 layers (3 dense, 21 MoE; ~245 GB of block-FP8 weights): the 4x H100
+    form of `deepseek_v3_40l` (78 GiB a card)."""
+    config = deepseek_v3_40l()
+    config.num_hidden_layers = 24
+    return config
+
+
 SHAPES = {
     "llama3-8b": llama3_8b,
     "qwen3-0.6b": qwen3_0_6b,
     "qwen3-30b-a3b": qwen3_30b_a3b,
     "deepseek-v3-4l": deepseek_v3_4l,
     "deepseek-v3-40l": deepseek_v3_40l,
+    "deepseek-v3-24l": deepseek_v3_24l,
     "qwen3-235b-a22b-fp8": qwen3_235b_a22b_fp8,
 }
 
@@ -220,6 +229,7 @@ SMOKE_SHAPES = {
 
 # The 40-layer cut's stand-in: the 4-layer one's, its first layer dense as there.
 SMOKE_SHAPES["deepseek-v3-40l"] = {**SMOKE_SHAPES["deepseek-v3-4l"], "first_k_dense_replace": 1}
+SMOKE_SHAPES["deepseek-v3-24l"] = SMOKE_SHAPES["deepseek-v3-40l"]
 
 
 def shape_config(name: str, smoke: bool = False):
