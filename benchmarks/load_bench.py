@@ -12,7 +12,8 @@ safetensors shards of at most 4 GiB. Then, per checkpoint:
 - host-to-device copy: 1 GiB from pinned and from pageable host memory;
 - load: each tensor-parallel size in a fresh process (`atom_engine.LLM` with
   `load_format="safetensors"`, eager, a small KV cache; its start-up line's "load" phase, rank
-  0's), cold and warm as above. GB/s is the checkpoint's bytes over the load phase's seconds.
+  0's), cold and warm as above, with `ATOM_SAFETENSORS_DIRECT` 1 and 0 alternated (the direct
+  file -> pinned -> GPU reader against mmap'd CPU tensors; TP > 1 reads by range either way). GB/s is the checkpoint's bytes over the load phase's seconds.
 """
 
 from __future__ import annotations
@@ -166,14 +167,15 @@ def load_child(path: str, tp: int, smoke: bool) -> None:
     print("RESULT " + json.dumps({"ready_s": ready, "line": line, "phases": phases}), flush=True)
 
 
-def timed_load(path: Path, tp: int, smoke: bool, cold: bool) -> dict:
+def timed_load(path: Path, tp: int, smoke: bool, cold: bool, direct: str) -> dict:
     if cold:
         drop_cache(path)
     else:
         raw_read_gbps(path)  # into the page cache
     cmd = [sys.executable, __file__, "--child", str(path), "--tp", str(tp)]
     cmd += ["--smoke"] if smoke else []
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "ATOM_SAFETENSORS_DIRECT": direct}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     result = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if out.returncode or result is None:
         return {"error": (out.stderr or out.stdout)[-2000:]}
@@ -186,6 +188,13 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/atom-load")
     parser.add_argument("--tp", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--smoke", action="store_true", help="tiny shape on the CPU")
+    parser.add_argument(
+        "--direct",
+        nargs="+",
+        default=["1", "0"],
+        choices=["1", "0"],
+        help="ATOM_SAFETENSORS_DIRECT values to alternate (1: file -> pinned -> GPU; 0: mmap)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -214,9 +223,9 @@ def main() -> None:
         entry["raw_read_cold_gbps"] = raw_read_gbps(path)
         entry["raw_read_warm_gbps"] = raw_read_gbps(path)
         for tp in tps:
-            for cold in (True, False):
-                key = f"tp{tp}_{'cold' if cold else 'warm'}"
-                result = timed_load(path, tp, args.smoke, cold)
+            for cold, direct in [(c, d) for c in (True, False) for d in args.direct]:
+                key = f"tp{tp}_{'cold' if cold else 'warm'}_direct{direct}"
+                result = timed_load(path, tp, args.smoke, cold, direct)
                 load_s = result.get("phases", {}).get("load")
                 if load_s:
                     result["load_gbps"] = size / load_s / 1e9

@@ -230,3 +230,42 @@ def test_shard_bar_on_stderr_only_when_asked(llama, capfd):
     assert "Loading safetensors checkpoint shards" in err and f"{shards}/{shards}" in err
     load_model(llama)
     assert "Loading safetensors" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_direct_reader_headers_match_safetensors(sharded, name):
+    """safetensors_direct's header parse gives each tensor's bytes exactly where safetensors
+    reads them (the GPU path reads these ranges)."""
+    from safetensors import safe_open
+
+    from atom_models.safetensors_direct import read_header
+
+    for path in safetensors_files(sharded(name)):
+        raw = path.read_bytes()
+        with safe_open(str(path), framework="pt") as f:
+            entries = read_header(path)
+            assert sorted(e[0] for e in entries) == sorted(f.keys())
+            for name_, dtype, shape, offset, nbytes in entries:
+                expected = f.get_tensor(name_)
+                assert (dtype, shape) == (expected.dtype, list(expected.shape))
+                got = torch.frombuffer(bytearray(raw[offset : offset + nbytes]), dtype=torch.uint8)
+                assert torch.equal(got, _bytes(expected)), name_
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("chunk", [64, 16 << 20])
+def test_direct_to_the_gpu_is_bit_equal_to_serial(sharded, name, chunk, monkeypatch):
+    """The CUDA path (file -> pinned chunks -> device, several threads) loads every
+    architecture bit-equal to the serial CPU reader, also with chunks smaller than a tensor."""
+    import atom_models.safetensors_direct as direct
+
+    monkeypatch.setattr(direct, "CHUNK_BYTES", chunk)
+    path = sharded(name)
+    kwargs = dict(device="cuda", dtype=torch.bfloat16)
+    serial = dict(load_model(path, weights=iter_safetensors(path), **kwargs).named_parameters())
+    fast = dict(load_model(path, **kwargs).named_parameters())
+    assert fast.keys() == serial.keys()
+    for key, param in fast.items():
+        assert param.device.type == "cuda", key
+        assert torch.equal(_bytes(param), _bytes(serial[key])), key

@@ -5,7 +5,9 @@
   each, at most `MAX_READ_THREADS`) into a bounded queue: a few tensors wait at a time, never the
   whole model. Each tensor is memory-mapped and read whole (`get_tensor`); the parameter's
   `weight_loader` then copies only this tensor-parallel rank's slice of it. Over several ranks
-  the tensors come as `CheckpointSlice`s instead: a loader's `narrow` reads only its range.
+  the tensors come as `CheckpointSlice`s instead: a loader's `narrow` reads only its range. On a
+  CUDA device one rank reads the tensors straight to the device (`safetensors_direct`: pread
+  into pinned chunks, copies on side streams, several threads per shard).
 - `fastsafetensors`: the same shards through the `fastsafetensors` package (an optional extra),
   a shard at a time straight to the model's device; a clear error without the package.
 - `gguf`: a `.gguf` file (what `auto` does for one).
@@ -15,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -32,6 +35,13 @@ _FASTSAFETENSORS_MISSING = (
     "load_format 'fastsafetensors' needs the fastsafetensors package: pip install "
     "fastsafetensors (or pip install 'atom-models[fastsafetensors]')"
 )
+
+
+def direct_reads_enabled() -> bool:
+    """`ATOM_SAFETENSORS_DIRECT` (default 1): on a CUDA device, one rank reading whole tensors
+    reads them file -> pinned memory -> device (`safetensors_direct`); 0: through mmap'd CPU
+    tensors, as the CPU does (for comparison)."""
+    return os.environ.get("ATOM_SAFETENSORS_DIRECT", "1") != "0"
 
 
 def check_load_format(load_format: str) -> None:
@@ -85,6 +95,10 @@ def iter_checkpoint(
         return iter_gguf_weights(path)
     if load_format == "fastsafetensors":
         return iter_fastsafetensors(path, device, show_progress=show_progress)
+    if torch.device(device).type == "cuda" and not slices and direct_reads_enabled():
+        from atom_models.safetensors_direct import iter_safetensors_to_device
+
+        return iter_safetensors_to_device(path, device, show_progress=show_progress)
     return iter_safetensors_parallel(path, show_progress=show_progress, slices=slices)
 
 

@@ -14,6 +14,7 @@ def progress_bar(
     total: int | None = None,
     enabled: bool = True,
     unit: str = "it",
+    unit_scale: bool = False,
 ):
     """A tqdm bar over `iterable` (or one to `update` by hand) on stderr; `enabled=False`: none.
 
@@ -21,4 +22,6 @@ def progress_bar(
     the bars too, as vLLM's does; the switch is the caller's."""
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, desc=desc, total=total, unit=unit, disable=not enabled)
+    return tqdm(
+        iterable, desc=desc, total=total, unit=unit, unit_scale=unit_scale, disable=not enabled
+    )
