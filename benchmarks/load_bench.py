@@ -13,7 +13,8 @@ safetensors shards of at most 4 GiB. Then, per checkpoint:
 - load: each tensor-parallel size in a fresh process (`atom_engine.LLM` with
   `load_format="safetensors"`, eager, a small KV cache; its start-up line's "load" phase, rank
   0's), cold and warm as above, with `ATOM_SAFETENSORS_DIRECT` 1 and 0 alternated (the direct
-  file -> pinned -> GPU reader against mmap'd CPU tensors; TP > 1 reads by range either way). GB/s is the checkpoint's bytes over the load phase's seconds.
+  file -> pinned -> GPU reader against mmap'd CPU tensors; TP > 1 reads by range either way).
+  GB/s is the checkpoint's bytes over the load phase's seconds.
 """
 
 from __future__ import annotations
