@@ -12,6 +12,9 @@ graph of 20 back-to-back calls as the decode graphs run them, replayed:
 - `nccl+norm`: NCCL then the Triton `fused_add_rms_norm` (today's decoder layer); `peer+norm`:
   `all_reduce_add_rms_norm`, one kernel.
 The four alternate round after round (median of the rounds); rank 0's times are reported.
+"peer-copy" is the plain peer all-reduce again on a tensor NCCL's in-place calls never write;
+`ALLREDUCE_ORDER=a,b,...` picks and orders the implementations (to tell a kernel's own time from
+its place in the round).
 `crossover_bytes` / `fused_crossover_bytes`: the largest size up to which `peer` beats `nccl`
 (`peer+norm` beats `nccl+norm`) at every size, what `PEER_MAX_BYTES` in atom_engine/parallel.py is
 set from. The first line of the JSON names the
@@ -94,7 +97,15 @@ def rank_main(rank: int, world: int, port: int, smoke: bool, out: str) -> None:
             def peer_norm(x=x, residual=residual, weight=weight):
                 tp.peer.all_reduce_add_rms_norm(x, residual, weight, 1e-6)
 
-            impls.update({"peer": peer, "peer+norm": peer_norm})
+            x_copy = x.clone()  # never written by NCCL's in-place sums
+
+            def peer_copy(x=x_copy):
+                tp.peer.all_reduce(x)
+
+            impls.update({"peer": peer, "peer+norm": peer_norm, "peer-copy": peer_copy})
+        order = os.environ.get("ALLREDUCE_ORDER")  # e.g. "peer-copy,nccl,peer,peer+norm"
+        if order:
+            impls = {name: impls[name] for name in order.split(",") if name in impls}
         graphs = {name: _graph(fn) for name, fn in impls.items()}
         times: dict[str, list[float]] = {name: [] for name in impls}
         for _ in range(rounds):  # alternated: every implementation once a round
