@@ -163,3 +163,108 @@ def test_int8_per_tensor_scales_of_fused_shards_become_row_scales():
     assert layer.weight_scale[0] != layer.weight_scale[-1]
     x = inputs(k)
     torch.testing.assert_close(layer(x), F.linear(x, torch.cat(parts)), atol=0.05, rtol=0.02)
+
+
+# -- tensor parallelism (ranks simulated in process) ----------------------------------------
+
+TP_CASES = ["gptq-4b-g32", "gptq-4b-desc-act-asym", "awq-4b-g32", "ct-4b-g32-asym",
+            "ct-8b-channel", "gptq-8b-channel-asym"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", TP_CASES)
+def test_column_parallel_ranks_hold_their_rows(case):
+    packer, kwargs, scheme_kwargs = WNA16_CASES[case]
+    n, k = 64, 128
+    tensors, deq = packer(weight(n, k, 3), **kwargs)
+    x = inputs(k)
+    outs = []
+    for rank in range(2):
+        layer = build(lambda: ColumnParallelLinear(k, n), wna16(**scheme_kwargs), Rank(rank, 2))
+        load(layer, tensors)
+        finish(layer)
+        outs.append(layer(x))
+    torch.testing.assert_close(torch.cat(outs, -1), F.linear(x, deq), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", TP_CASES)
+def test_row_parallel_ranks_sum_to_the_full_layer(case):
+    """Each rank holds half the input features; with act-order (g_idx) every rank keeps all
+    groups' scales and zeros, since its features may fall in any group."""
+    packer, kwargs, scheme_kwargs = WNA16_CASES[case]
+    n, k = 48, 128
+    tensors, deq = packer(weight(n, k, 4), **kwargs)
+    x = inputs(k)
+    bias = torch.randn(n)
+    total = 0
+    for rank in range(2):
+        layer = build(lambda: RowParallelLinear(k, n, bias=True), wna16(**scheme_kwargs),
+                      Rank(rank, 2))  # fmt: skip
+        load(layer, tensors)
+        layer.bias.weight_loader(layer.bias, bias)
+        finish(layer)
+        names = {name for name, _ in layer.named_parameters()}
+        if scheme_kwargs.get("g_idx"):
+            g_idx = layer.g_idx if "g_idx" in names else layer.weight_g_idx
+            full_idx = tensors.get("g_idx", tensors.get("weight_g_idx"))
+            assert torch.equal(g_idx, full_idx[rank * k // 2 : (rank + 1) * k // 2])
+        total = total + layer(x[:, rank * k // 2 : (rank + 1) * k // 2])
+    torch.testing.assert_close(total, F.linear(x, deq, bias), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["gptq-4b-desc-act-asym", "awq-4b-g32", "ct-4b-g32-asym"])
+def test_fused_qkv_and_gate_up_shards(case):
+    """q/k/v and gate/up are separate checkpoint modules (own scales, zero points, g_idx) loaded
+    into one packed layer, per rank."""
+    packer, kwargs, scheme_kwargs = WNA16_CASES[case]
+    hidden, head, heads, kv_heads = 64, 16, 4, 2
+    x = inputs(hidden)
+    sizes = {"q": heads * head, "k": kv_heads * head, "v": kv_heads * head}
+    ckpt = {
+        s: packer(weight(n, hidden, 20 + i), **kwargs) for i, (s, n) in enumerate(sizes.items())
+    }
+    gate_up = [packer(weight(96, hidden, 30 + i), **kwargs) for i in range(2)]
+    for tp_size in (1, 2):
+        qkv_out, mlp_out = [], []
+        for rank in range(tp_size):
+            tp = Rank(rank, tp_size)
+            qkv = build(lambda: QKVParallelLinear(hidden, head, heads, kv_heads),
+                        wna16(**scheme_kwargs), tp)  # fmt: skip
+            for s, (tensors, _) in ckpt.items():
+                load(qkv, tensors, s)
+            finish(qkv)
+            qkv_out.append(qkv.split(qkv(x)))
+            mlp = build(lambda: MergedColumnParallelLinear(hidden, [96, 96]),
+                        wna16(**scheme_kwargs), tp)  # fmt: skip
+            for i, (tensors, _) in enumerate(gate_up):
+                load(mlp, tensors, i)
+            finish(mlp)
+            mlp_out.append(mlp(x).chunk(2, -1))
+        for j, s in enumerate("qkv"):
+            got = torch.cat([out[j] for out in qkv_out], -1)
+            torch.testing.assert_close(got, F.linear(x, ckpt[s][1]), atol=1e-4, rtol=1e-4)
+        for j in range(2):
+            got = torch.cat([out[j] for out in mlp_out], -1)
+            torch.testing.assert_close(got, F.linear(x, gate_up[j][1]), atol=1e-4, rtol=1e-4)
+
+
+def test_row_parallel_split_off_the_groups_is_an_error():
+    """Without act-order, a rank's input features must be whole groups."""
+    tensors, _ = gptq_pack(weight(32, 192, 5), bits=4, group_size=64)
+    layer = build(lambda: RowParallelLinear(192, 32), wna16(checkpoint="gptq", bits=4,
+                                                           group_size=64), Rank(1, 2))  # fmt: skip
+    with pytest.raises(ValueError, match="quantization blocks of 64"):
+        load(layer, tensors)
+
+
+def test_dequantize_linear_gives_the_float_weight():
+    """MLA's kv_b_proj (and any host reading the weight) gets the dequantized weight."""
+    tensors, deq = gptq_pack(weight(48, 64, 6), bits=4, group_size=32, sym=False)
+    layer = build(lambda: ReplicatedLinear(64, 48, bias=False),
+                  wna16(checkpoint="gptq", bits=4, group_size=32, symmetric=False))  # fmt: skip
+    load(layer, tensors)
+    finish(layer)
+    dequantize_linear(layer, torch.float32)
+    assert [name for name, _ in layer.named_parameters()] == ["weight"]
+    torch.testing.assert_close(layer.weight.data, deq, atol=1e-6, rtol=1e-6)
+    x = inputs(64)
+    torch.testing.assert_close(layer(x), F.linear(x, deq), atol=1e-5, rtol=1e-5)
