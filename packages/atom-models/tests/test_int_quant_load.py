@@ -374,3 +374,37 @@ def test_act_order_experts_are_rejected():
     tensors["mlp.experts.1.up_proj.g_idx"] = tensors["mlp.experts.1.up_proj.g_idx"].flip(0)
     with pytest.raises(ValueError, match="g_idx is not contiguous"):
         Block(wna16(checkpoint="gptq", bits=4, group_size=32)).load(tensors)
+
+
+# -- random weights (load_format="dummy") --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [
+        {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True},
+        {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"},
+    ],
+    ids=["gptq-desc-act", "awq"],
+)
+def test_dummy_weights_are_sane_packed_weights(quant, tmp_path, paged_session):
+    """`--load-format dummy` builds a W4A16 model from its config alone: random packed words,
+    scales giving weights of std ~0.02, finite logits."""
+    from transformers import LlamaConfig
+
+    from atom_models import load_model
+    from atom_models.quantization.methods import dequantize_linear
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         architectures=["LlamaForCausalLM"])  # fmt: skip
+    config.quantization_config = quant
+    config.save_pretrained(tmp_path)
+    model = load_model(tmp_path, load_format="dummy")
+    down = model.model.layers[0].mlp.down_proj
+    assert down.qweight.dtype == torch.int32 and down.qweight.shape == (64, 128 // 8)
+    assert (down.qweight != 0).float().mean() > 0.9
+    logits = paged_session(model).step({0: [1, 2, 3, 4, 5]})[0]
+    assert torch.isfinite(logits).all() and logits.std() > 0
+    dequantize_linear(down, torch.float32)
+    assert 0.01 < down.weight.std() < 0.04
