@@ -247,6 +247,14 @@ def test_fused_qkv_and_gate_up_shards(case):
             torch.testing.assert_close(got, F.linear(x, gate_up[j][1]), atol=1e-4, rtol=1e-4)
 
 
+def test_fused_shards_with_different_act_order_are_an_error():
+    scheme = wna16(checkpoint="gptq", bits=4, group_size=32, g_idx=True)
+    layer = build(lambda: MergedColumnParallelLinear(64, [32, 32]), scheme)
+    load(layer, gptq_pack(weight(32, 64, 8), group_size=32, desc_act=True, seed=1)[0], 0)
+    with pytest.raises(ValueError, match="g_idx differs from the other shards"):
+        load(layer, gptq_pack(weight(32, 64, 9), group_size=32, desc_act=True, seed=2)[0], 1)
+
+
 def test_row_parallel_split_off_the_groups_is_an_error():
     """Without act-order, a rank's input features must be whole groups."""
     tensors, _ = gptq_pack(weight(32, 192, 5), bits=4, group_size=64)

@@ -332,7 +332,8 @@ def _int(packer, **kwargs):
 
     def quantize(name, tensor):
         args = kwargs["by_name"](name) if "by_name" in kwargs else kwargs
-        seed = sum(map(ord, name))  # act-order permutations differ per module
+        # act-order permutations differ per layer; fused modules (q/k/v, gate/up) share theirs
+        seed = sum(map(ord, name.rsplit(".", 2)[0]))
         tensors, _ = packer(tensor, **args, **({"seed": seed} if "seed" not in args else {}))
         return {f"{name[: -len('weight')]}{suffix}": t for suffix, t in tensors.items()}
 

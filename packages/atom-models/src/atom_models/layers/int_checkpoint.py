@@ -130,8 +130,19 @@ def load_int_linear(layer, param, loaded: torch.Tensor, shard_id=None) -> None:
     if role == "g_idx":
         if tuple(t.shape) != (full_cols,):
             raise ValueError(f"{what} g_idx: shape {tuple(t.shape)}, expected ({full_cols},)")
+        mine = t.narrow(0, col_src, cols)
+        if getattr(param, "g_idx_loaded", False):
+            # One g_idx serves every shard of a fused layer (q/k/v, gate/up: GPTQ orders them
+            # alike, from their shared input); shards ordered differently cannot be fused.
+            if not torch.equal(param.data[:cols], mine.to(param.dtype)):
+                raise ValueError(
+                    f"{what} g_idx differs from the other shards' of this fused layer; ATOM "
+                    "needs one act-order group order per fused layer"
+                )
+            return
         param.data.zero_()  # o_proj columns of dummy heads: group 0, zero weights
-        param.data[:cols].copy_(t.narrow(0, col_src, cols))
+        param.data[:cols].copy_(mine)
+        param.g_idx_loaded = True
         return
     if t.dim() != 2 or t.shape[0] != full_rows:
         raise ValueError(
