@@ -416,3 +416,69 @@ def test_dummy_weights_are_sane_packed_weights(quant, tmp_path, paged_session):
     assert torch.isfinite(logits).all() and logits.std() > 0
     dequantize_linear(down, torch.float32)
     assert 0.01 < down.weight.std() < 0.04
+
+
+# -- whole models against transformers ----------------------------------------------------
+
+
+def _quantized_and_reference(src, dst, ref, quant_config, packer, **kwargs):
+    """`src` with every 2-D `*_proj.weight` packed by `packer` (-> `dst`), and the same model
+    with those weights dequantized, stored in float (-> `ref`, for transformers)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from atom_models.testing import write_quantized_checkpoint
+
+    deq = {}
+
+    def quantize(name, tensor):
+        tensors, deq[name] = packer(tensor, **kwargs)
+        return {f"{name[: -len('weight')]}{s}": t for s, t in tensors.items()}
+
+    def select(name, tensor):
+        return name.endswith("_proj.weight") and tensor.dim() == 2 and "mlp.gate." not in name
+
+    write_quantized_checkpoint(src, dst, quant_config, quantize, select)
+    shutil.copytree(src, ref)
+    (f,) = ref.glob("*.safetensors")
+    save_file({n: deq.get(n, t) for n, t in load_file(f).items()}, f, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("fmt", ["gptq-asym", "ct-w4a16-asym"])
+def test_qwen3_moe_matches_transformers_on_the_dequantized_model(
+    fmt, make_checkpoint, paged_session, tmp_path
+):
+    """Attention, and every routed expert (per-expert checkpoint tensors into FusedMoE), from
+    an integer checkpoint: ATOM's logits equal transformers' on the dequantized weights."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from atom_models import load_model
+
+    config = Qwen3MoeConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
+                            moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2, norm_topk_prob=True)  # fmt: skip
+    src, _ = make_checkpoint(config)
+    if fmt == "gptq-asym":
+        quant = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False}
+        packer, kwargs = gptq_pack, dict(bits=4, group_size=32, sym=False)
+    else:
+        weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+                   "symmetric": False}  # fmt: skip
+        quant = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                 "config_groups": {"g": {"targets": ["Linear"], "weights": weights}},
+                 "ignore": ["lm_head", "re:.*mlp.gate$"]}  # fmt: skip
+        packer, kwargs = ct_pack_quantized, dict(bits=4, group_size=32, symmetric=False,
+                                                 scale_dtype=torch.float32)  # fmt: skip
+    dst, ref = tmp_path / "q", tmp_path / "ref"
+    _quantized_and_reference(src, dst, ref, quant, packer, **kwargs)
+    model = load_model(dst)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.quant_method.kernel_args(experts)["quant"] == "wna16"
+    hf = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 97, (11,), generator=torch.Generator().manual_seed(0)).tolist()
+    got = paged_session(model).step({0: tokens})[0]
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
