@@ -482,3 +482,39 @@ def test_qwen3_moe_matches_transformers_on_the_dequantized_model(
     with torch.no_grad():
         expected = hf(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+
+
+# -- on the GPU (the Triton kernels), run by the lead -------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["gptq-4b-desc-act-asym", "awq-4b-g32", "ct-8b-channel"])
+def test_wna16_layer_and_experts_on_the_gpu(case):
+    """The loaded layouts through the GPU kernels, in bf16: a linear layer at decode and prefill
+    sizes, and the experts (act-order is linear-only)."""
+    packer, kwargs, scheme_kwargs = WNA16_CASES[case]
+    n, k = 256, 512
+    tensors, deq = packer(weight(n, k, 0), **kwargs)
+    with tp_group(Rank(0, 1)), torch.device("meta"):
+        layer = RowParallelLinear(k, n, bias=False)
+    layer.params_dtype = torch.bfloat16
+    layer.quant_method = linear_method(wna16(**scheme_kwargs))
+    layer.quant_method.create_weights(layer)
+    materialize(layer, "cuda", torch.bfloat16)
+    load(layer, {s: t.cuda() for s, t in tensors.items()})
+    finish(layer)
+    for rows in (1, 3, 200):
+        x = inputs(k, seed=rows).repeat(rows // 5 + 1, 1)[:rows].cuda().bfloat16()
+        expected = F.linear(x.float(), deq.cuda().bfloat16().float())
+        torch.testing.assert_close(layer(x).float(), expected, atol=3e-2, rtol=2e-2)
+    if scheme_kwargs.get("g_idx"):
+        return
+    scheme = wna16(**scheme_kwargs)
+    tensors, deq = expert_checkpoint(case)
+    block = Block(scheme)
+    block.load(tensors)
+    x, weights, ids = routing()
+    expected = reference_experts(deq, x, weights, ids)
+    experts = block.mlp.experts.cuda().to(torch.bfloat16)
+    got = experts(x.cuda().bfloat16(), weights.cuda(), ids.cuda())
+    torch.testing.assert_close(got.float().cpu(), expected, atol=3e-2, rtol=3e-2)
