@@ -518,3 +518,62 @@ def test_wna16_layer_and_experts_on_the_gpu(case):
     experts = block.mlp.experts.cuda().to(torch.bfloat16)
     got = experts(x.cuda().bfloat16(), weights.cuda(), ids.cuda())
     torch.testing.assert_close(got.float().cpu(), expected, atol=3e-2, rtol=3e-2)
+
+
+# -- padded attention heads (heads that do not split over the ranks) ----------------------
+
+
+class PaddingRank(Rank):
+    pad_attention_heads = True
+
+
+@pytest.mark.parametrize(
+    "packer, kwargs, scheme_kwargs",
+    [
+        (gptq_pack, dict(bits=4, group_size=8, desc_act=True, sym=False),
+         dict(checkpoint="gptq", bits=4, group_size=8, symmetric=False, g_idx=True)),
+        (ct_pack_quantized, dict(bits=4, group_size=8),
+         dict(checkpoint="ct", bits=4, group_size=8)),
+    ],
+    ids=["gptq-desc-act-asym", "ct-sym"],
+)  # fmt: skip
+def test_padded_heads_project_to_zeros(packer, kwargs, scheme_kwargs):
+    """9 query / 3 KV heads over 2 ranks: 12 / 4 with zero dummy heads. Their q/k/v rows get
+    zero scales (they project to zeros, whatever the packed values and zero points) and their
+    o_proj columns zero weights; the ranks' o_proj outputs of the same attention add up to the
+    unsharded layer's."""
+    hidden, d, heads, kv_heads = 32, 8, 9, 3
+    scheme = wna16(**scheme_kwargs)
+    rows = {"q": heads * d, "k": kv_heads * d, "v": kv_heads * d}
+    # one act-order permutation for q, k and v (GPTQ's, from their shared input)
+    ckpt = {s: packer(weight(n, hidden, 40 + i), **kwargs, seed=1)[0]
+            for i, (s, n) in enumerate(rows.items())}  # fmt: skip
+    o_tensors, o_deq = packer(weight(hidden, heads * d, 50), **kwargs)
+    x = inputs(hidden)
+    full_q = build(lambda: QKVParallelLinear(hidden, d, heads, kv_heads), scheme)
+    for s, tensors in ckpt.items():
+        load(full_q, tensors, s)
+    finish(full_q)
+    attn = torch.randn(5, heads * d, generator=torch.Generator().manual_seed(2))  # any input
+    expected = F.linear(attn, o_deq)
+    total = 0
+    for rank in range(2):
+        tp = PaddingRank(rank, 2)
+        qkv = build(lambda: QKVParallelLinear(hidden, d, heads, kv_heads), scheme, tp)
+        for s, tensors in ckpt.items():
+            load(qkv, tensors, s)
+        finish(qkv)
+        q, _, _ = qkv.split(qkv(x))
+        real = max(0, min(qkv.num_heads * d, heads * d - rank * qkv.num_heads * d))
+        assert qkv.num_dummy_heads == 3 and not q[:, real:].any()
+        q_full = full_q.split(full_q(x))[0]
+        start = rank * qkv.num_heads * d
+        torch.testing.assert_close(q[:, :real], q_full[:, start : start + real])
+        o_proj = build(lambda: RowParallelLinear(heads * d, hidden, input_padding=3 * d),
+                       scheme, tp)  # fmt: skip
+        load(o_proj, o_tensors)
+        finish(o_proj)
+        mine = torch.zeros(5, o_proj.input_size)
+        mine[:, :real] = attn[:, start : start + real]
+        total = total + o_proj(mine)
+    torch.testing.assert_close(total, expected, atol=1e-4, rtol=1e-4)
