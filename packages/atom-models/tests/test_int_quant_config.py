@@ -217,3 +217,39 @@ def test_unsupported_variants_name_themselves_and_list_what_atom_loads(name):
     with pytest.raises(ValueError, match=message) as info:
         parse(raw)
     assert "ATOM loads" in str(info.value) and "gptq (4/8-bit" in str(info.value)
+
+
+def test_kimi_k2_thinking_config_on_a_deepseek_v3_model():
+    """Kimi-K2-Thinking's quantization_config (one W4A16 group over "Linear"; attention, shared
+    experts, dense MLPs and the head ignored) on a DeepSeek-V3-shaped model: only the routed
+    experts are WNA16 (4-bit, groups of 32)."""
+    from transformers import DeepseekV3Config
+
+    from atom_models.layers.linear import UNQUANTIZED
+
+    config = DeepseekV3Config(vocab_size=64, hidden_size=64, intermediate_size=96,
+                              moe_intermediate_size=32, num_hidden_layers=2,
+                              num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                              n_group=2, topk_group=1, n_shared_experts=1,
+                              first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=32,
+                              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                              architectures=["DeepseekV3ForCausalLM"])  # fmt: skip
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+               "symmetric": True, "dynamic": False, "actorder": None}  # fmt: skip
+    config.quantization_config = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                      "input_activations": None}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                   "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    }  # fmt: skip
+    model = build_model(config, device="meta")
+    dense, moe = model.model.layers[0], model.model.layers[1]
+    assert isinstance(moe.mlp.experts.quant_method, Wna16MoEMethod)
+    params = dict(moe.mlp.experts.named_parameters())
+    assert params["w13_weight_packed"].shape == (4, 64, 64 // 8)
+    assert params["w2_weight_scale"].shape == (4, 64, 32 // 32)
+    assert moe.mlp.shared_experts.gate_up_proj.quant_method is UNQUANTIZED
+    assert dense.mlp.gate_up_proj.quant_method is UNQUANTIZED
+    assert moe.self_attn.o_proj.quant_method is UNQUANTIZED
