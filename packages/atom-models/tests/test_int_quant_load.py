@@ -577,3 +577,21 @@ def test_padded_heads_project_to_zeros(packer, kwargs, scheme_kwargs):
         mine[:, :real] = attn[:, start : start + real]
         total = total + o_proj(mine)
     torch.testing.assert_close(total, expected, atol=1e-4, rtol=1e-4)
+
+
+# -- the packers against compressed-tensors' own (where it is installed) -------------------
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_ct_packer_matches_compressed_tensors(bits):
+    """`ct_pack_quantized`'s words are `pack_to_int32`'s (values and zero points, the latter
+    packed along N). Checked by hand with compressed-tensors 0.20.0; runs where it is installed."""
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    from atom_models.layers.int_checkpoint import unpack_int32
+
+    tensors, _ = ct_pack_quantized(weight(24, 64, 11), bits, 32, symmetric=False)
+    offset = 1 << (bits - 1)
+    signed = (unpack_int32(tensors["weight_packed"], bits) - offset).to(torch.int8)
+    assert torch.equal(helpers.pack_to_int32(signed, bits), tensors["weight_packed"])
+    zp = (unpack_int32(tensors["weight_zero_point"], bits, dim=0) - offset).to(torch.int8)
+    assert torch.equal(helpers.pack_to_int32(zp, bits, packed_dim=0), tensors["weight_zero_point"])

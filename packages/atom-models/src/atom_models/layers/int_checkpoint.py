@@ -32,14 +32,18 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     """Unsigned `bits`-bit values -> int32, 32 / bits consecutive values along `dim` a word,
     the lowest bits first (the length along `dim` must be a multiple of 32 / bits)."""
     per = 32 // bits
-    v = values.to(torch.int64).movedim(dim, -1)
+    v = values.movedim(dim, -1)
     if v.shape[-1] % per:
         raise ValueError(f"pack_int32: {v.shape[-1]} values are not a multiple of {per}")
-    v = v.reshape(*v.shape[:-1], v.shape[-1] // per, per)
+    v = v.reshape(-1, v.shape[-1] // per, per)
+    words = torch.empty(v.shape[:-1], dtype=torch.int32, device=v.device)
     shifts = torch.arange(per, device=v.device, dtype=torch.int64) * bits
-    words = (v << shifts).sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words.movedim(-1, dim)
+    step = max(1, (1 << 24) // max(1, v.shape[1] * per))  # int64 temporaries of 128 MiB at most
+    for start in range(0, v.shape[0], step):
+        part = (v[start : start + step].to(torch.int64) << shifts).sum(-1)
+        words[start : start + step] = torch.where(part >= 2**31, part - 2**32, part)
+    shape = values.movedim(dim, -1).shape
+    return words.reshape(*shape[:-1], shape[-1] // per).movedim(-1, dim)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
