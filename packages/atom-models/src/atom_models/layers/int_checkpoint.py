@@ -130,6 +130,14 @@ def load_int_linear(layer, param, loaded: torch.Tensor, shard_id=None) -> None:
         if shape != (full_rows, full_cols):
             raise ValueError(f"{what}: weight_shape {shape}, expected {(full_rows, full_cols)}")
         return
+    if param.int_format == "awq" and role == "qweight":
+        # Cut this rank's part before AWQ's words are unpacked and repacked along K.
+        per = 32 // param.bits
+        if tuple(loaded.shape) == (full_cols, full_rows // per):
+            if src % per == 0 and rows % per == 0:
+                loaded, src, full_rows = loaded.narrow(1, src // per, rows // per), 0, rows
+            if cols % per == 0:
+                loaded, col_src, full_cols = loaded.narrow(0, col_src, cols), 0, cols
     t = to_canonical(param.int_format, role, loaded, param.bits)
     if role == "g_idx":
         if tuple(t.shape) != (full_cols,):
