@@ -1,0 +1,353 @@
+"""WNA16 experts (``quant="wna16"``) in the Triton fused MoE: 4- or 8-bit integer weights packed in
+int32 along the input dim, dequantized tile by tile in the GEMMs' K loops (weight-only: the
+activations stay in hidden_states' dtype). ``moe.fused_moe`` hands quant="wna16" calls here.
+
+Layout per expert (``atom_kernels.ops.int_quant``): w [E, N, K * bits / 32] int32, 32 / bits
+values of consecutive k per word, lowest bits first, unsigned; scales [E, N, G] in the activation
+dtype; zeros None (symmetric: 2**(bits - 1)) or [E, N, G]. The weight is (q - zero) * scale,
+computed in float32 and rounded once to the activation dtype: the torch reference's dequantized
+experts exactly, so both sides multiply the same numbers (summation order differs).
+
+Two paths, both reusing ``moe.py``'s align step (pairs sorted by expert, padded to BLOCK_M) and
+its top-k sum kernel:
+
+- per-pair (one token: its slots are distinct experts, so no weight is read twice): no align
+  launch; each GEMM program's row block is one pair (row 0 of a 16-row tile) and its expert.
+- sorted: a row block holds up to BLOCK_M pairs of one expert, whose weight tiles are read once
+  for all of them. At decode sizes (up to ~64 tokens) an expert gets a few pairs and the GEMMs
+  stream each routed expert's packed weights and scales once: 16-row tiles, narrow column tiles
+  (many programs: every SM streaming) and long K steps (bytes in flight).
+
+A weight tile [BLOCK_K, BLOCK_N] is loaded as its words (each word's address repeated 32 / bits
+times along K; the repeats hit L1, DRAM reads each byte once), shifted and masked. Scales and
+zeros: one [BLOCK_N] vector per K step when the step lies in one group (group size a multiple of
+BLOCK_K), else gathered per element (group 32 with a 128-input step: 4 distinct scales per
+column, L1 hits again).
+
+T = tokens, K = experts per token, N = T * K pairs, E = experts, H = hidden size, I = expert
+intermediate size, P = padded rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_kernels.backends.triton.common import is_interpreted, next_pow2
+from atom_kernels.backends.triton.moe import (
+    _ACTIVATIONS,
+    ALIGN_KERNEL_MAX_PAIRS,
+    _align_kernel,
+    _align_sort,
+    _block_expert,
+    _sum_topk_kernel,
+    _tile,
+)
+
+# fp32 pair rows between GEMM 2 and the top-k sum up to this many pairs (no extra rounding, and
+# the [N, H] round trip is small next to the weights); above, rows in the activation dtype.
+FP32_ROWS_MAX_PAIRS = 4096
+
+
+@triton.jit
+def _dequant_tile(
+    w_rows, s_rows, z_rows, k0, ks, k_valid, col_valid, stride_wk, stride_sk, stride_zk, group_k,
+    dtype, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr,
+):  # fmt: skip
+    """W[ks, cols] dequantized to ``dtype``: [BLOCK_K, BLOCK_N]. ``w_rows`` [1, N] the packed rows
+    (words ``stride_wk`` apart), ``s_rows`` / ``z_rows`` [N] the rows of scales / zeros (groups
+    ``stride_sk`` / ``stride_zk`` apart), ``ks`` [K] the inputs k0 on. SCALE_VEC: ks lie in one
+    group (k0 // group_k)."""
+    PER: tl.constexpr = 32 // BITS
+    mask = k_valid[:, None] & col_valid[None, :]
+    words = tl.load(w_rows + (ks // PER)[:, None] * stride_wk, mask=mask, other=0)  # [K, N]
+    q = (words >> ((ks % PER) * BITS)[:, None]) & ((1 << BITS) - 1)
+    if SCALE_VEC:
+        g = k0 // group_k
+        scale = tl.load(s_rows + g * stride_sk, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+        if HAS_ZEROS:
+            zero = tl.load(z_rows + g * stride_zk, mask=col_valid, other=0.0).to(tl.float32)
+            zero = zero[None, :]
+        else:
+            zero = 2.0 ** (BITS - 1)
+    else:
+        gs = (ks // group_k)[:, None]
+        scale = tl.load(s_rows[None, :] + gs * stride_sk, mask=mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(z_rows[None, :] + gs * stride_zk, mask=mask, other=0.0).to(tl.float32)
+        else:
+            zero = 2.0 ** (BITS - 1)
+    return ((q.to(tl.float32) - zero) * scale).to(dtype)
+
+
+@triton.jit
+def _rows(pid_m, ids_ptr, sorted_ptr, counts_ptr, ends_ptr, num_experts,
+          PER_PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
+    """(expert, rows [M] of the GEMM 1 output, pairs [M], row_valid [M]) of row block pid_m;
+    expert < 0 or >= num_experts: nothing to do (a -1 pair, a block past the last segment)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    if PER_PAIR:  # one pair per row block, in row 0
+        expert = tl.load(ids_ptr + pid_m).to(tl.int32)
+        row_valid = offs_m == 0
+        rows = pid_m + offs_m * 0
+        pairs = rows
+    else:
+        expert, first, count = _block_expert(pid_m, ends_ptr, counts_ptr, num_experts, BLOCK_M,
+                                             BLOCK_E)  # fmt: skip
+        row_valid = first + offs_m < count
+        rows = pid_m * BLOCK_M + offs_m
+        pairs = tl.load(sorted_ptr + rows, mask=row_valid, other=0)
+    return expert, rows.to(tl.int64), pairs.to(tl.int64), row_valid
+
+
+@triton.jit(do_not_specialize=["num_row_blocks", "group_m"])
+def _wna16_gemm1_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ids_ptr, sorted_ptr, counts_ptr, ends_ptr,
+    num_row_blocks, group_m, num_experts, hidden_size, inter_size, top_k, group_k,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_ze, stride_zn, stride_zk, stride_be, stride_bn, stride_om, alpha, limit,
+    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr,
+    ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr, PER_PAIR: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """out[rows, cols] = act(x[tokens] @ W13[expert, gate / up rows]^T + b13): x [T, H], w [E, 2I,
+    H / PER] packed, out [P or N, I] in x's dtype."""
+    pid_m, pid_n = _tile(tl.program_id(0), num_row_blocks, tl.cdiv(inter_size, BLOCK_N), group_m)
+    expert, rows, pairs, row_valid = _rows(pid_m, ids_ptr, sorted_ptr, counts_ptr, ends_ptr,
+                                           num_experts, PER_PAIR, BLOCK_M, BLOCK_E)  # fmt: skip
+    if (expert < 0) | (expert >= num_experts):
+        return
+    e = expert.to(tl.int64)
+    tokens = pairs // top_k
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] columns of the output
+    col_valid = cols < inter_size
+    if INTERLEAVED:
+        gate_rows, up_rows = 2 * cols, 2 * cols + 1
+    else:
+        gate_rows, up_rows = cols, cols + inter_size
+    wg_rows = w_ptr + e * stride_we + gate_rows[None, :].to(tl.int64) * stride_wn  # [1, N]
+    wu_rows = w_ptr + e * stride_we + up_rows[None, :].to(tl.int64) * stride_wn
+    sg_rows = s_ptr + e * stride_se + gate_rows.to(tl.int64) * stride_sn  # [N]
+    su_rows = s_ptr + e * stride_se + up_rows.to(tl.int64) * stride_sn
+    zg_rows = z_ptr + e * stride_ze + gate_rows.to(tl.int64) * stride_zn
+    zu_rows = z_ptr + e * stride_ze + up_rows.to(tl.int64) * stride_zn
+    x_rows = x_ptr + tokens[:, None] * stride_xt  # [M, 1]
+    dtype = out_ptr.dtype.element_ty
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden_size, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_valid = ks < hidden_size
+        x = tl.load(x_rows + ks[None, :] * stride_xh, mask=row_valid[:, None] & k_valid[None, :],
+                    other=0.0)  # [M, K]  # fmt: skip
+        wg = _dequant_tile(wg_rows, sg_rows, zg_rows, k0, ks, k_valid, col_valid, stride_wk,
+                           stride_sk, stride_zk, group_k, dtype, BITS, HAS_ZEROS,
+                           SCALE_VEC)  # fmt: skip
+        wu = _dequant_tile(wu_rows, su_rows, zu_rows, k0, ks, k_valid, col_valid, stride_wk,
+                           stride_sk, stride_zk, group_k, dtype, BITS, HAS_ZEROS,
+                           SCALE_VEC)  # fmt: skip
+        acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
+    if HAS_BIAS:
+        b_base = bias_ptr + e * stride_be
+        acc_g += tl.load(b_base + gate_rows * stride_bn, mask=col_valid, other=0.0).to(tl.float32)
+        acc_u += tl.load(b_base + up_rows * stride_bn, mask=col_valid, other=0.0).to(tl.float32)
+    # The reference's projection comes out of a GEMM in x's dtype: round as it does.
+    gate = acc_g.to(dtype).to(tl.float32)
+    up = acc_u.to(dtype).to(tl.float32)
+    if ACTIVATION == 0:
+        act = gate / (1.0 + tl.exp(-gate)) * up
+    elif ACTIVATION == 1:
+        act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+    else:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
+    out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, act.to(dtype), mask=row_valid[:, None] & col_valid[None, :])
+
+
+@triton.jit(do_not_specialize=["num_row_blocks", "group_m"])
+def _wna16_gemm2_kernel(
+    a_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, topk_weights_ptr, out_ptr, ids_ptr, sorted_ptr,
+    counts_ptr, ends_ptr, num_row_blocks, group_m, num_experts, hidden_size, inter_size, group_k,
+    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_ze, stride_zn, stride_zk, stride_be, stride_bn, stride_tw, stride_om,
+    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, PER_PAIR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """out[pair, cols] = w_pair * (a[row] @ W2[expert, cols]^T + b2): a [P or N, I] (GEMM 1's
+    rows), w [E, H, I / PER] packed, out [N, H] one row per pair (fp32 or x's dtype)."""
+    pid_m, pid_n = _tile(tl.program_id(0), num_row_blocks, tl.cdiv(hidden_size, BLOCK_N), group_m)
+    expert, rows, pairs, row_valid = _rows(pid_m, ids_ptr, sorted_ptr, counts_ptr, ends_ptr,
+                                           num_experts, PER_PAIR, BLOCK_M, BLOCK_E)  # fmt: skip
+    if (expert < 0) | (expert >= num_experts):
+        return
+    e = expert.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = cols < hidden_size
+    w_rows = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn  # [1, N]
+    s_rows = s_ptr + e * stride_se + cols.to(tl.int64) * stride_sn  # [N]
+    z_rows = z_ptr + e * stride_ze + cols.to(tl.int64) * stride_zn
+    a_rows = a_ptr + rows[:, None] * stride_am  # [M, 1]
+    dtype = a_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_valid = ks < inter_size
+        a = tl.load(a_rows + ks[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        w = _dequant_tile(w_rows, s_rows, z_rows, k0, ks, k_valid, col_valid, stride_wk,
+                          stride_sk, stride_zk, group_k, dtype, BITS, HAS_ZEROS,
+                          SCALE_VEC)  # fmt: skip
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + e * stride_be + cols * stride_bn, mask=col_valid, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    weight = tl.load(topk_weights_ptr + pairs * stride_tw, mask=row_valid, other=0.0)
+    y = acc.to(dtype).to(tl.float32) * weight.to(tl.float32)[:, None]  # the reference's rounding
+    out_ptrs = out_ptr + pairs[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty),
+             mask=row_valid[:, None] & col_valid[None, :])  # fmt: skip
+
+
+def wna16_configs(num_tokens: int, top_k: int, num_experts: int, device: torch.device) -> dict:
+    """{"per_pair": path, "gemm1": kernel config, "gemm2": kernel config} (BLOCK_M/N/K,
+    num_warps, num_stages, GROUP_M; both GEMMs share BLOCK_M). Pass one to
+    ``fused_moe(config=...)`` to override.
+
+    NOTE: not yet tuned on a GPU (2026-11-27: written and checked under the interpreter only).
+    Decode: 16-row tiles (an expert rarely gets more pairs), 32-column tiles (Kimi-K2 at T = 1:
+    8 x 2048 / 32 = 512 GEMM 1 and 8 x 7168 / 32 = 1792 GEMM 2 programs), 128-input K steps
+    (64 bytes of int4 per column per step and matrix), deep pipelines."""
+    num_pairs = num_tokens * top_k
+    per_pair = num_tokens == 1
+    if is_interpreted(device):  # small tiles: the interpreter's cost grows with tile size
+        cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, GROUP_M=4)
+        return {"per_pair": per_pair, "gemm1": cfg, "gemm2": dict(cfg)}
+    rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
+    if per_pair or rows_per_expert <= 16:
+        gemm1 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+        gemm2 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+    elif rows_per_expert <= 64:
+        gemm1 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
+        gemm2 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, GROUP_M=8)
+    else:
+        gemm1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=8)
+        gemm2 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=8)
+    return {"per_pair": per_pair, "gemm1": gemm1, "gemm2": gemm2}
+
+
+def _launch(cfg: dict, num_row_blocks: int, group_k: int) -> tuple[dict, int, bool]:
+    """(launch config without GROUP_M, group_m, SCALE_VEC) of one GEMM."""
+    cfg = dict(cfg)
+    group_m = cfg.pop("GROUP_M", 0)
+    scale_vec = group_k % cfg["BLOCK_K"] == 0
+    return cfg, group_m if group_m > 0 else max(1, num_row_blocks), scale_vec
+
+
+def _quant_args(w: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None) -> tuple:
+    """(w, scale, zeros or scale, strides of the three): the kernels' weight arguments."""
+    z = scale if zeros is None else zeros
+    return (*w.stride(), *scale.stride(), *z.stride()), z
+
+
+def fused_moe_wna16(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    gate_up_interleaved: bool,
+    swiglu_alpha: float,
+    swiglu_limit: float,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w13_zeros: torch.Tensor | None = None,
+    w2_zeros: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """See ``atom_kernels.fused_moe`` (quant="wna16"). hidden_states [T, H] -> [T, H] in its
+    dtype; ``config``: a ``wna16_configs`` dict overriding the default (tuning, tests)."""
+    num_tokens, hidden_size = hidden_states.shape
+    top_k = topk_ids.shape[1]
+    num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
+    device, dtype = hidden_states.device, hidden_states.dtype
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0 or hidden_size == 0:
+        return torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device)
+    bits = 32 * w13.shape[2] // hidden_size
+    group13 = hidden_size // w13_scale.shape[2]  # inputs per group
+    group2 = inter_size // w2_scale.shape[2]
+    if config is None:
+        config = wna16_configs(num_tokens, top_k, num_experts, device)
+    per_pair = config["per_pair"]
+    ids = topk_ids.reshape(-1).contiguous()  # [N], indexed without a stride
+    weights = topk_weights.reshape(-1)
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    block_e = next_pow2(num_experts, 16)
+    if per_pair:
+        num_row_blocks = num_pairs
+        sorted_ids = counts = ends = ids  # unused by the per-pair programs
+        activated = torch.empty((num_pairs, inter_size), dtype=dtype, device=device)  # [N, I]
+    else:
+        block_m = config["gemm1"]["BLOCK_M"]
+        assert config["gemm2"]["BLOCK_M"] == block_m
+        max_rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+        num_row_blocks = triton.cdiv(max_rows, block_m)
+        sorted_ids = torch.empty(num_row_blocks * block_m, dtype=torch.int32, device=device)
+        counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+        ends = torch.empty(num_experts, dtype=torch.int32, device=device)
+        if num_pairs <= ALIGN_KERNEL_MAX_PAIRS:
+            _align_kernel[(1,)](
+                ids, sorted_ids, counts, ends, num_pairs, num_experts, BLOCK_M=block_m,
+                BLOCK_E=block_e, CHUNK=32 if block_e > 128 else 64, num_warps=4,
+            )  # fmt: skip
+        else:
+            _align_sort(ids, num_experts, block_m, sorted_ids, counts, ends)
+        activated = torch.empty((num_row_blocks * block_m, inter_size), dtype=dtype, device=device)
+
+    gemm1, group1, vec1 = _launch(config["gemm1"], num_row_blocks, group13)
+    strides13, z13 = _quant_args(w13, w13_scale, w13_zeros)
+    b13 = w13 if w13_bias is None else w13_bias
+    bias13_strides = (0, 0) if w13_bias is None else tuple(w13_bias.stride())
+    grid1 = (num_row_blocks * triton.cdiv(inter_size, gemm1["BLOCK_N"]),)
+    _wna16_gemm1_kernel[grid1](
+        hidden_states, w13, w13_scale, z13, b13, activated, ids, sorted_ids, counts, ends,
+        num_row_blocks, group1, num_experts, hidden_size, inter_size, top_k, group13,
+        *hidden_states.stride(), *strides13, *bias13_strides, activated.stride(0),
+        float(swiglu_alpha), float(swiglu_limit),
+        BITS=bits, HAS_ZEROS=w13_zeros is not None, SCALE_VEC=vec1,
+        ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=bool(gate_up_interleaved),
+        HAS_BIAS=w13_bias is not None, PRECISION=precision, PER_PAIR=per_pair, BLOCK_E=block_e,
+        **gemm1,
+    )  # fmt: skip
+
+    # One row per pair; the rows of -1 pairs are never written (the sum kernel skips them).
+    rows_dtype = torch.float32 if num_pairs <= FP32_ROWS_MAX_PAIRS else dtype
+    dest = torch.empty((num_pairs, hidden_size), dtype=rows_dtype, device=device)  # [N, H]
+    gemm2, group2_m, vec2 = _launch(config["gemm2"], num_row_blocks, group2)
+    strides2, z2 = _quant_args(w2, w2_scale, w2_zeros)
+    b2 = w2 if w2_bias is None else w2_bias
+    bias2_strides = (0, 0) if w2_bias is None else tuple(w2_bias.stride())
+    grid2 = (num_row_blocks * triton.cdiv(hidden_size, gemm2["BLOCK_N"]),)
+    _wna16_gemm2_kernel[grid2](
+        activated, w2, w2_scale, z2, b2, weights, dest, ids, sorted_ids, counts, ends,
+        num_row_blocks, group2_m, num_experts, hidden_size, inter_size, group2,
+        activated.stride(0), *strides2, *bias2_strides, weights.stride(0), dest.stride(0),
+        BITS=bits, HAS_ZEROS=w2_zeros is not None, SCALE_VEC=vec2,
+        HAS_BIAS=w2_bias is not None, PRECISION=precision, PER_PAIR=per_pair, BLOCK_E=block_e,
+        **gemm2,
+    )  # fmt: skip
+
+    out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)  # [T, H]
+    block_n = min(1024, next_pow2(hidden_size, 16))
+    _sum_topk_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
+        dest, ids, out, hidden_size, top_k, dest.stride(0), out.stride(0), BLOCK_N=block_n,
+    )  # fmt: skip
+    return out
