@@ -129,16 +129,27 @@ def test_fused_moe_wna16_biases_dtypes(triton_backend, per_pair, dtype):
     _check(x, experts, _routing(num_tokens, 3, 2, 32, device), oai=True, name="oai")
 
 
-@pytest.mark.parametrize(("block_k", "group"), [(32, 64), (64, 32), (64, 0)])
+# (bits, BLOCK_K, w13's group size, w2's): BLOCK_K / (32 / bits) >= 16 runs the split loop, else
+# the gathered tile; a group size that BLOCK_K divides gives vector scales, else gathered ones.
+TILE_CASES = [
+    (4, 32, 64, 32),  # tile, vector scales
+    (4, 64, 32, 96),  # tile, gathered scales (w2 channel-wise: 96 inputs, 64-input steps)
+    (4, 128, 128, 32),  # split: vector scales; gathered ones and a partial last step (I = 96)
+    (4, 128, 256, 96),  # split, channel-wise
+    (8, 64, 64, 32),  # split at 8 bits
+    (8, 32, 256, 96),  # tile at 8 bits, channel-wise
+]
+
+
+@pytest.mark.parametrize(("bits", "block_k", "group13", "group2"), TILE_CASES)
 @pytest.mark.parametrize("strided", [False, True])
-def test_fused_moe_wna16_tiles(triton_backend, block_k, group, strided):
-    """Odd widths: H = 192 and I = 96 over 64-column tiles (partial column tiles, a partial last K
-    step when BLOCK_K = 64 over I = 96); K steps inside one group (vector scales) and spanning
-    groups (gathered scales); 20 pairs of one expert (two 16-row blocks); strided activations,
-    packed weights, scales and zeros."""
-    device, hidden, inter = triton_backend.device, 192, 96
-    g13, g2 = (hidden // group, inter // group) if group else (1, 1)
-    experts = _experts(2, hidden, inter, 4, g13, g2, True, torch.bfloat16, device, seed=40)
+def test_fused_moe_wna16_tiles(triton_backend, bits, block_k, group13, group2, strided):
+    """Both K loops and both scale loads: H = 256 and I = 96 over 64-column tiles (a partial
+    column tile); 20 pairs of one expert (two 16-row blocks); strided activations, packed
+    weights, scales and zeros, or contiguous ones."""
+    device, hidden, inter = triton_backend.device, 256, 96
+    g13, g2 = hidden // group13, inter // group2
+    experts = _experts(2, hidden, inter, bits, g13, g2, True, torch.bfloat16, device, seed=40)
     x = _randn(10, hidden, seed=41, device=device).to(torch.bfloat16)
     if strided:
         experts = tuple(tuple(strided_copy(t) for t in w) for w in experts)
@@ -146,6 +157,28 @@ def test_fused_moe_wna16_tiles(triton_backend, block_k, group, strided):
     cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, GROUP_M=2)
     config = {"per_pair": False, "gemm1": cfg, "gemm2": cfg}
     _check(x, experts, _routing(10, 2, 2, 42, device), config=config, name=f"K{block_k}")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_fused_moe_wna16_decode_config(triton_backend, monkeypatch, num_tokens):
+    """The GPU's decode tiles (``wna16_configs`` on a GPU: 16 rows, 256-input split steps at 4
+    bits) on Kimi-K2's format (int4, symmetric, group 32), with -1 slots."""
+    from atom_kernels.backends.triton import moe_wna16
+
+    device, hidden, inter = triton_backend.device, 256, 64
+    if device != "cuda":
+        monkeypatch.setattr(moe_wna16, "num_sms", lambda device: 132)  # an H100's
+    config = moe_wna16.wna16_configs(num_tokens, 4, 8, inter, 4, torch.device("cuda"))
+    if device == "cuda":
+        config = None  # the same, chosen by the op
+    else:
+        assert config["per_pair"] == (num_tokens == 1)
+        assert config["gemm1"]["BLOCK_K"] == config["gemm2"]["BLOCK_K"] == 256
+    experts = _experts(8, hidden, inter, 4, hidden // 32, inter // 32, False, torch.bfloat16,
+                       device, seed=45)  # fmt: skip
+    x = _randn(num_tokens, hidden, seed=46, device=device).to(torch.bfloat16)
+    routing = _routing(num_tokens, 8, 4, 47, device, drop=6)
+    _check(x, experts, routing, config=config, name="decode tiles")
 
 
 def test_fused_moe_wna16_custom_op_passes_zeros(triton_backend):

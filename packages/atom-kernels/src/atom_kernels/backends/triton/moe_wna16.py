@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from atom_kernels.backends.triton.common import is_interpreted, next_pow2
+from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_sms
 from atom_kernels.backends.triton.moe import (
     _ACTIVATIONS,
     ALIGN_KERNEL_MAX_PAIRS,
@@ -51,34 +51,97 @@ FP32_ROWS_MAX_PAIRS = 4096
 
 
 @triton.jit
-def _dequant_tile(
-    w_rows, s_rows, z_rows, k0, ks, k_valid, col_valid, stride_wk, stride_sk, stride_zk, group_k,
-    dtype, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr,
+def _weight(q, zero, scale, dtype):
+    """Unsigned integers q (int32) -> (q - zero) * scale in ``dtype``, rounded once. q goes to
+    float32 by its bits (2**23 + q: q under the mantissa of 2**23), not a conversion instruction
+    (a quarter-rate one on Hopper); the subtraction is exact, so is the product (<= 8 + 11
+    significant bits), as the reference's float32 math."""
+    value = (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + zero)
+    return (value * scale).to(dtype)
+
+
+@triton.jit
+def _group_params(
+    s_rows, z_rows, groups, mask, col_valid, stride_sk, stride_zk,
+    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr,
 ):  # fmt: skip
-    """W[ks, cols] dequantized to ``dtype``: [BLOCK_K, BLOCK_N]. ``w_rows`` [1, N] the packed rows
-    (words ``stride_wk`` apart), ``s_rows`` / ``z_rows`` [N] the rows of scales / zeros (groups
-    ``stride_sk`` / ``stride_zk`` apart), ``ks`` [K] the inputs k0 on. SCALE_VEC: ks lie in one
-    group (k0 // group_k)."""
-    PER: tl.constexpr = 32 // BITS
-    mask = k_valid[:, None] & col_valid[None, :]
-    words = tl.load(w_rows + (ks // PER)[:, None] * stride_wk, mask=mask, other=0)  # [K, N]
-    q = (words >> ((ks % PER) * BITS)[:, None]) & ((1 << BITS) - 1)
+    """(zero, scale) float32 of a K step: SCALE_VEC, the step lies in group ``groups`` (a
+    scalar): [1, N] vectors; else ``groups`` [R] the group of each row of the step's tile:
+    [R, N] gathered (L1 hits: a few distinct groups per column)."""
     if SCALE_VEC:
-        g = k0 // group_k
-        scale = tl.load(s_rows + g * stride_sk, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+        scale = tl.load(s_rows + groups * stride_sk, mask=col_valid, other=0.0)[None, :]
         if HAS_ZEROS:
-            zero = tl.load(z_rows + g * stride_zk, mask=col_valid, other=0.0).to(tl.float32)
-            zero = zero[None, :]
-        else:
-            zero = 2.0 ** (BITS - 1)
+            zero = tl.load(z_rows + groups * stride_zk, mask=col_valid, other=0.0)[None, :]
     else:
-        gs = (ks // group_k)[:, None]
-        scale = tl.load(s_rows[None, :] + gs * stride_sk, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(s_rows[None, :] + groups[:, None] * stride_sk, mask=mask, other=0.0)
         if HAS_ZEROS:
-            zero = tl.load(z_rows[None, :] + gs * stride_zk, mask=mask, other=0.0).to(tl.float32)
-        else:
-            zero = 2.0 ** (BITS - 1)
-    return ((q.to(tl.float32) - zero) * scale).to(dtype)
+            zero = tl.load(z_rows[None, :] + groups[:, None] * stride_zk, mask=mask, other=0.0)
+    if HAS_ZEROS:
+        zero = zero.to(tl.float32)
+    else:
+        zero = 2.0 ** (BITS - 1)
+    return zero, scale.to(tl.float32)
+
+
+@triton.jit
+def wna16_step(
+    acc, acc2, x_rows, x_valid, stride_xk, w_rows, w2_rows, s_rows, s2_rows, z_rows, z2_rows,
+    k0, num_k, col_valid, stride_wk, stride_sk, stride_zk, group_k,
+    TWO: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """(acc + x[:, k0 : k0 + BLOCK_K] @ W[k0 : k0 + BLOCK_K, cols], the same for acc2 and W2 when
+    ``TWO``), the activations loaded once for both: ``x_rows`` [M, 1] pointers to the activation
+    rows (inputs ``stride_xk`` apart), ``x_valid`` [M]; ``w_rows`` [1, N] the packed rows (words
+    ``stride_wk`` apart), ``s_rows`` / ``z_rows`` [N] the rows of scales / zeros.
+
+    SPLIT (BLOCK_K / PER >= 16, the dot's least K; group_k a multiple of PER): the step's
+    [BLOCK_K / PER, N] words are loaded once (contiguous along K: vector loads), then PER dots,
+    dot i over the inputs k = PER * j + i (the i-th value of word j) against those values: a
+    dot's sum does not care about the order of its K. Else one [BLOCK_K, N] tile in k order,
+    each word's address repeated PER times (the repeats hit L1)."""
+    PER: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if SPLIT:
+        js = k0 // PER + tl.arange(0, BLOCK_K // PER)  # [J] words of the step
+        j_valid = js < num_k // PER
+        mask = j_valid[:, None] & col_valid[None, :]
+        groups = k0 // group_k if SCALE_VEC else js * PER // group_k  # group_k % PER == 0
+        words = tl.load(w_rows + js[:, None] * stride_wk, mask=mask, other=0)  # [J, N]
+        zero, scale = _group_params(s_rows, z_rows, groups, mask, col_valid, stride_sk,
+                                    stride_zk, BITS, HAS_ZEROS, SCALE_VEC)  # fmt: skip
+        if TWO:
+            words2 = tl.load(w2_rows + js[:, None] * stride_wk, mask=mask, other=0)
+            zero2, scale2 = _group_params(s2_rows, z2_rows, groups, mask, col_valid, stride_sk,
+                                          stride_zk, BITS, HAS_ZEROS, SCALE_VEC)  # fmt: skip
+        x_mask = x_valid[:, None] & j_valid[None, :]
+        for i in tl.static_range(0, PER):
+            x = tl.load(x_rows + (js * PER + i)[None, :] * stride_xk, mask=x_mask, other=0.0)
+            w = _weight((words >> (i * BITS)) & MASK, zero, scale, x.dtype)  # [J, N]
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            if TWO:
+                w2 = _weight((words2 >> (i * BITS)) & MASK, zero2, scale2, x.dtype)
+                acc2 = tl.dot(x, w2, acc2, input_precision=PRECISION)
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_valid = ks < num_k
+        mask = k_valid[:, None] & col_valid[None, :]
+        groups = k0 // group_k if SCALE_VEC else ks // group_k
+        shifts = ((ks % PER) * BITS)[:, None]
+        x = tl.load(x_rows + ks[None, :] * stride_xk, mask=x_valid[:, None] & k_valid[None, :],
+                    other=0.0)  # [M, K]  # fmt: skip
+        words = tl.load(w_rows + (ks // PER)[:, None] * stride_wk, mask=mask, other=0)  # [K, N]
+        zero, scale = _group_params(s_rows, z_rows, groups, mask, col_valid, stride_sk,
+                                    stride_zk, BITS, HAS_ZEROS, SCALE_VEC)  # fmt: skip
+        acc = tl.dot(x, _weight((words >> shifts) & MASK, zero, scale, x.dtype), acc,
+                     input_precision=PRECISION)  # fmt: skip
+        if TWO:
+            words2 = tl.load(w2_rows + (ks // PER)[:, None] * stride_wk, mask=mask, other=0)
+            zero2, scale2 = _group_params(s2_rows, z2_rows, groups, mask, col_valid, stride_sk,
+                                          stride_zk, BITS, HAS_ZEROS, SCALE_VEC)  # fmt: skip
+            acc2 = tl.dot(x, _weight((words2 >> shifts) & MASK, zero2, scale2, x.dtype), acc2,
+                          input_precision=PRECISION)  # fmt: skip
+    return acc, acc2
 
 
 @triton.jit
@@ -107,7 +170,7 @@ def _wna16_gemm1_kernel(
     num_row_blocks, group_m, num_experts, hidden_size, inter_size, top_k, group_k,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_ze, stride_zn, stride_zk, stride_be, stride_bn, stride_om, alpha, limit,
-    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr,
+    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr, SPLIT: tl.constexpr,
     ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr, PER_PAIR: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -134,27 +197,20 @@ def _wna16_gemm1_kernel(
     zg_rows = z_ptr + e * stride_ze + gate_rows.to(tl.int64) * stride_zn
     zu_rows = z_ptr + e * stride_ze + up_rows.to(tl.int64) * stride_zn
     x_rows = x_ptr + tokens[:, None] * stride_xt  # [M, 1]
-    dtype = out_ptr.dtype.element_ty
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_valid = ks < hidden_size
-        x = tl.load(x_rows + ks[None, :] * stride_xh, mask=row_valid[:, None] & k_valid[None, :],
-                    other=0.0)  # [M, K]  # fmt: skip
-        wg = _dequant_tile(wg_rows, sg_rows, zg_rows, k0, ks, k_valid, col_valid, stride_wk,
-                           stride_sk, stride_zk, group_k, dtype, BITS, HAS_ZEROS,
-                           SCALE_VEC)  # fmt: skip
-        wu = _dequant_tile(wu_rows, su_rows, zu_rows, k0, ks, k_valid, col_valid, stride_wk,
-                           stride_sk, stride_zk, group_k, dtype, BITS, HAS_ZEROS,
-                           SCALE_VEC)  # fmt: skip
-        acc_g = tl.dot(x, wg, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(x, wu, acc_u, input_precision=PRECISION)
+        acc_g, acc_u = wna16_step(
+            acc_g, acc_u, x_rows, row_valid, stride_xh, wg_rows, wu_rows, sg_rows, su_rows,
+            zg_rows, zu_rows, k0, hidden_size, col_valid, stride_wk, stride_sk, stride_zk,
+            group_k, True, BITS, HAS_ZEROS, SCALE_VEC, SPLIT, PRECISION, BLOCK_K,
+        )  # fmt: skip
     if HAS_BIAS:
         b_base = bias_ptr + e * stride_be
         acc_g += tl.load(b_base + gate_rows * stride_bn, mask=col_valid, other=0.0).to(tl.float32)
         acc_u += tl.load(b_base + up_rows * stride_bn, mask=col_valid, other=0.0).to(tl.float32)
     # The reference's projection comes out of a GEMM in x's dtype: round as it does.
+    dtype = out_ptr.dtype.element_ty
     gate = acc_g.to(dtype).to(tl.float32)
     up = acc_u.to(dtype).to(tl.float32)
     if ACTIVATION == 0:
@@ -175,7 +231,7 @@ def _wna16_gemm2_kernel(
     counts_ptr, ends_ptr, num_row_blocks, group_m, num_experts, hidden_size, inter_size, group_k,
     stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_ze, stride_zn, stride_zk, stride_be, stride_bn, stride_tw, stride_om,
-    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr,
+    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr, SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, PER_PAIR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
@@ -196,13 +252,11 @@ def _wna16_gemm2_kernel(
     dtype = a_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_valid = ks < inter_size
-        a = tl.load(a_rows + ks[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        w = _dequant_tile(w_rows, s_rows, z_rows, k0, ks, k_valid, col_valid, stride_wk,
-                          stride_sk, stride_zk, group_k, dtype, BITS, HAS_ZEROS,
-                          SCALE_VEC)  # fmt: skip
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        acc, _ = wna16_step(
+            acc, acc, a_rows, row_valid, 1, w_rows, w_rows, s_rows, s_rows, z_rows, z_rows, k0,
+            inter_size, col_valid, stride_wk, stride_sk, stride_zk, group_k, False, BITS,
+            HAS_ZEROS, SCALE_VEC, SPLIT, PRECISION, BLOCK_K,
+        )  # fmt: skip
     if HAS_BIAS:
         bias = tl.load(bias_ptr + e * stride_be + cols * stride_bn, mask=col_valid, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -213,15 +267,19 @@ def _wna16_gemm2_kernel(
              mask=row_valid[:, None] & col_valid[None, :])  # fmt: skip
 
 
-def wna16_configs(num_tokens: int, top_k: int, num_experts: int, device: torch.device) -> dict:
+def wna16_configs(
+    num_tokens: int, top_k: int, num_experts: int, inter_size: int, bits: int, device: torch.device
+) -> dict:
     """{"per_pair": path, "gemm1": kernel config, "gemm2": kernel config} (BLOCK_M/N/K,
     num_warps, num_stages, GROUP_M; both GEMMs share BLOCK_M). Pass one to
     ``fused_moe(config=...)`` to override.
 
     NOTE: not yet tuned on a GPU (2026-11-27: written and checked under the interpreter only).
-    Decode: 16-row tiles (an expert rarely gets more pairs), 32-column tiles (Kimi-K2 at T = 1:
-    8 x 2048 / 32 = 512 GEMM 1 and 8 x 7168 / 32 = 1792 GEMM 2 programs), 128-input K steps
-    (64 bytes of int4 per column per step and matrix), deep pipelines."""
+    Decode (an expert gets at most a few pairs): 16-row tiles; K steps of 128 bytes of each
+    packed row (256 inputs at 4 bits, 128 at 8: whole cache lines, split into 32 / bits dots);
+    narrow column tiles so every SM streams (Kimi-K2, I = 2048, T = 1: 8 pairs x 2048 / 32 =
+    512 GEMM 1 programs, 8 x 7168 / 32 = 1792 GEMM 2 ones; 16-column GEMM 1 tiles when there
+    are fewer pairs per SM, e.g. one rank of expert parallelism, where most slots are -1)."""
     num_pairs = num_tokens * top_k
     per_pair = num_tokens == 1
     if is_interpreted(device):  # small tiles: the interpreter's cost grows with tile size
@@ -229,23 +287,30 @@ def wna16_configs(num_tokens: int, top_k: int, num_experts: int, device: torch.d
         return {"per_pair": per_pair, "gemm1": cfg, "gemm2": dict(cfg)}
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
     if per_pair or rows_per_expert <= 16:
-        gemm1 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
-        gemm2 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
-    elif rows_per_expert <= 64:
-        gemm1 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
-        gemm2 = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, GROUP_M=8)
-    else:
-        gemm1 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=8)
-        gemm2 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, GROUP_M=8)
+        block_k = 1024 // bits
+        n1 = 32 if num_pairs * triton.cdiv(inter_size, 32) >= 4 * num_sms(device) else 16
+        gemm1 = dict(BLOCK_M=16, BLOCK_N=n1, BLOCK_K=block_k, num_warps=4, num_stages=4)
+        gemm2 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, num_warps=4, num_stages=4)
+    else:  # 16 dots' K per step: the split loop (``wna16_step``)
+        block_m = 64 if rows_per_expert <= 64 else 128
+        warps = 4 if block_m == 64 else 8
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_K=512 // bits, num_warps=warps,
+                   num_stages=3, GROUP_M=8)  # fmt: skip
+        gemm1, gemm2 = cfg, dict(cfg)
     return {"per_pair": per_pair, "gemm1": gemm1, "gemm2": gemm2}
 
 
-def _launch(cfg: dict, num_row_blocks: int, group_k: int) -> tuple[dict, int, bool]:
-    """(launch config without GROUP_M, group_m, SCALE_VEC) of one GEMM."""
+def _launch(cfg: dict, num_row_blocks: int, group_k: int, bits: int) -> tuple[dict, int, dict]:
+    """(launch config without GROUP_M, group_m, the dequantization constexprs) of one GEMM."""
     cfg = dict(cfg)
     group_m = cfg.pop("GROUP_M", 0)
-    scale_vec = group_k % cfg["BLOCK_K"] == 0
-    return cfg, group_m if group_m > 0 else max(1, num_row_blocks), scale_vec
+    per_int = 32 // bits
+    quant = dict(
+        BITS=bits,
+        SCALE_VEC=group_k % cfg["BLOCK_K"] == 0,
+        SPLIT=cfg["BLOCK_K"] // per_int >= 16 and group_k % per_int == 0,
+    )
+    return cfg, group_m if group_m > 0 else max(1, num_row_blocks), quant
 
 
 def _quant_args(w: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None) -> tuple:
@@ -285,7 +350,7 @@ def fused_moe_wna16(
     group13 = hidden_size // w13_scale.shape[2]  # inputs per group
     group2 = inter_size // w2_scale.shape[2]
     if config is None:
-        config = wna16_configs(num_tokens, top_k, num_experts, device)
+        config = wna16_configs(num_tokens, top_k, num_experts, inter_size, bits, device)
     per_pair = config["per_pair"]
     ids = topk_ids.reshape(-1).contiguous()  # [N], indexed without a stride
     weights = topk_weights.reshape(-1)
@@ -312,7 +377,7 @@ def fused_moe_wna16(
             _align_sort(ids, num_experts, block_m, sorted_ids, counts, ends)
         activated = torch.empty((num_row_blocks * block_m, inter_size), dtype=dtype, device=device)
 
-    gemm1, group1, vec1 = _launch(config["gemm1"], num_row_blocks, group13)
+    gemm1, group1, quant1 = _launch(config["gemm1"], num_row_blocks, group13, bits)
     strides13, z13 = _quant_args(w13, w13_scale, w13_zeros)
     b13 = w13 if w13_bias is None else w13_bias
     bias13_strides = (0, 0) if w13_bias is None else tuple(w13_bias.stride())
@@ -322,7 +387,7 @@ def fused_moe_wna16(
         num_row_blocks, group1, num_experts, hidden_size, inter_size, top_k, group13,
         *hidden_states.stride(), *strides13, *bias13_strides, activated.stride(0),
         float(swiglu_alpha), float(swiglu_limit),
-        BITS=bits, HAS_ZEROS=w13_zeros is not None, SCALE_VEC=vec1,
+        HAS_ZEROS=w13_zeros is not None, **quant1,
         ACTIVATION=_ACTIVATIONS[activation], INTERLEAVED=bool(gate_up_interleaved),
         HAS_BIAS=w13_bias is not None, PRECISION=precision, PER_PAIR=per_pair, BLOCK_E=block_e,
         **gemm1,
@@ -331,7 +396,7 @@ def fused_moe_wna16(
     # One row per pair; the rows of -1 pairs are never written (the sum kernel skips them).
     rows_dtype = torch.float32 if num_pairs <= FP32_ROWS_MAX_PAIRS else dtype
     dest = torch.empty((num_pairs, hidden_size), dtype=rows_dtype, device=device)  # [N, H]
-    gemm2, group2_m, vec2 = _launch(config["gemm2"], num_row_blocks, group2)
+    gemm2, group2_m, quant2 = _launch(config["gemm2"], num_row_blocks, group2, bits)
     strides2, z2 = _quant_args(w2, w2_scale, w2_zeros)
     b2 = w2 if w2_bias is None else w2_bias
     bias2_strides = (0, 0) if w2_bias is None else tuple(w2_bias.stride())
@@ -340,7 +405,7 @@ def fused_moe_wna16(
         activated, w2, w2_scale, z2, b2, weights, dest, ids, sorted_ids, counts, ends,
         num_row_blocks, group2_m, num_experts, hidden_size, inter_size, group2,
         activated.stride(0), *strides2, *bias2_strides, weights.stride(0), dest.stride(0),
-        BITS=bits, HAS_ZEROS=w2_zeros is not None, SCALE_VEC=vec2,
+        HAS_ZEROS=w2_zeros is not None, **quant2,
         HAS_BIAS=w2_bias is not None, PRECISION=precision, PER_PAIR=per_pair, BLOCK_E=block_e,
         **gemm2,
     )  # fmt: skip
