@@ -86,16 +86,17 @@ def _group_params(
 @triton.jit
 def wna16_step(
     acc, acc2, x_rows, x_valid, stride_xk, w_rows, w2_rows, s_rows, s2_rows, z_rows, z2_rows,
-    k0, num_k, col_valid, stride_wk, stride_sk, stride_zk, group_k,
-    TWO: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr,
+    k0, num_k, col_valid, stride_wk, stride_sk, stride_zk,
+    TWO: tl.constexpr, BITS: tl.constexpr, GROUP_K: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    SCALE_VEC: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """(acc + x[:, k0 : k0 + BLOCK_K] @ W[k0 : k0 + BLOCK_K, cols], the same for acc2 and W2 when
     ``TWO``), the activations loaded once for both: ``x_rows`` [M, 1] pointers to the activation
     rows (inputs ``stride_xk`` apart), ``x_valid`` [M]; ``w_rows`` [1, N] the packed rows (words
     ``stride_wk`` apart), ``s_rows`` / ``z_rows`` [N] the rows of scales / zeros.
 
-    SPLIT (BLOCK_K / PER >= 16, the dot's least K; group_k a multiple of PER): the step's
+    SPLIT (BLOCK_K / PER >= 16, the dot's least K; GROUP_K a multiple of PER): the step's
     [BLOCK_K / PER, N] words are loaded once (contiguous along K: vector loads), then PER dots,
     dot i over the inputs k = PER * j + i (the i-th value of word j) against those values: a
     dot's sum does not care about the order of its K. Else one [BLOCK_K, N] tile in k order,
@@ -103,10 +104,14 @@ def wna16_step(
     PER: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     if SPLIT:
-        js = k0 // PER + tl.arange(0, BLOCK_K // PER)  # [J] words of the step
-        j_valid = js < num_k // PER
+        # [J] words of the step (k0 is a multiple of BLOCK_K: whole, aligned vector loads)
+        js = tl.multiple_of(k0 // PER, BLOCK_K // PER) + tl.arange(0, BLOCK_K // PER)
+        if EVEN_K:  # no mask along K: its constancy would cap the vector width (8 bytes)
+            j_valid = tl.full([BLOCK_K // PER], 1, tl.int1)
+        else:
+            j_valid = js < num_k // PER
         mask = j_valid[:, None] & col_valid[None, :]
-        groups = k0 // group_k if SCALE_VEC else js * PER // group_k  # group_k % PER == 0
+        groups = k0 // GROUP_K if SCALE_VEC else js // (GROUP_K // PER)
         words = tl.load(w_rows + js[:, None] * stride_wk, mask=mask, other=0)  # [J, N]
         zero, scale = _group_params(s_rows, z_rows, groups, mask, col_valid, stride_sk,
                                     stride_zk, BITS, HAS_ZEROS, SCALE_VEC)  # fmt: skip
@@ -126,7 +131,7 @@ def wna16_step(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_valid = ks < num_k
         mask = k_valid[:, None] & col_valid[None, :]
-        groups = k0 // group_k if SCALE_VEC else ks // group_k
+        groups = k0 // GROUP_K if SCALE_VEC else ks // GROUP_K
         shifts = ((ks % PER) * BITS)[:, None]
         x = tl.load(x_rows + ks[None, :] * stride_xk, mask=x_valid[:, None] & k_valid[None, :],
                     other=0.0)  # [M, K]  # fmt: skip
@@ -167,11 +172,12 @@ def _rows(pid_m, ids_ptr, sorted_ptr, counts_ptr, ends_ptr, num_experts,
 @triton.jit(do_not_specialize=["num_row_blocks", "group_m"])
 def _wna16_gemm1_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, ids_ptr, sorted_ptr, counts_ptr, ends_ptr,
-    num_row_blocks, group_m, num_experts, hidden_size, inter_size, top_k, group_k,
+    num_row_blocks, group_m, num_experts, hidden_size, inter_size, top_k,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_ze, stride_zn, stride_zk, stride_be, stride_bn, stride_om, alpha, limit,
-    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr, SPLIT: tl.constexpr,
-    ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BITS: tl.constexpr, GROUP_K: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr, PER_PAIR: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
@@ -202,8 +208,8 @@ def _wna16_gemm1_kernel(
     for k0 in range(0, hidden_size, BLOCK_K):
         acc_g, acc_u = wna16_step(
             acc_g, acc_u, x_rows, row_valid, stride_xh, wg_rows, wu_rows, sg_rows, su_rows,
-            zg_rows, zu_rows, k0, hidden_size, col_valid, stride_wk, stride_sk, stride_zk,
-            group_k, True, BITS, HAS_ZEROS, SCALE_VEC, SPLIT, PRECISION, BLOCK_K,
+            zg_rows, zu_rows, k0, hidden_size, col_valid, stride_wk, stride_sk, stride_zk, True,
+            BITS, GROUP_K, HAS_ZEROS, SCALE_VEC, SPLIT, EVEN_K, PRECISION, BLOCK_K,
         )  # fmt: skip
     if HAS_BIAS:
         b_base = bias_ptr + e * stride_be
@@ -228,11 +234,12 @@ def _wna16_gemm1_kernel(
 @triton.jit(do_not_specialize=["num_row_blocks", "group_m"])
 def _wna16_gemm2_kernel(
     a_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, topk_weights_ptr, out_ptr, ids_ptr, sorted_ptr,
-    counts_ptr, ends_ptr, num_row_blocks, group_m, num_experts, hidden_size, inter_size, group_k,
+    counts_ptr, ends_ptr, num_row_blocks, group_m, num_experts, hidden_size, inter_size,
     stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_ze, stride_zn, stride_zk, stride_be, stride_bn, stride_tw, stride_om,
-    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, PER_PAIR: tl.constexpr,
+    BITS: tl.constexpr, GROUP_K: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    PER_PAIR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """out[pair, cols] = w_pair * (a[row] @ W2[expert, cols]^T + b2): a [P or N, I] (GEMM 1's
@@ -254,8 +261,8 @@ def _wna16_gemm2_kernel(
     for k0 in range(0, inter_size, BLOCK_K):
         acc, _ = wna16_step(
             acc, acc, a_rows, row_valid, 1, w_rows, w_rows, s_rows, s_rows, z_rows, z_rows, k0,
-            inter_size, col_valid, stride_wk, stride_sk, stride_zk, group_k, False, BITS,
-            HAS_ZEROS, SCALE_VEC, SPLIT, PRECISION, BLOCK_K,
+            inter_size, col_valid, stride_wk, stride_sk, stride_zk, False, BITS, GROUP_K,
+            HAS_ZEROS, SCALE_VEC, SPLIT, EVEN_K, PRECISION, BLOCK_K,
         )  # fmt: skip
     if HAS_BIAS:
         bias = tl.load(bias_ptr + e * stride_be + cols * stride_bn, mask=col_valid, other=0.0)
@@ -300,15 +307,19 @@ def wna16_configs(
     return {"per_pair": per_pair, "gemm1": gemm1, "gemm2": gemm2}
 
 
-def _launch(cfg: dict, num_row_blocks: int, group_k: int, bits: int) -> tuple[dict, int, dict]:
+def _launch(
+    cfg: dict, num_row_blocks: int, num_k: int, group_k: int, bits: int
+) -> tuple[dict, int, dict]:
     """(launch config without GROUP_M, group_m, the dequantization constexprs) of one GEMM."""
     cfg = dict(cfg)
     group_m = cfg.pop("GROUP_M", 0)
     per_int = 32 // bits
     quant = dict(
         BITS=bits,
+        GROUP_K=group_k,
         SCALE_VEC=group_k % cfg["BLOCK_K"] == 0,
         SPLIT=cfg["BLOCK_K"] // per_int >= 16 and group_k % per_int == 0,
+        EVEN_K=num_k % cfg["BLOCK_K"] == 0,
     )
     return cfg, group_m if group_m > 0 else max(1, num_row_blocks), quant
 
@@ -377,14 +388,14 @@ def fused_moe_wna16(
             _align_sort(ids, num_experts, block_m, sorted_ids, counts, ends)
         activated = torch.empty((num_row_blocks * block_m, inter_size), dtype=dtype, device=device)
 
-    gemm1, group1, quant1 = _launch(config["gemm1"], num_row_blocks, group13, bits)
+    gemm1, group1, quant1 = _launch(config["gemm1"], num_row_blocks, hidden_size, group13, bits)
     strides13, z13 = _quant_args(w13, w13_scale, w13_zeros)
     b13 = w13 if w13_bias is None else w13_bias
     bias13_strides = (0, 0) if w13_bias is None else tuple(w13_bias.stride())
     grid1 = (num_row_blocks * triton.cdiv(inter_size, gemm1["BLOCK_N"]),)
     _wna16_gemm1_kernel[grid1](
         hidden_states, w13, w13_scale, z13, b13, activated, ids, sorted_ids, counts, ends,
-        num_row_blocks, group1, num_experts, hidden_size, inter_size, top_k, group13,
+        num_row_blocks, group1, num_experts, hidden_size, inter_size, top_k,
         *hidden_states.stride(), *strides13, *bias13_strides, activated.stride(0),
         float(swiglu_alpha), float(swiglu_limit),
         HAS_ZEROS=w13_zeros is not None, **quant1,
@@ -396,14 +407,14 @@ def fused_moe_wna16(
     # One row per pair; the rows of -1 pairs are never written (the sum kernel skips them).
     rows_dtype = torch.float32 if num_pairs <= FP32_ROWS_MAX_PAIRS else dtype
     dest = torch.empty((num_pairs, hidden_size), dtype=rows_dtype, device=device)  # [N, H]
-    gemm2, group2_m, quant2 = _launch(config["gemm2"], num_row_blocks, group2, bits)
+    gemm2, group2_m, quant2 = _launch(config["gemm2"], num_row_blocks, inter_size, group2, bits)
     strides2, z2 = _quant_args(w2, w2_scale, w2_zeros)
     b2 = w2 if w2_bias is None else w2_bias
     bias2_strides = (0, 0) if w2_bias is None else tuple(w2_bias.stride())
     grid2 = (num_row_blocks * triton.cdiv(hidden_size, gemm2["BLOCK_N"]),)
     _wna16_gemm2_kernel[grid2](
         activated, w2, w2_scale, z2, b2, weights, dest, ids, sorted_ids, counts, ends,
-        num_row_blocks, group2_m, num_experts, hidden_size, inter_size, group2,
+        num_row_blocks, group2_m, num_experts, hidden_size, inter_size,
         activated.stride(0), *strides2, *bias2_strides, weights.stride(0), dest.stride(0),
         HAS_ZEROS=w2_zeros is not None, **quant2,
         HAS_BIAS=w2_bias is not None, PRECISION=precision, PER_PAIR=per_pair, BLOCK_E=block_e,
