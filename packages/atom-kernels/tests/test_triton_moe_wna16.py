@@ -159,6 +159,21 @@ def test_fused_moe_wna16_tiles(triton_backend, bits, block_k, group13, group2, s
     _check(x, experts, _routing(10, 2, 2, 42, device), config=config, name=f"K{block_k}")
 
 
+@pytest.mark.parametrize("row_fma", [False, True])
+@pytest.mark.parametrize(("bits", "block_k", "group"), [(4, 128, 32), (8, 64, 0), (4, 32, 64)])
+def test_fused_moe_wna16_per_pair_loops(triton_backend, row_fma, bits, block_k, group):
+    """One token (the per-pair path): the 16-row MMA (split or tile loop) and the register loop
+    (``wna16_row``), over K = 256 / 96 (a partial last step), -1 slots included."""
+    device, hidden, inter = triton_backend.device, 256, 96
+    g13, g2 = (hidden // group, inter // group) if group and inter % group == 0 else (1, 1)
+    experts = _experts(4, hidden, inter, bits, g13, g2, True, torch.bfloat16, device, seed=43)
+    x = _randn(1, hidden, seed=44, device=device).to(torch.bfloat16)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, num_warps=4)
+    config = {"per_pair": True, "row_fma": row_fma, "gemm1": cfg, "gemm2": cfg}
+    routing = _routing(1, 4, 3, 45, device, drop=3)
+    _check(x, experts, routing, config=config, name=f"per-pair row_fma={row_fma}")
+
+
 @pytest.mark.parametrize("num_tokens", [1, 3])
 def test_fused_moe_wna16_decode_config(triton_backend, monkeypatch, num_tokens):
     """The GPU's decode tiles (``wna16_configs`` on a GPU: 16 rows, 256-input split steps at 4

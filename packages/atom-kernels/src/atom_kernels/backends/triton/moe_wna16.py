@@ -150,6 +150,52 @@ def wna16_step(
 
 
 @triton.jit
+def wna16_row(
+    part, part2, x_row, stride_xk, w_rows, w2_rows, s_rows, s2_rows, z_rows, z2_rows,
+    k0, num_k, col_valid, stride_wk, stride_sk, stride_zk,
+    TWO: tl.constexpr, BITS: tl.constexpr, GROUP_K: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    SCALE_VEC: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One live row (the per-pair path) in register multiply-adds, no MMA and no shared memory:
+    ``part`` [J, N] float32 (J = BLOCK_K / PER words; the same for ``part2`` / W2 when ``TWO``)
+    + the step's products with the row ``x_row`` (a scalar pointer), each word's PER products
+    (q - zero) * x summed first, then times the word's scale: per value a shift-and-mask, an OR
+    (the exponent bits, see ``_weight``), a subtraction and a multiply-add. The caller sums
+    ``part`` over J after its loop. The weights are never rounded to x's dtype (more exact
+    than the reference's, within its tolerances)."""
+    PER: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    js = tl.multiple_of(k0 // PER, BLOCK_K // PER) + tl.arange(0, BLOCK_K // PER)  # [J]
+    if EVEN_K:
+        j_valid = tl.full([BLOCK_K // PER], 1, tl.int1)
+    else:
+        j_valid = js < num_k // PER
+    mask = j_valid[:, None] & col_valid[None, :]
+    groups = k0 // GROUP_K if SCALE_VEC else js // (GROUP_K // PER)
+    words = tl.load(w_rows + js[:, None] * stride_wk, mask=mask, other=0)  # [J, N]
+    zero, scale = _group_params(s_rows, z_rows, groups, mask, col_valid, stride_sk, stride_zk,
+                                BITS, HAS_ZEROS, SCALE_VEC)  # fmt: skip
+    sum1 = tl.zeros(part.shape, dtype=tl.float32)
+    if TWO:
+        words2 = tl.load(w2_rows + js[:, None] * stride_wk, mask=mask, other=0)
+        zero2, scale2 = _group_params(s2_rows, z2_rows, groups, mask, col_valid, stride_sk,
+                                      stride_zk, BITS, HAS_ZEROS, SCALE_VEC)  # fmt: skip
+        sum2 = tl.zeros(part.shape, dtype=tl.float32)
+    for i in tl.static_range(0, PER):
+        x = tl.load(x_row + (js * PER + i) * stride_xk, mask=j_valid, other=0.0)
+        x = x.to(tl.float32)[:, None]  # [J, 1]
+        q = ((words >> (i * BITS)) & MASK) | 0x4B000000
+        sum1 += (q.to(tl.float32, bitcast=True) - (8388608.0 + zero)) * x
+        if TWO:
+            q2 = ((words2 >> (i * BITS)) & MASK) | 0x4B000000
+            sum2 += (q2.to(tl.float32, bitcast=True) - (8388608.0 + zero2)) * x
+    part += sum1 * scale
+    if TWO:
+        part2 += sum2 * scale2
+    return part, part2
+
+
+@triton.jit
 def _rows(pid_m, ids_ptr, sorted_ptr, counts_ptr, ends_ptr, num_experts,
           PER_PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
     """(expert, rows [M] of the GEMM 1 output, pairs [M], row_valid [M]) of row block pid_m;
@@ -176,10 +222,10 @@ def _wna16_gemm1_kernel(
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_ze, stride_zn, stride_zk, stride_be, stride_bn, stride_om, alpha, limit,
     BITS: tl.constexpr, GROUP_K: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, ACTIVATION: tl.constexpr, INTERLEAVED: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr, PER_PAIR: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, ROW: tl.constexpr, ACTIVATION: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    PER_PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """out[rows, cols] = act(x[tokens] @ W13[expert, gate / up rows]^T + b13): x [T, H], w [E, 2I,
     H / PER] packed, out [P or N, I] in x's dtype."""
@@ -205,12 +251,25 @@ def _wna16_gemm1_kernel(
     x_rows = x_ptr + tokens[:, None] * stride_xt  # [M, 1]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden_size, BLOCK_K):
-        acc_g, acc_u = wna16_step(
-            acc_g, acc_u, x_rows, row_valid, stride_xh, wg_rows, wu_rows, sg_rows, su_rows,
-            zg_rows, zu_rows, k0, hidden_size, col_valid, stride_wk, stride_sk, stride_zk, True,
-            BITS, GROUP_K, HAS_ZEROS, SCALE_VEC, SPLIT, EVEN_K, PRECISION, BLOCK_K,
-        )  # fmt: skip
+    if ROW:  # per-pair, one live row: register multiply-adds (``wna16_row``)
+        x_row = x_ptr + (pid_m // top_k).to(tl.int64) * stride_xt
+        part_g = tl.zeros([BLOCK_K // (32 // BITS), BLOCK_N], dtype=tl.float32)
+        part_u = tl.zeros([BLOCK_K // (32 // BITS), BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, hidden_size, BLOCK_K):
+            part_g, part_u = wna16_row(
+                part_g, part_u, x_row, stride_xh, wg_rows, wu_rows, sg_rows, su_rows, zg_rows,
+                zu_rows, k0, hidden_size, col_valid, stride_wk, stride_sk, stride_zk, True, BITS,
+                GROUP_K, HAS_ZEROS, SCALE_VEC, EVEN_K, BLOCK_K,
+            )  # fmt: skip
+        acc_g += tl.sum(part_g, axis=0)[None, :]
+        acc_u += tl.sum(part_u, axis=0)[None, :]
+    else:
+        for k0 in range(0, hidden_size, BLOCK_K):
+            acc_g, acc_u = wna16_step(
+                acc_g, acc_u, x_rows, row_valid, stride_xh, wg_rows, wu_rows, sg_rows, su_rows,
+                zg_rows, zu_rows, k0, hidden_size, col_valid, stride_wk, stride_sk, stride_zk,
+                True, BITS, GROUP_K, HAS_ZEROS, SCALE_VEC, SPLIT, EVEN_K, PRECISION, BLOCK_K,
+            )  # fmt: skip
     if HAS_BIAS:
         b_base = bias_ptr + e * stride_be
         acc_g += tl.load(b_base + gate_rows * stride_bn, mask=col_valid, other=0.0).to(tl.float32)
@@ -238,8 +297,8 @@ def _wna16_gemm2_kernel(
     stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_ze, stride_zn, stride_zk, stride_be, stride_bn, stride_tw, stride_om,
     BITS: tl.constexpr, GROUP_K: tl.constexpr, HAS_ZEROS: tl.constexpr, SCALE_VEC: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    PER_PAIR: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr, PER_PAIR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """out[pair, cols] = w_pair * (a[row] @ W2[expert, cols]^T + b2): a [P or N, I] (GEMM 1's
@@ -258,12 +317,22 @@ def _wna16_gemm2_kernel(
     a_rows = a_ptr + rows[:, None] * stride_am  # [M, 1]
     dtype = a_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter_size, BLOCK_K):
-        acc, _ = wna16_step(
-            acc, acc, a_rows, row_valid, 1, w_rows, w_rows, s_rows, s_rows, z_rows, z_rows, k0,
-            inter_size, col_valid, stride_wk, stride_sk, stride_zk, False, BITS, GROUP_K,
-            HAS_ZEROS, SCALE_VEC, SPLIT, EVEN_K, PRECISION, BLOCK_K,
-        )  # fmt: skip
+    if ROW:  # per-pair, one live row: register multiply-adds (``wna16_row``)
+        part = tl.zeros([BLOCK_K // (32 // BITS), BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter_size, BLOCK_K):
+            part, _ = wna16_row(
+                part, part, a_ptr + pid_m.to(tl.int64) * stride_am, 1, w_rows, w_rows, s_rows,
+                s_rows, z_rows, z_rows, k0, inter_size, col_valid, stride_wk, stride_sk,
+                stride_zk, False, BITS, GROUP_K, HAS_ZEROS, SCALE_VEC, EVEN_K, BLOCK_K,
+            )  # fmt: skip
+        acc += tl.sum(part, axis=0)[None, :]
+    else:
+        for k0 in range(0, inter_size, BLOCK_K):
+            acc, _ = wna16_step(
+                acc, acc, a_rows, row_valid, 1, w_rows, w_rows, s_rows, s_rows, z_rows, z_rows, k0,
+                inter_size, col_valid, stride_wk, stride_sk, stride_zk, False, BITS, GROUP_K,
+                HAS_ZEROS, SCALE_VEC, SPLIT, EVEN_K, PRECISION, BLOCK_K,
+            )  # fmt: skip
     if HAS_BIAS:
         bias = tl.load(bias_ptr + e * stride_be + cols * stride_bn, mask=col_valid, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -277,9 +346,16 @@ def _wna16_gemm2_kernel(
 def wna16_configs(
     num_tokens: int, top_k: int, num_experts: int, inter_size: int, bits: int, device: torch.device
 ) -> dict:
-    """{"per_pair": path, "gemm1": kernel config, "gemm2": kernel config} (BLOCK_M/N/K,
-    num_warps, num_stages, GROUP_M; both GEMMs share BLOCK_M). Pass one to
-    ``fused_moe(config=...)`` to override.
+    """{"per_pair": path, "row_fma": the per-pair path's register loop (``wna16_row``) instead
+    of the 16-row MMA, "gemm1": kernel config, "gemm2": kernel config} (BLOCK_M/N/K, num_warps,
+    num_stages, GROUP_M; both GEMMs share BLOCK_M). Pass one to ``fused_moe(config=...)`` to
+    override.
+
+    NOTE (sm_90 PTX from the AOT compile, triton 3.9, no GPU run yet): at Kimi-K2's decode tiles
+    the MMA loop spends about 7 instructions a weight value (extract, exponent OR, subtract,
+    scale, convert, a 2-byte shared-memory store to reach the MMA operand layout, then ldmatrix),
+    the register loop about 4.5 (extract, OR, subtract, multiply-add; the scale once a word):
+    ``row_fma`` is the default for one live row until a GPU run says otherwise.
 
     NOTE: not yet tuned on a GPU (2026-11-27: written and checked under the interpreter only).
     Decode (an expert gets at most a few pairs): 16-row tiles; K steps of 128 bytes of each
@@ -291,7 +367,7 @@ def wna16_configs(
     per_pair = num_tokens == 1
     if is_interpreted(device):  # small tiles: the interpreter's cost grows with tile size
         cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, GROUP_M=4)
-        return {"per_pair": per_pair, "gemm1": cfg, "gemm2": dict(cfg)}
+        return {"per_pair": per_pair, "row_fma": per_pair, "gemm1": cfg, "gemm2": dict(cfg)}
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
     if per_pair or rows_per_expert <= 16:
         block_k = 1024 // bits
@@ -304,13 +380,14 @@ def wna16_configs(
         cfg = dict(BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_K=512 // bits, num_warps=warps,
                    num_stages=3, GROUP_M=8)  # fmt: skip
         gemm1, gemm2 = cfg, dict(cfg)
-    return {"per_pair": per_pair, "gemm1": gemm1, "gemm2": gemm2}
+    return {"per_pair": per_pair, "row_fma": per_pair, "gemm1": gemm1, "gemm2": gemm2}
 
 
 def _launch(
-    cfg: dict, num_row_blocks: int, num_k: int, group_k: int, bits: int
+    cfg: dict, num_row_blocks: int, num_k: int, group_k: int, bits: int, row_fma: bool = False
 ) -> tuple[dict, int, dict]:
-    """(launch config without GROUP_M, group_m, the dequantization constexprs) of one GEMM."""
+    """(launch config without GROUP_M, group_m, the dequantization constexprs) of one GEMM;
+    ``row_fma``: the per-pair path's register loop (``wna16_row``) where the groups allow."""
     cfg = dict(cfg)
     group_m = cfg.pop("GROUP_M", 0)
     per_int = 32 // bits
@@ -320,6 +397,7 @@ def _launch(
         SCALE_VEC=group_k % cfg["BLOCK_K"] == 0,
         SPLIT=cfg["BLOCK_K"] // per_int >= 16 and group_k % per_int == 0,
         EVEN_K=num_k % cfg["BLOCK_K"] == 0,
+        ROW=row_fma and group_k % per_int == 0,
     )
     return cfg, group_m if group_m > 0 else max(1, num_row_blocks), quant
 
@@ -363,6 +441,7 @@ def fused_moe_wna16(
     if config is None:
         config = wna16_configs(num_tokens, top_k, num_experts, inter_size, bits, device)
     per_pair = config["per_pair"]
+    row_fma = per_pair and bool(config.get("row_fma"))
     ids = topk_ids.reshape(-1).contiguous()  # [N], indexed without a stride
     weights = topk_weights.reshape(-1)
     precision = "ieee" if dtype == torch.float32 else "tf32"
@@ -388,7 +467,9 @@ def fused_moe_wna16(
             _align_sort(ids, num_experts, block_m, sorted_ids, counts, ends)
         activated = torch.empty((num_row_blocks * block_m, inter_size), dtype=dtype, device=device)
 
-    gemm1, group1, quant1 = _launch(config["gemm1"], num_row_blocks, hidden_size, group13, bits)
+    gemm1, group1, quant1 = _launch(
+        config["gemm1"], num_row_blocks, hidden_size, group13, bits, row_fma
+    )
     strides13, z13 = _quant_args(w13, w13_scale, w13_zeros)
     b13 = w13 if w13_bias is None else w13_bias
     bias13_strides = (0, 0) if w13_bias is None else tuple(w13_bias.stride())
@@ -407,7 +488,9 @@ def fused_moe_wna16(
     # One row per pair; the rows of -1 pairs are never written (the sum kernel skips them).
     rows_dtype = torch.float32 if num_pairs <= FP32_ROWS_MAX_PAIRS else dtype
     dest = torch.empty((num_pairs, hidden_size), dtype=rows_dtype, device=device)  # [N, H]
-    gemm2, group2_m, quant2 = _launch(config["gemm2"], num_row_blocks, inter_size, group2, bits)
+    gemm2, group2_m, quant2 = _launch(
+        config["gemm2"], num_row_blocks, inter_size, group2, bits, row_fma
+    )
     strides2, z2 = _quant_args(w2, w2_scale, w2_zeros)
     b2 = w2 if w2_bias is None else w2_bias
     bias2_strides = (0, 0) if w2_bias is None else tuple(w2_bias.stride())
