@@ -64,7 +64,7 @@ def compile_gemms(shape, num_tokens, bits, group, zeros, dtype="bf16", monkeypat
     """(GEMM 1, GEMM 2) compiled at the tiles ``wna16_configs`` picks on an H100."""
     num_experts, top_k, hidden, inter = shape
     monkeypatch.setattr(moe_wna16, "num_sms", lambda device: 132)  # an H100's, no GPU here
-    config = moe_wna16.wna16_configs(num_tokens, top_k, num_experts, inter, bits,
+    config = moe_wna16.wna16_configs(num_tokens, top_k, num_experts, hidden, inter, bits,
                                      torch.device("cuda"))  # fmt: skip
     assert config["per_pair"] == (num_tokens == 1)
     kernels = []

@@ -187,7 +187,7 @@ def test_fused_moe_wna16_decode_config(triton_backend, monkeypatch, num_tokens):
     device, hidden, inter = triton_backend.device, 256, 64
     if device != "cuda":
         monkeypatch.setattr(moe_wna16, "num_sms", lambda device: 132)  # an H100's
-    config = moe_wna16.wna16_configs(num_tokens, 4, 8, inter, 4, torch.device("cuda"))
+    config = moe_wna16.wna16_configs(num_tokens, 4, 8, hidden, inter, 4, torch.device("cuda"))
     if device == "cuda":
         config = None  # the same, chosen by the op
     else:

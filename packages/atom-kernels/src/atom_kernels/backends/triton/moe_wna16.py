@@ -344,7 +344,13 @@ def _wna16_gemm2_kernel(
 
 
 def wna16_configs(
-    num_tokens: int, top_k: int, num_experts: int, inter_size: int, bits: int, device: torch.device
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    hidden_size: int,
+    inter_size: int,
+    bits: int,
+    device: torch.device,
 ) -> dict:
     """{"per_pair": path, "row_fma": the per-pair path's register loop (``wna16_row``) instead
     of the 16-row MMA, "gemm1": kernel config, "gemm2": kernel config} (BLOCK_M/N/K, num_warps,
@@ -360,9 +366,9 @@ def wna16_configs(
     NOTE: not yet tuned on a GPU (2026-11-27: written and checked under the interpreter only).
     Decode (an expert gets at most a few pairs): 16-row tiles; K steps of 128 bytes of each
     packed row (256 inputs at 4 bits, 128 at 8: whole cache lines, split into 32 / bits dots);
-    narrow column tiles so every SM streams (Kimi-K2, I = 2048, T = 1: 8 pairs x 2048 / 32 =
-    512 GEMM 1 programs, 8 x 7168 / 32 = 1792 GEMM 2 ones; 16-column GEMM 1 tiles when there
-    are fewer pairs per SM, e.g. one rank of expert parallelism, where most slots are -1)."""
+    column tiles as wide as two programs per SM allow (``_widest``; Kimi-K2 at T = 1: 8 pairs
+    x 2048 / 32 = 512 GEMM 1 programs, 8 x 7168 / 64 = 896 GEMM 2 ones). The count assumes
+    every slot computed here: under expert parallelism most are -1 and fewer programs run."""
     num_pairs = num_tokens * top_k
     per_pair = num_tokens == 1
     if is_interpreted(device):  # small tiles: the interpreter's cost grows with tile size
@@ -371,9 +377,11 @@ def wna16_configs(
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
     if per_pair or rows_per_expert <= 16:
         block_k = 1024 // bits
-        n1 = 32 if num_pairs * triton.cdiv(inter_size, 32) >= 4 * num_sms(device) else 16
+        blocks = num_pairs if per_pair else min(num_pairs, num_experts)
+        n1 = _widest(blocks, inter_size, num_sms(device))
+        n2 = _widest(blocks, hidden_size, num_sms(device))
         gemm1 = dict(BLOCK_M=16, BLOCK_N=n1, BLOCK_K=block_k, num_warps=4, num_stages=4)
-        gemm2 = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, num_warps=4, num_stages=4)
+        gemm2 = dict(BLOCK_M=16, BLOCK_N=n2, BLOCK_K=block_k, num_warps=4, num_stages=4)
     else:  # 16 dots' K per step: the split loop (``wna16_step``)
         block_m = 64 if rows_per_expert <= 64 else 128
         warps = 4 if block_m == 64 else 8
@@ -381,6 +389,20 @@ def wna16_configs(
                    num_stages=3, GROUP_M=8)  # fmt: skip
         gemm1, gemm2 = cfg, dict(cfg)
     return {"per_pair": per_pair, "row_fma": per_pair, "gemm1": gemm1, "gemm2": gemm2}
+
+
+def _widest(num_blocks: int, width: int, sms: int) -> int:
+    """The widest column tile (64, 32, 16) leaving at least two programs per SM.
+
+    NOTE (sm_90 PTX, triton 3.9, Kimi-K2 decode tiles, 256-input steps): a wider tile shares
+    each activation load among more columns; PTX instructions a weight value in the loop,
+    16 / 32 / 64 columns: register loop GEMM 1 8.2 / 6.6 / 5.8, GEMM 2 - / 8.1 / 6.5; MMA
+    loop GEMM 1 12.0 / 9.1 / 8.2, GEMM 2 15.0 / 10.5 / 9.0. At full bandwidth an H100 has
+    about 4.5 a value to spend: the loops are likely ALU-bound, wide tiles first."""
+    for block_n in (64, 32):
+        if num_blocks * triton.cdiv(width, block_n) >= 2 * sms:
+            return block_n
+    return 16
 
 
 def _launch(
@@ -439,7 +461,9 @@ def fused_moe_wna16(
     group13 = hidden_size // w13_scale.shape[2]  # inputs per group
     group2 = inter_size // w2_scale.shape[2]
     if config is None:
-        config = wna16_configs(num_tokens, top_k, num_experts, inter_size, bits, device)
+        config = wna16_configs(
+            num_tokens, top_k, num_experts, hidden_size, inter_size, bits, device
+        )
     per_pair = config["per_pair"]
     row_fma = per_pair and bool(config.get("row_fma"))
     ids = topk_ids.reshape(-1).contiguous()  # [N], indexed without a stride
