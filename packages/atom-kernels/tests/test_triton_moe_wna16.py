@@ -207,7 +207,13 @@ def test_fused_moe_wna16_custom_op_passes_zeros(triton_backend):
     experts = _experts(3, 32, 32, 4, 1, 1, True, torch.bfloat16, device, seed=50)
     x = _randn(3, 32, seed=51, device=device).to(torch.bfloat16)
     op = triton_backend.custom_ops.fused_moe
-    _check(x, experts, _routing(3, 3, 2, 52, device), op=op, name="custom op")
+    routing = _routing(3, 3, 2, 52, device)
+    _check(x, experts, routing, op=op, name="custom op")
+    (q13, s13, z13), (q2, s2, z2) = experts
+    args = (x, q13, q2, *routing, "silu", None, None, False, 1.702, 7.0, "wna16", s13, s2, None,
+            z13, z2)  # fmt: skip
+    torch.library.opcheck(torch.ops.atom.triton_fused_moe, args,
+                          test_utils=("test_schema", "test_faketensor"))  # fmt: skip
 
 
 def test_pack_int32_layout():
