@@ -39,14 +39,17 @@ def _weight(num_experts, rows, k, bits, groups, asym, dtype, device, seed):
     """(qweight, scales, zeros or None) of random integers with scales giving outputs of about
     unit variance (values centred on the zero point)."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 2**bits, (num_experts, rows, k), generator=g)
+    # Random words: every value 0 .. 2**bits - 1 equally likely (4 bytes a word even at real
+    # sizes: Kimi-K2's 32 experts are 0.5 GB of words).
+    words = torch.randint(-(2**31), 2**31, (num_experts, rows, k * bits // 32), generator=g,
+                          dtype=torch.int32)  # fmt: skip
     zeros = None
     if asym:
         zeros = torch.randint(0, 2**bits, (num_experts, rows, groups), generator=g).to(dtype)
     spread = 2 ** (bits - 1) / 3**0.5  # std of a uniform value around the zero point
     scales = (torch.rand(num_experts, rows, groups, generator=g) + 0.5) / (spread * k**0.5)
     return (
-        pack_int32(q, bits).to(device),
+        words.to(device),
         scales.to(dtype).to(device),
         None if zeros is None else zeros.to(device),
     )
