@@ -24,6 +24,15 @@ the rank's own pairs only, so the two modes' rates compare directly:
     python benchmarks/moe.py --ep-size 4 --ep-skip expert-zero --tokens 1 16 64 256 \
         --no-reference --out $OUT/moe-ep4-expert-zero.json
 
+INT4 experts (``--int4``, issue 40): the W4A16 fused MoE (``quant="wna16"``, group 32,
+symmetric, bf16 activations) on Kimi-K2-Thinking's routed experts (E = 384, top-8, H = 7168,
+I = 2048) at 1, 4, 16, 64 tokens. Its floor: the packed weights and scales of the distinct routed
+experts, read once, at the copy bandwidth measured in the same run; reported as us and the
+fraction of the floor reached (floor time / measured time). One EP=8 rank's share (48 local
+experts, the other ranks' slots -1):
+
+    python benchmarks/moe.py --int4 --ep-size 8 --no-reference --out $OUT/moe-int4-ep8.json
+
 T = tokens, E = experts, K = top-k, H = hidden size, I = expert intermediate size.
 """
 
@@ -41,12 +50,24 @@ SHAPES = {  # name: (E, K, H, I)
     "mixtral-8x7b": (8, 2, 4096, 14336),
 }
 TOKENS = (1, 16, 256, 4096)
+INT4_SHAPES = {"kimi-k2-thinking": (384, 8, 7168, 2048)}  # routed experts, W4A16
+INT4_GROUP = 32  # inputs per scale
+INT4_TOKENS = (1, 4, 16, 64)
 BANDWIDTH_TOKENS = 256  # up to this many tokens the rate is bytes/s, above it FLOP/s
 
 
 def expert_bytes(hidden: int, inter: int, itemsize: int = 2) -> int:
     """Weights of one expert: w13 [2I, H] and w2 [H, I]."""
     return 3 * hidden * inter * itemsize
+
+
+def wna16_expert_bytes(
+    hidden: int, inter: int, bits: int = 4, group: int = INT4_GROUP, with_zeros: bool = False
+) -> int:
+    """Packed weights + bf16 scales (+ zeros) of one WNA16 expert: w13 [2I, H], w2 [H, I]."""
+    values = 3 * hidden * inter
+    per_group = 2 if with_zeros else 1
+    return values * bits // 8 + per_group * 2 * values // group
 
 
 def moe_flops(num_tokens: int, top_k: int, hidden: int, inter: int) -> float:
@@ -172,13 +193,109 @@ def bench_shape(
     return rows
 
 
+def _int4_experts(torch, num_local: int, hidden: int, inter: int, g):
+    """Random W4A16 experts on ``g``'s device (int32 words of random bits, bf16 scales giving
+    outputs of about unit variance: 4.6 is the std of q - 8): (w13, w2, w13_scale, w2_scale)."""
+
+    def weight(rows: int, k: int):
+        words = torch.randint(-(2**31), 2**31, (num_local, rows, k // 8), generator=g,
+                              device=g.device, dtype=torch.int32)  # fmt: skip
+        scales = torch.rand(num_local, rows, k // INT4_GROUP, generator=g, device=g.device)
+        return words, ((scales + 0.5) / (4.6 * k**0.5)).to(torch.bfloat16)
+
+    (w13, s13), (w2, s2) = weight(2 * inter, hidden), weight(hidden, inter)
+    return w13, w2, s13, s2
+
+
+def bench_int4(
+    torch,
+    name: str,
+    shape: tuple,
+    roofline: dict,
+    with_reference: bool,
+    tokens: tuple[int, ...] = INT4_TOKENS,
+    ep_size: int = 1,
+    ep_skip: str = "minus-one",
+) -> list[dict]:
+    """The W4A16 fused MoE (see the module docstring) against its floor."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from atom_kernels.backends.torch import moe as reference
+    from atom_kernels.backends.triton import custom_ops
+
+    num_experts, top_k, hidden, inter = shape
+    num_local = num_experts // ep_size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13, w2, s13, s2 = _int4_experts(torch, num_local, hidden, inter, g)
+    quant = dict(quant="wna16", w13_scale=s13, w2_scale=s2)
+    rows = []
+    for num_tokens in tokens:
+        x = torch.randn(num_tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
+        logits = torch.randn(num_tokens, num_experts, generator=g, device="cuda")
+        weights, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+        ids = ids.int()
+        owned = ids < num_local
+        if ep_size > 1:
+            weights, ids = ep_routing(torch, weights, ids, num_local, ep_skip)
+        args = (x, w13, w2, weights, ids, "silu", None, None, False, 1.702, 7.0)
+
+        def triton_fn(args=args):
+            return custom_ops.fused_moe(*args, **quant)
+
+        torch.cuda.synchronize()
+        ms_cold = cold_graph_ms(triton_fn)
+        ms_graph = float(do_bench_cudagraph(triton_fn, rep=100, return_mode="median"))
+        torch_ms = None
+        if with_reference:
+            torch_ms = float(
+                do_bench(lambda args=args: reference.fused_moe(*args, **quant), warmup=3, rep=20,
+                         return_mode="median")
+            )  # fmt: skip
+        hit = int(ids[owned].unique().numel())
+        floor_bytes = hit * wna16_expert_bytes(hidden, inter)
+        floor_us = floor_bytes / (roofline["copy_GBps"] * 1e9) * 1e6
+        gbps = floor_bytes / (ms_cold / 1e3) / 1e9
+        row = {
+            "shape": name,
+            "experts": num_experts,
+            "local_experts": num_local,
+            "top_k": top_k,
+            "hidden": hidden,
+            "intermediate": inter,
+            "quant": f"wna16 int4 group {INT4_GROUP} symmetric",
+            "tokens": num_tokens,
+            "ep_size": ep_size,
+            "ep_skip": ep_skip if ep_size > 1 else None,
+            "experts_hit": hit,
+            "weight_bytes": floor_bytes,
+            "floor_us": floor_us,
+            "us_cold": ms_cold * 1e3,
+            "ms_cold": ms_cold,
+            "ms_graph": ms_graph,
+            "torch_ms": torch_ms,
+            "weights_GBps": gbps,
+            "floor_fraction": floor_us / (ms_cold * 1e3),
+            "rate": gbps,
+            "rate_unit": "GB/s",
+            "roofline_fraction": floor_us / (ms_cold * 1e3),
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON results file")
     parser.add_argument("--no-reference", action="store_true", help="skip the torch reference")
     parser.add_argument(
-        "--tokens", type=int, nargs="+", default=list(TOKENS), help="token counts to time"
-    )
+        "--tokens", type=int, nargs="+", default=None,
+        help=f"token counts to time (default {list(TOKENS)}; --int4: {list(INT4_TOKENS)})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--int4", action="store_true",
+        help="the W4A16 experts on Kimi-K2's shape instead of the bf16 shapes",
+    )  # fmt: skip
     parser.add_argument(
         "--ep-size", type=int, default=1, help="time one rank of this many expert-parallel ranks"
     )
@@ -189,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         help="how another rank's slots reach fused_moe (see the docstring)",
     )
     args = parser.parse_args(argv)
-    for name, (num_experts, *_rest) in SHAPES.items():
+    shapes = INT4_SHAPES if args.int4 else SHAPES
+    tokens = tuple(args.tokens or (INT4_TOKENS if args.int4 else TOKENS))
+    for name, (num_experts, *_rest) in shapes.items():
         if args.ep_size < 1 or num_experts % args.ep_size:
             parser.error(f"--ep-size {args.ep_size} does not divide {name}'s {num_experts} experts")
 
@@ -206,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton.__version__,
         "python": platform.python_version(),
         "dtype": "bfloat16",
+        "experts_quant": f"wna16 int4 group {INT4_GROUP} symmetric" if args.int4 else None,
         "activation": "silu",
         "ep_size": args.ep_size,
         "ep_skip": args.ep_skip if args.ep_size > 1 else None,
@@ -213,9 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         "results": [],
     }
     rows = result["results"]
-    for name, shape in SHAPES.items():
-        rows += bench_shape(torch, name, shape, roofline, not args.no_reference,
-                            tuple(args.tokens), args.ep_size, args.ep_skip)  # fmt: skip
+    bench = bench_int4 if args.int4 else bench_shape
+    for name, shape in shapes.items():
+        rows += bench(torch, name, shape, roofline, not args.no_reference, tokens, args.ep_size,
+                      args.ep_skip)  # fmt: skip
         torch.cuda.empty_cache()
         with open(args.out, "w") as f:  # after each shape: a cut-off run keeps what it measured
             json.dump(result, f, indent=2)

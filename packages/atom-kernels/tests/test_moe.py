@@ -338,3 +338,75 @@ def test_bad_arguments():
         ak.grouped_topk(
             logits, 2, num_expert_group=2, topk_group=1, e_score_correction_bias=torch.zeros(4)
         )
+
+
+def _wna16_experts(num_experts, hidden, inter, bits, groups, seed):
+    """Random packed experts (int32 words of random bits: every value of 0 .. 2**bits - 1
+    occurs), scales [E, N, groups] and integer zeros, fp32."""
+    gen = torch.Generator().manual_seed(seed)
+    per_int = 32 // bits
+
+    def weight(rows, k):
+        words = torch.randint(-(2**31), 2**31, (num_experts, rows, k // per_int), generator=gen)
+        scales = (torch.rand(num_experts, rows, groups, generator=gen) + 0.5) / (k**0.5 * 2**bits)
+        zeros = torch.randint(0, 2**bits, (num_experts, rows, groups), generator=gen).float()
+        return words.to(torch.int32), scales, zeros
+
+    return weight(2 * inter, hidden), weight(hidden, inter)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("asym", [False, True])
+def test_fused_moe_wna16_is_the_dequantized_model(bits, asym):
+    """quant="wna16" computes the unquantized fused_moe of ``dequantize_wna16``'s experts (-1
+    slots included)."""
+    (q13, s13, z13), (q2, s2, z2) = _wna16_experts(4, 64, 32, bits, 2, seed=bits)
+    if not asym:
+        z13 = z2 = None
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(5, 64, generator=gen)
+    weights, ids = ak.topk_softmax(torch.randn(5, 4, generator=gen), 2, True)
+    ids[1, 0] = -1
+    out = ak.fused_moe(hidden, q13, q2, weights, ids, quant="wna16", w13_scale=s13,
+                       w2_scale=s2, w13_zeros=z13, w2_zeros=z2)  # fmt: skip
+    w13 = torch.stack([ak.dequantize_wna16(q13[e], s13[e], None if z13 is None else z13[e], None,
+                                           bits) for e in range(4)])  # fmt: skip
+    w2 = torch.stack([ak.dequantize_wna16(q2[e], s2[e], None if z2 is None else z2[e], None,
+                                          bits) for e in range(4)])  # fmt: skip
+    expected = ak.fused_moe(hidden, w13, w2, weights, ids)
+    assert_close(out, expected, atol=1e-6, rtol=1e-6, name=f"wna16 int{bits} asym={asym}")
+
+
+def test_bad_wna16_arguments():
+    (q13, s13, z13), (q2, s2, z2) = _wna16_experts(4, 64, 32, 4, 2, seed=0)
+    hidden = torch.randn(3, 64)
+    weights, ids = ak.topk_softmax(torch.randn(3, 4), 2, True)
+    quant = dict(quant="wna16", w13_scale=s13, w2_scale=s2)
+
+    def call(w13=q13, w2=q2, **kwargs):
+        return ak.fused_moe(hidden, w13, w2, weights, ids, **{**quant, **kwargs})
+
+    with pytest.raises(ValueError, match=r"w13 has shape \(4, 64, 7\); its last dim must be H"):
+        call(w13=q13[..., :7])
+    with pytest.raises(ValueError, match="w13 has dtype torch.uint8, expected one of int32"):
+        call(w13=q13.to(torch.uint8))
+    with pytest.raises(ValueError, match=r"w2_qweight has shape \(4, 64, 8\), expected \(4, 64, 4"):
+        call(w2=torch.cat([q2, q2], dim=-1))
+    with pytest.raises(ValueError, match="bits must be one of"):  # H * 2 / 32 words: 2 bits
+        call(w13=q13[..., :4])
+    with pytest.raises(ValueError, match=r"w13 has shape \(4, 63, 8\); its dim 1 \(2I\) must be"):
+        call(w13=q13[:, :63])
+    with pytest.raises(ValueError, match="w13_scales has 3 groups along K = 64"):
+        call(w13_scale=torch.ones(4, 64, 3))
+    with pytest.raises(ValueError, match=r"w13_zeros has shape \(4, 64, 1\), expected \(4, 64, 2"):
+        call(w13_zeros=z13[..., :1])
+    with pytest.raises(ValueError, match="w2_zeros has dtype torch.float16, expected one of"):
+        call(w2_zeros=z2.half())
+    with pytest.raises(ValueError, match="quant='wna16' needs w2_scale"):
+        call(w2_scale=None)
+    with pytest.raises(ValueError, match="block_size is only for quant='fp8_block'"):
+        call(block_size=(128, 128))
+    with pytest.raises(ValueError, match="w13_zeros is only for quant='wna16', got quant=None"):
+        ak.fused_moe(hidden, q13, q2, weights, ids, w13_zeros=z13)
+    with pytest.raises(ValueError, match="w2_zeros is only for quant='wna16', got quant='mxfp4'"):
+        call(quant="mxfp4", w2_zeros=z2)

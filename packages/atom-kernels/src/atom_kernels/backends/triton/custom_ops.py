@@ -300,17 +300,19 @@ def paged_attention(
     schema="(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
     "str activation, Tensor? w13_bias, Tensor? w2_bias, bool gate_up_interleaved, "
     "float swiglu_alpha, float swiglu_limit, str? quant=None, Tensor? w13_scale=None, "
-    "Tensor? w2_scale=None, int[]? block_size=None) -> Tensor",
+    "Tensor? w2_scale=None, int[]? block_size=None, Tensor? w13_zeros=None, "
+    "Tensor? w2_zeros=None) -> Tensor",
 )
 def fused_moe(
     hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
     gate_up_interleaved, swiglu_alpha, swiglu_limit, quant=None, w13_scale=None,
-    w2_scale=None, block_size=None,
+    w2_scale=None, block_size=None, w13_zeros=None, w2_zeros=None,
 ):  # fmt: skip
     return moe.fused_moe(
         hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
         gate_up_interleaved, swiglu_alpha, swiglu_limit, quant=quant, w13_scale=w13_scale,
         w2_scale=w2_scale, block_size=None if block_size is None else tuple(block_size),
+        w13_zeros=w13_zeros, w2_zeros=w2_zeros,
     )  # fmt: skip
 
 

@@ -42,7 +42,8 @@ warps the MMAs). The
 activations stay pointer loads (GEMM 1 gathers token rows). Interleaved gate/up weights (GPT-OSS)
 and weights that break TMA's alignment rules fall back to pointer loads.
 
-Quantized experts (``quant``: "fp8_block", "fp8_channel", "mxfp4"): every GEMM dequantizes its
+Quantized experts (``quant``: "fp8_block", "fp8_channel", "mxfp4"; "wna16" has its own kernels
+in ``moe_wna16.py``, on this module's align step and sum kernel): every GEMM dequantizes its
 weight tiles in the K loop, then multiplies in the activation dtype: weight-only, the numbers of
 the torch reference's dequantized experts (each value times its scale in float32, one rounding).
 The scales are loaded per (column tile, K step), never per element: FP8 (``_fp8_tile``) reads a
@@ -1074,11 +1075,24 @@ def fused_moe(
     w2_scale: torch.Tensor | None = None,
     block_size: tuple[int, int] | None = None,
     mxfp4_mode: str | None = None,
+    w13_zeros: torch.Tensor | None = None,
+    w2_zeros: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See ``atom_kernels.fused_moe``. hidden_states [T, H] -> [T, H] in its dtype. ``config``
     overrides ``_configs`` (tuning, tests). Quantized experts (``quant``) are dequantized tile by
     tile in the GEMMs' K loops (weight-only: the activations stay in hidden_states' dtype).
-    ``mxfp4_mode``: a ``moe_mxfp4.MODES`` name (default: ``ATOM_MXFP4_MOE`` or the tuned one)."""
+    ``mxfp4_mode``: a ``moe_mxfp4.MODES`` name (default: ``ATOM_MXFP4_MOE`` or the tuned one).
+    quant="wna16" runs ``moe_wna16`` (its own GEMM kernels and configs; ``config`` there is a
+    ``moe_wna16.wna16_configs`` dict)."""
+    if quant == "wna16":
+        # Imported here: moe_wna16 builds on this module's align and sum kernels.
+        from atom_kernels.backends.triton.moe_wna16 import fused_moe_wna16
+
+        return fused_moe_wna16(
+            hidden_states, w13, w2, topk_weights, topk_ids, activation, w13_bias, w2_bias,
+            gate_up_interleaved, swiglu_alpha, swiglu_limit, w13_scale, w2_scale, w13_zeros,
+            w2_zeros, config=config,
+        )  # fmt: skip
     num_tokens, hidden_size = hidden_states.shape
     top_k = topk_ids.shape[1]
     num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
