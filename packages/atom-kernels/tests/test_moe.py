@@ -390,13 +390,13 @@ def test_bad_wna16_arguments():
         call(w13=q13[..., :7])
     with pytest.raises(ValueError, match="w13 has dtype torch.uint8, expected one of int32"):
         call(w13=q13.to(torch.uint8))
-    with pytest.raises(ValueError, match=r"w2_qweight has shape \(4, 64, 8\), expected \(4, 64, 4"):
+    with pytest.raises(ValueError, match=r"w2 has shape \(4, 64, 8\), expected \(4, 64, 4"):
         call(w2=torch.cat([q2, q2], dim=-1))
     with pytest.raises(ValueError, match="bits must be one of"):  # H * 2 / 32 words: 2 bits
         call(w13=q13[..., :4])
     with pytest.raises(ValueError, match=r"w13 has shape \(4, 63, 8\); its dim 1 \(2I\) must be"):
         call(w13=q13[:, :63])
-    with pytest.raises(ValueError, match="w13_scales has 3 groups along K = 64"):
+    with pytest.raises(ValueError, match="w13_scale has 3 groups along K = 64"):
         call(w13_scale=torch.ones(4, 64, 3))
     with pytest.raises(ValueError, match=r"w13_zeros has shape \(4, 64, 1\), expected \(4, 64, 2"):
         call(w13_zeros=z13[..., :1])

@@ -119,36 +119,35 @@ def check_wna16_weight(
     g_idx: object,
     bits: object,
     k: int,
-    prefix: str = "",
+    names: tuple[str, str, str] = ("qweight", "scales", "zeros"),
     lead: tuple[int, ...] = (),
 ) -> int:
-    """A WNA16 weight for K = ``k`` input features (``lead``: leading dims, e.g. (E,) for
-    experts); returns N."""
+    """A WNA16 weight for K = ``k`` input features (``names``: the arguments' names in messages;
+    ``lead``: leading dims, e.g. (E,) for experts); returns N."""
+    q_name, s_name, z_name = names
     if bits not in WNA16_BITS or isinstance(bits, bool):
         raise ValueError(f"{op}: bits must be one of {WNA16_BITS}, got {bits!r}")
     nd = len(lead) + 2
-    check_tensor(op, f"{prefix}qweight", qweight, ndim=nd, dtypes=(torch.int32,))
+    check_tensor(op, q_name, qweight, ndim=nd, dtypes=(torch.int32,))
     per_int = 32 // bits
     if k % per_int:
         raise ValueError(f"{op}: K = {k} is not a multiple of {per_int} ({bits}-bit values/int32)")
     n = qweight.shape[-2]
     check_shape(
-        op, f"{prefix}qweight", qweight, (*lead, n, k // per_int),
+        op, q_name, qweight, (*lead, n, k // per_int),
         f"([{', '.join(['E'] * len(lead) + ['N', f'K * {bits} / 32'])}] for K = {k})",
     )  # fmt: skip
-    check_tensor(op, f"{prefix}scales", scales, ndim=nd, dtypes=FLOAT_DTYPES)
+    check_tensor(op, s_name, scales, ndim=nd, dtypes=FLOAT_DTYPES)
     groups = scales.shape[-1]
-    check_shape(op, f"{prefix}scales", scales, (*lead, n, groups), "(one scale per row and group)")
+    check_shape(op, s_name, scales, (*lead, n, groups), "(one scale per row and group)")
     if groups == 0 or (g_idx is None and k % groups):
-        raise ValueError(
-            f"{op}: {prefix}scales has {groups} groups along K = {k}; K must be a multiple"
-        )
+        raise ValueError(f"{op}: {s_name} has {groups} groups along K = {k}; K must be a multiple")
     if zeros is not None:
-        check_tensor(op, f"{prefix}zeros", zeros, dtypes=(scales.dtype,))
-        check_shape(op, f"{prefix}zeros", zeros, tuple(scales.shape), "(to match the scales)")
+        check_tensor(op, z_name, zeros, dtypes=(scales.dtype,))
+        check_shape(op, z_name, zeros, tuple(scales.shape), "(to match the scales)")
     if g_idx is not None:
-        check_tensor(op, f"{prefix}g_idx", g_idx, ndim=1, dtypes=(torch.int32,))
-        check_shape(op, f"{prefix}g_idx", g_idx, (k,), "(one group per input feature)")
+        check_tensor(op, "g_idx", g_idx, ndim=1, dtypes=(torch.int32,))
+        check_shape(op, "g_idx", g_idx, (k,), "(one group per input feature)")
     return n
 
 

@@ -216,6 +216,10 @@ def fused_moe(
         intermediate_size = _check_quant_experts(
             op, quant, hidden_size, w13, w2, w13_scale, w2_scale, block_size, w13_zeros, w2_zeros
         )
+        if quant == "wna16":  # the scales (and zeros) are in the activations' dtype
+            check_same_dtype(
+                op, "hidden_states", hidden_states, w13_scale=w13_scale, w2_scale=w2_scale
+            )
     check_tensor(op, "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor(op, "topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES)
     check_dim(op, "topk_ids", topk_ids, 0, num_tokens, "(one row per token)")
@@ -376,6 +380,7 @@ def _check_wna16_experts(
         raise ValueError(f"{op}: w13 has shape {tuple(w13.shape)}; its dim 1 (2I) must be even")
     inter_size = two_i // 2
     lead = (num_experts,)
-    check_wna16_weight(op, w13, w13_scale, w13_zeros, None, bits, hidden_size, "w13_", lead)
-    check_wna16_weight(op, w2, w2_scale, w2_zeros, None, bits, inter_size, "w2_", lead)
+    names13, names2 = ("w13", "w13_scale", "w13_zeros"), ("w2", "w2_scale", "w2_zeros")
+    check_wna16_weight(op, w13, w13_scale, w13_zeros, None, bits, hidden_size, names13, lead)
+    check_wna16_weight(op, w2, w2_scale, w2_zeros, None, bits, inter_size, names2, lead)
     return inter_size
