@@ -280,8 +280,8 @@ def wna16_linear(
     bias: torch.Tensor | None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """See ``atom_kernels.wna16_linear``; ``config`` (keys of ``wna16_config``) overrides the
-    launch (benchmarks, tests)."""
+    """See ``atom_kernels.wna16_linear``; ``config`` (keys of ``wna16_config``; SPLIT_K None:
+    chosen) overrides the launch (benchmarks, tests)."""
     n = qweight.shape[0]
     k = qweight.shape[1] * 32 // bits
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
@@ -294,14 +294,16 @@ def wna16_linear(
     num_rows = x2.shape[0]
     group_size = k // scales.shape[1]
     per_tile = g_idx is None
-    cfg = wna16_config(num_rows, n, k, group_size, per_tile, num_sms(x.device),
-                       is_interpreted(x.device))  # fmt: skip
+    sms = num_sms(x.device)
+    cfg = wna16_config(num_rows, n, k, group_size, per_tile, sms, is_interpreted(x.device))
     cfg.update(config or {})
     block_k = cfg["BLOCK_K"]
     one_row = cfg["BLOCK_M"] == 1
     if num_rows > 1 and one_row:
         raise ValueError("wna16_linear: BLOCK_M = 1 (multiply-adds) takes one row only")
     tiles = triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    if cfg["SPLIT_K"] is None:  # an override's "choose"
+        cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, block_k), sms, cfg.get("per_sm", 2))
     splits, per_split, counters = _launch_split(x.device, tiles, k, cfg)
     out2 = out.view(-1, n)
     ws = x2.new_empty((splits, num_rows, n), dtype=torch.float32) if splits > 1 else out2
@@ -521,9 +523,12 @@ def int8_gemm(
     if num_rows == 0 or n == 0:
         return out
     a, b = _contiguous(a), _contiguous(b)
-    cfg = int8_gemm_config(num_rows, n, k, num_sms(a.device), is_interpreted(a.device))
+    sms = num_sms(a.device)
+    cfg = int8_gemm_config(num_rows, n, k, sms, is_interpreted(a.device))
     cfg.update(config or {})
     tiles = triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    if cfg["SPLIT_K"] is None:  # an override's "choose"
+        cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, cfg["BLOCK_K"]), sms, 2)
     splits, per_split, counters = _launch_split(a.device, tiles, k, cfg)
     ws = a.new_empty((splits, num_rows, n), dtype=torch.int32) if splits > 1 else out
     _int8_gemm_kernel[(tiles, splits)](
