@@ -139,12 +139,12 @@ def _wna16_tile(bn, warps, stages, split=None, bm=16, bk=128) -> dict:
                 SPLIT_K=split)  # fmt: skip
 
 
-WNA16_TILES = {  # int_tiles' candidates by M (1: multiply-adds, BLOCK_M = 1; 16: dots)
-    1: tuple(_wna16_tile(bn, w, 1, split, bm=1) for bn in (16, 32, 64, 128) for w in (2, 4, 8)
-             for split in (None, 1)) + (_wna16_tile(32, 4, 1, 4, bm=1),
-                                        _wna16_tile(64, 4, 1, 8, bm=1)),
-    16: tuple(_wna16_tile(bn, w, st, split) for bn in (32, 64, 128) for w in (4, 8)
-              for st in (3, 5) for split in (None, 1)),
+_DOT_TILES = tuple(_wna16_tile(bn, w, st, split) for bn in (32, 64, 128) for w in (4, 8)
+                   for st in (4,) for split in (None, 1))  # fmt: skip
+WNA16_TILES = {  # int_tiles' candidates by M: 16-row dots; at M = 1 also multiply-adds (BLOCK_M 1)
+    1: _DOT_TILES + tuple(_wna16_tile(bn, w, 1, split, bm=1) for bn in (16, 32, 64, 128)
+                          for w in (4, 8) for split in (None, 1)),
+    16: _DOT_TILES + (_wna16_tile(64, 4, 3), _wna16_tile(64, 4, 5)),
 }  # fmt: skip
 MOE_TILE_TOKENS = (1, 16)  # moe_tiles without --moe-tile-tokens
 MOE_TILE_VARIANTS = (  # moe_tiles: (gemm, changes), each applied alone to the default

@@ -9,10 +9,12 @@ as one wide contiguous block per row, unpack in registers (shift, mask; the inte
 float by OR-ing it into the mantissa of 2**23, no int->float conversion), and ``(q - zero) * scale``
 is applied with one scale (and zero) per row when the tile lies in one group (``SCALE_PER_TILE``:
 BLOCK_K divides the group size), else gathered per element (odd group sizes, ``g_idx``). Then:
-- one row (decode at batch 1): fp32 multiply-adds into a [BLOCK_N, BLOCK_K] accumulator, summed
-  over K once at the end (no dot: a 16-row MMA would waste 15 rows);
-- 2..SKINNY_MAX_ROWS rows: the dequantized tile, cast to x's dtype (as the torch reference rounds
-  the weight), into ``tl.dot`` with 16-row x tiles;
+- 1..SKINNY_MAX_ROWS rows (decode): ``tl.dot`` with 16-row x tiles (``wna16_config`` says why
+  one row too); on a tile-wide scale the dot multiplies q - zero (small integers, exact in x's
+  dtype) and its result is scaled, else the scaled weight, rounded to x's dtype (as the torch
+  reference rounds it), goes into the dot;
+- a launch with BLOCK_M = 1 (one row, benchmarks' alternative): fp32 multiply-adds into a
+  [BLOCK_N, BLOCK_K] accumulator, summed over K once at the end;
 - more rows (prefill): the same with 64 / 128-row tiles and GROUP_M ordering (L2 reuse of W).
 Few output tiles split K (``split_for``): fp32 partials in a workspace, the tile's last program to
 arrive sums them in split order (deterministic) and finishes the tile (counters as linear.py).
@@ -61,9 +63,11 @@ def _dequant_tile(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SCALE_LATER: tl.constexpr = False,
 ):
-    """The fp32 weight tile [BLOCK_N, BLOCK_K] at k0; k past K gives finite garbage (x is zero
-    there)."""
+    """(the fp32 weight tile [BLOCK_N, BLOCK_K] at k0, the scales); with SCALE_LATER and
+    SCALE_PER_TILE: (q - zero, the tile's scales [BLOCK_N]), for the caller to scale a whole
+    dot's result. k past K gives finite garbage (x is zero there)."""
     PER_INT: tl.constexpr = 32 // BITS
     BLOCK_KP: tl.constexpr = BLOCK_K // PER_INT
     offs_kp = k0 // PER_INT + tl.arange(0, BLOCK_KP)
@@ -83,7 +87,9 @@ def _dequant_tile(
             z = tl.load(z_ptr + rows * stride_zn + group).to(tl.float32)
         else:
             z = tl.full([BLOCK_N], 1 << (BITS - 1), tl.float32)
-        w = (f - (8388608.0 + z)[:, None]) * s[:, None]
+        w = f - (8388608.0 + z)[:, None]  # q - zero, exactly (small integers)
+        if not SCALE_LATER:
+            w = w * s[:, None]
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
@@ -97,7 +103,7 @@ def _dequant_tile(
             w = (f - (8388608.0 + z)) * s
         else:
             w = (f - (8388608.0 + (1 << (BITS - 1)))) * s
-    return w
+    return w, s
 
 
 @triton.jit
@@ -161,6 +167,7 @@ def _wna16_kernel(
     HAS_ZEROS: tl.constexpr,
     HAS_G_IDX: tl.constexpr,
     SCALE_PER_TILE: tl.constexpr,
+    SCALE_LATER: tl.constexpr,  # dots, SCALE_PER_TILE: dot q - zero (exact), then scale
     HAS_BIAS: tl.constexpr,
     ONE_ROW: tl.constexpr,  # M == 1: multiply-adds, no dot
     IEEE: tl.constexpr,  # fp32 x: an exact fp32 dot (not tf32)
@@ -187,9 +194,9 @@ def _wna16_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        w = _dequant_tile(
+        w, s = _dequant_tile(
             q_ptr, s_ptr, z_ptr, g_ptr, rows, k0, K, group_size, stride_qn, stride_sn, stride_zn,
-            BITS, HAS_ZEROS, HAS_G_IDX, SCALE_PER_TILE, EVEN_K, BLOCK_N, BLOCK_K,
+            BITS, HAS_ZEROS, HAS_G_IDX, SCALE_PER_TILE, EVEN_K, BLOCK_N, BLOCK_K, SCALE_LATER,
         )  # fmt: skip
         if EVEN_K:
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
@@ -198,6 +205,12 @@ def _wna16_kernel(
             x = tl.load(x_ptrs + k0, mask=x_mask, other=0.0)
         if ONE_ROW:
             acc2 += w * x.to(tl.float32)  # x is [1, BLOCK_K]
+        elif SCALE_LATER:
+            if IEEE:
+                part = tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                part = tl.dot(x, tl.trans(w.to(x.dtype)))
+            acc += part * s[None, :]
         elif IEEE:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
@@ -232,15 +245,18 @@ def _block_k(group_size: int, per_tile: bool, cap: int) -> int:
 def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool, sms: int,
                  interpreted: bool = False) -> dict:  # fmt: skip
     """The launch of ``_wna16_kernel`` for an [num_rows, k] x [n, k]^T GEMM (``per_tile``: the
-    groups are contiguous, no g_idx). NOTE: chosen from the design (the bytes a program keeps in
-    flight, programs per SM), not yet measured: ``benchmarks/quant_kernels.py --only int``
-    times them (and ``--only int_tiles`` sweeps alternatives)."""
+    groups are contiguous, no g_idx).
+
+    One row takes 16-row dots too: per 4-bit weight the multiply-add path issues shift, mask,
+    zero, scale and multiply-add (~5 ALU instructions an element: 4.7e12 elements/s, 70% of an
+    H100's bandwidth, would need ~90% of its issue rate), the dot path shift, mask, zero and half
+    a conversion (the tensor cores multiply; the scale applies once per tile and column).
+    NOTE: chosen from that count and the bytes a program keeps in flight (4 stages of 64 x 128
+    4-bit tiles, ~2 programs an SM), not yet measured: ``benchmarks/quant_kernels.py --only
+    int,int_tiles`` times them and sweeps the alternatives (BLOCK_M = 1: the multiply-adds)."""
     if interpreted:
         cfg = dict(BLOCK_M=1 if num_rows == 1 else 16, BLOCK_N=16, BLOCK_K=32, num_warps=4,
                    num_stages=1, GROUP_M=1, per_sm=2)  # fmt: skip
-    elif num_rows == 1:
-        cfg = dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=_block_k(group_size, per_tile, 128),
-                   num_warps=4, num_stages=1, GROUP_M=1, per_sm=4)  # fmt: skip
     elif num_rows <= SKINNY_MAX_ROWS:
         cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=_block_k(group_size, per_tile, 128),
                    num_warps=4, num_stages=4, GROUP_M=1, per_sm=2)  # fmt: skip
@@ -305,6 +321,7 @@ def wna16_linear(
     if cfg["SPLIT_K"] is None:  # an override's "choose"
         cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, block_k), sms, cfg.get("per_sm", 2))
     splits, per_split, counters = _launch_split(x.device, tiles, k, cfg)
+    scale_per_tile = per_tile and group_size % block_k == 0
     out2 = out.view(-1, n)
     ws = x2.new_empty((splits, num_rows, n), dtype=torch.float32) if splits > 1 else out2
     _wna16_kernel[(tiles, splits)](
@@ -314,7 +331,8 @@ def wna16_linear(
         x2.stride(0), qweight.stride(0), scales.stride(0),
         zeros.stride(0) if zeros is not None else 0, out2.stride(0),
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None,
-        SCALE_PER_TILE=per_tile and group_size % block_k == 0, HAS_BIAS=bias is not None,
+        SCALE_PER_TILE=scale_per_tile, SCALE_LATER=scale_per_tile and not one_row,
+        HAS_BIAS=bias is not None,
         ONE_ROW=one_row, IEEE=x.dtype == torch.float32, EVEN_K=k % block_k == 0,
         SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, num_warps=cfg["num_warps"],
@@ -334,7 +352,7 @@ def _dequant_wna16_kernel(
     k0 = tl.program_id(1) * BLOCK_K
     offs_k = k0 + tl.arange(0, BLOCK_K)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    w = _dequant_tile(
+    w, _ = _dequant_tile(
         q_ptr, s_ptr, z_ptr, g_ptr, rows, k0, K, group_size, stride_qn, stride_sn, stride_zn,
         BITS, HAS_ZEROS, HAS_G_IDX, SCALE_PER_TILE, EVEN_K, BLOCK_N, BLOCK_K,
     )  # fmt: skip
