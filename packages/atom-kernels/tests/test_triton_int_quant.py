@@ -109,8 +109,11 @@ def test_wna16_linear_leading_dims_strided_and_empty(triton_backend, iq):
     out = iq.wna16_linear(strided_copy(x), qw, s, z, g, 8, None)
     assert out.shape == (2, 3, 20)
     assert_close(out, expected, atol=1e-4, rtol=1e-4)
-    # a strided qweight and scales (every other column of wider buffers)
-    out = iq.wna16_linear(x, strided_copy(qw), strided_copy(s), z, g, 8, None)
+    # a strided qweight, scales, zeros and bias (every other column of wider buffers)
+    bias = torch.randn(20, generator=_gen(12)).to(device)
+    expected = reference.wna16_linear(x, qw, s, z, g, 8, bias)
+    out = iq.wna16_linear(x, strided_copy(qw), strided_copy(s), strided_copy(z), g, 8,
+                          strided_copy(bias))  # fmt: skip
     assert_close(out, expected, atol=1e-4, rtol=1e-4)
     assert iq.wna16_linear(x[:, :0], qw, s, z, g, 8, None).shape == (2, 0, 20)
 
@@ -158,6 +161,9 @@ def test_int8_linear_bit_for_bit(triton_backend, iq, dtype, rows, n, k, static):
     input_scale = torch.tensor([0.02], device=device) if static else None
     out = iq.int8_linear(x, w, w_s, input_scale, bias)
     assert_equal(out, reference.int8_linear(x, w, w_s, input_scale, bias))
+    if bias is not None and rows == 1:  # strided weight, scales and bias
+        out = iq.int8_linear(x, strided_copy(w), strided_copy(w_s), input_scale, strided_copy(bias))
+        assert_equal(out, reference.int8_linear(x, w, w_s, input_scale, bias))
 
 
 @pytest.mark.parametrize("config", [dict(SPLIT_K=1), dict(SPLIT_K=4), dict(BLOCK_K=64)])
@@ -237,3 +243,23 @@ def test_int8_linear_gpu_real_sizes(triton_backend, iq, rows, n, k):
     bias = torch.randn(n, generator=_gen(32)).to(torch.bfloat16).cuda()
     out = iq.int8_linear(x, w, w_s, None, bias)
     assert_equal(out, reference.int8_linear(x, w, w_s, None, bias))
+
+
+def test_launch_policy(triton_backend, iq):
+    """On an H100 (132 SMs) the decode launches of the Llama-3-8B shapes fill the SMs: 16-row
+    dots, a tile-wide scale (BLOCK_K divides the group), K split where the N tiles are too few;
+    prefill takes big tiles unsplit; odd groups fall back to a 32-deep K tile."""
+    for rows in (1, 16):
+        for n, k in LLAMA3_8B:
+            cfg = iq.wna16_config(rows, n, k, 128, True, 132)
+            assert cfg["BLOCK_M"] == 16 and 128 % cfg["BLOCK_K"] == 0, cfg
+            programs = -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
+            assert programs >= 132 and cfg["SPLIT_K"] <= k // cfg["BLOCK_K"] // 2, (n, k, cfg)
+    cfg = iq.wna16_config(4096, 4096, 4096, 128, True, 132)
+    assert cfg["BLOCK_M"] == 128 and cfg["SPLIT_K"] == 1
+    assert iq.wna16_config(4, 4096, 4096, 40, True, 132)["BLOCK_K"] == 32
+    assert iq.split_for(200, 64, 132, 2) == 1
+    assert iq.split_for(64, 32, 132, 2) == 5 and iq.split_for(64, 4, 132, 2) == 2
+    for rows in (1, 16, 256):
+        cfg = iq.int8_gemm_config(rows, 4096, 4096, 132)
+        assert -(-rows // cfg["BLOCK_M"]) * -(-4096 // cfg["BLOCK_N"]) * cfg["SPLIT_K"] >= 132

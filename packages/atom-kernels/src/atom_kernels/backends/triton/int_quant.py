@@ -306,7 +306,7 @@ def wna16_linear(
     if k == 0:
         return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
     x2 = _contiguous(as_rows(x))
-    qweight, scales, zeros, g_idx = map(_contiguous, (qweight, scales, zeros, g_idx))
+    qweight, scales, zeros, g_idx, bias = map(_contiguous, (qweight, scales, zeros, g_idx, bias))
     num_rows = x2.shape[0]
     group_size = k // scales.shape[1]
     per_tile = g_idx is None
@@ -540,7 +540,7 @@ def int8_gemm(
     out = torch.empty((num_rows, n), dtype=out_dtype, device=a.device)
     if num_rows == 0 or n == 0:
         return out
-    a, b = _contiguous(a), _contiguous(b)
+    a, b, a_scale, b_scale, bias = map(_contiguous, (a, b, a_scale, b_scale, bias))
     sms = num_sms(a.device)
     cfg = int8_gemm_config(num_rows, n, k, sms, is_interpreted(a.device))
     cfg.update(config or {})
