@@ -77,11 +77,12 @@ def test_wna16_linear(triton_backend, iq, bits, n, k, groups, zeros, g_idx, rows
 @pytest.mark.parametrize(
     "config",
     [None, dict(SPLIT_K=1), dict(SPLIT_K=3), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64),
-     dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2)],
+     dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2), dict(BLOCK_M=32, BLOCK_N=16, GROUP_M=2)],
 )  # fmt: skip
 def test_wna16_linear_launches(triton_backend, iq, dtype, config):
-    """One row through the multiply-add and the dot tiles, split or not (N = 24: the interpreter's
-    4 SMs take 2 tiles, split by default), K = 384: 2 groups of 192, 12 K tiles of 32."""
+    """One row through the multiply-add, the decode dot (scaled after the dot) and the prefill
+    tiles (BLOCK_M 32: scaled weights), split or not (N = 24: the interpreter's 4 SMs take 2
+    tiles, split by default), K = 384: 2 groups of 192, 12 K tiles of 32."""
     device = triton_backend.device
     qw, s, z, g = wna16_weight(24, 384, 4, 2, True, False, seed=5, device=device, dtype=dtype)
     x = torch.randn(1, 384, generator=_gen(6)).to(dtype).to(device)

@@ -11,8 +11,8 @@ is applied with one scale (and zero) per row when the tile lies in one group (``
 BLOCK_K divides the group size), else gathered per element (odd group sizes, ``g_idx``). Then:
 - 1..SKINNY_MAX_ROWS rows (decode): ``tl.dot`` with 16-row x tiles (``wna16_config`` says why
   one row too); on a tile-wide scale the dot multiplies q - zero (small integers, exact in x's
-  dtype) and its result is scaled, else the scaled weight, rounded to x's dtype (as the torch
-  reference rounds it), goes into the dot;
+  dtype) and its result is scaled (``SCALE_LATER``), else the scaled weight, rounded to x's dtype
+  (as the torch reference rounds it), goes into the dot;
 - a launch with BLOCK_M = 1 (one row, benchmarks' alternative): fp32 multiply-adds into a
   [BLOCK_N, BLOCK_K] accumulator, summed over K once at the end;
 - more rows (prefill): the same with 64 / 128-row tiles and GROUP_M ordering (L2 reuse of W).
@@ -322,6 +322,9 @@ def wna16_linear(
         cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, block_k), sms, cfg.get("per_sm", 2))
     splits, per_split, counters = _launch_split(x.device, tiles, k, cfg)
     scale_per_tile = per_tile and group_size % block_k == 0
+    # Decode tiles dot q - zero and scale each tile's result (no multiply a weight); prefill tiles
+    # scale the weight instead, so the MMAs chain on one accumulator (Hopper's async wgmma).
+    scale_later = scale_per_tile and 1 < cfg["BLOCK_M"] <= SKINNY_MAX_ROWS
     out2 = out.view(-1, n)
     ws = x2.new_empty((splits, num_rows, n), dtype=torch.float32) if splits > 1 else out2
     _wna16_kernel[(tiles, splits)](
@@ -331,7 +334,7 @@ def wna16_linear(
         x2.stride(0), qweight.stride(0), scales.stride(0),
         zeros.stride(0) if zeros is not None else 0, out2.stride(0),
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None,
-        SCALE_PER_TILE=scale_per_tile, SCALE_LATER=scale_per_tile and not one_row,
+        SCALE_PER_TILE=scale_per_tile, SCALE_LATER=scale_later,
         HAS_BIAS=bias is not None,
         ONE_ROW=one_row, IEEE=x.dtype == torch.float32, EVEN_K=k % block_k == 0,
         SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),
