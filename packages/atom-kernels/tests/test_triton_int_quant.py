@@ -119,6 +119,21 @@ def test_wna16_linear_leading_dims_strided_and_empty(triton_backend, iq):
     assert iq.wna16_linear(x[:, :0], qw, s, z, g, 8, None).shape == (2, 0, 20)
 
 
+def test_grouped_tile_order(triton_backend, iq):
+    """GROUP_M > 1 (prefill's L2 order: row tiles walked per column) covers every tile once."""
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(40, 128, 4, 4, False, False, seed=33, device=device)
+    x = torch.randn(50, 128, generator=_gen(34)).to(device)
+    config = dict(BLOCK_M=16, BLOCK_N=16, GROUP_M=3, SPLIT_K=1)
+    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
+    assert_close(out, reference.wna16_linear(x, qw, s, z, g, 4, None), atol=1e-4, rtol=1e-4)
+    w = torch.randint(-128, 128, (40, 64), generator=_gen(35), dtype=torch.int8).to(device)
+    a, a_s = iq.quantize_int8(x[:, :64], None)
+    w_s = torch.rand(40, generator=_gen(36)).to(device)
+    expected = ((a.double() @ w.double().T) * a_s.double()[:, None] * w_s.double()).float()
+    assert_equal(iq.int8_gemm(a, a_s, w, w_s, None, torch.float32, config), expected)
+
+
 @pytest.mark.parametrize(("bits", "n", "k", "groups", "zeros", "g_idx"), WNA16_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dequantize_wna16(triton_backend, iq, bits, n, k, groups, zeros, g_idx, dtype):

@@ -37,7 +37,7 @@ SKINNY_MAX_ROWS = 16
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 |y| < 2**22 to an integer, half to even
 # (the FPU's round-to-nearest-even), as torch.round. libdevice.rint would do the same on a GPU but
 # the interpreter has no libdevice; LLVM does not reassociate the two adds (no fast-math flags).
-ROUND_MAGIC = 12582912.0
+ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 # --- WNA16 ----------------------------------------------------------------------------------------
