@@ -100,8 +100,10 @@ def test_wna16_kernel_compiles_for_sm90(name):
     kernel = _wna16(cfg, 4, False, False)
     assert 0 < len(kernel.asm["cubin"])
     assert kernel.metadata.shared <= H100_SHARED_BYTES
-    if cfg["BLOCK_M"] > 1:  # tensor cores
-        assert "mma" in kernel.asm["ptx"]
+    ptx = kernel.asm["ptx"]
+    assert "ld.local" not in ptx  # no register spills
+    if cfg["BLOCK_M"] > 1:  # tensor cores, the packed words streamed through cp.async stages
+        assert "mma" in ptx and "cp.async" in ptx
 
 
 @pytest.mark.parametrize(
@@ -130,8 +132,8 @@ def test_dequantize_and_int8_quant_compile_for_sm90():
     )  # fmt: skip
     for kernel in (dequant, quant):
         assert 0 < len(kernel.asm["cubin"])
-    # the rounding trick survives compilation: an add and a subtract of 1.5 * 2**23
-    assert "0f4B400000" in quant.asm["ptx"]
+    # the rounding trick survives compilation (not folded away): adds of +-1.5 * 2**23
+    assert "0f4B400000" in quant.asm["ptx"] and "0fCB400000" in quant.asm["ptx"]
 
 
 @pytest.mark.parametrize("rows", [1, 16, 256, 4096])
