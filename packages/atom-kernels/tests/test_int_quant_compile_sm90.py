@@ -1,9 +1,10 @@
 """The integer-quantized kernels (``int_quant``: the WNA16 GEMM, its dequantization, the int8
 quant and the W8A8 GEMM) compile for a real Hopper GPU (sm_90) without one, as
 test_quant_compile_sm90.py does for the FP8 GEMM: the interpreter runs the numerics
-(test_triton_int_quant.py) but accepts code the GPU compiler rejects (the unpacking reshape, the
-split-K atomics, int8 / fp64 / mixed-dtype dots). Each launch ``wna16_config`` / ``int8_gemm_config``
-picks for the Llama-3-8B projections on 132 SMs, plus the benchmark's one-row multiply-adds."""
+(test_triton_int_quant.py) but accepts code the GPU compiler rejects (it took a plain global
+float that the compiler refuses; the unpacking reshape, split-K atomics, int8 / fp64 dots). Each
+launch ``wna16_config`` / ``int8_gemm_config`` picks for the Llama-3-8B projections on 132 SMs,
+plus the benchmark's one-row multiply-adds."""
 
 from __future__ import annotations
 
