@@ -154,3 +154,43 @@ def test_int8_gemm_compiles_for_sm90(rows):
     assert 0 < len(kernel.asm["cubin"])
     assert kernel.metadata.shared <= H100_SHARED_BYTES
     assert "s8" in kernel.asm["ptx"] and "mma" in kernel.asm["ptx"]  # int8 tensor-core MMA
+
+
+def _sweep_candidates() -> dict:
+    """benchmarks/quant_kernels.py's int_tiles candidates (WNA16_TILES), by name."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    benchmarks = Path(__file__).resolve().parents[3] / "benchmarks"
+    sys.path.insert(0, str(benchmarks))  # it imports benchmarks/kernels.py as `kernels`
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "atom_benchmarks_quant_kernels", benchmarks / "quant_kernels.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(benchmarks))
+    out = {}
+    for rows, candidates in module.WNA16_TILES.items():
+        for cfg in candidates:
+            out.setdefault(" ".join(f"{k}={v}" for k, v in cfg.items()), (rows, cfg))
+    return out
+
+
+SWEEP = _sweep_candidates()
+
+
+@pytest.mark.parametrize("name", list(SWEEP))
+def test_int_tiles_candidates_compile_for_sm90(name):
+    """Each candidate the benchmark sweeps (at o_proj, 4096 x 4096, split as it would be) builds
+    within the H100's shared memory: a device call spends no time on ones that cannot."""
+    rows, candidate = SWEEP[name]
+    cfg = {**int_quant.wna16_config(rows, 4096, 4096, 128, True, H100_SMS), **candidate}
+    if cfg["SPLIT_K"] is None:
+        tiles = -(-rows // cfg["BLOCK_M"]) * -(-4096 // cfg["BLOCK_N"])
+        cfg["SPLIT_K"] = int_quant.split_for(tiles, 4096 // cfg["BLOCK_K"], H100_SMS, 2)
+    kernel = _wna16(cfg, 4, False, False)
+    assert 0 < len(kernel.asm["cubin"])
+    assert kernel.metadata.shared <= H100_SHARED_BYTES
