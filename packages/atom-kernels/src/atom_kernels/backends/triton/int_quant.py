@@ -36,7 +36,8 @@ from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms
 SKINNY_MAX_ROWS = 16
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 |y| < 2**22 to an integer, half to even
 # (the FPU's round-to-nearest-even), as torch.round. libdevice.rint would do the same on a GPU but
-# the interpreter has no libdevice; LLVM does not reassociate the two adds (no fast-math flags).
+# the interpreter has no libdevice; LLVM does not reassociate the two adds (no fast-math flags;
+# test_int_quant_compile_sm90 finds both in the PTX). A constexpr: jit code reads no other global.
 ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
@@ -235,9 +236,10 @@ def split_for(tiles: int, k_tiles: int, sms: int, per_sm: int) -> int:
 
 
 def _block_k(group_size: int, per_tile: bool, cap: int) -> int:
-    """The largest power of two <= cap (>= 32) dividing the group size (32 if none does)."""
+    """Contiguous groups (``per_tile``): the largest power of two <= cap (>= 32) dividing the
+    group size (32 if none does: scales gathered per element); g_idx: cap (gathered anyway)."""
     block = cap
-    while block > 32 and (not per_tile or group_size % block):
+    while per_tile and block > 32 and group_size % block:
         block //= 2
     return block
 
