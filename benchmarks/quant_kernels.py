@@ -30,6 +30,16 @@ what it measured):
   (``moe_tile_candidates``: GEMM 1 / GEMM 2 column tile, K tile, stages, warps; the per-pair
   combine), each checked once against the torch reference (``BAD`` past atol = rtol = 5e-2, as
   the GPU test) and timed (cold L2 only): the evidence for the quantized formats' tiles.
+- ``int``: integer checkpoints (issue 40) at the Llama-3-8B projections (``INT_SHAPES``): the
+  W4A16 GEMM (``wna16_linear``, group 128, symmetric) at M = 1, 4, 16, 256, the W8A8 GEMM
+  (``int8_linear``: per-token int8 quant + the int8 GEMM; and the GEMM alone) at M = 1, 16, 256,
+  and bf16 cuBLAS (``F.linear``) at every M, each checked against the torch reference first
+  (``max_error``; ``BAD`` past atol = rtol = 5e-2). W8A8 rows meet the int8 matmul rate
+  (``torch._int_mm`` 8192^3, measured when this group runs).
+- ``int_tiles``: the W4A16 GEMM at M = 1 and 16 under its own launch and each candidate of
+  ``WNA16_TILES`` (cold L2 only, each checked first): the evidence for ``wna16_config``.
+
+The integer GEMMs alone: ``python benchmarks/quant_kernels.py --only int,int_tiles --out ...``.
 
 The block-FP8 GEMM and group-quant work alone, in one GPU call (a few minutes):
 
@@ -110,7 +120,32 @@ MOE_SHAPE_NAMES: tuple[str, ...] = ()  # --moe-shapes: only these (empty: all)
 # --mxfp4-modes: each names a moe_mxfp4.MODES way, timed as its own row ("mxfp4 <mode>") and
 # checked against the reference first; "<mode>+pp" also forces the per-pair path (decode sizes).
 MXFP4_MODES: tuple[str, ...] = ()
-GROUPS = ("gemm", "group_quant", "mla", "moe", "gemm_tiles", "moe_tiles")  # run order
+GROUPS = ("gemm", "group_quant", "mla", "moe", "gemm_tiles", "moe_tiles", "int", "int_tiles")
+INT_SHAPES = {  # Llama-3-8B projections, name: (N, K)
+    "qkv_proj": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up_proj": (28672, 4096),
+    "down_proj": (4096, 14336),
+}
+INT_GROUP = 128  # W4A16's group size (GPTQ / AWQ's usual)
+W4A16_ROWS = (1, 4, 16, 256)
+W8A8_ROWS = (1, 16, 256)
+INT_TILE_ROWS = (1, 16)
+
+
+def _wna16_tile(bn, warps, stages, split=None, bm=16, bk=128) -> dict:
+    """A wna16_linear launch (``int_quant.wna16_config``'s keys); split None: its own choice."""
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                SPLIT_K=split)  # fmt: skip
+
+
+_DOT_TILES = tuple(_wna16_tile(bn, w, st, split) for bn in (32, 64, 128) for w in (4, 8)
+                   for st in (4,) for split in (None, 1))  # fmt: skip
+WNA16_TILES = {  # int_tiles' candidates by M: 16-row dots; at M = 1 also multiply-adds (BLOCK_M 1)
+    1: _DOT_TILES + tuple(_wna16_tile(bn, w, 1, split, bm=1) for bn in (16, 32, 64, 128)
+                          for w in (4, 8) for split in (None, 1)),
+    16: _DOT_TILES + (_wna16_tile(64, 4, 3), _wna16_tile(64, 4, 5)),
+}  # fmt: skip
 MOE_TILE_TOKENS = (1, 16)  # moe_tiles without --moe-tile-tokens
 MOE_TILE_VARIANTS = (  # moe_tiles: (gemm, changes), each applied alone to the default
     ("gemm1", {"BLOCK_N": 16}), ("gemm1", {"BLOCK_N": 64}), ("gemm1", {"BLOCK_K": 64}),
@@ -140,6 +175,22 @@ def gemm_bytes(rows: int, n: int, k: int, impl: str) -> float:
     else:  # per-channel FP8
         weight = n * k + 4 * n
     x_bytes = rows * k * (1 if impl in ("fp8_block_gemm", "scaled_mm_tensor") else 2)
+    return float(weight + x_bytes + 2 * rows * n)
+
+
+def int_gemm_bytes(rows: int, n: int, k: int, impl: str, group: int = INT_GROUP) -> float:
+    """Least bytes of an integer-weight linear of x [rows, K] bf16: W packed (4-bit: K / 2 bytes
+    a row, with bf16 scales per group; int8: K bytes a row, fp32 channel scales), x read (int8
+    already for the GEMM-only row) and y [rows, N] bf16 written once."""
+    if impl.startswith("w4a16"):
+        weight = n * k // 2 + 2 * n * cdiv(k, group)
+    elif impl.startswith("w8a8"):
+        weight = n * k + 4 * n
+    else:
+        return gemm_bytes(rows, n, k, impl)
+    x_bytes = rows * k * (1 if impl == "w8a8_gemm" else 2) + (
+        4 * rows if impl == "w8a8_gemm" else 0
+    )
     return float(weight + x_bytes + 2 * rows * n)
 
 
@@ -238,6 +289,9 @@ def format_table(rows: list[dict]) -> str:
 # --- timing and the roofline ----------------------------------------------------------------------
 
 
+PEAK_KEYS = {"fp8": "fp8_matmul_TFLOPs", "int8": "int8_matmul_TOPs", "bf16": "matmul_TFLOPs"}
+
+
 class Bench:
     """Times ops (CUDA graphs, cold and warm L2) and turns them into result rows."""
 
@@ -261,7 +315,7 @@ class Bench:
 
     def add(self, group: str, shape: str, impl: str, fn, nbytes: float, flops: float,
             peak: str, warm: bool = True, **extra) -> dict:  # fmt: skip
-        """Time ``fn`` and record a row; ``peak``: "fp8" or "bf16" (the matmul rate it meets);
+        """Time ``fn`` and record a row; ``peak``: a PEAK_KEYS key (the matmul rate it meets);
         ``warm``: also the warm-L2 graph time."""
         try:
             ms_cold, ms_graph = self.time(fn, warm)
@@ -270,7 +324,7 @@ class Bench:
             row = {"group": group, "shape": shape, "impl": impl, "error": repr(exc)[:500]}
             self.rows.append(row)
             return row
-        peak_tflops = self.roof["fp8_matmul_TFLOPs" if peak == "fp8" else "matmul_TFLOPs"]
+        peak_tflops = self.roof[PEAK_KEYS[peak]]
         roof = roofline(nbytes, flops, self.roof["copy_GBps"], peak_tflops)
         ms = max(ms_cold, 1e-6)
         row = {
@@ -297,6 +351,17 @@ def measure_fp8_matmul(torch) -> dict:
         warmup=10, rep=200, return_mode="median",
     )  # fmt: skip
     return {"fp8_matmul_TFLOPs": 2 * n**3 / (ms / 1e3) / 1e12, "fp8_matmul_ms": ms}
+
+
+def measure_int8_matmul(torch) -> dict:
+    """torch._int_mm int8 8192^3 (int32 out): the int8 matmul rate (tera-ops/s)."""
+    from triton.testing import do_bench
+
+    n = 8192
+    a = torch.randint(-128, 128, (n, n), dtype=torch.int8, device=DEVICE)
+    b = torch.randint(-128, 128, (n, n), dtype=torch.int8, device=DEVICE).t()  # column-major
+    ms = do_bench(lambda: torch._int_mm(a, b), warmup=10, rep=200, return_mode="median")
+    return {"int8_matmul_TOPs": 2 * n**3 / (ms / 1e3) / 1e12, "int8_matmul_ms": ms}
 
 
 # --- groups ---------------------------------------------------------------------------------------
@@ -605,12 +670,128 @@ def bench_mla(torch, bench: Bench) -> None:
             torch.cuda.empty_cache()
 
 
+def _int_weights(torch, n: int, k: int, g):
+    """Random W4A16 (qweight, bf16 scales [N, K / INT_GROUP]) and W8A8 (int8, fp32 scales [N])
+    weights of an [N, K] layer, scaled for ~unit outputs."""
+    qweight = torch.randint(-(2**31), 2**31, (n, k // 8), dtype=torch.int32, device=DEVICE,
+                            generator=g)  # fmt: skip
+    scales = torch.full((n, cdiv(k, INT_GROUP)), 0.4 * k**-0.5, dtype=torch.bfloat16, device=DEVICE)
+    w8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, device=DEVICE, generator=g)
+    w8_s = torch.full((n,), 0.014 * k**-0.5, device=DEVICE)
+    return qweight, scales, w8, w8_s
+
+
+def _checked_add(bench: Bench, group, shape, impl, fn, expected, nbytes, flops, peak, **kw):
+    """Runs ``fn`` once against ``expected`` (max_error; ``BAD`` past atol = rtol = TOLERANCE),
+    then times it; a launch that fails is recorded as an error."""
+    try:
+        error = (fn().float() - expected).abs()
+    except Exception as exc:  # a candidate that does not compile: keep the others
+        print(f"FAILED {group} {shape} {impl}: {exc!r}"[:1000], flush=True)
+        row = {"group": group, "shape": shape, "impl": impl, "error": repr(exc)[:500]}
+        bench.rows.append(row)
+        return row
+    bad = bool((error > TOLERANCE + TOLERANCE * expected.abs()).any())
+    return bench.add(group, shape, ("BAD " if bad else "") + impl, fn, nbytes, flops, peak,
+                     max_error=float(error.max()), bad=bad, **kw)  # fmt: skip
+
+
+def _int_cases(torch, x, rows, weights) -> list:
+    """(impl, callable, the matmul rate it meets) for one x [M, K] of the ``int`` group."""
+    import torch.nn.functional as F
+
+    from atom_kernels.backends.triton import int_quant
+
+    qweight, scales, w8, w8_s, w_bf16 = weights
+    cases = [("bf16_linear", lambda: F.linear(x, w_bf16), "bf16")]
+    if rows in W4A16_ROWS:
+        cases.append(("w4a16_g128", lambda: int_quant.wna16_linear(
+            x, qweight, scales, None, None, 4, None), "bf16"))  # fmt: skip
+    if rows in W8A8_ROWS:
+        x_q, x_s = int_quant.quantize_int8(x, None)
+        cases += [
+            ("w8a8_linear", lambda: int_quant.int8_linear(x, w8, w8_s, None, None), "int8"),
+            ("w8a8_gemm", lambda: int_quant.int8_gemm(x_q, x_s, w8, w8_s, None, x.dtype), "int8"),
+        ]
+    return cases
+
+
+def bench_int(torch, bench: Bench) -> None:
+    """W4A16 and W8A8 GEMMs against bf16 cuBLAS at the Llama-3-8B projections (``int``)."""
+    import torch.nn.functional as F
+
+    from atom_kernels.backends.torch import int_quant as reference
+
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    for name, (n, k) in INT_SHAPES.items():
+        qweight, scales, w8, w8_s = _int_weights(torch, n, k, g)
+        w_bf16 = reference.dequantize_wna16(qweight, scales, None, None, 4, torch.bfloat16)
+        weights = (qweight, scales, w8, w8_s, w_bf16)
+        for rows in sorted(set(W4A16_ROWS) | set(W8A8_ROWS)):
+            x = torch.randn(rows, k, generator=g, device=DEVICE).to(torch.bfloat16)
+            shape = f"{name} M={rows} N={n} K={k}"
+            for impl, fn, peak in _int_cases(torch, x, rows, weights):
+                if impl.startswith("w8a8"):
+                    expected = reference.int8_linear(x, w8, w8_s, None, None).float()
+                else:
+                    expected = F.linear(x, w_bf16).float()
+                nbytes = int_gemm_bytes(rows, n, k, impl)
+                _checked_add(bench, "int", shape, impl, fn, expected, nbytes,
+                             2.0 * rows * n * k, peak)  # fmt: skip
+        weights = w_bf16 = None
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
+def bench_int_tiles(torch, bench: Bench) -> dict:
+    """The W4A16 GEMM under its own launch and each WNA16_TILES candidate (``int_tiles``, cold L2
+    only); returns and prints the fastest per (shape, M)."""
+    from atom_kernels.backends.torch import int_quant as reference
+    from atom_kernels.backends.triton import int_quant
+
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    best = {}
+    for name, (n, k) in INT_SHAPES.items():
+        qweight, scales, _, _ = _int_weights(torch, n, k, g)
+        for rows in INT_TILE_ROWS:
+            x = torch.randn(rows, k, generator=g, device=DEVICE).to(torch.bfloat16)
+            expected = reference.wna16_linear(x, qweight, scales, None, None, 4, None).float()
+            shape = f"{name} M={rows} N={n} K={k}"
+            nbytes = int_gemm_bytes(rows, n, k, "w4a16_g128")
+            for cfg in (None, *WNA16_TILES[rows]):
+
+                def fn(x=x, cfg=cfg, qweight=qweight, scales=scales):
+                    return int_quant.wna16_linear(x, qweight, scales, None, None, 4, None, cfg)
+
+                impl = "w4a16 " + ("own" if cfg is None else " ".join(
+                    f"{key}={value}" for key, value in cfg.items()))  # fmt: skip
+                row = _checked_add(bench, "int_tiles", shape, impl, fn, expected, nbytes,
+                                   2.0 * rows * n * k, "bf16", warm=False, config=cfg)  # fmt: skip
+                if (
+                    "error" not in row
+                    and not row["bad"]
+                    and (shape not in best or row["ms_cold"] < best[shape]["ms_cold"])
+                ):
+                    best[shape] = row
+    print("\nfastest w4a16 launch per shape (int_tiles):")
+    for shape, row in best.items():
+        print(f"  {shape}: {row['impl']}  {row['ms_cold'] * 1e3:.1f} us  "
+              f"{100 * row['of_roofline']:.0f}% of roofline ({row['bound']})")  # fmt: skip
+    return {shape: {k: row[k] for k in ("impl", "config", "ms_cold", "of_roofline", "bound")}
+            for shape, row in best.items()}  # fmt: skip
+
+
 def _shrink_for_smoke() -> None:
     """Tiny shapes on the CPU (the interpreter), same code paths."""
     global DEVICE, GEMM_SHAPES, GEMM_ROWS, GROUP_QUANT_SHAPES, MOE_SHAPES, MOE_TOKENS, W8A8_TILES
     global TILE_ROWS
     global MLA_HEADS, MLA_BATCHES, MLA_CONTEXTS, MOE_TILE_TOKENS
+    global INT_SHAPES, W4A16_ROWS, W8A8_ROWS, INT_TILE_ROWS, WNA16_TILES
     DEVICE = "cpu"
+    INT_SHAPES = {"tiny": (48, 256)}
+    W4A16_ROWS, W8A8_ROWS, INT_TILE_ROWS = (1, 5), (1, 20), (1, 16)
+    WNA16_TILES = {1: (_wna16_tile(16, 4, 1, 2, bm=1, bk=32),),
+                   16: (_wna16_tile(32, 4, 1, None, bk=64),)}  # fmt: skip
     MOE_TILE_TOKENS = (1, 5)
     GEMM_SHAPES = {"tiny": (192, 256), "tiny_edge": (64, 384)}
     GEMM_ROWS = (1, 5, 17)
@@ -683,7 +864,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--smoke-cpu", action="store_true",
         help="tiny shapes on the CPU under TRITON_INTERPRET=1, each op run once: checks the "
-        "script's wiring, measures nothing",
+        "script's wiring, measures nothing (the bare interpreter multiplies bf16 dots wrong: "
+        "bf16 rows through tl.dot read BAD there; the tests' conftest corrects it)",
     )  # fmt: skip
     parser.add_argument("--moe-formats", default="", help="comma-separated MoE formats only")
     parser.add_argument("--moe-shapes", default="", help=f"comma-separated, of {list(MOE_SHAPES)}")
@@ -724,10 +906,13 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     if args.smoke_cpu:
-        roof = {"copy_GBps": 1.0, "matmul_TFLOPs": 1.0, "fp8_matmul_TFLOPs": 1.0}
+        roof = {"copy_GBps": 1.0, "matmul_TFLOPs": 1.0, "fp8_matmul_TFLOPs": 1.0,
+                "int8_matmul_TOPs": 1.0}  # fmt: skip
     else:
         roof = measure_roofline(torch)
         roof.update(measure_fp8_matmul(torch))
+        if "int" in groups:
+            roof.update(measure_int8_matmul(torch))
     print(json.dumps(roof), flush=True)
     bench = Bench(torch, roof)
     report = {
@@ -759,6 +944,8 @@ def main(argv: list[str] | None = None) -> int:
         "moe": lambda: bench_moe(torch, bench, moe_tokens, args.moe_max_experts),
         "moe_tiles": lambda: bench_moe(torch, bench, tile_tokens, args.moe_max_experts, sweep=True),
         "gemm_tiles": lambda: bench_gemm_tiles(torch, bench),
+        "int": lambda: bench_int(torch, bench),
+        "int_tiles": lambda: bench_int_tiles(torch, bench),
     }
     for group in groups:
         t0 = time.perf_counter()

@@ -108,3 +108,49 @@ def test_gemm_tile_candidates_are_launchable(bench):
             names.add(bench.tile_name(cfg))
     assert len(names) == sum(len(c) for c in bench.W8A8_TILES.values())
     assert bench.tile_name(None) == "w8a8_gemm's own"
+
+
+def test_int_gemm_bytes(bench):
+    # Llama-3-8B o_proj, W4A16 group 128: K / 2 bytes a row and 32 bf16 scales a row
+    n, k = 4096, 4096
+    assert bench.int_gemm_bytes(1, n, k, "w4a16_g128") == n * k / 2 + 2 * n * 32 + 2 * k + 2 * n
+    assert bench.int_gemm_bytes(16, n, k, "w8a8_linear") == n * k + 4 * n + 32 * k + 32 * n
+    # the GEMM alone reads x as int8 with its fp32 row scales
+    assert bench.int_gemm_bytes(16, n, k, "w8a8_gemm") == n * k + 4 * n + 16 * (k + 4) + 32 * n
+    assert bench.int_gemm_bytes(4, n, k, "bf16_linear") == bench.gemm_bytes(4, n, k, "bf16_linear")
+
+
+def test_wna16_tile_candidates_are_launchable(bench):
+    """Every int_tiles candidate is a full wna16_linear config: 16-row dots, or at one row
+    multiply-adds (BLOCK_M 1) too; BLOCK_K a multiple of the 4-bit word (8) dividing the group
+    (128, the tile-wide scale path); all distinct."""
+    pytest.importorskip("triton")
+    keys = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K"}
+    for rows, candidates in bench.WNA16_TILES.items():
+        assert len({repr(c) for c in candidates}) == len(candidates)
+        for cfg in candidates:
+            assert set(cfg) == keys, cfg
+            assert cfg["BLOCK_M"] in ((1, 16) if rows == 1 else (16,)), cfg
+            assert cfg["BLOCK_K"] % 8 == 0 and bench.INT_GROUP % cfg["BLOCK_K"] == 0, cfg
+
+
+def test_int_groups_smoke_on_the_interpreter(tmp_path):
+    """``--smoke-cpu --only int,int_tiles`` runs every impl on tiny shapes in the interpreter;
+    rows not through a bf16 dot (W8A8, one-row W4A16) agree with the reference there."""
+    pytest.importorskip("triton")
+    import json
+    import os
+
+    out = tmp_path / "int.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run(
+        [sys.executable, str(PATH), "--smoke-cpu", "--only", "int,int_tiles", "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    assert not [r for r in rows if "error" in r], run.stdout[-3000:]
+    impls = {r["impl"].removeprefix("BAD ") for r in rows if r["group"] == "int"}
+    assert impls == {"bf16_linear", "w4a16_g128", "w8a8_linear", "w8a8_gemm"}
+    exact = [r for r in rows if "w8a8" in r["impl"] or " M=1 " in r["shape"]]
+    assert exact and not [r for r in exact if r.get("bad")], exact

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from atom_kernels.backends.triton import quant
+from atom_kernels.backends.triton import int_quant, quant
 from atom_kernels.backends.triton.custom_ops import _router
 from atom_kernels.registry import register_op
 
@@ -87,6 +87,51 @@ def _(x, weight, weight_scale, input_scale, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+@torch.library.custom_op(
+    "atom::triton_int8_linear",
+    mutates_args=(),
+    schema="(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias) "
+    "-> Tensor",
+)
+def int8_linear(x, weight, weight_scale, input_scale, bias):
+    return int_quant.int8_linear(x, weight, weight_scale, input_scale, bias)
+
+
+@int8_linear.register_fake
+def _(x, weight, weight_scale, input_scale, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op(
+    "atom::triton_wna16_linear",
+    mutates_args=(),
+    schema="(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? g_idx, int bits, "
+    "Tensor? bias) -> Tensor",
+)
+def wna16_linear(x, qweight, scales, zeros, g_idx, bits, bias):
+    return int_quant.wna16_linear(x, qweight, scales, zeros, g_idx, bits, bias)
+
+
+@wna16_linear.register_fake
+def _(x, qweight, scales, zeros, g_idx, bits, bias):
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+
+
+@torch.library.custom_op(
+    "atom::triton_dequantize_wna16",
+    mutates_args=(),
+    schema="(Tensor qweight, Tensor scales, Tensor? zeros, Tensor? g_idx, int bits, "
+    "ScalarType dtype) -> Tensor",
+)
+def dequantize_wna16(qweight, scales, zeros, g_idx, bits, dtype):
+    return int_quant.dequantize_wna16(qweight, scales, zeros, g_idx, bits, dtype)
+
+
+@dequantize_wna16.register_fake
+def _(qweight, scales, zeros, g_idx, bits, dtype):
+    return qweight.new_empty((qweight.shape[0], qweight.shape[1] * 32 // bits), dtype=dtype)
+
+
 ENTRIES = {
     name: _router(name, traced, direct)
     for name, (traced, direct) in {
@@ -95,6 +140,9 @@ ENTRIES = {
         "per_token_group_quant_fp8": (per_token_group_quant_fp8, quant.per_token_group_quant_fp8),
         "fp8_block_linear": (fp8_block_linear, quant.fp8_block_linear),
         "fp8_linear": (fp8_linear, quant.fp8_linear),
+        "int8_linear": (int8_linear, int_quant.int8_linear),
+        "wna16_linear": (wna16_linear, int_quant.wna16_linear),
+        "dequantize_wna16": (dequantize_wna16, int_quant.dequantize_wna16),
     }.items()
 }
 for _name, _entry in ENTRIES.items():

@@ -1,0 +1,582 @@
+"""Triton integer-quantized linears (layouts: ``atom_kernels.ops.int_quant``): WNA16 (4- or 8-bit
+weights packed in int32, 16-bit / fp32 activations) and W8A8 (int8 x int8 -> int32).
+
+M = rows of x, N = output features, K = input features, G = scale groups along K.
+
+WNA16: one kernel, three shapes of launch. Each program owns a [BLOCK_M, BLOCK_N] output tile and
+walks its K range in BLOCK_K steps: the [BLOCK_N, BLOCK_K * bits / 32] int32 words of the tile load
+as one wide contiguous block per row, unpack in registers (shift, mask; the integer becomes a
+float by OR-ing it into the mantissa of 2**23, no int->float conversion), and ``(q - zero) * scale``
+is applied with one scale (and zero) per row when the tile lies in one group (``SCALE_PER_TILE``:
+BLOCK_K divides the group size), else gathered per element (odd group sizes, ``g_idx``). Then:
+- 1..SKINNY_MAX_ROWS rows (decode): ``tl.dot`` with 16-row x tiles (``wna16_config`` says why
+  one row too); on a tile-wide scale the dot multiplies q - zero (small integers, exact in x's
+  dtype) and its result is scaled (``SCALE_LATER``), else the scaled weight, rounded to x's dtype
+  (as the torch reference rounds it), goes into the dot;
+- a launch with BLOCK_M = 1 (one row, benchmarks' alternative): fp32 multiply-adds into a
+  [BLOCK_N, BLOCK_K] accumulator, summed over K once at the end;
+- more rows (prefill): the same with 64 / 128-row tiles and GROUP_M ordering (L2 reuse of W).
+Few output tiles split K (``split_for``): fp32 partials in a workspace, the tile's last program to
+arrive sums them in split order (deterministic) and finishes the tile (counters as linear.py).
+
+W8A8: x is quantized per token (or with the static per-tensor scale) by ``_int8_quant_kernel``
+(round half to even as ``torch.round``), then ``_int8_gemm_kernel`` sums int8 products exactly in
+int32 (split-K partials too) and scales in float64 in the epilogue, the reference's arithmetic:
+the output equals the torch reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
+
+SKINNY_MAX_ROWS = 16
+# 1.5 * 2**23: adding and subtracting it rounds an fp32 |y| < 2**22 to an integer, half to even
+# (the FPU's round-to-nearest-even), as torch.round. libdevice.rint would do the same on a GPU but
+# the interpreter has no libdevice; LLVM does not reassociate the two adds (no fast-math flags;
+# test_int_quant_compile_sm90 finds both in the PTX). A constexpr: jit code reads no other global.
+ROUND_MAGIC = tl.constexpr(12582912.0)
+
+
+# --- WNA16 ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dequant_tile(
+    q_ptr,  # [N, K * BITS / 32] int32
+    s_ptr,  # [N, G]
+    z_ptr,  # [N, G] or dummy
+    g_ptr,  # [K] int32 or dummy
+    rows,  # [BLOCK_N] int64, in bounds
+    k0,  # the tile's first k (a multiple of BLOCK_K)
+    K,
+    group_size,
+    stride_qn,
+    stride_sn,
+    stride_zn,
+    BITS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+    SCALE_PER_TILE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_LATER: tl.constexpr = False,
+):
+    """(the fp32 weight tile [BLOCK_N, BLOCK_K] at k0, the scales); with SCALE_LATER and
+    SCALE_PER_TILE: (q - zero, the tile's scales [BLOCK_N]), for the caller to scale a whole
+    dot's result. k past K gives finite garbage (x is zero there)."""
+    PER_INT: tl.constexpr = 32 // BITS
+    BLOCK_KP: tl.constexpr = BLOCK_K // PER_INT
+    offs_kp = k0 // PER_INT + tl.arange(0, BLOCK_KP)
+    q_ptrs = q_ptr + rows[:, None] * stride_qn + offs_kp[None, :]  # [BLOCK_N, BLOCK_KP]
+    if EVEN_K:
+        words = tl.load(q_ptrs)
+    else:  # K is a multiple of PER_INT: a word is wholly in K or wholly past it
+        words = tl.load(q_ptrs, mask=(offs_kp * PER_INT < K)[None, :], other=0)
+    shifts = tl.arange(0, PER_INT) * BITS
+    q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)  # lowest bits first
+    # q | 0x4B000000 is the float 2**23 + q (q < 2**23 in the mantissa): exact, no conversion
+    f = tl.reshape((q | 0x4B000000).to(tl.float32, bitcast=True), [BLOCK_N, BLOCK_K])
+    if SCALE_PER_TILE:  # one group for the whole tile
+        group = k0 // group_size
+        s = tl.load(s_ptr + rows * stride_sn + group).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + rows * stride_zn + group).to(tl.float32)
+        else:
+            z = tl.full([BLOCK_N], 1 << (BITS - 1), tl.float32)
+        w = f - (8388608.0 + z)[:, None]  # q - zero, exactly (small integers)
+        if not SCALE_LATER:
+            w = w * s[:, None]
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        if HAS_G_IDX:
+            groups = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
+        else:
+            groups = tl.where(k_mask, offs_k // group_size, 0)
+        s = tl.load(s_ptr + rows[:, None] * stride_sn + groups[None, :]).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + rows[:, None] * stride_zn + groups[None, :]).to(tl.float32)
+            w = (f - (8388608.0 + z)) * s
+        else:
+            w = (f - (8388608.0 + (1 << (BITS - 1)))) * s
+    return w, s
+
+
+@triton.jit
+def _split_k_sum(acc, ws_ptr, count_ptr, offs_m, offs_n, M, N, SPLIT_K: tl.constexpr):
+    """Stores this split's partial in the workspace [SPLIT_K, M, N] and counts in on the tile's
+    counter; returns (the splits' sum in split order, the tile's output mask: empty unless this
+    program arrived last, the one that finishes the tile and sets the counter back to zero)."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tile = offs_m[:, None] * N + offs_n[None, :]
+    tl.store(ws_ptr + tl.program_id(1) * M * N + tile, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial stored before the release below
+    counter = count_ptr + tl.program_id(0)
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros_like(acc)
+    mask = mask & (tile * 0 + last.to(tl.int32) != 0)  # only the last program stores (a
+    # tensor mask: the interpreter takes no scalar one)
+    if last:
+        for s in range(SPLIT_K):  # split order: the same sum on every run
+            total += tl.load(ws_ptr + s * M * N + tile, mask=mask, other=0, cache_modifier=".cg")
+        tl.atomic_xchg(counter, 0)  # ready for the next call (and graph replay)
+    return total, mask
+
+
+@triton.jit
+def _tile_ids(M, N, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(pid_m, pid_n) of program_id(0), GROUP_M row tiles walked per column (L2 reuse of W)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["k_tiles_per_split"])
+def _wna16_kernel(
+    x_ptr,  # [M, K]
+    q_ptr,  # [N, K * BITS / 32] int32
+    s_ptr,  # [N, G]
+    z_ptr,  # [N, G] or dummy
+    g_ptr,  # [K] int32 or dummy
+    b_ptr,  # [N] or dummy
+    out_ptr,  # [M, N]
+    ws_ptr,  # SPLIT_K > 1: fp32 [SPLIT_K, M, N]
+    count_ptr,  # SPLIT_K > 1: zeroed int32 counters, one per output tile
+    M,
+    N,
+    K,
+    group_size,
+    k_tiles_per_split,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_zn,
+    stride_om,
+    BITS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+    SCALE_PER_TILE: tl.constexpr,
+    SCALE_LATER: tl.constexpr,  # dots, SCALE_PER_TILE: dot q - zero (exact), then scale
+    HAS_BIAS: tl.constexpr,
+    ONE_ROW: tl.constexpr,  # M == 1: multiply-adds, no dot
+    IEEE: tl.constexpr,  # fp32 x: an exact fp32 dot (not tf32)
+    EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(M, N, GROUP_M, BLOCK_M, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    # Rows past N read row N - 1 (in bounds, discarded at the store): no mask on the W stream.
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    k_lo = tl.program_id(1) * k_tiles_per_split * BLOCK_K
+    k_hi = tl.minimum(K, k_lo + k_tiles_per_split * BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BM, BK]
+    if ONE_ROW:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w, s = _dequant_tile(
+            q_ptr, s_ptr, z_ptr, g_ptr, rows, k0, K, group_size, stride_qn, stride_sn, stride_zn,
+            BITS, HAS_ZEROS, HAS_G_IDX, SCALE_PER_TILE, EVEN_K, BLOCK_N, BLOCK_K, SCALE_LATER,
+        )  # fmt: skip
+        if EVEN_K:
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
+        else:
+            x_mask = m_mask[:, None] & ((k0 + offs_k) < K)[None, :]
+            x = tl.load(x_ptrs + k0, mask=x_mask, other=0.0)
+        if ONE_ROW:
+            acc2 += w * x.to(tl.float32)  # x is [1, BLOCK_K]
+        elif SCALE_LATER:
+            if IEEE:
+                part = tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                part = tl.dot(x, tl.trans(w.to(x.dtype)))
+            acc += part * s[None, :]
+        elif IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    if ONE_ROW:
+        acc = tl.reshape(tl.sum(acc2, axis=1), [BLOCK_M, BLOCK_N])
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        acc, out_mask = _split_k_sum(acc, ws_ptr, count_ptr, offs_m, offs_n, M, N, SPLIT_K)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def split_for(tiles: int, k_tiles: int, sms: int, per_sm: int) -> int:
+    """K splits that bring ``tiles`` output tiles to about ``per_sm`` programs an SM (1 when the
+    tiles alone fill the SMs), each split at least two K tiles."""
+    if tiles >= sms:
+        return 1
+    return max(1, min(k_tiles // 2, triton.cdiv(per_sm * sms, tiles)))
+
+
+def _block_k(group_size: int, per_tile: bool, cap: int) -> int:
+    """Contiguous groups (``per_tile``): the largest power of two <= cap (>= 32) dividing the
+    group size (32 if none does: scales gathered per element); g_idx: cap (gathered anyway)."""
+    block = cap
+    while per_tile and block > 32 and group_size % block:
+        block //= 2
+    return block
+
+
+def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool, sms: int,
+                 interpreted: bool = False) -> dict:  # fmt: skip
+    """The launch of ``_wna16_kernel`` for an [num_rows, k] x [n, k]^T GEMM (``per_tile``: the
+    groups are contiguous, no g_idx).
+
+    One row takes 16-row dots too: per 4-bit weight the multiply-add path issues shift, mask,
+    zero, scale and multiply-add (~5 ALU instructions an element: 4.7e12 elements/s, 70% of an
+    H100's bandwidth, would need ~90% of its issue rate), the dot path shift, mask, zero and half
+    a conversion (the tensor cores multiply; the scale applies once per tile and column).
+    NOTE: chosen from that count and the bytes a program keeps in flight (4 stages of 64 x 128
+    4-bit tiles, ~2 programs an SM), not yet measured: ``benchmarks/quant_kernels.py --only
+    int,int_tiles`` times them and sweeps the alternatives (BLOCK_M = 1: the multiply-adds)."""
+    if interpreted:
+        cfg = dict(BLOCK_M=1 if num_rows == 1 else 16, BLOCK_N=16, BLOCK_K=32, num_warps=4,
+                   num_stages=1, GROUP_M=1, per_sm=2)  # fmt: skip
+    elif num_rows <= SKINNY_MAX_ROWS:
+        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=_block_k(group_size, per_tile, 128),
+                   num_warps=4, num_stages=4, GROUP_M=1, per_sm=2)  # fmt: skip
+    else:
+        block_m = 64 if num_rows <= 64 else 128
+        warps = 8 if block_m == 128 else 4
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=_block_k(group_size, per_tile, 64),
+                   num_warps=warps, num_stages=3, GROUP_M=8, per_sm=1)  # fmt: skip
+    tiles = triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, cfg["BLOCK_K"]), sms, cfg["per_sm"])
+    return cfg
+
+
+def _launch_split(device, tiles: int, k: int, cfg: dict):
+    """(splits, K tiles a split, counters or None): as linear.py, no split (counters None) when
+    the counters would have to grow inside a graph capture."""
+    k_tiles = max(1, triton.cdiv(k, cfg["BLOCK_K"]))
+    per_split = triton.cdiv(k_tiles, max(1, cfg["SPLIT_K"]))
+    splits = triton.cdiv(k_tiles, per_split)
+    counters = zeroed_counters(device, tiles) if splits > 1 else None
+    if counters is None:
+        return 1, k_tiles, None
+    return splits, per_split, counters
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def wna16_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    g_idx: torch.Tensor | None,
+    bits: int,
+    bias: torch.Tensor | None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """See ``atom_kernels.wna16_linear``; ``config`` (keys of ``wna16_config``; SPLIT_K None:
+    chosen) overrides the launch (benchmarks, tests)."""
+    n = qweight.shape[0]
+    k = qweight.shape[1] * 32 // bits
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
+    x2 = _contiguous(as_rows(x))
+    qweight, scales, zeros, g_idx, bias = map(_contiguous, (qweight, scales, zeros, g_idx, bias))
+    num_rows = x2.shape[0]
+    group_size = k // scales.shape[1]
+    per_tile = g_idx is None
+    sms = num_sms(x.device)
+    cfg = wna16_config(num_rows, n, k, group_size, per_tile, sms, is_interpreted(x.device))
+    cfg.update(config or {})
+    block_k = cfg["BLOCK_K"]
+    one_row = cfg["BLOCK_M"] == 1
+    if num_rows > 1 and one_row:
+        raise ValueError("wna16_linear: BLOCK_M = 1 (multiply-adds) takes one row only")
+    tiles = triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    if cfg["SPLIT_K"] is None:  # an override's "choose"
+        cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, block_k), sms, cfg.get("per_sm", 2))
+    splits, per_split, counters = _launch_split(x.device, tiles, k, cfg)
+    scale_per_tile = per_tile and group_size % block_k == 0
+    # Decode tiles dot q - zero and scale each tile's result (no multiply a weight); prefill tiles
+    # scale the weight instead, so the MMAs chain on one accumulator (Hopper's async wgmma).
+    scale_later = scale_per_tile and 1 < cfg["BLOCK_M"] <= SKINNY_MAX_ROWS
+    out2 = out.view(-1, n)
+    ws = x2.new_empty((splits, num_rows, n), dtype=torch.float32) if splits > 1 else out2
+    _wna16_kernel[(tiles, splits)](
+        x2, qweight, scales, zeros if zeros is not None else scales,
+        g_idx if g_idx is not None else qweight, bias if bias is not None else out2, out2, ws,
+        counters if counters is not None else qweight, num_rows, n, k, group_size, per_split,
+        x2.stride(0), qweight.stride(0), scales.stride(0),
+        zeros.stride(0) if zeros is not None else 0, out2.stride(0),
+        BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None,
+        SCALE_PER_TILE=scale_per_tile, SCALE_LATER=scale_later,
+        HAS_BIAS=bias is not None,
+        ONE_ROW=one_row, IEEE=x.dtype == torch.float32, EVEN_K=k % block_k == 0,
+        SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _dequant_wna16_kernel(
+    q_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, group_size, stride_qn, stride_sn, stride_zn,
+    stride_on, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
+    SCALE_PER_TILE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w, _ = _dequant_tile(
+        q_ptr, s_ptr, z_ptr, g_ptr, rows, k0, K, group_size, stride_qn, stride_sn, stride_zn,
+        BITS, HAS_ZEROS, HAS_G_IDX, SCALE_PER_TILE, EVEN_K, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    out_ptrs = out_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :]
+    tl.store(out_ptrs, w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_wna16(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    g_idx: torch.Tensor | None,
+    bits: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """See ``atom_kernels.dequantize_wna16``: the float weight [N, K] in ``dtype``."""
+    n = qweight.shape[0]
+    k = qweight.shape[1] * 32 // bits
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    if out.numel() == 0:
+        return out
+    qweight, scales, zeros, g_idx = map(_contiguous, (qweight, scales, zeros, g_idx))
+    group_size = k // scales.shape[1]
+    block_n, block_k = (16, 32) if is_interpreted(qweight.device) else (32, 128)
+    block_k = _block_k(group_size, g_idx is None, block_k)
+    _dequant_wna16_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        qweight, scales, zeros if zeros is not None else scales,
+        g_idx if g_idx is not None else qweight, out, n, k, group_size, qweight.stride(0),
+        scales.stride(0), zeros.stride(0) if zeros is not None else 0, out.stride(0),
+        BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None,
+        SCALE_PER_TILE=g_idx is None and group_size % block_k == 0, EVEN_K=k % block_k == 0,
+        BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return out
+
+
+# --- W8A8 -----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _int8_quant_kernel(
+    x_ptr,  # [M, K]
+    q_ptr,  # [M, K] int8 out
+    s_ptr,  # [M] fp32 out: each row's scale
+    in_scale_ptr,  # STATIC: the one-element per-tensor scale
+    K,
+    stride_xm,
+    stride_qm,
+    STATIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Program (row): scale = max(max|x|, 1e-10) / 127 (or the static scale), q = clamp(round(x /
+    scale), -128, 127), IEEE divisions (torch's), round half to even."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x_row = x_ptr + row * stride_xm
+    if STATIC:
+        scale = tl.load(in_scale_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in range(0, K, BLOCK):
+            x = tl.load(x_row + c + offs, mask=c + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-10), 127.0)
+    tl.store(s_ptr + row, scale)
+    for c in range(0, K, BLOCK):
+        mask = c + offs < K
+        x = tl.load(x_row + c + offs, mask=mask, other=0.0).to(tl.float32)
+        # clamping first, then rounding, is round-then-clamp (the bounds are integers) and keeps
+        # |y| < 2**22 for the rounding trick
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -128.0), 127.0)
+        y = (y + ROUND_MAGIC) - ROUND_MAGIC
+        tl.store(q_ptr + row * stride_qm + c + offs, y.to(tl.int8), mask=mask)
+
+
+def quantize_int8(x: torch.Tensor, input_scale: torch.Tensor | None):
+    """x [M, K] -> (int8 [M, K], float32 row scales [M]): ``quantize_int8_per_token`` of the torch
+    reference, bit for bit."""
+    num_rows, k = x.shape
+    x = _contiguous(x)
+    q = torch.empty((num_rows, k), dtype=torch.int8, device=x.device)
+    scales = torch.empty((num_rows,), dtype=torch.float32, device=x.device)
+    if num_rows == 0:
+        return q, scales
+    block = min(triton.next_power_of_2(max(k, 16)), 256 if is_interpreted(x.device) else 4096)
+    _int8_quant_kernel[(num_rows,)](
+        x, q, scales, input_scale if input_scale is not None else scales, k, x.stride(0),
+        q.stride(0), STATIC=input_scale is not None, BLOCK=block,
+        num_warps=8 if block >= 4096 else 4 if block >= 1024 else 1,
+    )  # fmt: skip
+    return q, scales
+
+
+@triton.jit(do_not_specialize=["k_tiles_per_split"])
+def _int8_gemm_kernel(
+    a_ptr,  # [M, K] int8
+    as_ptr,  # [M] fp32
+    b_ptr,  # [N, K] int8
+    bs_ptr,  # [N] fp32
+    bias_ptr,  # [N] or dummy
+    out_ptr,  # [M, N]
+    ws_ptr,  # SPLIT_K > 1: int32 [SPLIT_K, M, N]
+    count_ptr,  # SPLIT_K > 1: zeroed int32 counters, one per output tile
+    M,
+    N,
+    K,
+    k_tiles_per_split,
+    stride_am,
+    stride_bn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Int32 sums of int8 products (exact, in any order), then (sum * a_s[m]) * b_s[n] in
+    float64 (the reference's arithmetic: exact sum, two roundings), fp32, + bias, cast."""
+    pid_m, pid_n = _tile_ids(M, N, GROUP_M, BLOCK_M, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_rows = tl.minimum(offs_m, M - 1).to(tl.int64)
+    b_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    k_lo = tl.program_id(1) * k_tiles_per_split * BLOCK_K
+    k_hi = tl.minimum(K, k_lo + k_tiles_per_split * BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + b_rows[:, None] * stride_bn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0)
+            b = tl.load(b_ptrs + k0)
+        else:
+            k_mask = (k0 + offs_k < K)[None, :]
+            a = tl.load(a_ptrs + k0, mask=k_mask, other=0)
+            b = tl.load(b_ptrs + k0, mask=k_mask, other=0)
+        acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        acc, out_mask = _split_k_sum(acc, ws_ptr, count_ptr, offs_m, offs_n, M, N, SPLIT_K)
+    a_s = tl.load(as_ptr + a_rows).to(tl.float64)
+    b_s = tl.load(bs_ptr + b_rows).to(tl.float64)
+    y = ((acc.to(tl.float64) * a_s[:, None]) * b_s[None, :]).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def int8_gemm_config(num_rows: int, n: int, k: int, sms: int, interpreted: bool = False) -> dict:
+    """The launch of ``_int8_gemm_kernel``: 16-row tiles split over K for a few rows (weight
+    bound), 128 x 128 tiles over 128-deep K steps for many (MMA bound). NOTE: from the w8a8 FP8
+    GEMM's measured tiles (quant.gemm_config), not yet measured for int8."""
+    if interpreted:
+        cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1, GROUP_M=1)
+    elif num_rows <= 64:
+        block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4,
+                   GROUP_M=1)  # fmt: skip
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, GROUP_M=8)
+    tiles = triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, cfg["BLOCK_K"]), sms, 2)
+    return cfg
+
+
+def int8_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """a int8 [M, K] (row scales [M]) x b int8 [N, K]^T (channel scales [N]) (+ bias) -> [M, N]."""
+    num_rows, k = a.shape
+    n = b.shape[0]
+    out = torch.empty((num_rows, n), dtype=out_dtype, device=a.device)
+    if num_rows == 0 or n == 0:
+        return out
+    a, b, a_scale, b_scale, bias = map(_contiguous, (a, b, a_scale, b_scale, bias))
+    sms = num_sms(a.device)
+    cfg = int8_gemm_config(num_rows, n, k, sms, is_interpreted(a.device))
+    cfg.update(config or {})
+    tiles = triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    if cfg["SPLIT_K"] is None:  # an override's "choose"
+        cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, cfg["BLOCK_K"]), sms, 2)
+    splits, per_split, counters = _launch_split(a.device, tiles, k, cfg)
+    ws = a.new_empty((splits, num_rows, n), dtype=torch.int32) if splits > 1 else out
+    _int8_gemm_kernel[(tiles, splits)](
+        a, a_scale, b, b_scale, bias if bias is not None else out, out, ws,
+        counters if counters is not None else a_scale, num_rows, n, k, per_split, a.stride(0),
+        b.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0,
+        SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out
+
+
+def int8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """See ``atom_kernels.int8_linear``: x quantized per token (or statically), then the int8
+    GEMM with the row and channel scales in its epilogue."""
+    n, k = weight.shape
+    if k == 0:
+        out = torch.zeros((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+        return out + bias if bias is not None else out
+    q, x_scale = quantize_int8(as_rows(x), input_scale)
+    out = int8_gemm(q, x_scale, weight, weight_scale, bias, x.dtype)
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,196 @@
+"""The integer-quantized kernels (``int_quant``: the WNA16 GEMM, its dequantization, the int8
+quant and the W8A8 GEMM) compile for a real Hopper GPU (sm_90) without one, as
+test_quant_compile_sm90.py does for the FP8 GEMM: the interpreter runs the numerics
+(test_triton_int_quant.py) but accepts code the GPU compiler rejects (it took a plain global
+float that the compiler refuses; the unpacking reshape, split-K atomics, int8 / fp64 dots). Each
+launch ``wna16_config`` / ``int8_gemm_config`` picks for the Llama-3-8B projections on 132 SMs,
+plus the benchmark's one-row multiply-adds."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter child: nothing to compile
+    pytest.skip("compiles for a GPU target; not under TRITON_INTERPRET", allow_module_level=True)
+triton = pytest.importorskip("triton")
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:  # pragma: no cover - a Triton without the AOT entry points
+    pytest.skip("this Triton has no ASTSource / GPUTarget", allow_module_level=True)
+
+from atom_kernels.backends.triton import int_quant  # noqa: E402
+
+H100_SHARED_BYTES = 227 * 1024
+H100_SMS = 132
+SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
+# Arguments a real launch passes as multiples of 16 (Triton specializes them: aligned, vector
+# loads): the pointers, the shapes' N and K, the group size, the strides.
+ALIGNED = {
+    "x_ptr", "q_ptr", "s_ptr", "z_ptr", "g_ptr", "b_ptr", "out_ptr", "ws_ptr", "count_ptr",
+    "a_ptr", "as_ptr", "bs_ptr", "bias_ptr", "N", "K", "group_size", "stride_xm", "stride_qn",
+    "stride_sn", "stride_zn", "stride_om", "stride_am", "stride_bn", "stride_qm",
+}  # fmt: skip
+
+
+def _compile(kernel, pointers: dict, constexprs: dict, num_warps: int, num_stages: int):
+    """Compile ``kernel`` for sm_90: ``pointers`` name -> pointer type, ``constexprs`` name ->
+    value, every other argument a 32-bit int."""
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = pointers.get(name, "i32")
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(kernel.arg_names)
+        if name in ALIGNED and name in signature and signature[name] != "constexpr"
+    }
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    try:
+        return triton.compile(
+            src, target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=num_warps, num_stages=num_stages),
+        )  # fmt: skip
+    except FileNotFoundError as exc:  # pragma: no cover - no bundled ptxas on this platform
+        pytest.skip(f"no CUDA toolchain for an AOT compile: {exc}")
+
+
+def _wna16(cfg: dict, bits: int, zeros: bool, g_idx: bool, dtype: str = "bf16"):
+    pointers = dict(
+        x_ptr=f"*{dtype}", q_ptr="*i32", s_ptr=f"*{dtype}", z_ptr=f"*{dtype}", g_ptr="*i32",
+        b_ptr=f"*{dtype}", out_ptr=f"*{dtype}", ws_ptr="*fp32", count_ptr="*i32",
+    )  # fmt: skip
+    split = cfg["SPLIT_K"] > 1
+    per_tile = not g_idx
+    one_row = cfg["BLOCK_M"] == 1
+    constexprs = dict(
+        BITS=bits, HAS_ZEROS=zeros, HAS_G_IDX=g_idx, SCALE_PER_TILE=per_tile,
+        SCALE_LATER=per_tile and 1 < cfg["BLOCK_M"] <= int_quant.SKINNY_MAX_ROWS,
+        HAS_BIAS=True, ONE_ROW=one_row, IEEE=dtype == "fp32", EVEN_K=True,
+        SPLIT_K=cfg["SPLIT_K"] if split else 1, GROUP_M=cfg.get("GROUP_M", 1),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+    )  # fmt: skip
+    return _compile(
+        int_quant._wna16_kernel, pointers, constexprs, cfg["num_warps"], cfg["num_stages"]
+    )
+
+
+def _wna16_launches() -> dict:
+    out = {}
+    for n, k in SHAPES:
+        for rows in (1, 4, 16, 256, 4096):
+            cfg = int_quant.wna16_config(rows, n, k, 128, True, H100_SMS)
+            key = tuple(cfg[x] for x in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
+                                         "num_stages")) + (cfg["SPLIT_K"] > 1,)  # fmt: skip
+            out.setdefault("{}x{}x{} w{} s{} split {}".format(*key), cfg)
+    one_row = dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, SPLIT_K=4)
+    out["one-row multiply-adds, split"] = one_row
+    return out
+
+
+WNA16_LAUNCHES = _wna16_launches()
+
+
+@pytest.mark.parametrize("name", list(WNA16_LAUNCHES))
+def test_wna16_kernel_compiles_for_sm90(name):
+    cfg = WNA16_LAUNCHES[name]
+    kernel = _wna16(cfg, 4, False, False)
+    assert 0 < len(kernel.asm["cubin"])
+    assert kernel.metadata.shared <= H100_SHARED_BYTES
+    ptx = kernel.asm["ptx"]
+    assert "ld.local" not in ptx  # no register spills
+    if cfg["BLOCK_M"] > 1:  # tensor cores, the packed words streamed through cp.async stages
+        assert "mma" in ptx and "cp.async" in ptx
+
+
+@pytest.mark.parametrize(
+    ("bits", "zeros", "g_idx", "dtype"),
+    [(8, True, False, "fp16"), (4, True, True, "bf16"), (8, False, True, "fp32")],
+)
+def test_wna16_variants_compile_for_sm90(bits, zeros, g_idx, dtype):
+    for rows in (1, 256):
+        cfg = int_quant.wna16_config(rows, 4096, 4096, 128, not g_idx, H100_SMS)
+        kernel = _wna16(cfg, bits, zeros, g_idx, dtype)
+        assert 0 < len(kernel.asm["cubin"])
+        assert kernel.metadata.shared <= H100_SHARED_BYTES
+
+
+def test_dequantize_and_int8_quant_compile_for_sm90():
+    dequant = _compile(
+        int_quant._dequant_wna16_kernel,
+        dict(q_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", g_ptr="*i32", out_ptr="*bf16"),
+        dict(BITS=4, HAS_ZEROS=True, HAS_G_IDX=False, SCALE_PER_TILE=True, EVEN_K=True,
+             BLOCK_N=32, BLOCK_K=128), 4, 1,
+    )  # fmt: skip
+    quant = _compile(
+        int_quant._int8_quant_kernel,
+        dict(x_ptr="*bf16", q_ptr="*i8", s_ptr="*fp32", in_scale_ptr="*fp32"),
+        dict(STATIC=False, BLOCK=4096), 8, 1,
+    )  # fmt: skip
+    for kernel in (dequant, quant):
+        assert 0 < len(kernel.asm["cubin"])
+    # the rounding trick survives compilation (not folded away): adds of +-1.5 * 2**23
+    assert "0f4B400000" in quant.asm["ptx"] and "0fCB400000" in quant.asm["ptx"]
+
+
+@pytest.mark.parametrize("rows", [1, 16, 256, 4096])
+def test_int8_gemm_compiles_for_sm90(rows):
+    cfg = int_quant.int8_gemm_config(rows, 4096, 4096, H100_SMS)
+    pointers = dict(
+        a_ptr="*i8", as_ptr="*fp32", b_ptr="*i8", bs_ptr="*fp32", bias_ptr="*bf16",
+        out_ptr="*bf16", ws_ptr="*i32", count_ptr="*i32",
+    )  # fmt: skip
+    constexprs = dict(
+        HAS_BIAS=True, EVEN_K=True, SPLIT_K=cfg["SPLIT_K"], GROUP_M=cfg["GROUP_M"],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+    )  # fmt: skip
+    kernel = _compile(
+        int_quant._int8_gemm_kernel, pointers, constexprs, cfg["num_warps"], cfg["num_stages"]
+    )
+    assert 0 < len(kernel.asm["cubin"])
+    assert kernel.metadata.shared <= H100_SHARED_BYTES
+    assert "s8" in kernel.asm["ptx"] and "mma" in kernel.asm["ptx"]  # int8 tensor-core MMA
+
+
+def _sweep_candidates() -> dict:
+    """benchmarks/quant_kernels.py's int_tiles candidates (WNA16_TILES), by name."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    benchmarks = Path(__file__).resolve().parents[3] / "benchmarks"
+    sys.path.insert(0, str(benchmarks))  # it imports benchmarks/kernels.py as `kernels`
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "atom_benchmarks_quant_kernels", benchmarks / "quant_kernels.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(benchmarks))
+    out = {}
+    for rows, candidates in module.WNA16_TILES.items():
+        for cfg in candidates:
+            out.setdefault(" ".join(f"{k}={v}" for k, v in cfg.items()), (rows, cfg))
+    return out
+
+
+SWEEP = _sweep_candidates()
+
+
+@pytest.mark.parametrize("name", list(SWEEP))
+def test_int_tiles_candidates_compile_for_sm90(name):
+    """Each candidate the benchmark sweeps (at o_proj, 4096 x 4096, split as it would be) builds
+    within the H100's shared memory: a device call spends no time on ones that cannot."""
+    rows, candidate = SWEEP[name]
+    cfg = {**int_quant.wna16_config(rows, 4096, 4096, 128, True, H100_SMS), **candidate}
+    if cfg["SPLIT_K"] is None:
+        tiles = -(-rows // cfg["BLOCK_M"]) * -(-4096 // cfg["BLOCK_N"])
+        cfg["SPLIT_K"] = int_quant.split_for(tiles, 4096 // cfg["BLOCK_K"], H100_SMS, 2)
+    kernel = _wna16(cfg, 4, False, False)
+    assert 0 < len(kernel.asm["cubin"])
+    assert kernel.metadata.shared <= H100_SHARED_BYTES

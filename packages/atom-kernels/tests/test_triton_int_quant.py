@@ -1,0 +1,281 @@
+"""Triton integer-quantized ops against the torch reference: WNA16 dequantization bit for bit, the
+WNA16 GEMM (one row, few rows, prefill tiles; split-K or not; every zeros / g_idx / group
+variant) within the dtype's rounding, int8 activation quantization and the W8A8 GEMM bit for bit.
+Random int32 words are valid packed weights (every bit pattern is a set of unsigned values)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom_kernels.backends.torch import int_quant as reference
+from atom_kernels.testing import assert_close, assert_equal, strided_copy
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (atol, rtol) of the WNA16 GEMM against the reference on outputs ~N(0, 1): the same weight (the
+# one-row kernel keeps it in fp32, the reference rounds it to x's dtype), fp32 sums in another
+# order, the output rounded to its dtype.
+TOLERANCES = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (3e-2, 2e-2),
+}
+
+
+@pytest.fixture(scope="module")
+def iq(triton_backend):
+    from atom_kernels.backends.triton import int_quant
+
+    return int_quant
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def wna16_weight(n, k, bits, groups, zeros, g_idx, seed, device, dtype=torch.float32):
+    """(qweight, scales, zeros, g_idx): random words; scales giving ~unit outputs for unit x."""
+    words = torch.randint(-(2**31), 2**31, (n, k * bits // 32), generator=_gen(seed))
+    spread = 2 ** (bits - 1) / 3**0.5  # std of q - 2**(bits - 1), q uniform
+    scales = (torch.rand(n, groups, generator=_gen(seed + 1)) + 0.5) / (spread * k**0.5)
+    zero = torch.randint(0, 1 << bits, (n, groups), generator=_gen(seed + 2)).to(dtype)
+    gi = torch.randint(0, groups, (k,), generator=_gen(seed + 3), dtype=torch.int32)
+    return (
+        words.to(torch.int32).to(device),
+        scales.to(dtype).to(device),
+        zero.to(device) if zeros else None,
+        gi.to(device) if g_idx else None,
+    )
+
+
+# (bits, N, K, G, zeros, g_idx): groups 32 / 64 / 128 (tile-wide scales), channel-wise, a K not a
+# multiple of the tile with per-element scales (K = 80, G = 1), act-order g_idx.
+WNA16_CASES = [
+    (4, 40, 256, 2, False, False), (4, 24, 128, 4, True, False), (4, 20, 96, 3, False, False),
+    (4, 18, 80, 1, True, False), (4, 24, 128, 4, True, True), (8, 40, 256, 8, False, False),
+    (8, 24, 96, 1, True, False), (8, 17, 60, 1, False, False), (8, 24, 128, 2, False, True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("bits", "n", "k", "groups", "zeros", "g_idx"), WNA16_CASES)
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_wna16_linear(triton_backend, iq, bits, n, k, groups, zeros, g_idx, rows):
+    device = triton_backend.device
+    dtype = [torch.bfloat16, torch.float16, torch.float32][(rows + n) % 3]  # each dtype per bits
+    qw, s, z, g = wna16_weight(n, k, bits, groups, zeros, g_idx, seed=n + k, device=device,
+                               dtype=dtype)  # fmt: skip
+    x = torch.randn(rows, k, generator=_gen(rows)).to(dtype).to(device)
+    bias = torch.randn(n, generator=_gen(3)).to(dtype).to(device) if rows != 5 else None
+    out = iq.wna16_linear(x, qw, s, z, g, bits, bias)
+    expected = reference.wna16_linear(x, qw, s, z, g, bits, bias)
+    atol, rtol = TOLERANCES[dtype]
+    assert out.dtype == dtype
+    assert_close(out, expected, atol=atol, rtol=rtol, name=f"wna16_linear {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "config",
+    [None, dict(SPLIT_K=1), dict(SPLIT_K=3), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64),
+     dict(BLOCK_N=32, BLOCK_K=128, SPLIT_K=2), dict(BLOCK_M=32, BLOCK_N=16, GROUP_M=2)],
+)  # fmt: skip
+def test_wna16_linear_launches(triton_backend, iq, dtype, config):
+    """One row through the multiply-add, the decode dot (scaled after the dot) and the prefill
+    tiles (BLOCK_M 32: scaled weights), split or not (N = 24: the interpreter's 4 SMs take 2
+    tiles, split by default), K = 384: 2 groups of 192, 12 K tiles of 32."""
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(24, 384, 4, 2, True, False, seed=5, device=device, dtype=dtype)
+    x = torch.randn(1, 384, generator=_gen(6)).to(dtype).to(device)
+    bias = torch.randn(24, generator=_gen(7)).to(dtype).to(device)
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, bias)
+    atol, rtol = TOLERANCES[dtype]
+    for _ in range(2):  # twice: split-K's counters are back at zero after a call
+        out = iq.wna16_linear(x, qw, s, z, g, 4, bias, config=config)
+        assert_close(out, expected, atol=atol, rtol=rtol, name=f"wna16_linear {config}")
+
+
+def test_wna16_linear_split_k_is_deterministic(triton_backend, iq):
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(16, 512, 4, 4, False, False, seed=8, device=device)
+    x = torch.randn(3, 512, generator=_gen(9)).to(device)
+    first = iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(SPLIT_K=4))
+    assert_equal(iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(SPLIT_K=4)), first)
+
+
+def test_wna16_linear_leading_dims_strided_and_empty(triton_backend, iq):
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(20, 128, 8, 4, True, False, seed=10, device=device)
+    x = torch.randn(2, 3, 128, generator=_gen(11)).to(device)
+    expected = reference.wna16_linear(x, qw, s, z, g, 8, None)
+    out = iq.wna16_linear(strided_copy(x), qw, s, z, g, 8, None)
+    assert out.shape == (2, 3, 20)
+    assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    # a strided qweight, scales, zeros and bias (every other column of wider buffers)
+    bias = torch.randn(20, generator=_gen(12)).to(device)
+    expected = reference.wna16_linear(x, qw, s, z, g, 8, bias)
+    out = iq.wna16_linear(x, strided_copy(qw), strided_copy(s), strided_copy(z), g, 8,
+                          strided_copy(bias))  # fmt: skip
+    assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    assert iq.wna16_linear(x[:, :0], qw, s, z, g, 8, None).shape == (2, 0, 20)
+
+
+def test_grouped_tile_order(triton_backend, iq):
+    """GROUP_M > 1 (prefill's L2 order: row tiles walked per column) covers every tile once."""
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(40, 128, 4, 4, False, False, seed=33, device=device)
+    x = torch.randn(50, 128, generator=_gen(34)).to(device)
+    config = dict(BLOCK_M=16, BLOCK_N=16, GROUP_M=3, SPLIT_K=1)
+    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
+    assert_close(out, reference.wna16_linear(x, qw, s, z, g, 4, None), atol=1e-4, rtol=1e-4)
+    w = torch.randint(-128, 128, (40, 64), generator=_gen(35), dtype=torch.int8).to(device)
+    a, a_s = iq.quantize_int8(x[:, :64], None)
+    w_s = torch.rand(40, generator=_gen(36)).to(device)
+    expected = ((a.double() @ w.double().T) * a_s.double()[:, None] * w_s.double()).float()
+    assert_equal(iq.int8_gemm(a, a_s, w, w_s, None, torch.float32, config), expected)
+
+
+@pytest.mark.parametrize(("bits", "n", "k", "groups", "zeros", "g_idx"), WNA16_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantize_wna16(triton_backend, iq, bits, n, k, groups, zeros, g_idx, dtype):
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(n, k, bits, groups, zeros, g_idx, seed=n, device=device,
+                               dtype=dtype)  # fmt: skip
+    out = iq.dequantize_wna16(qw, s, z, g, bits, torch.float16)
+    assert_equal(out, reference.dequantize_wna16(qw, s, z, g, bits, torch.float16))
+
+
+# --- W8A8 -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("static", [False, True])
+def test_quantize_int8_bit_for_bit(triton_backend, iq, dtype, static):
+    device = triton_backend.device
+    x = (torch.randn(6, 300, generator=_gen(12)) * 4).to(dtype)
+    x[1] = 0  # an all-zero row: scale 1e-10 / 127
+    x[2, :8] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 3.5, -126.5])  # ties at scale 1
+    x[2, 8:] = 0
+    x = x.to(device)
+    input_scale = torch.tensor([0.03], device=device) if static else None  # saturates
+    q, s = iq.quantize_int8(x, input_scale)
+    q_ref, s_ref = reference.quantize_int8_per_token(x, input_scale)
+    assert_equal(s, s_ref.reshape(-1), name="scales")
+    assert_equal(q, q_ref, name="q")
+    q, _ = iq.quantize_int8(strided_copy(x), input_scale)
+    assert_equal(q, q_ref, name="q (strided x)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 24, 256), (5, 40, 100), (40, 24, 64)])
+@pytest.mark.parametrize("static", [False, True])
+def test_int8_linear_bit_for_bit(triton_backend, iq, dtype, rows, n, k, static):
+    device = triton_backend.device
+    x = (torch.randn(rows, k, generator=_gen(13)) * 2).to(dtype).to(device)
+    w = torch.randint(-128, 128, (n, k), generator=_gen(14), dtype=torch.int8).to(device)
+    w_s = (torch.rand(n, generator=_gen(15)) / 64 + 1e-3).to(device)
+    bias = torch.randn(n, generator=_gen(16)).to(dtype).to(device) if rows != 5 else None
+    input_scale = torch.tensor([0.02], device=device) if static else None
+    out = iq.int8_linear(x, w, w_s, input_scale, bias)
+    assert_equal(out, reference.int8_linear(x, w, w_s, input_scale, bias))
+    if bias is not None and rows == 1:  # strided weight, scales and bias
+        out = iq.int8_linear(x, strided_copy(w), strided_copy(w_s), input_scale, strided_copy(bias))
+        assert_equal(out, reference.int8_linear(x, w, w_s, input_scale, bias))
+
+
+@pytest.mark.parametrize("config", [dict(SPLIT_K=1), dict(SPLIT_K=4), dict(BLOCK_K=64)])
+def test_int8_gemm_launches(triton_backend, iq, config):
+    device = triton_backend.device
+    a = torch.randint(-128, 128, (3, 320), generator=_gen(17), dtype=torch.int8).to(device)
+    b = torch.randint(-128, 128, (20, 320), generator=_gen(18), dtype=torch.int8).to(device)
+    a_s = torch.rand(3, generator=_gen(19)).to(device)
+    b_s = torch.rand(20, generator=_gen(20)).to(device)
+    expected = ((a.double() @ b.double().T) * a_s.double()[:, None] * b_s.double()).float()
+    for _ in range(2):
+        assert_equal(iq.int8_gemm(a, a_s, b, b_s, None, torch.float32, config), expected)
+
+
+def test_custom_ops_opcheck(triton_backend, iq):
+    """Schemas and fake implementations (torch.library.opcheck), and the registry's entries."""
+    from atom_kernels import registry
+    from atom_kernels.backends.triton import quant_custom_ops
+
+    device = triton_backend.device
+    ops = torch.ops.atom
+    qw, s, z, g = wna16_weight(16, 64, 4, 2, True, True, seed=21, device=device,
+                               dtype=torch.bfloat16)  # fmt: skip
+    x = torch.randn(3, 64, generator=_gen(22)).to(torch.bfloat16).to(device)
+    w8 = torch.randint(-128, 128, (16, 64), generator=_gen(23), dtype=torch.int8).to(device)
+    w8_s = torch.rand(16, generator=_gen(24)).to(device)
+    cases = [
+        (ops.triton_wna16_linear, (x, qw, s, z, g, 4, None)),
+        (ops.triton_wna16_linear, (x, qw, s, None, None, 4, x[0, :16].contiguous())),
+        (ops.triton_dequantize_wna16, (qw, s, z, g, 4, torch.float16)),
+        (ops.triton_int8_linear, (x, w8, w8_s, None, None)),
+        (ops.triton_int8_linear, (x, w8, w8_s, torch.tensor([0.05], device=device), None)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    for name in ("wna16_linear", "int8_linear", "dequantize_wna16"):
+        assert registry._IMPLS["triton"][name] is quant_custom_ops.ENTRIES[name]
+
+
+# --- real layer shapes on a GPU -------------------------------------------------------------------
+
+LLAMA3_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4, 16, 300])
+@pytest.mark.parametrize(("n", "k"), LLAMA3_8B)
+def test_wna16_linear_gpu_real_sizes(triton_backend, iq, rows, n, k):
+    qw, s, z, g = wna16_weight(n, k, 4, k // 128, False, False, seed=25, device="cuda",
+                               dtype=torch.bfloat16)  # fmt: skip
+    x = torch.randn(rows, k, generator=_gen(26)).to(torch.bfloat16).cuda()
+    out = iq.wna16_linear(x, qw, s, z, g, 4, None)
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
+    assert_close(out, expected, atol=3e-2, rtol=2e-2, name=f"wna16_linear {rows}x{n}x{k}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize(("bits", "zeros", "g_idx"), [(8, True, False), (4, True, True)])
+def test_wna16_linear_gpu_variants(triton_backend, iq, rows, bits, zeros, g_idx):
+    n, k = 4096, 4096
+    qw, s, z, g = wna16_weight(n, k, bits, k // 128, zeros, g_idx, seed=27, device="cuda",
+                               dtype=torch.float16)  # fmt: skip
+    x = torch.randn(rows, k, generator=_gen(28)).to(torch.float16).cuda()
+    out = iq.wna16_linear(x, qw, s, z, g, bits, None)
+    expected = reference.wna16_linear(x, qw, s, z, g, bits, None)
+    assert_close(out, expected, atol=4e-3, rtol=4e-3, name=f"wna16_linear {bits}-bit {rows}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 256])
+@pytest.mark.parametrize(("n", "k"), LLAMA3_8B)
+def test_int8_linear_gpu_real_sizes(triton_backend, iq, rows, n, k):
+    x = torch.randn(rows, k, generator=_gen(29)).to(torch.bfloat16).cuda()
+    w = torch.randint(-128, 128, (n, k), generator=_gen(30), dtype=torch.int8).cuda()
+    w_s = (torch.rand(n, generator=_gen(31)) / 1000).cuda()
+    bias = torch.randn(n, generator=_gen(32)).to(torch.bfloat16).cuda()
+    out = iq.int8_linear(x, w, w_s, None, bias)
+    assert_equal(out, reference.int8_linear(x, w, w_s, None, bias))
+
+
+def test_launch_policy(triton_backend, iq):
+    """On an H100 (132 SMs) the decode launches of the Llama-3-8B shapes fill the SMs: 16-row
+    dots, a tile-wide scale (BLOCK_K divides the group), K split where the N tiles are too few;
+    prefill takes big tiles unsplit; odd groups fall back to a 32-deep K tile."""
+    for rows in (1, 16):
+        for n, k in LLAMA3_8B:
+            cfg = iq.wna16_config(rows, n, k, 128, True, 132)
+            assert cfg["BLOCK_M"] == 16 and 128 % cfg["BLOCK_K"] == 0, cfg
+            programs = -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
+            assert programs >= 132 and cfg["SPLIT_K"] <= k // cfg["BLOCK_K"] // 2, (n, k, cfg)
+    cfg = iq.wna16_config(4096, 4096, 4096, 128, True, 132)
+    assert cfg["BLOCK_M"] == 128 and cfg["SPLIT_K"] == 1
+    assert iq.wna16_config(4, 4096, 4096, 40, True, 132)["BLOCK_K"] == 32
+    assert iq.split_for(200, 64, 132, 2) == 1
+    assert iq.split_for(64, 32, 132, 2) == 5 and iq.split_for(64, 4, 132, 2) == 2
+    for rows in (1, 16, 256):
+        cfg = iq.int8_gemm_config(rows, 4096, 4096, 132)
+        assert -(-rows // cfg["BLOCK_M"]) * -(-4096 // cfg["BLOCK_N"]) * cfg["SPLIT_K"] >= 132
