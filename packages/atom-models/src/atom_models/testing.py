@@ -213,3 +213,144 @@ def write_quantized_checkpoint(
     config["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(config, indent=1))
     return dst
+
+
+# -- integer checkpoints ---------------------------------------------------------------------
+#
+# Each packer quantizes a float weight [N, K] (an nn.Linear's, out x in) and returns the
+# checkpoint tensors of one module as its format publishes them, by checkpoint suffix, and the
+# float32 weight they dequantize to. They are written from the formats' own packing code
+# (AutoGPTQ's `pack`, AutoAWQ's GEMM `pack`, compressed-tensors' `pack_to_int32`), word by word,
+# independently of ATOM's loaders.
+
+
+def _groups_of(k: int, group_size: int, act_order: bool, seed: int) -> torch.Tensor:
+    """The group of each input feature: contiguous, or GPTQ act-order's (groups of a random
+    permutation of the features)."""
+    size = k if group_size == -1 else group_size
+    if not act_order:
+        return torch.arange(k) // size
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+    g_idx = torch.empty(k, dtype=torch.int64)
+    g_idx[perm] = torch.arange(k) // size
+    return g_idx
+
+
+def _quantize_int(w, bits, group_size, symmetric, g_idx, scale_dtype):
+    """-> unsigned values q [N, K], scales [N, G] (rounded to scale_dtype), zeros [N, G] and
+    the dequantized weight (q - zero) * scale in float32."""
+    w = w.float()
+    n, k = w.shape
+    num_groups = int(g_idx.max()) + 1
+    top = (1 << bits) - 1
+    scales = torch.empty(n, num_groups)
+    zeros = torch.empty(n, num_groups, dtype=torch.int64)
+    for g in range(num_groups):
+        cols = w[:, g_idx == g]
+        if symmetric:
+            scales[:, g] = cols.abs().amax(1).clamp(min=1e-6) / ((1 << (bits - 1)) - 1)
+            zeros[:, g] = 1 << (bits - 1)
+        else:
+            lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
+            scales[:, g] = ((hi - lo) / top).clamp(min=1e-6)
+            zeros[:, g] = torch.round(-lo / scales[:, g]).clamp(0, top).long()
+    scales = scales.to(scale_dtype).float()
+    s, z = scales[:, g_idx], zeros[:, g_idx]
+    q = (torch.round(w / s) + z).clamp(0, top).long()
+    return q, scales.to(scale_dtype), zeros, ((q - z) * s).float()
+
+
+def _words(values: torch.Tensor, bits: int, order=None) -> torch.Tensor:
+    """Pack the last dim of unsigned `values`, value order[i] of each word at bits i * bits
+    (lowest first), into int32 words."""
+    per = 32 // bits
+    order = order or list(range(per))
+    v = values.long().reshape(*values.shape[:-1], -1, per)
+    word = torch.zeros(v.shape[:-1], dtype=torch.int64)
+    for i in range(per):
+        word |= (v[..., order[i]] & ((1 << bits) - 1)) << (bits * i)
+    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+
+
+def gptq_pack(
+    w: torch.Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    *,
+    sym: bool = True,
+    desc_act: bool = False,
+    v2: bool = False,
+    seed: int = 0,
+):
+    """GPTQ: qweight int32 [K * bits / 32, N] (packed along K), qzeros int32 [G, N * bits / 32]
+    (packed along N; v1 stores zero - 1), scales fp16 [G, N], g_idx int32 [K]."""
+    k = w.shape[1]
+    g_idx = _groups_of(k, group_size, desc_act, seed)
+    q, scales, zeros, deq = _quantize_int(w, bits, group_size, bool(sym), g_idx, torch.float16)
+    stored = zeros if v2 else (zeros - 1) & ((1 << bits) - 1)
+    tensors = {
+        "qweight": _words(q, bits).t().contiguous(),
+        "qzeros": _words(stored.t(), bits),
+        "scales": scales.t().contiguous(),
+        "g_idx": g_idx.to(torch.int32),
+    }
+    return tensors, deq
+
+
+def awq_pack(w: torch.Tensor, group_size: int = 128, *, seed: int = 0):
+    """AWQ GEMM (4-bit, zero points): qweight int32 [K, N / 8] packed along N in the order
+    0, 2, 4, 6, 1, 3, 5, 7; qzeros int32 [G, N / 8] likewise; scales fp16 [G, N]."""
+    g_idx = _groups_of(w.shape[1], group_size, False, seed)
+    q, scales, zeros, deq = _quantize_int(w, 4, group_size, False, g_idx, torch.float16)
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    tensors = {
+        "qweight": _words(q.t(), 4, order),
+        "qzeros": _words(zeros.t(), 4, order),
+        "scales": scales.t().contiguous(),
+    }
+    return tensors, deq
+
+
+def ct_pack_quantized(
+    w: torch.Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    *,
+    symmetric: bool = True,
+    actorder_group: bool = False,
+    scale_dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+):
+    """compressed-tensors pack-quantized: weight_packed int32 [N, K * bits / 32] (signed values
+    offset by 2**(bits - 1), packed along K), weight_scale [N, G] (G = 1: strategy "channel"),
+    weight_zero_point (asymmetric) int32 [N * bits / 32, G] packed along N the same way,
+    weight_shape [2], weight_g_idx [K] (actorder "group")."""
+    n, k = w.shape
+    g_idx = _groups_of(k, group_size, actorder_group, seed)
+    q, scales, zeros, deq = _quantize_int(w, bits, group_size, symmetric, g_idx, scale_dtype)
+    # compressed-tensors quantizes to signed values q - 2**(bits-1) with a signed zero point
+    # zp - 2**(bits-1); pack_to_int32 adds 2**(bits-1) back before packing: the same words.
+    tensors = {
+        "weight_packed": _words(q, bits),
+        "weight_scale": scales,
+        "weight_shape": torch.tensor([n, k]),
+    }
+    if not symmetric:
+        tensors["weight_zero_point"] = _words(zeros.t(), bits).t().contiguous()
+    if actorder_group:
+        tensors["weight_g_idx"] = g_idx.to(torch.int32)
+    return tensors, deq
+
+
+def ct_int8(w: torch.Tensor, *, per_channel: bool = True, input_scale: float | None = None):
+    """compressed-tensors int-quantized (W8A8): weight int8 [N, K], weight_scale float32 [N, 1]
+    (or [1] per tensor), input_scale [1] when static."""
+    w = w.float()
+    amax = w.abs().amax(1, keepdim=True) if per_channel else w.abs().amax().reshape(1)
+    scale = amax.clamp(min=1e-6) / 127
+    q = torch.round(w / (scale if per_channel else scale[0])).clamp(-127, 127).to(torch.int8)
+    tensors = {"weight": q, "weight_scale": scale}
+    if input_scale is not None:
+        tensors["input_scale"] = torch.tensor([input_scale])
+    deq = q.float() * (scale if per_channel else scale[0])
+    return tensors, deq

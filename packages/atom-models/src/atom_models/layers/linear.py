@@ -15,6 +15,7 @@ says how its rows and columns relate to the weight's:
     "block_scale"    one value per [bn, bk] weight block (`param.block`)
     "channel_scale"  one value per output row
     "tensor_scale"   one value per checkpoint tensor (one per shard of a packed layer)
+    "int"            a tensor of an integer checkpoint, repacked by `int_checkpoint`
 
 Attention heads that do not split over the ranks may be padded with zero "dummy" heads
 (`atom_models.distributed.padded_attention_heads`): then a rank's rows (QKV) or columns (o_proj)
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from atom_models.distributed import divide, get_tp_group, padded_attention_heads
+from atom_models.layers.int_checkpoint import load_int_linear
 
 
 def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
@@ -106,6 +108,8 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         kind = getattr(param, "quant_kind", "weight")
+        if kind == "int":  # GPTQ, AWQ, compressed-tensors pack-quantized
+            return load_int_linear(self, param, loaded, shard_id)
         what = "weight" if shard_id is None else f"shard {shard_id}"
         if kind == "tensor_scale":
             if loaded.numel() != 1:

@@ -28,8 +28,17 @@ from torch import nn
 import atom_kernels
 from atom_kernels.ops.moe import ACTIVATIONS
 from atom_models.distributed import divide, get_tp_group
+from atom_models.layers.int_checkpoint import to_canonical
 
 ShardId = tuple[int, str]  # (global expert id, "w1" | "w3" | "w2")
+
+# A per-expert checkpoint module's tensors: the weight and the scales of FP8 checkpoints, the
+# tensors of integer ones (compressed-tensors pack-quantized, GPTQ, AWQ: `int_checkpoint`).
+CHECKPOINT_SUFFIXES = (
+    "weight", "weight_scale_inv", "weight_scale", "input_scale",
+    "weight_packed", "weight_zero_point", "weight_shape", "weight_g_idx",
+    "qweight", "qzeros", "scales", "g_idx",
+)  # fmt: skip
 
 
 class UnquantizedMoEMethod:
@@ -80,7 +89,7 @@ def fused_moe_mapping(
     for expert in range(num_experts):
         for name, param, shard in ((gate, "w13", "w1"), (up, "w13", "w3"), (down, "w2", "w2")):
             # the weight, and the scales of a quantized checkpoint
-            for suffix in ("weight", "weight_scale_inv", "weight_scale", "input_scale"):
+            for suffix in CHECKPOINT_SUFFIXES:
                 key = f"{checkpoint_prefix}.{expert}.{name}.{suffix}"
                 mapping[key] = (f"{param_prefix}.{param}_{suffix}", (expert, shard))
     return mapping
@@ -214,9 +223,34 @@ class FusedMoE(nn.Module):
             param.data[local, index] = loaded.reshape(())
         return {shard_id} if local is not None else set()
 
+    def _int_tensor(self, param: nn.Parameter, loaded: torch.Tensor, shard_id, rows, cols):
+        """An integer checkpoint's tensor (`int_checkpoint`) in the canonical orientation, or
+        the shards it fills when it is only checked (`weight_shape`, contiguous `g_idx`)."""
+        role = param.int_role
+        done = {shard_id} if shard_id is None or self._local(shard_id[0]) is not None else set()
+        if role == "shape":
+            shape = tuple(int(v) for v in loaded.reshape(-1).tolist())
+            if shape != (rows, cols):
+                raise ValueError(f"expert weight_shape {shape}, expected {(rows, cols)}")
+            return None, done
+        if role == "g_idx":
+            groups = torch.arange(cols, device=loaded.device) // param.group_size
+            if param.group_size == -1 or not torch.equal(loaded.reshape(-1).long(), groups):
+                raise ValueError(
+                    "expert g_idx is not contiguous groups (act-order experts are not "
+                    "supported: fused_moe takes contiguous groups)"
+                )
+            return None, done
+        return to_canonical(param.int_format, role, loaded, param.bits), None
+
     def w13_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None = None
     ) -> set[ShardId]:
+        if hasattr(param, "int_role"):
+            inter, hidden = self.total_intermediate_size, self.hidden_size
+            loaded, done = self._int_tensor(param, loaded, shard_id, inter, hidden)
+            if done is not None:
+                return done
         row_div, _ = self._units(param)
         if getattr(param, "quant_kind", "weight") == "tensor_scale":
             return self._tensor_scale(param, loaded, shard_id, 0 if shard_id[1] == "w1" else 1)
@@ -274,6 +308,11 @@ class FusedMoE(nn.Module):
     def w2_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None = None
     ) -> set[ShardId]:
+        if hasattr(param, "int_role"):
+            hidden, inter = self.hidden_size, self.total_intermediate_size
+            loaded, done = self._int_tensor(param, loaded, shard_id, hidden, inter)
+            if done is not None:
+                return done
         kind = getattr(param, "quant_kind", "weight")
         if kind == "tensor_scale":
             return self._tensor_scale(param, loaded, shard_id, 0)
@@ -319,10 +358,12 @@ class FusedMoE(nn.Module):
             local_ids = topk_ids - self.expert_start
             owned = (local_ids >= 0) & (local_ids < self.num_experts)
             topk_ids = torch.where(owned, local_ids, -1)
+        expert_weights = getattr(self.quant_method, "expert_weights", None)
+        w13, w2 = expert_weights(self) if expert_weights else (self.w13_weight, self.w2_weight)
         out = atom_kernels.fused_moe(
             hidden_states,
-            self.w13_weight,
-            self.w2_weight,
+            w13,
+            w2,
             topk_weights,
             topk_ids,
             activation=self.activation,

@@ -34,18 +34,17 @@ def quantize_model(model: nn.Module, quant_config: QuantConfig | None, dtype: to
         if quant_config is None:
             continue
         if isinstance(module, LinearBase):
-            if quant_config.linear is None or _is_router(model, name):
+            if _is_router(model, name) or not getattr(module, "quantizable", True):
+                continue  # not quantizable: e.g. the MTP layers' eh_proj
+            scheme = quant_config.linear_scheme(checkpoint_names(model, name))
+            if scheme is None:
                 continue
-            if not getattr(module, "quantizable", True):  # e.g. the MTP layers' eh_proj
-                continue
-            names = checkpoint_names(model, name)
-            if quant_config.is_ignored(names):
-                continue
-            method = linear_method(quant_config.linear)
+            method = linear_method(scheme)
         elif isinstance(module, FusedMoE):
-            if quant_config.moe is None or quant_config.is_ignored([name]):
+            scheme = quant_config.moe_scheme(name, expert_checkpoint_names(model, name))
+            if scheme is None:
                 continue
-            method = moe_method(quant_config.moe)
+            method = moe_method(scheme)
         else:
             continue
         method.create_weights(module)
@@ -81,11 +80,27 @@ def checkpoint_names(model: nn.Module, name: str) -> list[str]:
     return names or [name]
 
 
+def expert_checkpoint_names(model: nn.Module, name: str) -> list[str]:
+    """The checkpoint modules of the FusedMoE `name`'s first expert (`...experts.0.gate_proj`,
+    `up_proj`, `down_proj`), as the model's mapping routes them; [name] without a mapping."""
+    mapping = getattr(model, "packed_modules_mapping", {})
+    names = []
+    for ckpt_part, (param_part, shard) in mapping.items():
+        if not (isinstance(shard, tuple) and shard[0] == 0 and ckpt_part.endswith(".weight")):
+            continue
+        param_module = param_part.rpartition(".")[0]
+        if name == param_module or name.endswith("." + param_module):
+            prefix = name[: len(name) - len(param_module)]
+            names.append(prefix + ckpt_part[: -len(".weight")])
+    return sorted(set(names)) or [name]
+
+
 __all__ = [
     "SUPPORTED",
     "QuantConfig",
     "QuantScheme",
     "checkpoint_names",
+    "expert_checkpoint_names",
     "parse_quant_config",
     "process_weights_after_loading",
     "quantization_config_of",

@@ -16,7 +16,13 @@ from typing import Any
 SUPPORTED = (
     "fp8 (block-wise `weight_block_size`, or per-tensor), "
     "compressed-tensors (float-quantized FP8: per-tensor, per-channel or block weights), "
-    "modelopt (FP8), mxfp4 (GPT-OSS experts)"
+    "modelopt (FP8), mxfp4 (GPT-OSS experts), "
+    "compressed-tensors int-quantized (INT8 weights per channel/tensor with INT8 activations, "
+    "dynamic per token or static per tensor; linear layers only), "
+    "compressed-tensors pack-quantized (4/8-bit int weights, group or channel, symmetric or "
+    "asymmetric, actorder g_idx in linear layers), "
+    "gptq (4/8-bit, group_size or -1, desc_act in linear layers, sym or asym, checkpoint_format "
+    "'gptq' or 'gptq_v2'), awq (4-bit, version 'gemm', zero_point)"
 )
 
 # Weight formats of a quantized module.
@@ -24,16 +30,25 @@ FP8_BLOCK = "fp8_block"  # float8_e4m3fn weight, fp32 scale per [bn, bk] block
 FP8_CHANNEL = "fp8_channel"  # float8_e4m3fn weight, fp32 scale per output channel
 FP8_TENSOR = "fp8_tensor"  # float8_e4m3fn weight, one fp32 scale (per checkpoint tensor)
 MXFP4 = "mxfp4"  # e2m1 pairs in uint8, e8m0 scale per 32 values
+INT8 = "int8"  # int8 weight, fp32 scale per channel (or tensor); int8 activations (W8A8)
+WNA16 = "wna16"  # 4/8-bit ints packed in int32, scale (and zero) per group; float activations
 
 
 @dataclass(frozen=True)
 class QuantScheme:
     """How one kind of module (linear layers, or experts) is stored and computed."""
 
-    weight: str  # FP8_BLOCK | FP8_CHANNEL | FP8_TENSOR | MXFP4
+    weight: str  # FP8_BLOCK | FP8_CHANNEL | FP8_TENSOR | MXFP4 | INT8 | WNA16
     block_size: tuple[int, int] | None = None  # [bn, bk] for FP8_BLOCK
     static_input_scale: bool = False  # a per-tensor `input_scale` in the checkpoint
     scale_name: str = "weight_scale"  # checkpoint suffix of the weight scale
+    channel_scale: bool = True  # INT8: a scale per channel (False: per tensor)
+    # WNA16: how the checkpoint stores it (`atom_models.layers.int_checkpoint.FORMATS`)
+    checkpoint: str = ""  # "ct" | "gptq" | "gptq_v2" | "awq"
+    bits: int = 0
+    group_size: int = -1  # -1: one group per row (channel-wise)
+    symmetric: bool = True  # False: zero points in the checkpoint
+    g_idx: bool = False  # the checkpoint holds each input feature's group (act-order)
 
 
 @dataclass(frozen=True)
@@ -44,6 +59,46 @@ class QuantConfig:
     ignore: tuple[str, ...] = ()  # modules left unquantized (names, globs, "re:" regexes)
     targets: tuple[str, ...] = ("Linear",)  # compressed-tensors: which linear layers it covers
     kv_cache_scheme: dict[str, Any] | None = field(default=None, compare=False)
+    # Several schemes, each for the modules its targets name (compressed-tensors config_groups,
+    # GPTQ / AWQ): when set, `linear` / `moe` are not read.
+    groups: tuple[tuple[QuantScheme, tuple[str, ...]], ...] = ()
+
+    def linear_scheme(self, names: list[str]) -> QuantScheme | None:
+        """The scheme of a linear layer loaded from checkpoint modules `names` (None: stays in
+        the activation dtype)."""
+        if not self.groups:
+            return None if self.linear is None or self.is_ignored(names) else self.linear
+        return self._group_scheme(names)
+
+    def moe_scheme(self, name: str, expert_names: list[str]) -> QuantScheme | None:
+        """The scheme of the FusedMoE `name` whose first expert loads from `expert_names`."""
+        if not self.groups:
+            if self.moe is None:
+                return None
+            by_name = "Linear" in self.targets  # else the targets name the experts' modules
+            return None if self.is_ignored([name] if by_name else expert_names) else self.moe
+        if any(_matches(name, p) for p in self.ignore):
+            return None
+        return self._group_scheme(expert_names)
+
+    def _group_scheme(self, names: list[str]) -> QuantScheme | None:
+        schemes = [None if any(_matches(n, p) for p in self.ignore) else self._target(n)
+                   for n in names]  # fmt: skip
+        if any(s != schemes[0] for s in schemes):
+            raise ValueError(
+                f"quantization_config: the modules {names} are fused into one layer but are not "
+                "quantized alike (schemes or ignore lists differ); ATOM cannot load that checkpoint"
+            )
+        return schemes[0]
+
+    def _target(self, name: str) -> QuantScheme | None:
+        """The group naming `name` itself (a name or regex) wins over a "Linear" group."""
+        for specific in (True, False):
+            for scheme, targets in self.groups:
+                for t in targets:
+                    if (t != "Linear" and _matches(name, t)) if specific else t == "Linear":
+                        return scheme
+        return None
 
     def is_ignored(self, names: list[str]) -> bool:
         """Whether a module (known by its ATOM name and its checkpoint names) stays unquantized.
@@ -140,29 +195,40 @@ def _parse_fp8(raw: dict) -> QuantConfig:
 
 
 def _parse_compressed_tensors(raw: dict) -> QuantConfig:
+    from atom_models.quantization.int_config import CT_FORMATS, ct_int_scheme
+
     method = "compressed-tensors"
     fmt = raw.get("format")
-    if fmt not in (None, "float-quantized", "naive-quantized"):
-        raise _malformed(method, f"format {fmt!r} is not supported (only float-quantized FP8)")
+    if fmt not in CT_FORMATS:
+        raise _malformed(method, f"format {fmt!r} is not supported")
     groups = raw.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise _malformed(method, "config_groups must be a non-empty mapping")
-    schemes, targets = set(), []
+    by_group, targets = [], []
     for name, group in groups.items():
         if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
             raise _malformed(method, f"config group {name!r} has no weights scheme")
-        schemes.add(_compressed_scheme(name, group))
+        group_fmt = group.get("format") or fmt
+        if group.get("weights", {}).get("type") == "int":
+            scheme = ct_int_scheme(name, group, group_fmt)
+        else:
+            if group_fmt not in (None, "float-quantized", "naive-quantized"):
+                raise _malformed(method, f"config group {name!r}: float weights in {group_fmt!r}")
+            scheme = _compressed_scheme(name, group)
         group_targets = group.get("targets") or ["Linear"]
         if not isinstance(group_targets, list) or not all(
             isinstance(t, str) for t in group_targets
         ):
             raise _malformed(method, f"config group {name!r}: targets must be a list of strings")
+        by_group.append((scheme, tuple(group_targets)))
         targets += group_targets
-    if len(schemes) != 1:
-        raise _malformed(method, "config groups with different schemes are not supported")
-    scheme = schemes.pop()
     kv = raw.get("kv_cache_scheme")
-    return QuantConfig(method, scheme, scheme, _names(method, raw, "ignore"), tuple(targets), kv)
+    ignore = _names(method, raw, "ignore")
+    schemes = {scheme for scheme, _ in by_group}
+    if len(schemes) == 1:
+        scheme = schemes.pop()
+        return QuantConfig(method, scheme, scheme, ignore, tuple(targets), kv)
+    return QuantConfig(method, None, None, ignore, tuple(targets), kv, groups=tuple(by_group))
 
 
 def _compressed_scheme(name: str, group: dict) -> QuantScheme:
@@ -220,7 +286,21 @@ def _parse_mxfp4(raw: dict) -> QuantConfig:
     return QuantConfig("mxfp4", None, QuantScheme(MXFP4, scale_name="scales"), ignore)
 
 
+def _parse_gptq(raw: dict) -> QuantConfig:
+    from atom_models.quantization.int_config import parse_gptq
+
+    return parse_gptq(raw)
+
+
+def _parse_awq(raw: dict) -> QuantConfig:
+    from atom_models.quantization.int_config import parse_awq
+
+    return parse_awq(raw)
+
+
 _PARSERS = {
+    "gptq": _parse_gptq,
+    "awq": _parse_awq,
     "fp8": _parse_fp8,
     "compressed-tensors": _parse_compressed_tensors,
     "compressed_tensors": _parse_compressed_tensors,

@@ -19,7 +19,9 @@ from atom_models.quantization.config import (
     FP8_BLOCK,
     FP8_CHANNEL,
     FP8_TENSOR,
+    INT8,
     MXFP4,
+    WNA16,
     QuantScheme,
 )
 
@@ -57,6 +59,8 @@ class Fp8LinearMethod:
     dynamic or static per-tensor activation scales (`fp8_linear`; a per-tensor scale of each
     packed shard becomes that shard's rows' channel scale, exactly)."""
 
+    weight_dtype = FP8
+
     def __init__(self, scheme: QuantScheme) -> None:
         self.scheme = scheme
 
@@ -64,7 +68,7 @@ class Fp8LinearMethod:
         scheme, loader = self.scheme, layer.weight_loader
         shard_ids = getattr(layer.weight, "shard_ids", None)
         n, k = layer.output_size, layer.input_size
-        layer.weight = _param((n, k), FP8, loader, shard_ids)
+        layer.weight = _param((n, k), self.weight_dtype, loader, shard_ids)
         if scheme.weight == FP8_BLOCK:
             bn, bk = scheme.block_size
             scale = _param(
@@ -150,9 +154,12 @@ def dequantize_linear(layer: LinearBase, dtype: torch.dtype) -> None:
     if method is UNQUANTIZED:
         return
     weight = method.dequantized(layer, dtype)
-    for name in ("weight_scale_inv", "weight_scale", "input_scale"):
-        if name in layer._parameters:
+    for name in list(layer._parameters):
+        if name not in ("weight", "bias"):  # scales, zero points, packed integer weights
             del layer._parameters[name]
+    if "weight" not in layer._parameters:  # WNA16 layers hold none
+        layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
+        layer.weight.weight_loader = layer.weight_loader
     _replace(layer, "weight", weight)
     layer.quant_method = UNQUANTIZED
 
@@ -262,14 +269,29 @@ class Mxfp4MoEMethod:
 
 
 def linear_method(scheme: QuantScheme):
+    from atom_models.quantization.int_methods import Int8LinearMethod, Wna16LinearMethod
+
     if scheme.weight in (FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR):
         return Fp8LinearMethod(scheme)
+    if scheme.weight == INT8:
+        return Int8LinearMethod(scheme)
+    if scheme.weight == WNA16:
+        return Wna16LinearMethod(scheme)
     raise ValueError(f"linear layers cannot be stored as {scheme.weight!r}")
 
 
 def moe_method(scheme: QuantScheme):
+    from atom_models.quantization.int_methods import Wna16MoEMethod
+
     if scheme.weight == MXFP4:
         return Mxfp4MoEMethod()
+    if scheme.weight == WNA16:
+        return Wna16MoEMethod(scheme)
+    if scheme.weight == INT8:
+        raise ValueError(
+            "quantization_config: W8A8 int8 experts are not supported (fused_moe has no int8 "
+            "path); ATOM loads int8 linear layers, and WNA16 (4/8-bit weight-only) experts"
+        )
     return Fp8MoEMethod(scheme)
 
 
