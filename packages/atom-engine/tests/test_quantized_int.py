@@ -1,4 +1,5 @@
-"""Integer checkpoints through the engine (issue 40): greedy parity with transformers (float32, CPU).
+"""Integer checkpoints through the engine (issue 40): greedy parity with transformers (float32,
+CPU).
 
 Each checkpoint is a tiny random one saved by transformers, then quantized:
 - compressed-tensors int-quantized (W8A8) and pack-quantized (W4A16) by compressed-tensors itself
@@ -6,32 +7,26 @@ Each checkpoint is a tiny random one saved by transformers, then quantized:
   files through compressed-tensors' decompression (`CompressedTensorsConfig(dequantize=True)`).
 - AWQ by `atom_models.testing.awq_pack` (AutoAWQ's GEMM packing); the reference is the same files
   converted by compressed-tensors' own `AutoAWQConverter`, then decompressed by transformers.
-- GPTQ by `atom_models.testing.gptq_pack` (AutoGPTQ's packing; `gptqmodel` only builds from
-  source with CUDA extensions, so it is not a dependency here); the reference is the test's own
-  dequantized copy, unquantized.
+- GPTQ by `atom_models.testing.gptq_pack` (AutoGPTQ's packing); the reference is the test's own
+  dequantized copy, unquantized. `gptqmodel` (transformers' GPTQ backend) is not a dependency:
+  it is an sdist built against the installed torch that pulls in datasets, pandas, pyarrow and
+  torchao. Built CPU-only once aside, its `TorchLinear.dequantize_weight` matched `gptq_pack`
+  (format gptq_v2) to fp16 rounding for 4/8 bits, groups 32/128/-1, desc_act, sym and asym.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from compressed_tensors.quantization.utils import calculate_qparams
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 from transformers.utils.quantization_config import CompressedTensorsConfig
 
 from atom_engine import LLM, SamplingParams
 from atom_models.testing import awq_pack, gptq_pack, write_quantized_checkpoint
-
-ct = pytest.importorskip("compressed_tensors")  # a dev dependency on Python >= 3.11
-
-from compressed_tensors.compressors.naive_quantized.base import (  # noqa: E402
-    IntQuantizationCompressor,
-)
-from compressed_tensors.compressors.pack_quantized.base import (  # noqa: E402
-    PackedQuantizationCompressor,
-)
-from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme  # noqa: E402
-from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
-
 
 TINY = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=2, max_position_embeddings=512)
 
@@ -275,5 +270,5 @@ def test_awq_matches_transformers_on_compressed_tensors_conversion(
     # its rounding of (q - zero) * scale to the scales' fp16: a wrong nibble is off by a scale).
     for name, w in dequantized.items():
         got = ref.get_parameter(name).float()
-        torch.testing.assert_close(got, w, rtol=2**-10, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, w, rtol=2**-10, atol=1e-7, msg=f"{name} differs")
     assert atom_greedy(dst) == hf_greedy_all(ref, greedy_reference)
