@@ -310,7 +310,14 @@ def test_per_tensor_and_per_channel_fp8_match_dequantized_checkpoint(
 
 
 BAD_CONFIGS = {
-    "awq": ({"quant_method": "awq", "bits": 4}, r"quant_method 'awq' is not supported.*fp8"),
+    "awq-gemv": (
+        {"quant_method": "awq", "bits": 4, "version": "gemv"},
+        r"\(awq\): version 'gemv' \(only 'gemm'\).*gptq",
+    ),
+    "gptq-marlin": (
+        {"quant_method": "gptq_marlin"},
+        r"quant_method 'gptq_marlin' is not supported",
+    ),
     "block": (
         {"quant_method": "fp8", "weight_block_size": [128]},
         r"block size must be two positive ints, got \[128\]",
@@ -322,7 +329,7 @@ BAD_CONFIGS = {
                 "g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}
             },
         },
-        r"weights of 8 bits, type 'int'",
+        r"weight-only int weights in format None",
     ),
     "modelopt-nvfp4": ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, r"quant_algo 'NVFP4'"),
 }

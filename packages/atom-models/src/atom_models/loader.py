@@ -128,22 +128,25 @@ def build_model(
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights (N(0, 0.02), norms 1) for benchmarks of real shapes without a checkpoint.
 
-    Quantized weights get values of the same size: N(0, 1) in FP8 (random bytes in MXFP4) times
-    scales of 0.02 (2^-7).
+    Quantized weights get values of the same size: N(0, 1) in FP8 and int8 (random bytes in
+    MXFP4) times scales of 0.02 (2^-7); packed 4/8-bit integers (GPTQ, AWQ, compressed-tensors)
+    random words, with zero points in the middle of the range and scales that give std 0.02.
     """
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             kind = getattr(p, "quant_kind", "weight")
-            if "norm" in name:
+            if hasattr(p, "int_role"):
+                _dummy_int(p, gen)
+            elif "norm" in name:
                 p.fill_(1.0)
-            elif p.dtype == torch.float8_e4m3fn:
+            elif p.dtype in (torch.float8_e4m3fn, torch.int8):
                 # By slices of the first dim: a DeepSeek-V3 layer's 256 experts are 7.5e9 values,
                 # whose float32 draw at once would take 30 GB.
                 row = p.numel() // p.shape[0] if p.dim() and p.shape[0] else 1
                 for part in p.view(-1, row).split(max(1, (1 << 28) // row), dim=0):
                     draw = torch.randn(part.shape, generator=gen, device=p.device)
-                    part.copy_(draw.to(p.dtype))
+                    part.copy_(draw.round() if p.dtype == torch.int8 else draw.to(p.dtype))
             elif p.dtype == torch.uint8:  # MXFP4 blocks, e8m0 scales
                 if getattr(p, "packing", 1) == 2:
                     p.copy_(torch.randint(0, 256, p.shape, generator=gen, device=p.device))
@@ -154,6 +157,18 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     process_weights_after_loading(model)
+
+
+def _dummy_int(p: nn.Parameter, gen: torch.Generator) -> None:
+    """A parameter of an integer checkpoint (`layers.int_checkpoint`), in the loaded layout."""
+    if p.int_role == "qweight":  # uniform values: std 2**bits / sqrt(12) about the middle
+        p.copy_(torch.randint(-(2**31), 2**31, p.shape, generator=gen, device=p.device))
+    elif p.int_role == "scales":
+        p.fill_(0.02 * 12**0.5 / 2**p.bits)
+    elif p.int_role == "zeros":
+        p.fill_(2 ** (p.bits - 1))
+    else:  # g_idx: every input feature in group 0; weight_shape: dropped after loading
+        p.zero_()
 
 
 def load_model(

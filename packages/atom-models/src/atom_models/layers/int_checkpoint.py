@@ -32,14 +32,18 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     """Unsigned `bits`-bit values -> int32, 32 / bits consecutive values along `dim` a word,
     the lowest bits first (the length along `dim` must be a multiple of 32 / bits)."""
     per = 32 // bits
-    v = values.to(torch.int64).movedim(dim, -1)
+    v = values.movedim(dim, -1)
     if v.shape[-1] % per:
         raise ValueError(f"pack_int32: {v.shape[-1]} values are not a multiple of {per}")
-    v = v.reshape(*v.shape[:-1], v.shape[-1] // per, per)
+    v = v.reshape(-1, v.shape[-1] // per, per)
+    words = torch.empty(v.shape[:-1], dtype=torch.int32, device=v.device)
     shifts = torch.arange(per, device=v.device, dtype=torch.int64) * bits
-    words = (v << shifts).sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words.movedim(-1, dim)
+    step = max(1, (1 << 24) // max(1, v.shape[1] * per))  # int64 temporaries of 128 MiB at most
+    for start in range(0, v.shape[0], step):
+        part = (v[start : start + step].to(torch.int64) << shifts).sum(-1)
+        words[start : start + step] = torch.where(part >= 2**31, part - 2**32, part)
+    shape = values.movedim(dim, -1).shape
+    return words.reshape(*shape[:-1], shape[-1] // per).movedim(-1, dim)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
@@ -130,8 +134,19 @@ def load_int_linear(layer, param, loaded: torch.Tensor, shard_id=None) -> None:
     if role == "g_idx":
         if tuple(t.shape) != (full_cols,):
             raise ValueError(f"{what} g_idx: shape {tuple(t.shape)}, expected ({full_cols},)")
+        mine = t.narrow(0, col_src, cols)
+        if getattr(param, "g_idx_loaded", False):
+            # One g_idx serves every shard of a fused layer (q/k/v, gate/up: GPTQ orders them
+            # alike, from their shared input); shards ordered differently cannot be fused.
+            if not torch.equal(param.data[:cols], mine.to(param.dtype)):
+                raise ValueError(
+                    f"{what} g_idx differs from the other shards' of this fused layer; ATOM "
+                    "needs one act-order group order per fused layer"
+                )
+            return
         param.data.zero_()  # o_proj columns of dummy heads: group 0, zero weights
-        param.data[:cols].copy_(t.narrow(0, col_src, cols))
+        param.data[:cols].copy_(mine)
+        param.g_idx_loaded = True
         return
     if t.dim() != 2 or t.shape[0] != full_rows:
         raise ValueError(

@@ -2,8 +2,10 @@
 
 Every supported format is read from config.json, never from a flag, into one `QuantConfig`: the
 scheme of the quantized linear layers, the scheme of the experts, and which modules stay in the
-activation dtype. An unsupported method, or a config ATOM cannot honour exactly, is a ValueError
-naming it and listing what ATOM loads.
+activation dtype; or, for a checkpoint whose config groups quantize modules differently
+(compressed-tensors `config_groups`), each group's scheme and the modules it targets. Integer
+formats (GPTQ, AWQ, compressed-tensors int) are parsed in `int_config`. An unsupported method,
+or a config ATOM cannot honour exactly, is a ValueError naming it and listing what ATOM loads.
 """
 
 from __future__ import annotations
