@@ -272,3 +272,35 @@ def test_awq_matches_transformers_on_compressed_tensors_conversion(
         got = ref.get_parameter(name).float()
         torch.testing.assert_close(got, w, rtol=2**-10, atol=1e-7, msg=f"{name} differs")
     assert atom_greedy(dst) == hf_greedy_all(ref, greedy_reference)
+
+
+def test_atom_serve_answers_from_an_int4_checkpoint(tiny_checkpoint, tmp_path):
+    """The real `atom serve --model <W4A16 dir>` process (loopback HTTP) answers with the
+    engine's own greedy text."""
+    import json
+
+    from atom_engine.testing import http, start_server, stop_server
+
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(
+            num_bits=4, type="int", strategy="group", group_size=128, symmetric=True
+        ),
+    )
+    src, _ = tiny_checkpoint(qwen3(), seed=16)
+    dst = write_quantized_checkpoint(
+        src, tmp_path / "int4", ct_config(scheme, ["lm_head"]), ct_quantizer(scheme)
+    )
+    prompt, params = "The capital of France is", dict(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(dst), dtype="float32", device="cpu")
+    expected = llm.generate([prompt], SamplingParams(**params), use_tqdm=False)[0].outputs[0].text
+    del llm
+    flags = ("--dtype", "float32", "--device", "cpu", "--served-model-name", "int4")
+    server, url = start_server(dst, tmp_path / "serve.log", *flags)
+    try:
+        body = json.dumps({"model": "int4", "prompt": prompt, **params}).encode()
+        response = http("POST", f"{url}/v1/completions", body)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == expected
+    finally:
+        stop_server(server)
