@@ -214,11 +214,11 @@ def mxfp4_gpt_oss_checkpoint(tmp: Path) -> Path:
     )
 
 
-def int_checkpoint(tmp: Path, kind: str) -> Path:
+def int_checkpoint(tmp: Path, kind: str, desc_act: bool = False) -> Path:
     """The integer formats of issue 40 on the tiny Llama, packed by `atom_models.testing` as each
     format publishes them: compressed-tensors int-quantized (W8A8: int8 per channel, dynamic int8
     activations per token) and pack-quantized (W4A16, group 32, asymmetric), GPTQ (4 bits, group
-    32, desc_act) and AWQ (GEMM, group 32)."""
+    32, `desc_act` or not) and AWQ (GEMM, group 32)."""
     from atom_models import testing
 
     int8 = {"num_bits": 8, "type": "int", "symmetric": True}
@@ -233,8 +233,8 @@ def int_checkpoint(tmp: Path, kind: str) -> Path:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                 "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
                 "group_size": 32}}}}),
-        "gptq": (testing.gptq_pack, dict(group_size=32, desc_act=True), {
-            "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True,
+        "gptq": (testing.gptq_pack, dict(group_size=32, desc_act=desc_act), {
+            "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": desc_act, "sym": True,
             "checkpoint_format": "gptq"}),
         "awq": (testing.awq_pack, dict(group_size=32), {
             "quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
@@ -246,7 +246,8 @@ def int_checkpoint(tmp: Path, kind: str) -> Path:
         module = name.removesuffix(".weight")
         return {f"{module}.{k}": v for k, v in packer(tensor, **args)[0].items()}
 
-    return testing.write_quantized_checkpoint(tiny_llama(tmp), tmp / kind, config, quantize)
+    name = f"{kind}-desc-act" if desc_act else kind
+    return testing.write_quantized_checkpoint(tiny_llama(tmp), tmp / name, config, quantize)
 
 
 # -- where vLLM accepts the method: ATOM's quantized layers ------------------------------------
@@ -285,7 +286,8 @@ CASES = {
              ["model.layers.0.mlp.experts.down_proj_scales"]},
     ),
     # Integer checkpoints (issue 40): vLLM's CPU build accepts compressed-tensors in float32, and
-    # GPTQ / AWQ in bfloat16 only (its own refusal in float32: test_vllm_refuses_...).
+    # GPTQ (without desc_act) / AWQ in bfloat16 only (its own refusals:
+    # test_vllm_refuses_gptq_and_awq_in_float32_and_gptq_desc_act).
     "compressed-tensors-w8a8": Case(
         lambda tmp: int_checkpoint(tmp, "w8a8"), "float32", "compressed-tensors",
         "CompressedTensorsConfig", QKV, ("Int8LinearMethod", "weight", "int8"),
@@ -297,7 +299,7 @@ CASES = {
          [f"model.layers.0.self_attn.{n}_proj.weight_packed" for n in "qkv"]},
         ("Wna16LinearMethod", "weight_packed", "int32"),
     ),
-    "gptq-desc-act": Case(
+    "gptq": Case(
         lambda tmp: int_checkpoint(tmp, "gptq"), "bfloat16", "auto_gptq", "AutoGPTQConfig", {},
         ("Wna16LinearMethod", "qweight", "int32"),
     ),
@@ -427,3 +429,18 @@ def test_vllm_refuses_fp8_and_mxfp4_in_float32(tmp_path, run_python) -> None:
     assert results[compressed] == "accepted: compressed-tensors"
     # vLLM's own refusal, in its config (no model class is built): the same without the plugin.
     assert stock["results"] == results
+
+
+def test_vllm_refuses_gptq_and_awq_in_float32_and_gptq_desc_act(tmp_path, run_python) -> None:
+    """vLLM's own refusals of integer checkpoints (the plugin changes none of them): GPTQ and AWQ
+    in float32, and GPTQ with desc_act=True in any dtype."""
+    gptq, awq = str(int_checkpoint(tmp_path, "gptq")), str(int_checkpoint(tmp_path, "awq"))
+    desc_act = str(int_checkpoint(tmp_path, "gptq", desc_act=True))
+    float32 = run_python(RESOLVE.format(models=[gptq, awq]))["results"]
+    bf16 = run_python(RESOLVE.replace('"float32"', '"bfloat16"').format(models=[desc_act]))
+    assert "torch.float32 is not supported for quantization method auto_gptq. Supported " \
+        "dtypes: [torch.float16, torch.bfloat16]" in float32[gptq]  # fmt: skip
+    assert "torch.float32 is not supported for quantization method awq. Supported " \
+        "dtypes: [torch.float16, torch.bfloat16]" in float32[awq]  # fmt: skip
+    assert "GPTQ group activation ordering (desc_act=True) is no longer supported" \
+        in bf16["results"][desc_act]  # fmt: skip
