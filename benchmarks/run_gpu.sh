@@ -93,6 +93,11 @@ for phase in "$@"; do
             timeout 200 python3 benchmarks/engine_bench.py decode --shape $shape \
                 --out "$OUT/decode-$shape.json" 2>&1 | grep -v Warning | tail -8
         done ;;
+    decode-int)  # issue 40: W4A16 / W8A8 Llama-3-8B against bf16, batch 1
+        for shape in llama3-8b llama3-8b-w4a16 llama3-8b-w8a8; do
+            timeout 200 python3 benchmarks/engine_bench.py decode --shape $shape --batch-sizes 1 \
+                --out "$OUT/decode-$shape.json" 2>&1 | grep -v Warning | tail -8
+        done ;;
     throughput)
         timeout 280 python3 benchmarks/engine_bench.py throughput --shape qwen3-0.6b \
             --workload nanovllm --hf-batch 64 256 --hf-prompts 64 --out "$OUT/throughput-qwen3-0.6b.json" 2>&1 | tail -5

@@ -155,8 +155,56 @@ def deepseek_v3_24l():
     return config
 
 
+def llama3_8b_w4a16():
+    """Llama-3-8B in compressed-tensors pack-quantized W4A16 (llm-compressor's W4A16 scheme:
+    4-bit symmetric weights, group 128, every linear layer but the LM head)."""
+    config = llama3_8b()
+    config.quantization_config = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": 128,
+                },
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+    return config
+
+
+def llama3_8b_w8a8():
+    """Llama-3-8B in compressed-tensors int-quantized W8A8 (llm-compressor's W8A8 scheme: int8
+    weights per channel, int8 activations per token, dynamic)."""
+    config = llama3_8b()
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True}
+    config.quantization_config = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**int8, "strategy": "channel", "dynamic": False},
+                "input_activations": {**int8, "strategy": "token", "dynamic": True},
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+    return config
+
+
 SHAPES = {
     "llama3-8b": llama3_8b,
+    "llama3-8b-w4a16": llama3_8b_w4a16,
+    "llama3-8b-w8a8": llama3_8b_w8a8,
     "qwen3-0.6b": qwen3_0_6b,
     "qwen3-30b-a3b": qwen3_30b_a3b,
     "deepseek-v3-4l": deepseek_v3_4l,
@@ -227,6 +275,7 @@ SMOKE_SHAPES = {
 }
 
 
+SMOKE_SHAPES["llama3-8b-w4a16"] = SMOKE_SHAPES["llama3-8b-w8a8"] = SMOKE_SHAPES["llama3-8b"]
 # The 40-layer cut's stand-in: the 4-layer one's, its first layer dense as there.
 SMOKE_SHAPES["deepseek-v3-40l"] = {**SMOKE_SHAPES["deepseek-v3-4l"], "first_k_dense_replace": 1}
 SMOKE_SHAPES["deepseek-v3-24l"] = SMOKE_SHAPES["deepseek-v3-40l"]

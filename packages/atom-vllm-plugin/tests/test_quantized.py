@@ -214,6 +214,42 @@ def mxfp4_gpt_oss_checkpoint(tmp: Path) -> Path:
     )
 
 
+def int_checkpoint(tmp: Path, kind: str, desc_act: bool = False) -> Path:
+    """The integer formats of issue 40 on the tiny Llama, packed by `atom_models.testing` as each
+    format publishes them: compressed-tensors int-quantized (W8A8: int8 per channel, dynamic int8
+    activations per token) and pack-quantized (W4A16, group 32, asymmetric), GPTQ (4 bits, group
+    32, `desc_act` or not) and AWQ (GEMM, group 32)."""
+    from atom_models import testing
+
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True}
+    configs = {
+        "w8a8": (testing.ct_int8, {}, {
+            "quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {
+                "targets": ["Linear"], "weights": {**int8, "strategy": "channel"},
+                "input_activations": {**int8, "strategy": "token", "dynamic": True}}}}),
+        "w4a16": (testing.ct_pack_quantized, dict(group_size=32, symmetric=False), {
+            "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+                "group_size": 32}}}}),
+        "gptq": (testing.gptq_pack, dict(group_size=32, desc_act=desc_act), {
+            "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": desc_act, "sym": True,
+            "checkpoint_format": "gptq"}),
+        "awq": (testing.awq_pack, dict(group_size=32), {
+            "quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+            "version": "gemm"}),
+    }  # fmt: skip
+    packer, args, config = configs[kind]
+
+    def quantize(name, tensor):
+        module = name.removesuffix(".weight")
+        return {f"{module}.{k}": v for k, v in packer(tensor, **args)[0].items()}
+
+    name = f"{kind}-desc-act" if desc_act else kind
+    return testing.write_quantized_checkpoint(tiny_llama(tmp), tmp / name, config, quantize)
+
+
 # -- where vLLM accepts the method: ATOM's quantized layers ------------------------------------
 
 
@@ -225,6 +261,8 @@ class Case:
     quant_config: str  # the class of the quant_config vLLM builds for it
     # an ATOM parameter -> the checkpoint tensors it holds, as they are (packed along dim 0)
     loaded_as_is: dict[str, list[str]]
+    # integer checkpoints: ATOM's linear method and its weight's (name, dtype)
+    int_method: tuple[str, str, str] | None = None
 
 
 QKV = {"model.layers.0.self_attn.qkv_proj.weight":
@@ -246,6 +284,28 @@ CASES = {
         {"model.layers.0.mlp.experts.w2_weight": ["model.layers.0.mlp.experts.down_proj_blocks"],
          "model.layers.0.mlp.experts.w2_weight_scale":
              ["model.layers.0.mlp.experts.down_proj_scales"]},
+    ),
+    # Integer checkpoints (issue 40): vLLM's CPU build accepts compressed-tensors in float32, and
+    # GPTQ (without desc_act) / AWQ in bfloat16 only (its own refusals:
+    # test_vllm_refuses_gptq_and_awq_in_float32_and_gptq_desc_act).
+    "compressed-tensors-w8a8": Case(
+        lambda tmp: int_checkpoint(tmp, "w8a8"), "float32", "compressed-tensors",
+        "CompressedTensorsConfig", QKV, ("Int8LinearMethod", "weight", "int8"),
+    ),
+    "compressed-tensors-w4a16-asym": Case(
+        lambda tmp: int_checkpoint(tmp, "w4a16"), "float32", "compressed-tensors",
+        "CompressedTensorsConfig",
+        {"model.layers.0.self_attn.qkv_proj.weight_packed":
+         [f"model.layers.0.self_attn.{n}_proj.weight_packed" for n in "qkv"]},
+        ("Wna16LinearMethod", "weight_packed", "int32"),
+    ),
+    "gptq": Case(
+        lambda tmp: int_checkpoint(tmp, "gptq"), "bfloat16", "auto_gptq", "AutoGPTQConfig", {},
+        ("Wna16LinearMethod", "qweight", "int32"),
+    ),
+    "awq": Case(
+        lambda tmp: int_checkpoint(tmp, "awq"), "bfloat16", "awq", "AutoAWQConfig", {},
+        ("Wna16LinearMethod", "qweight", "int32"),
     ),
 }  # fmt: skip
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -276,6 +336,16 @@ def check_fp8_linears(run: dict, scale_name: str) -> list[str]:
                 assert scale_shape == [-(-n // BLOCK[0]), -(-k // BLOCK[1])], name
             else:  # one per output channel
                 assert scale_shape == [n], name
+    return ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+
+
+def check_int_linears(run: dict, method: str, weight: str, dtype: str) -> list[str]:
+    """Every linear layer of the Llama: the checkpoint's integer weight, ATOM's integer method."""
+    for layer in range(LLAMA["num_hidden_layers"]):
+        for linear in LINEARS:
+            name = f"model.layers.{layer}.{linear}"
+            assert run["methods"][name] == method, (name, run["methods"][name])
+            assert run["params"][f"{name}.{weight}"][0] == dtype, name
     return ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
 
 
@@ -314,6 +384,8 @@ def test_vllm_runs_atoms_quantized_layers(quantized_run) -> None:
     assert not [m for level, m in run["logged"] if level == "WARNING"], run["logged"]
     if quantized_run["name"] == "mxfp4-gpt-oss":
         unquantized = check_mxfp4_experts(run)
+    elif case.int_method is not None:
+        unquantized = check_int_linears(run, *case.int_method)
     else:
         scale = "weight_scale_inv" if case.quantization == "fp8" else "weight_scale"
         unquantized = check_fp8_linears(run, scale)
@@ -357,3 +429,18 @@ def test_vllm_refuses_fp8_and_mxfp4_in_float32(tmp_path, run_python) -> None:
     assert results[compressed] == "accepted: compressed-tensors"
     # vLLM's own refusal, in its config (no model class is built): the same without the plugin.
     assert stock["results"] == results
+
+
+def test_vllm_refuses_gptq_and_awq_in_float32_and_gptq_desc_act(tmp_path, run_python) -> None:
+    """vLLM's own refusals of integer checkpoints (the plugin changes none of them): GPTQ and AWQ
+    in float32, and GPTQ with desc_act=True in any dtype."""
+    gptq, awq = str(int_checkpoint(tmp_path, "gptq")), str(int_checkpoint(tmp_path, "awq"))
+    desc_act = str(int_checkpoint(tmp_path, "gptq", desc_act=True))
+    float32 = run_python(RESOLVE.format(models=[gptq, awq]))["results"]
+    bf16 = run_python(RESOLVE.replace('"float32"', '"bfloat16"').format(models=[desc_act]))
+    assert "torch.float32 is not supported for quantization method auto_gptq. Supported " \
+        "dtypes: [torch.float16, torch.bfloat16]" in float32[gptq]  # fmt: skip
+    assert "torch.float32 is not supported for quantization method awq. Supported " \
+        "dtypes: [torch.float16, torch.bfloat16]" in float32[awq]  # fmt: skip
+    assert "GPTQ group activation ordering (desc_act=True) is no longer supported" \
+        in bf16["results"][desc_act]  # fmt: skip
