@@ -1,7 +1,7 @@
 """Configurations ATOM does not support run through vLLM's own implementation, with one WARNING.
 
 - quantization ATOM does not load: a tiny Llama quantized by the test to compressed-tensors INT8
-  (W8A8, as llm-compressor writes it; ATOM loads FP8 only), and vLLM's online quantization of an
+  (W8A8 with asymmetric activations; ATOM's W8A8 is symmetric), and vLLM's online quantization of an
   unquantized checkpoint (`quantization="fp8"`). vLLM's CPU INT8 kernels crash on this CPU and
   its FP8 path needs bfloat16, which crashes it too, so the model is constructed (vLLM's
   `initialize_model`, as its model loader calls it) and not run: the registry still answers
@@ -104,8 +104,9 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_int8_llama(tiny_llama, tmp_path_factory) -> Path:
-    """The tiny Llama in compressed-tensors INT8 W8A8 (per-channel int8 weights, dynamic
-    per-token int8 activations): a format vLLM loads and ATOM does not."""
+    """The tiny Llama in compressed-tensors INT8 W8A8 with asymmetric activations (per-channel
+    int8 weights, dynamic per-token int8 activations with a zero point): a format vLLM loads and
+    ATOM does not (ATOM's W8A8 is symmetric)."""
     import torch
 
     from atom_models.testing import write_quantized_checkpoint
@@ -124,7 +125,12 @@ def tiny_int8_llama(tiny_llama, tmp_path_factory) -> Path:
             "group_0": {
                 "targets": ["Linear"],
                 "weights": {**int8, "strategy": "channel", "dynamic": False},
-                "input_activations": {**int8, "strategy": "token", "dynamic": True},
+                "input_activations": {
+                    **int8,
+                    "symmetric": False,
+                    "strategy": "token",
+                    "dynamic": True,
+                },
             }
         },
     }
@@ -150,7 +156,7 @@ UNSUPPORTED_QUANTIZATION = {
     "compressed-tensors-int8": (
         "tiny_int8_llama", "float32", None, "compressed-tensors",
         "a quantized checkpoint (quantization='compressed-tensors': quantization_config "
-        "(compressed-tensors): format 'int-quantized' is not supported (only float-quantized FP8)",
+        "(compressed-tensors): config group 'group_0': asymmetric int8 activations",
     ),
     "online-fp8": (
         "tiny_llama", "bfloat16", "fp8", "fp8",
