@@ -141,6 +141,11 @@ TABLE: tuple[Switch, ...] = (
         "ATOM_FUSED_ROPE_CACHE", True, _not_zero,
         "rotary + KV-cache write in one kernel through `forward_rope` (`0`: off, A/B)",
     ),
+    # Read by atom-models' checkpoint reader.
+    Switch(
+        "ATOM_SAFETENSORS_DIRECT", True, _not_zero,
+        "safetensors read file -> pinned memory -> GPU when a rank reads whole tensors (`0`: mmap)",
+    ),
 )  # fmt: skip
 
 SWITCHES: dict[str, Switch] = {s.name: s for s in TABLE}

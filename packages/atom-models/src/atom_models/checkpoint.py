@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -41,7 +40,9 @@ def direct_reads_enabled() -> bool:
     """`ATOM_SAFETENSORS_DIRECT` (default 1): on a CUDA device, one rank reading whole tensors
     reads them file -> pinned memory -> device (`safetensors_direct`); 0: through mmap'd CPU
     tensors, as the CPU does (for comparison)."""
-    return os.environ.get("ATOM_SAFETENSORS_DIRECT", "1") != "0"
+    from atom_kernels import envs
+
+    return envs.get("ATOM_SAFETENSORS_DIRECT")
 
 
 def check_load_format(load_format: str) -> None:
