@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from atom_kernels.backends.torch.int_quant import unpack_int32  # the reference's unpacker
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i]
 
 
@@ -44,15 +46,6 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
         words[start : start + step] = torch.where(part >= 2**31, part - 2**32, part)
     shape = values.movedim(dim, -1).shape
     return words.reshape(*shape[:-1], shape[-1] // per).movedim(-1, dim)
-
-
-def unpack_int32(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
-    """The inverse of `pack_int32`: int32 values in 0 .. 2**bits - 1."""
-    per = 32 // bits
-    p = packed.to(torch.int32).movedim(dim, -1)
-    shifts = torch.arange(per, device=p.device, dtype=torch.int32) * bits
-    values = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return values.reshape(*p.shape[:-1], p.shape[-1] * per).movedim(-1, dim)
 
 
 def awq_unpack(packed: torch.Tensor, bits: int = 4) -> torch.Tensor:

@@ -40,12 +40,14 @@ def int8_linear(
     return y.to(x.dtype).reshape(*shape[:-1], weight.shape[0])
 
 
-def unpack_int32(qweight: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [..., K * bits / 32] -> int32 [..., K] unsigned values, lowest bits first."""
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
+    """int32 words -> unsigned `bits`-bit values (int32), 32 / bits of them a word along `dim`,
+    the lowest bits first."""
     per_int = 32 // bits
-    shifts = torch.arange(per_int, device=qweight.device, dtype=torch.int32) * bits
-    values = (qweight.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return values.reshape(*qweight.shape[:-1], qweight.shape[-1] * per_int)
+    p = packed.to(torch.int32).movedim(dim, -1)
+    shifts = torch.arange(per_int, device=p.device, dtype=torch.int32) * bits
+    values = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return values.reshape(*p.shape[:-1], p.shape[-1] * per_int).movedim(-1, dim)
 
 
 @register_op("dequantize_wna16", "torch")
