@@ -1,7 +1,7 @@
 """The engine's peer all-reduce (issue 36) on 2 and 4 GPUs, against NCCL and the unfused norm,
 for every message size the engine sends, eagerly and inside CUDA graphs (`all_reduce_ranks.py`).
 
-The kernel's indexing, buffer halves and flags are also checked without GPUs, every rank
+The kernel's indexing, phases and empty mark are also checked without GPUs, every rank
 simulated in one process under Triton's interpreter
 (packages/atom-kernels/tests/test_triton_peer_all_reduce.py).
 """

@@ -2,47 +2,75 @@
 reference, with every rank of a world simulated in one process (interpreted on the CPU, compiled
 on one GPU; the real multi-GPU run is benchmarks/allreduce.py and the engine's GPU tests).
 
-The ranks' kernels run one after the other, so the barrier is pre-satisfied: before a round
-every rank's staging half holds its rows and every flag a value past the round's count. What is
-tested: indexing, the buffer halves alternating with the call count, the flags each rank raises,
-the sum in rank order (the same bits on every rank) and the fused residual + RMSNorm.
+The ranks' kernels run one after the other. Before rank r runs, the test writes the rows of the
+ranks after it into r's buffer (their pushes, not made yet); the ranks before it pushed theirs
+when they ran. Afterwards r's own slots must be empty again, and what r pushed into the ranks
+already done must be its rows (then emptied by the test: in a real run they arrive before those
+ranks read). What is tested: where each row goes, the three phases in turn, the empty mark (never
+sent, restored after reading), the sum in rank order (the same bits on every rank) and the fused
+residual + RMSNorm.
 """
 
 import pytest
 import torch
 
 from atom_kernels.backends.torch import norm as reference
-from atom_kernels.collectives import (
-    MAX_PROGRAMS,
-    PeerAllReduce,
-    reference_all_reduce_add_rms_norm,
-)
+from atom_kernels.backends.triton.peer_all_reduce import EMPTY32, PHASES
+from atom_kernels.collectives import PeerAllReduce, reference_all_reduce_add_rms_norm
 from atom_kernels.testing import assert_close, assert_equal, tolerances
 
-PASSED = 2**30  # a flag value every wait accepts
+MAX_BYTES = 1 << 14
 
 
-def _world(world: int, max_bytes: int, device) -> list[PeerAllReduce]:
-    buffers = [torch.zeros(2 * max_bytes // 4, device=device) for _ in range(world)]
-    flags = [
-        torch.zeros(MAX_PROGRAMS * world, dtype=torch.int32, device=device) for _ in range(world)
-    ]
-    return [PeerAllReduce(r, world, buffers, flags, max_bytes) for r in range(world)]
+def _world(world: int, device) -> list[PeerAllReduce]:
+    buffers = [PeerAllReduce.empty_buffer(world, MAX_BYTES, device) for _ in range(world)]
+    return [PeerAllReduce(r, world, buffers, MAX_BYTES) for r in range(world)]
 
 
-def _stage(ranks: list[PeerAllReduce], parts: list[torch.Tensor], count: int) -> None:
-    """What the ranks' copies and flags would hold once all reached round `count`'s barrier."""
+def _slots(group: PeerAllReduce, dtype: torch.dtype) -> torch.Tensor:
+    """Rank `group.rank`'s own buffer as [PHASES, W, slot elements] of `dtype`."""
+    return group.buffers[group.rank].view(dtype).view(PHASES, group.world, -1)
+
+
+def _sent(part: torch.Tensor) -> torch.Tensor:
+    """A row as the kernel sends it: the empty mark replaced (16 bits: by +0.0; 32: by -0.0)."""
+    if part.element_size() == 2:
+        bits = part.view(torch.int16)
+        return torch.where(bits == -(1 << 15), 0, bits).view(part.dtype)
+    bits = part.view(torch.int32)
+    return torch.where(bits == EMPTY32, -(1 << 31), bits).view(part.dtype)
+
+
+def _run_round(ranks, parts, phase, call):
+    """Every rank's call in turn, the pushes of the ranks not run yet written by the test."""
+    results = []
     for group, part in zip(ranks, parts, strict=True):
-        half = group.half * 4 // part.element_size()
-        view = group.buffers[group.rank].view(part.dtype)
-        start = (count & 1) * half
-        view[start : start + part.numel()] = part.flatten()
-        group.flags[group.rank].fill_(PASSED)
+        r, n = group.rank, part.numel()
+        slots = _slots(group, part.dtype)
+        for s in range(r + 1, group.world):
+            slots[phase, s, :n] = _sent(parts[s]).flatten()
+        results.append(call(group, part))
+        empty = _slots(group, torch.int32)[phase].flatten()
+        assert (empty == EMPTY32).all(), f"rank {r} left its phase-{phase} slots not empty"
+        for done in ranks[:r]:
+            pushed = _slots(done, part.dtype)[phase, r, :n]
+            assert_equal(pushed.view(torch.int16 if part.element_size() == 2 else torch.int32),
+                         _sent(part).flatten().view(pushed.shape).view(
+                             torch.int16 if part.element_size() == 2 else torch.int32),
+                         name=f"rank {r}'s row at rank {done.rank}")  # fmt: skip
+            _slots(done, torch.int32)[phase] = EMPTY32
+    for group in ranks:
+        assert group.counter.tolist() == [(phase + 1) % PHASES, 0]
+    return results
 
 
 def _parts(world, rows, cols, dtype, device, seed):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(rows, cols, generator=g) * 2).to(dtype).to(device) for _ in range(world)]
+    parts = [(torch.randn(rows, cols, generator=g) * 2).to(dtype) for _ in range(world)]
+    parts[0][0, :2] = -0.0  # the 16-bit mark's bits: sent as +0.0
+    if dtype == torch.float32:  # the 32-bit mark's bits (a denormal): sent as -0.0
+        parts[-1].view(torch.int32)[-1, -1] = EMPTY32
+    return [p.to(device) for p in parts]
 
 
 # 4 programs on the CPU: 9 rows loop (rows 0, 4, 8 in program 0). Kept few: the interpreter runs
@@ -58,49 +86,50 @@ def _parts(world, rows, cols, dtype, device, seed):
 )
 def test_all_reduce_add_rms_norm(triton_backend, world, dtype, rows, cols):
     device = triton_backend.device
-    ranks = _world(world, 1 << 16, device)
+    ranks = _world(world, device)
     g = torch.Generator().manual_seed(1)
     weight = (torch.rand(cols, generator=g) + 0.5).to(dtype).to(device)
-    for count in (1, 2, 3):  # both halves of the staging buffer, then the first again
+    for count in range(PHASES + 1):  # every phase, then the first again
         parts = _parts(world, rows, cols, dtype, device, seed=count)
         residual = _parts(1, rows, cols, dtype, device, seed=100 + count)[0]
-        _stage(ranks, parts, count)
         expected, expected_residual = reference_all_reduce_add_rms_norm(
-            parts, residual, weight, 1e-6
+            [_sent(p) for p in parts], residual, weight, 1e-6
         )
-        results = [
-            group.all_reduce_add_rms_norm(part.clone(), residual, weight, 1e-6)
-            for group, part in zip(ranks, parts, strict=True)
-        ]
+        results = _run_round(
+            ranks,
+            parts,
+            count % PHASES,
+            lambda group, part, residual=residual: group.all_reduce_add_rms_norm(
+                part.clone(), residual, weight, 1e-6
+            ),
+        )
         atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else tolerances(dtype)
         for out, new_residual in results:
             assert_equal(new_residual, expected_residual, name="residual")
             assert_close(out, expected, atol=atol, rtol=rtol, name="normed")
             assert_equal(out, results[0][0], name="the same bits on every rank")
-        programs = min(rows, ranks[0].max_programs)
-        for group in ranks:  # each rank's programs raised their flags, at this count, everywhere
-            for peer in ranks:
-                raised = peer.flags[peer.rank].view(MAX_PROGRAMS, world)[:programs, group.rank]
-                assert (raised == count).all()
-            counters = group.counters
-            assert (counters[:programs] == count).all() and not counters[programs:].any()
 
 
 @pytest.mark.parametrize("world", [2, 8])
 def test_all_reduce(triton_backend, world):
     device = triton_backend.device
-    ranks = _world(world, 1 << 16, device)
-    parts = _parts(world, 2, 48, torch.float32, device, seed=5)
-    _stage(ranks, parts, 1)
-    expected = sum(p for p in parts)
-    for group, part in zip(ranks, parts, strict=True):
-        x = part.clone()
-        assert_close(group.all_reduce(x), expected, atol=1e-5, rtol=1e-5, name="sum")
-        assert_equal(x, part, name="x unchanged")
+    ranks = _world(world, device)
+    for count in range(2):  # a message of another shape and dtype in the next phase
+        dtype, shape = (torch.float32, (2, 48)) if count == 0 else (torch.bfloat16, (5, 40))
+        parts = _parts(world, *shape, dtype, device, seed=5 + count)
+        expected = sum(_sent(p).float() for p in parts).to(dtype)
+        copies = [p.clone() for p in parts]
+        results = _run_round(ranks, copies, count, lambda group, part: group.all_reduce(part))
+        for out, x, part in zip(results, copies, parts, strict=True):
+            assert_equal(out, expected, name="sum")
+            assert_equal(x, part, name="x unchanged")
 
 
 def test_fits(triton_backend):
-    group = _world(2, 4096, triton_backend.device)[0]
+    group = PeerAllReduce(0, 2, [PeerAllReduce.empty_buffer(2, 4096, "cpu")] * 2, 4096)
+    if triton_backend.device.type == "cuda":
+        group = _world(2, triton_backend.device)[0]
+        group.max_bytes = 4096
     cuda = triton_backend.device.type == "cuda"
     x = torch.zeros(2, 1024, dtype=torch.bfloat16, device=triton_backend.device)
     assert group.fits(x) == cuda  # 4 KB

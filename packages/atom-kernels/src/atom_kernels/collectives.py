@@ -1,12 +1,12 @@
 """All-reduce for the small messages of tensor-parallel decode, over peer-mapped buffers.
 
-`PeerAllReduce` holds one staging buffer and one flag array per rank, each mapped into every
-other rank's process (CUDA IPC through `torch.multiprocessing`'s tensor sharing, each handle
-opened in the reader's device context so peer access is enabled from it), and launches the
-one-shot Triton kernel of `backends/triton/peer_all_reduce.py`: one kernel, no NCCL, no
-multicast, capturable in CUDA graphs (its state lives on the device). `all_reduce_add_rms_norm`
-fuses the residual add and the next RMSNorm into it. Messages it does not take (`fits`) stay
-with the host's NCCL.
+`PeerAllReduce` holds one staging buffer per rank, mapped into every other rank's process (CUDA
+IPC through `torch.multiprocessing`'s tensor sharing, each handle opened in the reader's device
+context so peer access is enabled from it), and launches the one-shot Triton kernel of
+`backends/triton/peer_all_reduce.py`: each rank pushes its rows into every rank's buffer and sums
+what lands in its own; one kernel, no NCCL, no flags, no multicast, capturable in CUDA graphs (its
+state lives on the device). `all_reduce_add_rms_norm` fuses the residual add and the next RMSNorm
+into it. Messages it does not take (`fits`) stay with the host's NCCL.
 
 `reference_all_reduce_add_rms_norm` is the PyTorch reference the kernel is tested against.
 """
@@ -20,7 +20,7 @@ import torch
 
 from atom_kernels.backends.torch.norm import fused_add_rms_norm
 
-# The most programs of one call (one flag per program and rank); a call runs at most one per SM.
+# The most programs of one call (it runs at most one per SM).
 MAX_PROGRAMS = 1024
 # Rows one call takes (each program loops over its rows).
 MAX_ROWS = 1 << 16
@@ -53,33 +53,36 @@ def _open_peer(args: tuple, device: torch.device) -> torch.Tensor:
 class PeerAllReduce:
     """One-shot all-reduce among the `world` ranks of one host whose GPUs can access each other.
 
-    `buffers[r]` / `flags[r]` are rank r's staging buffer and flags as this rank sees them
-    (its own at `rank`). Build it with `PeerAllReduce.create`.
+    `buffers[r]` is rank r's staging buffer as this rank sees it (its own at `rank`): int32 words
+    of `PHASES` x `world` slots of `max_bytes`, empty (the kernel's mark) between calls. Build it
+    with `PeerAllReduce.create`.
     """
 
     def __init__(
-        self,
-        rank: int,
-        world: int,
-        buffers: Sequence[torch.Tensor],
-        flags: Sequence[torch.Tensor],
-        max_bytes: int,
+        self, rank: int, world: int, buffers: Sequence[torch.Tensor], max_bytes: int
     ) -> None:
         self.rank, self.world = rank, world
         self.max_bytes = max_bytes
-        self.buffers, self.flags = list(buffers), list(flags)  # keep the mappings alive
+        self.buffers = list(buffers)  # keep the mappings alive
         device = buffers[rank].device
-        self.half = buffers[rank].numel() // 2  # elements of one half, in the buffer's dtype
-        self.buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], device=device)
-        self.flag_ptrs = torch.tensor([f.data_ptr() for f in flags], device=device)
-        self.counters = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=device)
-        # Programs a call runs: all must be resident at once (a spinning program must never keep
-        # a peer's from starting), so at most one per SM.
+        self._views: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}  # the buffers by dtype
+        # The phase this rank's next call uses, and its programs done with the current one.
+        self.counter = torch.zeros(2, dtype=torch.int32, device=device)
+        # Programs a call runs: all must be resident at once (a polling program must never keep
+        # one of its own rank's from starting), so at most one per SM.
         self.max_programs = (
             torch.cuda.get_device_properties(device).multi_processor_count
             if device.type == "cuda"
             else 4  # the interpreter (tests): few, to loop over rows
         )
+
+    @staticmethod
+    def empty_buffer(world: int, max_bytes: int, device: torch.device) -> torch.Tensor:
+        """A rank's staging buffer, every slot empty."""
+        from atom_kernels.backends.triton.peer_all_reduce import EMPTY32, PHASES
+
+        words = PHASES * world * max_bytes // 4
+        return torch.full((words,), EMPTY32, dtype=torch.int32, device=device)
 
     @classmethod
     def create(
@@ -90,25 +93,18 @@ class PeerAllReduce:
         max_bytes: int,
         all_gather: Callable[[bytes], list[bytes]],
     ) -> PeerAllReduce:
-        """Allocate this rank's buffer and flags, share them through `all_gather` (every rank's
-        bytes, in rank order; the host's store) and map the peers'. Every rank calls it."""
+        """Allocate this rank's buffer, share it through `all_gather` (every rank's bytes, in rank
+        order; the host's store) and map the peers'. Every rank calls it."""
         from torch.multiprocessing.reductions import reduce_tensor
 
-        # Two halves of `max_bytes`, as fp32 elements (a view per dtype at launch).
-        buffer = torch.zeros(2 * max_bytes // 4, dtype=torch.float32, device=device)
-        flags = torch.zeros(MAX_PROGRAMS * world, dtype=torch.int32, device=device)
+        max_bytes = -(-max_bytes // 16) * 16  # slots start 16-byte aligned
+        buffer = cls.empty_buffer(world, max_bytes, device)
         torch.cuda.synchronize(device)
-        mine = pickle.dumps([reduce_tensor(buffer)[1], reduce_tensor(flags)[1]])
-        buffers, flag_arrays = [], []
+        mine = pickle.dumps(reduce_tensor(buffer)[1])
+        buffers = []
         for r, blob in enumerate(all_gather(mine)):
-            if r == rank:
-                buffers.append(buffer)
-                flag_arrays.append(flags)
-                continue
-            b_args, f_args = pickle.loads(blob)
-            buffers.append(_open_peer(b_args, device))
-            flag_arrays.append(_open_peer(f_args, device))
-        return cls(rank, world, buffers, flag_arrays, max_bytes)
+            buffers.append(buffer if r == rank else _open_peer(pickle.loads(blob), device))
+        return cls(rank, world, buffers, max_bytes)
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether this one-shot path takes `x` (else the host's NCCL does)."""
@@ -121,7 +117,9 @@ class PeerAllReduce:
         from atom_kernels.backends.triton import peer_all_reduce
 
         rows = x.reshape(-1, x.shape[-1])
-        half = self.half * 4 // x.element_size()
+        views = self._views.get(x.dtype)
+        if views is None:
+            views = self._views[x.dtype] = tuple(b.view(x.dtype) for b in self.buffers)
         peer_all_reduce.launch(
             rows,
             out.view(rows.shape),
@@ -129,10 +127,9 @@ class PeerAllReduce:
             residual_out,
             weight,
             eps,
-            self.buffer_ptrs,
-            self.flag_ptrs,
-            self.counters,
-            half,
+            views,
+            self.counter,
+            self.max_bytes // x.element_size(),
             self.rank,
             self.world,
             min(self.max_programs, MAX_PROGRAMS),

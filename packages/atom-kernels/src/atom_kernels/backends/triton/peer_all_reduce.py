@@ -1,19 +1,23 @@
-"""One-shot all-reduce over staging buffers every rank can read, fused with residual + RMSNorm.
+"""One-shot all-reduce pushed into buffers every rank can write, fused with residual + RMSNorm.
 
-Each rank's staging buffer (and flag array) is mapped into every other rank's address space
-(CUDA IPC, `atom_kernels.collectives`), so a program reads its peers' rows directly over NVLink:
+Every rank's staging buffer is mapped into every other rank's address space (CUDA IPC,
+`atom_kernels.collectives`). A call pushes each row to every rank and reads only its own memory:
 
-    copy my row into my buffer  ->  raise my flag at every rank  ->  wait for every rank's flag
-    ->  sum the W rows in rank order (every rank gets the same bits)  ->  [+ residual, RMSNorm]
+    store my row into slot `rank` of every rank's buffer (NVLink stores, never waited on)
+    ->  poll my buffer's W slots until no element is the empty mark  ->  sum them in rank order
+    (every rank gets the same bits)  ->  mark the slots empty again  ->  [+ residual, RMSNorm]
 
-At most one program per SM, each over rows p, p + G, ...; no multicast. The buffer alternates
-between two halves by each program's own call count, and the count is the flag value, so no
-second barrier is needed: a rank writes a half again only after passing the barrier of the call
-in between, which every peer reaches only when done reading that half (programs of one call
-finish before the next call's start: the launch is never early, i.e. not PDL). Row r is always
-program r % G's, so no program reads rows another one rewrites. Flags grow monotonically and are
-compared by wrapping difference, so a peer already one call ahead (flag = count + 1) passes the
-wait too.
+No flags and no barrier: the data is its own flag (as TensorRT-LLM's "Lamport" all-reduce). A
+slot is empty when every element holds the mark, negative zero's bits (0x8000 in 16 bits; 32-bit
+elements use 0x80008000, a denormal, so the empty buffer reads as empty in both widths); a rank
+sends a -0.0 (or that denormal) as +0.0 (-0.0) and never writes the mark. The buffer has three
+phases, used in turn by call (a device-side counter every rank advances alike): a rank pushes
+into phase p + 1 only once it has finished call p, which needed every peer's push of call p, made
+after that peer finished p - 1 and emptied its phase p - 1 slots; so a push never lands in slots
+their reader has not emptied, nor while it reads them.
+
+At most one program per SM (all resident at once: a program polling for a peer's push never
+keeps a program of its own rank from running), each over rows p, p + G, ...
 """
 
 from __future__ import annotations
@@ -24,9 +28,13 @@ import triton.language as tl
 
 from atom_kernels.backends.triton.common import is_interpreted, next_pow2, row_num_warps
 
-# Polls of a peer's flag before the kernel traps (an error on the device, the process fails and
-# its engine with it) instead of waiting forever: about 30 s, far past any step.
+# Polls of one slot before the kernel traps (an error on the device: the process fails and its
+# engine with it) instead of waiting forever on a peer that never comes: about 30 s.
 SPIN_LIMIT = 1 << 26
+PHASES = 3
+# The empty mark: a 16-bit element's bits, and a 32-bit element's (two 16-bit marks).
+EMPTY16 = -(1 << 15)  # 0x8000
+EMPTY32 = -(1 << 31) + (1 << 15)  # 0x80008000
 
 
 @triton.jit
@@ -39,12 +47,12 @@ def _peer_all_reduce_kernel(
     weight_ptr,
     out_ptr,
     stride_o,
-    buffer_ptrs,  # int64 [W]: every rank's staging buffer (two halves of `half` elements)
-    flag_ptrs,  # int64 [W]: every rank's int32 flags [programs, W]
-    counter_ptr,  # int32 [programs]: this rank's call count per program
+    own_ptr,  # this rank's buffer, [PHASES, W, slot_elems] of x's dtype
+    buffers,  # every rank's buffer (a tuple of WORLD pointers; its own at `rank`)
+    counter_ptr,  # int32 [2]: this rank's phase (0..PHASES-1), programs done with this call
     num_rows,
     num_cols,
-    half,
+    slot_elems,
     rank,
     eps,
     WORLD: tl.constexpr,
@@ -52,51 +60,48 @@ def _peer_all_reduce_kernel(
     FUSE_NORM: tl.constexpr,
     TRAP: tl.constexpr,
     SPIN_LIMIT: tl.constexpr,
+    PHASES: tl.constexpr,
+    BITS_TY: tl.constexpr,  # the integer type of x's width
+    MARK: tl.constexpr,  # the empty mark's bits
+    SEND_AS: tl.constexpr,  # the bits sent for an element whose bits are the mark
 ):
-    # Program p takes rows p, p + G, ... (G programs, G <= the SMs: all resident at once, so a
-    # program spinning for its peers never keeps one of theirs from starting). Row r is always
-    # program r % G's (G = min(rows, SMs)), which keeps one program's state its own. Offsets fit
-    # int32: rows x columns <= 2**30 (collectives.MAX_ROWS, MAX_COLS).
+    # Offsets fit int32 within a slot (rows x columns <= 2**30: collectives.MAX_ROWS, MAX_COLS);
+    # slot starts are int64.
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < num_cols
     dtype = x_ptr.dtype.element_ty
-    count = tl.load(counter_ptr + pid) + 1
-    tl.store(counter_ptr + pid, count)  # this program's own slot: no other reader
-    base = (count & 1).to(tl.int64) * half
-
-    own = tl.load(buffer_ptrs + rank).to(tl.pointer_type(dtype))
-    for row in range(pid, num_rows, grid):
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask)
-        tl.store(own + base + row * num_cols + cols, x, mask=mask)
-    tl.debug_barrier()  # every thread's store happens before the flag is raised
-    for r in tl.static_range(WORLD):
-        flags = tl.load(flag_ptrs + r).to(tl.pointer_type(tl.int32))
-        tl.atomic_xchg(flags + pid * WORLD + rank, count, sem="release", scope="sys")
-    own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
-    for r in tl.static_range(WORLD):
-        # Polled with volatile loads (no read-modify-write on a word the peer writes over NVLink),
-        # then one acquire once it is up.
-        seen = tl.load(own_flags + pid * WORLD + r, volatile=True)
-        polls = 0
-        while seen - count < 0:
-            seen = tl.load(own_flags + pid * WORLD + r, volatile=True)
-            polls += 1
-            if TRAP:  # a peer that never comes (dead, or stuck): fail the kernel, never hang
-                if polls > SPIN_LIMIT:
-                    tl.inline_asm_elementwise(
-                        "trap;", "=r,r", [seen], dtype=tl.int32, is_pure=False, pack=1
-                    )
-        tl.atomic_add(own_flags + pid * WORLD + r, 0, sem="acquire", scope="sys")
-    tl.debug_barrier()
+    empty = tl.full([BLOCK_N], MARK, BITS_TY).to(dtype, bitcast=True)
+    phase = tl.load(counter_ptr)
+    base = phase.to(tl.int64) * WORLD * slot_elems
 
     for row in range(pid, num_rows, grid):
-        slot = base + row * num_cols
+        bits = tl.load(x_ptr + row * stride_x + cols, mask=mask).to(BITS_TY, bitcast=True)
+        # The mark is sent as the nearest value that is not it (-0.0 -> +0.0, or -0.0).
+        bits = tl.where(bits == MARK, tl.full([BLOCK_N], SEND_AS, BITS_TY), bits)
+        x = bits.to(dtype, bitcast=True)
+        start = base + rank * slot_elems + row * num_cols
+        for r in tl.static_range(WORLD):
+            tl.store(buffers[r] + start + cols, x, mask=mask)
+
+    own = own_ptr
+    for row in range(pid, num_rows, grid):
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for r in tl.static_range(WORLD):
-            buf = tl.load(buffer_ptrs + r).to(tl.pointer_type(dtype))
-            acc += tl.load(buf + slot + cols, mask=mask, other=0.0, volatile=True).to(tl.float32)
+            slot = own + base + r * slot_elems + row * num_cols + cols
+            v = tl.load(slot, mask=mask, other=0.0, volatile=True)
+            polls = 0
+            while tl.sum((v.to(BITS_TY, bitcast=True) == MARK).to(tl.int32), axis=0) > 0:
+                v = tl.load(slot, mask=mask, other=0.0, volatile=True)
+                polls += 1
+                if TRAP:  # a peer that never comes (dead, or stuck): fail, never hang
+                    if polls > SPIN_LIMIT:
+                        tl.inline_asm_elementwise(
+                            "trap;", "=r,r", [polls], dtype=tl.int32, is_pure=False, pack=1
+                        )
+            acc += v.to(tl.float32)
+            tl.store(slot, empty, mask=mask)
         # The sum rounds to the input dtype, as NCCL's all-reduce result does.
         total = acc.to(dtype)
         if FUSE_NORM:
@@ -112,6 +117,13 @@ def _peer_all_reduce_kernel(
         else:
             tl.store(out_ptr + row * stride_o + cols, total, mask=mask)
 
+    # The last program of this rank to finish moves its phase on (the next call's programs start
+    # after this kernel ends: no PDL launch).
+    done = tl.atomic_add(counter_ptr + 1, 1)
+    if done == grid - 1:
+        tl.store(counter_ptr, (phase + 1) % PHASES)
+        tl.store(counter_ptr + 1, 0)
+
 
 def launch(
     x: torch.Tensor,
@@ -120,10 +132,9 @@ def launch(
     residual_out: torch.Tensor | None,
     weight: torch.Tensor | None,
     eps: float,
-    buffer_ptrs: torch.Tensor,
-    flag_ptrs: torch.Tensor,
-    counters: torch.Tensor,
-    half: int,
+    buffers: tuple[torch.Tensor, ...],
+    counter: torch.Tensor,
+    slot_elems: int,
     rank: int,
     world: int,
     max_programs: int,
@@ -134,6 +145,7 @@ def launch(
     rows, cols = x.shape
     block = next_pow2(cols)
     fuse = residual is not None
+    wide16 = x.element_size() == 2
     _peer_all_reduce_kernel[(min(rows, max_programs),)](
         x,
         x.stride(0),
@@ -143,12 +155,12 @@ def launch(
         weight if fuse else x,
         out,
         out.stride(0),
-        buffer_ptrs,
-        flag_ptrs,
-        counters,
+        buffers[rank],
+        buffers,
+        counter,
         rows,
         cols,
-        half,
+        slot_elems,
         rank,
         eps,
         WORLD=world,
@@ -156,5 +168,9 @@ def launch(
         FUSE_NORM=fuse,
         TRAP=not is_interpreted(x.device),
         SPIN_LIMIT=SPIN_LIMIT,
+        PHASES=PHASES,
+        BITS_TY=tl.int16 if wide16 else tl.int32,
+        MARK=EMPTY16 if wide16 else EMPTY32,
+        SEND_AS=0 if wide16 else -(1 << 31),
         num_warps=row_num_warps(block),
     )
