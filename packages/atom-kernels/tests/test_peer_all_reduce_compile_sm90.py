@@ -1,8 +1,8 @@
 """The one-shot peer all-reduce kernel (``backends/triton/peer_all_reduce.py``) compiles for a real
-Hopper GPU (sm_90) without one: 16- and 32-bit rows, plain and fused with the norm, 2 to 8 ranks.
-Its pushes and polls are 16-byte wide, the polls volatile (re-read every time, never hoisted);
-a peer that never comes traps, and the phase moves on through an atomic. The multi-GPU tests run
-it for real."""
+Hopper GPU (sm_90) without one: 16- and 32-bit rows, plain and fused with the norm, 2 to 8 ranks,
+with and without PDL. Its pushes and polls are 16-byte wide, the polls volatile (re-read every
+time, never hoisted); a peer that never comes traps, and the phase moves on through an atomic.
+The multi-GPU tests run it for real."""
 
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ from atom_kernels.backends.triton import peer_all_reduce  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    ("dtype", "world", "fuse"), [("bf16", 2, True), ("bf16", 4, False), ("fp32", 8, True)]
+    ("dtype", "world", "fuse", "use_pdl"),
+    [("bf16", 2, True, True), ("bf16", 4, False, True), ("fp32", 8, True, False)],
 )
-def test_peer_all_reduce_compiles_for_sm90(dtype, world, fuse):
+def test_peer_all_reduce_compiles_for_sm90(dtype, world, fuse, use_pdl):
     kernel = peer_all_reduce._peer_all_reduce_kernel
     wide16 = dtype == "bf16"
     constexprs = dict(
@@ -40,6 +41,7 @@ def test_peer_all_reduce_compiles_for_sm90(dtype, world, fuse):
         BITS_TY=tl.int16 if wide16 else tl.int32,
         MARK=peer_all_reduce.EMPTY16 if wide16 else peer_all_reduce.EMPTY32,
         SEND_AS=0 if wide16 else -(1 << 31),
+        USE_PDL=use_pdl,
     )
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -59,7 +61,9 @@ def test_peer_all_reduce_compiles_for_sm90(dtype, world, fuse):
     src = ASTSource(kernel, signature, constexprs, attrs)
     try:
         compiled = triton.compile(
-            src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=1)
+            src,
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=8, num_stages=1, **({"launch_pdl": True} if use_pdl else {})),
         )
     except FileNotFoundError as exc:  # pragma: no cover - no bundled ptxas on this platform
         pytest.skip(f"no CUDA toolchain for an AOT compile: {exc}")
@@ -69,3 +73,4 @@ def test_peer_all_reduce_compiles_for_sm90(dtype, world, fuse):
     assert "st.global.v4.b32" in ptx and "ld.volatile.global.v4.b32" in ptx
     assert "trap;" in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx
+    assert ("griddepcontrol.wait" in ptx) == use_pdl

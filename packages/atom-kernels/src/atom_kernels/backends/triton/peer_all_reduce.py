@@ -18,6 +18,12 @@ their reader has not emptied, nor while it reads them.
 
 At most one program per SM (all resident at once: a program polling for a peer's push never
 keeps a program of its own rank from running), each over rows p, p + G, ...
+
+With PDL (`pdl.py`) the kernel may launch during the kernel before it and waits for it before
+anything else; that kernel waited for its own predecessor the same way, so the previous call of
+this kernel has finished (its phase moved on) when this one reads the phase. Once every program
+has passed that wait, the kernel after this one may launch and prefetch its weights while this
+one polls.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.common import is_interpreted, next_pow2, row_num_warps
 
 # Polls of one slot before the kernel traps (an error on the device: the process fails and its
@@ -64,6 +71,7 @@ def _peer_all_reduce_kernel(
     BITS_TY: tl.constexpr,  # the integer type of x's width
     MARK: tl.constexpr,  # the empty mark's bits
     SEND_AS: tl.constexpr,  # the bits sent for an element whose bits are the mark
+    USE_PDL: tl.constexpr,
 ):
     # Offsets fit int32 within a slot (rows x columns <= 2**30: collectives.MAX_ROWS, MAX_COLS);
     # slot starts are int64.
@@ -72,6 +80,8 @@ def _peer_all_reduce_kernel(
     cols = tl.arange(0, BLOCK_N)
     mask = cols < num_cols
     dtype = x_ptr.dtype.element_ty
+    if USE_PDL:  # launched early behind the previous kernel: nothing read or written before this
+        pdl.wait_for_previous()
     empty = tl.full([BLOCK_N], MARK, BITS_TY).to(dtype, bitcast=True)
     phase = tl.load(counter_ptr)
     base = phase.to(tl.int64) * WORLD * slot_elems
@@ -117,8 +127,8 @@ def _peer_all_reduce_kernel(
         else:
             tl.store(out_ptr + row * stride_o + cols, total, mask=mask)
 
-    # The last program of this rank to finish moves its phase on (the next call's programs start
-    # after this kernel ends: no PDL launch).
+    # The last program of this rank to finish moves its phase on (the next call reads it only
+    # once this kernel has ended: stream order, or its PDL wait).
     done = tl.atomic_add(counter_ptr + 1, 1)
     if done == grid - 1:
         tl.store(counter_ptr, (phase + 1) % PHASES)
@@ -146,6 +156,7 @@ def launch(
     block = next_pow2(cols)
     fuse = residual is not None
     wide16 = x.element_size() == 2
+    use_pdl = pdl.enabled(x.device)
     _peer_all_reduce_kernel[(min(rows, max_programs),)](
         x,
         x.stride(0),
@@ -172,5 +183,7 @@ def launch(
         BITS_TY=tl.int16 if wide16 else tl.int32,
         MARK=EMPTY16 if wide16 else EMPTY32,
         SEND_AS=0 if wide16 else -(1 << 31),
+        USE_PDL=use_pdl,
         num_warps=row_num_warps(block),
+        **({"launch_pdl": True} if use_pdl else {}),
     )
