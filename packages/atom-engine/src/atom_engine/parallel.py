@@ -46,7 +46,7 @@ ABORT_TIMEOUT = 10.0
 # the residual add + RMSNorm); larger ones go to NCCL. The sizes up to which it beat NCCL (+ the
 # Triton norm) at every size in benchmarks/allreduce.py on H200s (results/multi-gpu/
 # allreduce-*.json); 8 ranks were not measured: NCCL.
-PEER_MAX_BYTES = {2: (8 << 20, 8 << 20), 4: (64 * 1024, 64 * 1024)}
+PEER_MAX_BYTES = {2: (8 << 20, 8 << 20), 4: (2 << 20, 2 << 20)}
 ALLREDUCE_CHOICES = ("nccl", "peer")
 
 
