@@ -94,6 +94,57 @@ def test_wna16_linear_launches(triton_backend, iq, dtype, config):
         assert_close(out, expected, atol=atol, rtol=rtol, name=f"wna16_linear {config}")
 
 
+# (bits, zeros, groups) of the permuted K loop's cases at N = 24, K = 384: group 128 and 32,
+# symmetric and asymmetric, 4- and 8-bit.
+PERMUTED_CASES = [(4, False, 3), (4, True, 3), (4, False, 12), (4, True, 12), (8, True, 12)]
+# rows, launch: one row through the multiply-adds (BLOCK_M 1) and the 16-row dots, 5 rows; K
+# tiles of 32 (a group per tile) and 128 (group 32: a group per word, scales gathered), split.
+PERMUTED_LAUNCHES = [
+    (1, dict(BLOCK_M=1, BLOCK_K=32, SPLIT_K=3)), (1, dict(BLOCK_M=1, BLOCK_K=128, SPLIT_K=2)),
+    (1, dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=2)), (5, dict(BLOCK_K=32, SPLIT_K=3)),
+    (5, dict(BLOCK_K=128, SPLIT_K=2)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("bits", "zeros", "groups"), PERMUTED_CASES)
+@pytest.mark.parametrize(("rows", "launch"), PERMUTED_LAUNCHES)
+@pytest.mark.parametrize("permuted", [True, False])
+def test_wna16_linear_permuted_k(triton_backend, iq, bits, zeros, groups, rows, launch, permuted):
+    """The decode K loop with no interleave (PERMUTED_K) and the interleaved one, forced, against
+    the reference: the permutation of K inside a tile must meet x in the same order."""
+    device = triton_backend.device
+    dtype = DTYPES[(bits + groups + rows + len(launch)) % 3]
+    qw, s, z, g = wna16_weight(24, 384, bits, groups, zeros, False, seed=40 + groups, device=device,
+                               dtype=dtype)  # fmt: skip
+    x = torch.randn(rows, 384, generator=_gen(41)).to(dtype).to(device)
+    bias = torch.randn(24, generator=_gen(42)).to(dtype).to(device)
+    expected = reference.wna16_linear(x, qw, s, z, g, bits, bias)
+    config = dict(launch, PERMUTED_K=permuted, BLOCK_N=16)
+    out = iq.wna16_linear(x, qw, s, z, g, bits, bias, config=config)
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(out, expected, atol=atol, rtol=rtol, name=f"wna16_linear {config} {dtype}")
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_wna16_linear_permuted_k_ragged_k(triton_backend, iq, rows):
+    """K = 160 in 64-deep tiles (the last one half past K: masked words and x), group 32."""
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(20, 160, 4, 5, True, False, seed=43, device=device)
+    x = torch.randn(rows, 160, generator=_gen(44)).to(device)
+    config = dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_K=64, PERMUTED_K=True, SPLIT_K=2)
+    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
+    assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_wna16_linear_permuted_k_refuses_what_it_cannot_order(triton_backend, iq):
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(16, 128, 4, 4, False, True, seed=45, device=device)
+    x = torch.randn(1, 128, generator=_gen(46)).to(device)
+    with pytest.raises(ValueError, match="PERMUTED_K"):  # g_idx: a word's k in many groups
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(PERMUTED_K=True))
+
+
 def test_wna16_linear_split_k_is_deterministic(triton_backend, iq):
     device = triton_backend.device
     qw, s, z, g = wna16_weight(16, 512, 4, 4, False, False, seed=8, device=device)
@@ -273,7 +324,14 @@ def test_launch_policy(triton_backend, iq):
             assert programs >= 132 and cfg["SPLIT_K"] <= k // cfg["BLOCK_K"] // 2, (n, k, cfg)
     cfg = iq.wna16_config(4096, 4096, 4096, 128, True, 132)
     assert cfg["BLOCK_M"] == 128 and cfg["SPLIT_K"] == 1
-    assert iq.wna16_config(4, 4096, 4096, 40, True, 132)["BLOCK_K"] == 32
+    # decode: the permuted K loop wherever a word lies in one group, 128-deep K tiles
+    for group, bits in ((128, 4), (32, 4), (40, 4), (36, 8)):
+        cfg = iq.wna16_config(4, 4096, 4096, group, True, 132, bits=bits)
+        assert cfg["PERMUTED_K"] and cfg["BLOCK_K"] == 128, (group, bits, cfg)
+    cfg = iq.wna16_config(4, 4096, 4096, 44, True, 132)  # a word across two groups
+    assert not cfg["PERMUTED_K"] and cfg["BLOCK_K"] == 32
+    assert not iq.wna16_config(4, 4096, 4096, 128, False, 132)["PERMUTED_K"]  # g_idx
+    assert not iq.wna16_config(300, 4096, 4096, 128, True, 132)["PERMUTED_K"]  # prefill
     assert iq.split_for(200, 64, 132, 2) == 1
     assert iq.split_for(64, 32, 132, 2) == 5 and iq.split_for(64, 4, 132, 2) == 2
     for rows in (1, 16, 256):
