@@ -216,6 +216,34 @@ def test_quantize_int8_bit_for_bit(triton_backend, iq, dtype, static):
     assert_equal(q, q_ref, name="q (strided x)")
 
 
+# bf16 maxima whose scale amax / 127 differs by 1 ulp from amax * fl(1 / 127), the division a
+# CUDA torch made of `tensor / 127.0` (the reference's, before it divided by a tensor).
+RECIPROCAL_MISSES = [0.55859375, 1.1171875, 1.6171875, 0.80859375]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_scale_is_a_true_division(triton_backend, iq, dtype):
+    """Row scales are the IEEE quotient amax / 127 in the kernel and in the reference, on every
+    device; with a bias the W8A8 linear matches the reference bit for bit on such rows (the GPU
+    run of test_int8_linear_gpu_real_sizes failed on rows like these)."""
+    device = triton_backend.device
+    amax = torch.tensor(RECIPROCAL_MISSES)
+    assert ((amax * torch.tensor(1 / 127.0)) != (amax.double() / 127).float()).all()
+    x = (torch.rand(len(amax), 256, generator=_gen(50)) * 2 - 1) * amax[:, None]
+    x[torch.arange(len(amax)), torch.arange(len(amax)) * 7] = -amax  # each row's |max|
+    x = x.to(dtype).to(device)
+    expected = (amax.double() / 127).float()
+    _, s = iq.quantize_int8(x, None)
+    assert_equal(s.cpu(), expected, name="kernel scales")
+    _, s_ref = reference.quantize_int8_per_token(x, None)
+    assert_equal(s_ref.reshape(-1).cpu(), expected, name="reference scales")
+    w = torch.randint(-128, 128, (40, 256), generator=_gen(51), dtype=torch.int8).to(device)
+    w_s = (torch.rand(40, generator=_gen(52)) / 1000).to(device)
+    bias = torch.randn(40, generator=_gen(53)).to(dtype).to(device)
+    out = iq.int8_linear(x, w, w_s, None, bias)
+    assert_equal(out, reference.int8_linear(x, w, w_s, None, bias))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 24, 256), (5, 40, 100), (40, 24, 64)])
 @pytest.mark.parametrize("static", [False, True])
