@@ -408,16 +408,25 @@ def _widest(num_blocks: int, width: int, sms: int) -> int:
 def _launch(
     cfg: dict, num_row_blocks: int, num_k: int, group_k: int, bits: int, row_fma: bool = False
 ) -> tuple[dict, int, dict]:
-    """(launch config without GROUP_M, group_m, the dequantization constexprs) of one GEMM;
-    ``row_fma``: the per-pair path's register loop (``wna16_row``) where the groups allow."""
+    """(launch config without GROUP_M and SPLIT, group_m, the dequantization constexprs) of one
+    GEMM; ``row_fma``: the per-pair path's register loop (``wna16_row``) where the groups allow.
+    The MMA loop is split (no interleave: ``wna16_step``) wherever it can be, unless the GEMM's
+    config says ``SPLIT=False`` (benchmarks: the tile loop at the same tile)."""
     cfg = dict(cfg)
     group_m = cfg.pop("GROUP_M", 0)
     per_int = 32 // bits
+    can_split = cfg["BLOCK_K"] // per_int >= 16 and group_k % per_int == 0
+    split = cfg.pop("SPLIT", None)
+    if split and not can_split:
+        raise ValueError(
+            f"fused_moe wna16: SPLIT needs BLOCK_K * {bits} / 32 >= 16 and whole words in a "
+            f"group (BLOCK_K {cfg['BLOCK_K']}, group {group_k})"
+        )
     quant = dict(
         BITS=bits,
         GROUP_K=group_k,
         SCALE_VEC=group_k % cfg["BLOCK_K"] == 0,
-        SPLIT=cfg["BLOCK_K"] // per_int >= 16 and group_k % per_int == 0,
+        SPLIT=can_split if split is None else bool(split),
         EVEN_K=num_k % cfg["BLOCK_K"] == 0,
         ROW=row_fma and group_k % per_int == 0,
     )
