@@ -147,7 +147,8 @@ _DOT_TILES = tuple(_wna16_tile(bn, w, st, split) for bn in (32, 64, 128) for w i
                    for st in (4,) for split in (None, 1))  # fmt: skip
 WNA16_TILES = {  # int_tiles' candidates by M: 16-row dots; at M = 1 also multiply-adds (BLOCK_M 1)
     1: _DOT_TILES + tuple(_wna16_tile(bn, w, 1, split, bm=1) for bn in (16, 32, 64, 128)
-                          for w in (4, 8) for split in (None, 1)),
+                          for w in (4, 8) for split in (None, 1))
+    + (_wna16_tile(256, 4, 1, bm=1), _wna16_tile(128, 2, 1, bm=1)),  # permuted: 256 a thread
     16: _DOT_TILES + (_wna16_tile(64, 4, 3), _wna16_tile(64, 4, 5)),
 }  # fmt: skip
 MOE_TILE_TOKENS = (1, 16)  # moe_tiles without --moe-tile-tokens

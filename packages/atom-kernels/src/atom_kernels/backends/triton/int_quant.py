@@ -163,8 +163,8 @@ def _permuted_k_loop(
 ):  # fmt: skip
     """The [BLOCK_M, BLOCK_N] fp32 sums of k_lo <= k < k_hi with no interleave (PERMUTED_K): a
     dot product does not care about the order of its K, so value j of every word of a K tile is
-    one [BLOCK_N, BLOCK_KP] slice (column w: k = k0 + PER_INT * w + j, ``(words >> BITS * j) &
-    mask``), met by the x values of the same k (a strided load of x, which is small and cached).
+    one [BLOCK_N, BLOCK_KP] slice (column w: k = k0 + PER_INT * w + j, masked in place), met by
+    the x values of the same k (a strided load of x, which is small and cached).
     No [BLOCK_N, BLOCK_KP, PER_INT] -> [BLOCK_N, BLOCK_K] reshape, hence no layout conversion
     for it. ONE_ROW: fp32 multiply-adds into a [BLOCK_N, BLOCK_KP] sum, scaled once a tile;
     else PER_INT dots a tile, of q - zero (exact in x's dtype) scaled after the tile's dots on a
@@ -203,12 +203,16 @@ def _permuted_k_loop(
                 z = tl.load(z_ptr + rows[:, None] * stride_zn + groups[None, :]).to(tl.float32)
             else:
                 z = 1 << (BITS - 1)
-        offset = 8388608.0 + z  # 2**23 + zero: see below
         part = tl.zeros([BLOCK_N, BLOCK_KP] if ONE_ROW else [BLOCK_M, BLOCK_N], tl.float32)
         for j in tl.static_range(PER_INT):
-            # q | 0x4B000000 is the float 2**23 + q: q - zero exactly, no int->float conversion
-            q = ((words >> (j * BITS)) & MASK) | 0x4B000000
-            w = q.to(tl.float32, bitcast=True) - offset  # [BLOCK_N, BLOCK_KP]
+            # Value j in place, no shift: at bit p (< 23 - BITS: the upper half of the word
+            # comes from words >> 16, one shift a word), its bits OR-ed into the exponent of
+            # 2**(23 - p) make the float 2**(23 - p) + q (mantissa ulp 2**-p): an AND-OR (one
+            # LOP3) and a subtraction give q - zero exactly, no int->float conversion.
+            pos = BITS * (j % (PER_INT // 2))
+            src = words >> (16 * (j // (PER_INT // 2)))
+            q = (src & (MASK << pos)) | ((150 - pos) << 23)  # 150 = 127 + 23: 2**(23 - pos)
+            w = q.to(tl.float32, bitcast=True) - ((1 << (23 - pos)) + z)  # [BLOCK_N, BLOCK_KP]
             x = tl.load(x_ptrs + k0 + j, mask=x_mask, other=0.0)  # [BLOCK_M, BLOCK_KP]
             if ONE_ROW:
                 part += w * x.to(tl.float32)
@@ -361,8 +365,13 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     shared memory, and on an H200 (benchmarks/results/int-quant/int.json, int-tiles.json) 1 to
     16 rows took the same time at 13-20% of the copy bandwidth with no tile near 70%: bound by
     instructions, not bytes. 128-deep K tiles: a dot's K is BLOCK_K * bits / 32 >= 16.
-    NOTE: the permuted loop is not measured yet; ``benchmarks/quant_kernels.py --only int``
-    times it against the interleaved one (``PERMUTED_K`` False) in the same call.
+    NOTE (sm_90 SASS of the main loop, triton 3.9 AOT, 4-bit, o_proj's launch; counts, not
+    times): instructions a weight, interleaved -> permuted: 16-row dots 64 x 128 tiles 8.5 ->
+    6.4 (128-wide 5.3), BLOCK_M = 1 multiply-adds 10.3 -> 6.4 (128-wide 5.5, 256-wide 4.9;
+    the interleaved one spent 448 warp shuffles an iteration, the permuted none). At 70% of an
+    H200's copy rate (~6e12 4-bit weights/s) its 132 SMs can issue ~5.6 a weight: wider tiles
+    or fewer x loads are still needed. Not measured yet: ``benchmarks/quant_kernels.py --only
+    int,int_tiles`` times both loops in one call and sweeps the tiles.
 
     One row takes 16-row dots too: per 4-bit weight the multiply-add path (BLOCK_M = 1) issues
     shift, mask, zero and multiply-add (~4 ALU instructions an element: 4.7e12 elements/s, 70%
