@@ -50,6 +50,20 @@ ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
+def value_minus_zero(words, j: tl.constexpr, zero, BITS: tl.constexpr):
+    """Value j of each int32 word (the layout's k = PER_INT * word + j) minus ``zero``, in
+    float32, exactly (integer zeros). The value is masked in place, no shift (the upper half of
+    the word from ``words >> 16``, one shift a word, CSE'd across j): at bit p < 23 - BITS its
+    bits OR-ed into the exponent of 2**(23 - p) make the float 2**(23 - p) + q (mantissa ulp
+    2**-p), so one AND-OR (a LOP3) and a subtraction give q - zero, no int->float conversion."""
+    HALF: tl.constexpr = 16 // BITS
+    pos: tl.constexpr = BITS * (j % HALF)
+    src = words >> (16 * (j // HALF))
+    q = (src & (((1 << BITS) - 1) << pos)) | ((150 - pos) << 23)  # 150 = 127 + 23
+    return q.to(tl.float32, bitcast=True) - ((1 << (23 - pos)) + zero)
+
+
+@triton.jit
 def _dequant_tile(
     q_ptr,  # [N, K * BITS / 32] int32
     s_ptr,  # [N, G]
@@ -173,7 +187,6 @@ def _permuted_k_loop(
     multiple of PER_INT: a word lies in one group)."""
     PER_INT: tl.constexpr = 32 // BITS
     BLOCK_KP: tl.constexpr = BLOCK_K // PER_INT
-    MASK: tl.constexpr = (1 << BITS) - 1
     offs_kp = tl.arange(0, BLOCK_KP)
     q_ptrs = q_ptr + rows[:, None] * stride_qn + offs_kp[None, :]  # [BLOCK_N, BLOCK_KP]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (offs_kp * PER_INT)[None, :]
@@ -205,14 +218,7 @@ def _permuted_k_loop(
                 z = 1 << (BITS - 1)
         part = tl.zeros([BLOCK_N, BLOCK_KP] if ONE_ROW else [BLOCK_M, BLOCK_N], tl.float32)
         for j in tl.static_range(PER_INT):
-            # Value j in place, no shift: at bit p (< 23 - BITS: the upper half of the word
-            # comes from words >> 16, one shift a word), its bits OR-ed into the exponent of
-            # 2**(23 - p) make the float 2**(23 - p) + q (mantissa ulp 2**-p): an AND-OR (one
-            # LOP3) and a subtraction give q - zero exactly, no int->float conversion.
-            pos = BITS * (j % (PER_INT // 2))
-            src = words >> (16 * (j // (PER_INT // 2)))
-            q = (src & (MASK << pos)) | ((150 - pos) << 23)  # 150 = 127 + 23: 2**(23 - pos)
-            w = q.to(tl.float32, bitcast=True) - ((1 << (23 - pos)) + z)  # [BLOCK_N, BLOCK_KP]
+            w = value_minus_zero(words, j, z, BITS)  # [BLOCK_N, BLOCK_KP], exact
             x = tl.load(x_ptrs + k0 + j, mask=x_mask, other=0.0)  # [BLOCK_M, BLOCK_KP]
             if ONE_ROW:
                 part += w * x.to(tl.float32)
