@@ -329,6 +329,29 @@ def test_wna16_linear_gpu_variants(triton_backend, iq, rows, bits, zeros, g_idx)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("rows", "config"),
+    [(1, dict(PERMUTED_K=True, BLOCK_M=1, num_stages=1)),
+     (1, dict(PERMUTED_K=True, BLOCK_M=1, BLOCK_N=256, num_stages=1)),
+     (1, dict(PERMUTED_K=True)), (16, dict(PERMUTED_K=True, BLOCK_N=128)),
+     (4, dict(PERMUTED_K=False))],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    ("bits", "group", "zeros"), [(4, 128, False), (4, 32, True), (8, 128, True)]
+)
+def test_wna16_linear_gpu_permuted_k(triton_backend, iq, rows, config, bits, group, zeros):
+    """The decode K loops compiled: permuted multiply-adds and dots (group 32: a scale per word),
+    and the interleaved loop they replace, at o_proj's size."""
+    n, k = 4096, 4096
+    qw, s, z, g = wna16_weight(n, k, bits, k // group, zeros, False, seed=47, device="cuda",
+                               dtype=torch.bfloat16)  # fmt: skip
+    x = torch.randn(rows, k, generator=_gen(48)).to(torch.bfloat16).cuda()
+    out = iq.wna16_linear(x, qw, s, z, g, bits, None, config=config)
+    expected = reference.wna16_linear(x, qw, s, z, g, bits, None)
+    assert_close(out, expected, atol=3e-2, rtol=2e-2, name=f"wna16_linear {config}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 256])
 @pytest.mark.parametrize(("n", "k"), LLAMA3_8B)
 def test_int8_linear_gpu_real_sizes(triton_backend, iq, rows, n, k):
