@@ -31,7 +31,10 @@ what it measured):
   combine), each checked once against the torch reference (``BAD`` past atol = rtol = 5e-2, as
   the GPU test) and timed (cold L2 only): the evidence for the quantized formats' tiles.
 - ``int``: integer checkpoints (issue 40) at the Llama-3-8B projections (``INT_SHAPES``): the
-  W4A16 GEMM (``wna16_linear``, group 128, symmetric) at M = 1, 4, 16, 256, the W8A8 GEMM
+  W4A16 GEMM (``wna16_linear``, group 128, symmetric) at M = 1, 4, 16, 256 (up to 16 rows the
+  interleaved and the permuted K loop one after the other, and at M = 1 the permuted
+  multiply-adds; ``of_copy_bandwidth`` = GB/s of the least bytes over the measured copy rate,
+  printed as a table at the end of the group), the W8A8 GEMM
   (``int8_linear``: per-token int8 quant + the int8 GEMM; and the GEMM alone) at M = 1, 16, 256,
   and bf16 cuBLAS (``F.linear``) at every M, each checked against the torch reference first
   (``max_error``; ``BAD`` past atol = rtol = 5e-2). W8A8 rows meet the int8 matmul rate
@@ -129,6 +132,7 @@ INT_SHAPES = {  # Llama-3-8B projections, name: (N, K)
 }
 INT_GROUP = 128  # W4A16's group size (GPTQ / AWQ's usual)
 W4A16_ROWS = (1, 4, 16, 256)
+W4A16_DECODE_ROWS = 16  # int_quant.SKINNY_MAX_ROWS: up to it, both K loops are timed
 W8A8_ROWS = (1, 16, 256)
 INT_TILE_ROWS = (1, 16)
 
@@ -143,7 +147,8 @@ _DOT_TILES = tuple(_wna16_tile(bn, w, st, split) for bn in (32, 64, 128) for w i
                    for st in (4,) for split in (None, 1))  # fmt: skip
 WNA16_TILES = {  # int_tiles' candidates by M: 16-row dots; at M = 1 also multiply-adds (BLOCK_M 1)
     1: _DOT_TILES + tuple(_wna16_tile(bn, w, 1, split, bm=1) for bn in (16, 32, 64, 128)
-                          for w in (4, 8) for split in (None, 1)),
+                          for w in (4, 8) for split in (None, 1))
+    + (_wna16_tile(256, 4, 1, bm=1), _wna16_tile(128, 2, 1, bm=1)),  # permuted: 256 a thread
     16: _DOT_TILES + (_wna16_tile(64, 4, 3), _wna16_tile(64, 4, 5)),
 }  # fmt: skip
 MOE_TILE_TOKENS = (1, 16)  # moe_tiles without --moe-tile-tokens
@@ -696,6 +701,20 @@ def _checked_add(bench: Bench, group, shape, impl, fn, expected, nbytes, flops, 
                      max_error=float(error.max()), bad=bad, **kw)  # fmt: skip
 
 
+def _w4a16_variants(rows: int) -> list:
+    """(impl, config) of the W4A16 GEMM timed side by side at M = ``rows``: its own launch, and
+    at decode sizes the interleaved K loop (``PERMUTED_K`` False, the launch before issue 40's
+    rework) next to the permuted one, plus at M = 1 the permuted multiply-adds (BLOCK_M 1)."""
+    if rows > W4A16_DECODE_ROWS:
+        return [("w4a16_g128", None)]
+    out = [("w4a16_g128 interleaved", {"PERMUTED_K": False}),
+           ("w4a16_g128 permuted", {"PERMUTED_K": True})]  # fmt: skip
+    if rows == 1:
+        out.append(("w4a16_g128 permuted fma", {"PERMUTED_K": True, "BLOCK_M": 1,
+                                                 "num_stages": 1}))  # fmt: skip
+    return out
+
+
 def _int_cases(torch, x, rows, weights) -> list:
     """(impl, callable, the matmul rate it meets) for one x [M, K] of the ``int`` group."""
     import torch.nn.functional as F
@@ -705,8 +724,9 @@ def _int_cases(torch, x, rows, weights) -> list:
     qweight, scales, w8, w8_s, w_bf16 = weights
     cases = [("bf16_linear", lambda: F.linear(x, w_bf16), "bf16")]
     if rows in W4A16_ROWS:
-        cases.append(("w4a16_g128", lambda: int_quant.wna16_linear(
-            x, qweight, scales, None, None, 4, None), "bf16"))  # fmt: skip
+        for impl, config in _w4a16_variants(rows):
+            cases.append((impl, lambda config=config: int_quant.wna16_linear(
+                x, qweight, scales, None, None, 4, None, config), "bf16"))  # fmt: skip
     if rows in W8A8_ROWS:
         x_q, x_s = int_quant.quantize_int8(x, None)
         cases += [
@@ -736,11 +756,19 @@ def bench_int(torch, bench: Bench) -> None:
                 else:
                     expected = F.linear(x, w_bf16).float()
                 nbytes = int_gemm_bytes(rows, n, k, impl)
-                _checked_add(bench, "int", shape, impl, fn, expected, nbytes,
-                             2.0 * rows * n * k, peak)  # fmt: skip
+                row = _checked_add(bench, "int", shape, impl, fn, expected, nbytes,
+                                   2.0 * rows * n * k, peak)  # fmt: skip
+                if "GBps" in row:
+                    row["of_copy_bandwidth"] = row["GBps"] / bench.roof["copy_GBps"]
         weights = w_bf16 = None
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+    print("\nw4a16 (issue 40: >= 70% of the copy bandwidth at decode):")
+    for row in bench.rows:
+        if row["group"] == "int" and "w4a16" in row["impl"] and "GBps" in row:
+            share = 100 * row["of_copy_bandwidth"]
+            print(f"  {row['shape']:<34} {row['impl']:<26} {row['ms_cold'] * 1e3:7.1f} us "
+                  f"{row['GBps']:7.0f} GB/s {share:5.1f}% of copy")  # fmt: skip
 
 
 def bench_int_tiles(torch, bench: Bench) -> dict:

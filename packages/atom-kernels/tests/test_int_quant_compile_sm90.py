@@ -59,18 +59,19 @@ def _compile(kernel, pointers: dict, constexprs: dict, num_warps: int, num_stage
         pytest.skip(f"no CUDA toolchain for an AOT compile: {exc}")
 
 
-def _wna16(cfg: dict, bits: int, zeros: bool, g_idx: bool, dtype: str = "bf16"):
+def _wna16(cfg: dict, bits: int, zeros: bool, g_idx: bool, dtype: str = "bf16", group: int = 128):
     pointers = dict(
         x_ptr=f"*{dtype}", q_ptr="*i32", s_ptr=f"*{dtype}", z_ptr=f"*{dtype}", g_ptr="*i32",
         b_ptr=f"*{dtype}", out_ptr=f"*{dtype}", ws_ptr="*fp32", count_ptr="*i32",
     )  # fmt: skip
     split = cfg["SPLIT_K"] > 1
-    per_tile = not g_idx
+    per_tile = not g_idx and group % cfg["BLOCK_K"] == 0
     one_row = cfg["BLOCK_M"] == 1
     constexprs = dict(
         BITS=bits, HAS_ZEROS=zeros, HAS_G_IDX=g_idx, SCALE_PER_TILE=per_tile,
         SCALE_LATER=per_tile and 1 < cfg["BLOCK_M"] <= int_quant.SKINNY_MAX_ROWS,
-        HAS_BIAS=True, ONE_ROW=one_row, IEEE=dtype == "fp32", EVEN_K=True,
+        HAS_BIAS=True, ONE_ROW=one_row, PERMUTED_K=cfg.get("PERMUTED_K", False),
+        IEEE=dtype == "fp32", EVEN_K=True,
         SPLIT_K=cfg["SPLIT_K"] if split else 1, GROUP_M=cfg.get("GROUP_M", 1),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
     )  # fmt: skip
@@ -84,11 +85,17 @@ def _wna16_launches() -> dict:
     for n, k in SHAPES:
         for rows in (1, 4, 16, 256, 4096):
             cfg = int_quant.wna16_config(rows, n, k, 128, True, H100_SMS)
-            key = tuple(cfg[x] for x in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
-                                         "num_stages")) + (cfg["SPLIT_K"] > 1,)  # fmt: skip
-            out.setdefault("{}x{}x{} w{} s{} split {}".format(*key), cfg)
-    one_row = dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, SPLIT_K=4)
-    out["one-row multiply-adds, split"] = one_row
+            key = tuple(
+                cfg[x] for x in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+            ) + (cfg["SPLIT_K"] > 1, cfg["PERMUTED_K"])
+            out.setdefault("{}x{}x{} w{} s{} split {} permuted {}".format(*key), cfg)
+            if cfg["PERMUTED_K"]:  # the interleaved loop at the same tile (benchmarks' baseline)
+                old = dict(cfg, PERMUTED_K=False)
+                out.setdefault("{}x{}x{} w{} s{} split {} interleaved".format(*key[:-1]), old)
+    for permuted in (False, True):
+        one_row = dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, SPLIT_K=4,
+                       PERMUTED_K=permuted)  # fmt: skip
+        out[f"one-row multiply-adds, split, permuted {permuted}"] = one_row
     return out
 
 
@@ -108,15 +115,20 @@ def test_wna16_kernel_compiles_for_sm90(name):
 
 
 @pytest.mark.parametrize(
-    ("bits", "zeros", "g_idx", "dtype"),
-    [(8, True, False, "fp16"), (4, True, True, "bf16"), (8, False, True, "fp32")],
-)
-def test_wna16_variants_compile_for_sm90(bits, zeros, g_idx, dtype):
+    ("bits", "zeros", "g_idx", "dtype", "group"),
+    [(8, True, False, "fp16", 128), (4, True, True, "bf16", 128), (8, False, True, "fp32", 128),
+     (4, True, False, "bf16", 32), (4, False, False, "fp16", 32), (8, True, False, "bf16", 32)],
+)  # fmt: skip
+def test_wna16_variants_compile_for_sm90(bits, zeros, g_idx, dtype, group):
+    """Zeros, 8-bit, g_idx, fp32; group 32 (the permuted loop gathers a scale per word)."""
     for rows in (1, 256):
-        cfg = int_quant.wna16_config(rows, 4096, 4096, 128, not g_idx, H100_SMS)
-        kernel = _wna16(cfg, bits, zeros, g_idx, dtype)
+        cfg = int_quant.wna16_config(rows, 4096, 4096, group, not g_idx, H100_SMS, bits=bits)
+        kernel = _wna16(cfg, bits, zeros, g_idx, dtype, group)
         assert 0 < len(kernel.asm["cubin"])
         assert kernel.metadata.shared <= H100_SHARED_BYTES
+        if rows == 1 and group == 32:
+            one_row = _wna16(dict(cfg, BLOCK_M=1, num_stages=1), bits, zeros, g_idx, dtype, group)
+            assert "ld.local" not in one_row.asm["ptx"]
 
 
 def test_dequantize_and_int8_quant_compile_for_sm90():

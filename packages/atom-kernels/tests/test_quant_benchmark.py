@@ -134,6 +134,18 @@ def test_wna16_tile_candidates_are_launchable(bench):
             assert cfg["BLOCK_K"] % 8 == 0 and bench.INT_GROUP % cfg["BLOCK_K"] == 0, cfg
 
 
+def test_w4a16_variants(bench):
+    """Decode sizes time the interleaved K loop against the permuted one (and at one row the
+    permuted multiply-adds); prefill its own launch alone."""
+    one = dict(bench._w4a16_variants(1))
+    assert one["w4a16_g128 interleaved"] == {"PERMUTED_K": False}
+    assert one["w4a16_g128 permuted"] == {"PERMUTED_K": True}
+    assert one["w4a16_g128 permuted fma"]["BLOCK_M"] == 1
+    assert [impl for impl, _ in bench._w4a16_variants(16)] == [
+        "w4a16_g128 interleaved", "w4a16_g128 permuted"]  # fmt: skip
+    assert bench._w4a16_variants(256) == [("w4a16_g128", None)]
+
+
 def test_int_groups_smoke_on_the_interpreter(tmp_path):
     """``--smoke-cpu --only int,int_tiles`` runs every impl on tiny shapes in the interpreter;
     rows not through a bf16 dot (W8A8, one-row W4A16) agree with the reference there."""
@@ -151,6 +163,11 @@ def test_int_groups_smoke_on_the_interpreter(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert not [r for r in rows if "error" in r], run.stdout[-3000:]
     impls = {r["impl"].removeprefix("BAD ") for r in rows if r["group"] == "int"}
-    assert impls == {"bf16_linear", "w4a16_g128", "w8a8_linear", "w8a8_gemm"}
+    assert impls == {
+        "bf16_linear", "w4a16_g128 interleaved", "w4a16_g128 permuted",
+        "w4a16_g128 permuted fma", "w8a8_linear", "w8a8_gemm",
+    }  # fmt: skip
+    w4a16 = [r for r in rows if r["group"] == "int" and "w4a16" in r["impl"]]
+    assert all(r["of_copy_bandwidth"] > 0 for r in w4a16), w4a16
     exact = [r for r in rows if "w8a8" in r["impl"] or " M=1 " in r["shape"]]
     assert exact and not [r for r in exact if r.get("bad")], exact

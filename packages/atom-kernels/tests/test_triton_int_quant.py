@@ -94,6 +94,57 @@ def test_wna16_linear_launches(triton_backend, iq, dtype, config):
         assert_close(out, expected, atol=atol, rtol=rtol, name=f"wna16_linear {config}")
 
 
+# (bits, zeros, groups) of the permuted K loop's cases at N = 24, K = 384: group 128 and 32,
+# symmetric and asymmetric, 4- and 8-bit.
+PERMUTED_CASES = [(4, False, 3), (4, True, 3), (4, False, 12), (4, True, 12), (8, True, 12)]
+# rows, launch: one row through the multiply-adds (BLOCK_M 1) and the 16-row dots, 5 rows; K
+# tiles of 32 (a group per tile) and 128 (group 32: a group per word, scales gathered), split.
+PERMUTED_LAUNCHES = [
+    (1, dict(BLOCK_M=1, BLOCK_K=32, SPLIT_K=3)), (1, dict(BLOCK_M=1, BLOCK_K=128, SPLIT_K=2)),
+    (1, dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=2)), (5, dict(BLOCK_K=32, SPLIT_K=3)),
+    (5, dict(BLOCK_K=128, SPLIT_K=2)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("bits", "zeros", "groups"), PERMUTED_CASES)
+@pytest.mark.parametrize(("rows", "launch"), PERMUTED_LAUNCHES)
+@pytest.mark.parametrize("permuted", [True, False])
+def test_wna16_linear_permuted_k(triton_backend, iq, bits, zeros, groups, rows, launch, permuted):
+    """The decode K loop with no interleave (PERMUTED_K) and the interleaved one, forced, against
+    the reference: the permutation of K inside a tile must meet x in the same order."""
+    device = triton_backend.device
+    dtype = DTYPES[(bits + groups + rows + len(launch)) % 3]
+    qw, s, z, g = wna16_weight(24, 384, bits, groups, zeros, False, seed=40 + groups, device=device,
+                               dtype=dtype)  # fmt: skip
+    x = torch.randn(rows, 384, generator=_gen(41)).to(dtype).to(device)
+    bias = torch.randn(24, generator=_gen(42)).to(dtype).to(device)
+    expected = reference.wna16_linear(x, qw, s, z, g, bits, bias)
+    config = dict(launch, PERMUTED_K=permuted, BLOCK_N=16)
+    out = iq.wna16_linear(x, qw, s, z, g, bits, bias, config=config)
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(out, expected, atol=atol, rtol=rtol, name=f"wna16_linear {config} {dtype}")
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_wna16_linear_permuted_k_ragged_k(triton_backend, iq, rows):
+    """K = 160 in 64-deep tiles (the last one half past K: masked words and x), group 32."""
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(20, 160, 4, 5, True, False, seed=43, device=device)
+    x = torch.randn(rows, 160, generator=_gen(44)).to(device)
+    config = dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_K=64, PERMUTED_K=True, SPLIT_K=2)
+    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
+    assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_wna16_linear_permuted_k_refuses_what_it_cannot_order(triton_backend, iq):
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(16, 128, 4, 4, False, True, seed=45, device=device)
+    x = torch.randn(1, 128, generator=_gen(46)).to(device)
+    with pytest.raises(ValueError, match="PERMUTED_K"):  # g_idx: a word's k in many groups
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(PERMUTED_K=True))
+
+
 def test_wna16_linear_split_k_is_deterministic(triton_backend, iq):
     device = triton_backend.device
     qw, s, z, g = wna16_weight(16, 512, 4, 4, False, False, seed=8, device=device)
@@ -163,6 +214,34 @@ def test_quantize_int8_bit_for_bit(triton_backend, iq, dtype, static):
     assert_equal(q, q_ref, name="q")
     q, _ = iq.quantize_int8(strided_copy(x), input_scale)
     assert_equal(q, q_ref, name="q (strided x)")
+
+
+# bf16 maxima whose scale amax / 127 differs by 1 ulp from amax * fl(1 / 127), the division a
+# CUDA torch made of `tensor / 127.0` (the reference's, before it divided by a tensor).
+RECIPROCAL_MISSES = [0.55859375, 1.1171875, 1.6171875, 0.80859375]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_scale_is_a_true_division(triton_backend, iq, dtype):
+    """Row scales are the IEEE quotient amax / 127 in the kernel and in the reference, on every
+    device; with a bias the W8A8 linear matches the reference bit for bit on such rows (the GPU
+    run of test_int8_linear_gpu_real_sizes failed on rows like these)."""
+    device = triton_backend.device
+    amax = torch.tensor(RECIPROCAL_MISSES)
+    assert ((amax * torch.tensor(1 / 127.0)) != (amax.double() / 127).float()).all()
+    x = (torch.rand(len(amax), 256, generator=_gen(50)) * 2 - 1) * amax[:, None]
+    x[torch.arange(len(amax)), torch.arange(len(amax)) * 7] = -amax  # each row's |max|
+    x = x.to(dtype).to(device)
+    expected = (amax.double() / 127).float()
+    _, s = iq.quantize_int8(x, None)
+    assert_equal(s.cpu(), expected, name="kernel scales")
+    _, s_ref = reference.quantize_int8_per_token(x, None)
+    assert_equal(s_ref.reshape(-1).cpu(), expected, name="reference scales")
+    w = torch.randint(-128, 128, (40, 256), generator=_gen(51), dtype=torch.int8).to(device)
+    w_s = (torch.rand(40, generator=_gen(52)) / 1000).to(device)
+    bias = torch.randn(40, generator=_gen(53)).to(dtype).to(device)
+    out = iq.int8_linear(x, w, w_s, None, bias)
+    assert_equal(out, reference.int8_linear(x, w, w_s, None, bias))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -250,6 +329,29 @@ def test_wna16_linear_gpu_variants(triton_backend, iq, rows, bits, zeros, g_idx)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("rows", "config"),
+    [(1, dict(PERMUTED_K=True, BLOCK_M=1, num_stages=1)),
+     (1, dict(PERMUTED_K=True, BLOCK_M=1, BLOCK_N=256, num_stages=1)),
+     (1, dict(PERMUTED_K=True)), (16, dict(PERMUTED_K=True, BLOCK_N=128)),
+     (4, dict(PERMUTED_K=False))],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    ("bits", "group", "zeros"), [(4, 128, False), (4, 32, True), (8, 128, True)]
+)
+def test_wna16_linear_gpu_permuted_k(triton_backend, iq, rows, config, bits, group, zeros):
+    """The decode K loops compiled: permuted multiply-adds and dots (group 32: a scale per word),
+    and the interleaved loop they replace, at o_proj's size."""
+    n, k = 4096, 4096
+    qw, s, z, g = wna16_weight(n, k, bits, k // group, zeros, False, seed=47, device="cuda",
+                               dtype=torch.bfloat16)  # fmt: skip
+    x = torch.randn(rows, k, generator=_gen(48)).to(torch.bfloat16).cuda()
+    out = iq.wna16_linear(x, qw, s, z, g, bits, None, config=config)
+    expected = reference.wna16_linear(x, qw, s, z, g, bits, None)
+    assert_close(out, expected, atol=3e-2, rtol=2e-2, name=f"wna16_linear {config}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 256])
 @pytest.mark.parametrize(("n", "k"), LLAMA3_8B)
 def test_int8_linear_gpu_real_sizes(triton_backend, iq, rows, n, k):
@@ -273,7 +375,14 @@ def test_launch_policy(triton_backend, iq):
             assert programs >= 132 and cfg["SPLIT_K"] <= k // cfg["BLOCK_K"] // 2, (n, k, cfg)
     cfg = iq.wna16_config(4096, 4096, 4096, 128, True, 132)
     assert cfg["BLOCK_M"] == 128 and cfg["SPLIT_K"] == 1
-    assert iq.wna16_config(4, 4096, 4096, 40, True, 132)["BLOCK_K"] == 32
+    # decode: the permuted K loop wherever a word lies in one group, 128-deep K tiles
+    for group, bits in ((128, 4), (32, 4), (40, 4), (36, 8)):
+        cfg = iq.wna16_config(4, 4096, 4096, group, True, 132, bits=bits)
+        assert cfg["PERMUTED_K"] and cfg["BLOCK_K"] == 128, (group, bits, cfg)
+    cfg = iq.wna16_config(4, 4096, 4096, 44, True, 132)  # a word across two groups
+    assert not cfg["PERMUTED_K"] and cfg["BLOCK_K"] == 32
+    assert not iq.wna16_config(4, 4096, 4096, 128, False, 132)["PERMUTED_K"]  # g_idx
+    assert not iq.wna16_config(300, 4096, 4096, 128, True, 132)["PERMUTED_K"]  # prefill
     assert iq.split_for(200, 64, 132, 2) == 1
     assert iq.split_for(64, 32, 132, 2) == 5 and iq.split_for(64, 4, 132, 2) == 2
     for rows in (1, 16, 256):

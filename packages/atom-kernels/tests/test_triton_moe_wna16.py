@@ -162,6 +162,27 @@ def test_fused_moe_wna16_tiles(triton_backend, bits, block_k, group13, group2, s
     _check(x, experts, _routing(10, 2, 2, 42, device), config=config, name=f"K{block_k}")
 
 
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize(("bits", "block_k", "group13", "group2"), TILE_CASES[2:5])
+def test_fused_moe_wna16_split_forced(triton_backend, split, bits, block_k, group13, group2):
+    """``SPLIT`` in a GEMM's config picks the K loop at a tile where both run: the split one (no
+    interleave, the default there) or the tile one; both meet the reference."""
+    device, hidden, inter = triton_backend.device, 256, 96
+    experts = _experts(2, hidden, inter, bits, hidden // group13, inter // group2, True,
+                       torch.float16, device, seed=48)  # fmt: skip
+    x = _randn(10, hidden, seed=49, device=device).to(torch.float16)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, num_warps=4, SPLIT=split)
+    config = {"per_pair": False, "gemm1": cfg, "gemm2": cfg}
+    _check(x, experts, _routing(10, 2, 2, 50, device), config=config, name=f"SPLIT={split}")
+
+
+def test_fused_moe_wna16_split_refused_where_impossible(triton_backend):
+    from atom_kernels.backends.triton import moe_wna16
+
+    with pytest.raises(ValueError, match="SPLIT"):  # 32 inputs at 4 bits: a 4-deep dot
+        moe_wna16._launch(dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT=True), 1, 256, 32, 4)
+
+
 @pytest.mark.parametrize("row_fma", [False, True])
 @pytest.mark.parametrize(
     ("bits", "block_k", "group", "dtype"),

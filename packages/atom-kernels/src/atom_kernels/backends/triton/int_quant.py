@@ -12,10 +12,15 @@ BLOCK_K divides the group size), else gathered per element (odd group sizes, ``g
 - 1..SKINNY_MAX_ROWS rows (decode): ``tl.dot`` with 16-row x tiles (``wna16_config`` says why
   one row too); on a tile-wide scale the dot multiplies q - zero (small integers, exact in x's
   dtype) and its result is scaled (``SCALE_LATER``), else the scaled weight, rounded to x's dtype
-  (as the torch reference rounds it), goes into the dot;
+  (as the torch reference rounds it), goes into the dot. Where a word lies in one group (no
+  g_idx), decode walks K permuted (``PERMUTED_K``, ``_permuted_k_loop``): value j of each word
+  of the tile is a [BLOCK_N, BLOCK_K * bits / 32] slice met by x at the same k (a strided x
+  load), one dot per j, with no unpacking reshape (the interleaved loop's layout conversions);
 - a launch with BLOCK_M = 1 (one row, benchmarks' alternative): fp32 multiply-adds into a
-  [BLOCK_N, BLOCK_K] accumulator, summed over K once at the end;
+  [BLOCK_N, BLOCK_K] accumulator ([BLOCK_N, BLOCK_K * bits / 32] when permuted), summed over K
+  once at the end;
 - more rows (prefill): the same with 64 / 128-row tiles and GROUP_M ordering (L2 reuse of W).
+``config={"PERMUTED_K": False}`` forces the interleaved loop (benchmarks time both).
 Few output tiles split K (``split_for``): fp32 partials in a workspace, the tile's last program to
 arrive sums them in split order (deterministic) and finishes the tile (counters as linear.py).
 
@@ -42,6 +47,20 @@ ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 # --- WNA16 ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def value_minus_zero(words, j: tl.constexpr, zero, BITS: tl.constexpr):
+    """Value j of each int32 word (the layout's k = PER_INT * word + j) minus ``zero``, in
+    float32, exactly (integer zeros). The value is masked in place, no shift (the upper half of
+    the word from ``words >> 16``, one shift a word, CSE'd across j): at bit p < 23 - BITS its
+    bits OR-ed into the exponent of 2**(23 - p) make the float 2**(23 - p) + q (mantissa ulp
+    2**-p), so one AND-OR (a LOP3) and a subtraction give q - zero, no int->float conversion."""
+    HALF: tl.constexpr = 16 // BITS
+    pos: tl.constexpr = BITS * (j % HALF)
+    src = words >> (16 * (j // HALF))
+    q = (src & (((1 << BITS) - 1) << pos)) | ((150 - pos) << 23)  # 150 = 127 + 23
+    return q.to(tl.float32, bitcast=True) - ((1 << (23 - pos)) + zero)
 
 
 @triton.jit
@@ -108,6 +127,120 @@ def _dequant_tile(
 
 
 @triton.jit
+def _interleaved_k_loop(
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, rows, offs_m, m_mask, k_lo, k_hi, K, group_size,
+    stride_xm, stride_qn, stride_sn, stride_zn, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    HAS_G_IDX: tl.constexpr, SCALE_PER_TILE: tl.constexpr, SCALE_LATER: tl.constexpr,
+    ONE_ROW: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The [BLOCK_M, BLOCK_N] fp32 sums of k_lo <= k < k_hi over weight tiles in k order
+    (``_dequant_tile``): any groups, g_idx included."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BM, BK]
+    if ONE_ROW:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w, s = _dequant_tile(
+            q_ptr, s_ptr, z_ptr, g_ptr, rows, k0, K, group_size, stride_qn, stride_sn, stride_zn,
+            BITS, HAS_ZEROS, HAS_G_IDX, SCALE_PER_TILE, EVEN_K, BLOCK_N, BLOCK_K, SCALE_LATER,
+        )  # fmt: skip
+        if EVEN_K:
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
+        else:
+            x_mask = m_mask[:, None] & ((k0 + offs_k) < K)[None, :]
+            x = tl.load(x_ptrs + k0, mask=x_mask, other=0.0)
+        if ONE_ROW:
+            acc2 += w * x.to(tl.float32)  # x is [1, BLOCK_K]
+        elif SCALE_LATER:
+            if IEEE:
+                part = tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                part = tl.dot(x, tl.trans(w.to(x.dtype)))
+            acc += part * s[None, :]
+        elif IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    if ONE_ROW:
+        acc = tl.reshape(tl.sum(acc2, axis=1), [BLOCK_M, BLOCK_N])
+    return acc
+
+
+@triton.jit
+def _permuted_k_loop(
+    x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, m_mask, k_lo, k_hi, K, group_size, stride_xm,
+    stride_qn, stride_sn, stride_zn, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
+    SCALE_PER_TILE: tl.constexpr, ONE_ROW: tl.constexpr, IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The [BLOCK_M, BLOCK_N] fp32 sums of k_lo <= k < k_hi with no interleave (PERMUTED_K): a
+    dot product does not care about the order of its K, so value j of every word of a K tile is
+    one [BLOCK_N, BLOCK_KP] slice (column w: k = k0 + PER_INT * w + j, masked in place), met by
+    the x values of the same k (a strided load of x, which is small and cached).
+    No [BLOCK_N, BLOCK_KP, PER_INT] -> [BLOCK_N, BLOCK_K] reshape, hence no layout conversion
+    for it. ONE_ROW: fp32 multiply-adds into a [BLOCK_N, BLOCK_KP] sum, scaled once a tile;
+    else PER_INT dots a tile, of q - zero (exact in x's dtype) scaled after the tile's dots on a
+    tile-wide scale, else of the scaled weight rounded to x's dtype (the reference's numbers).
+    Without SCALE_PER_TILE the scales (and zeros) are gathered per word (group_size is a
+    multiple of PER_INT: a word lies in one group)."""
+    PER_INT: tl.constexpr = 32 // BITS
+    BLOCK_KP: tl.constexpr = BLOCK_K // PER_INT
+    offs_kp = tl.arange(0, BLOCK_KP)
+    q_ptrs = q_ptr + rows[:, None] * stride_qn + offs_kp[None, :]  # [BLOCK_N, BLOCK_KP]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (offs_kp * PER_INT)[None, :]
+    if ONE_ROW:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_KP], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kp0 = k0 // PER_INT
+        if EVEN_K:
+            kp_mask = tl.full([BLOCK_KP], 1, tl.int1)
+            words = tl.load(q_ptrs + kp0)
+        else:  # K is a multiple of PER_INT: a word is wholly in K or wholly past it
+            kp_mask = (kp0 + offs_kp) * PER_INT < K
+            words = tl.load(q_ptrs + kp0, mask=kp_mask[None, :], other=0)
+        x_mask = m_mask[:, None] & kp_mask[None, :]
+        if SCALE_PER_TILE:  # one group for the whole tile: [BLOCK_N] vectors
+            group = k0 // group_size
+            s = tl.load(s_ptr + rows * stride_sn + group).to(tl.float32)
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + rows * stride_zn + group).to(tl.float32)[:, None]
+            else:
+                z = 1 << (BITS - 1)
+        else:  # a group per word: [BLOCK_N, BLOCK_KP], a few distinct ones (L1 hits)
+            groups = tl.where(kp_mask, (k0 + offs_kp * PER_INT) // group_size, 0)
+            s = tl.load(s_ptr + rows[:, None] * stride_sn + groups[None, :]).to(tl.float32)
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + rows[:, None] * stride_zn + groups[None, :]).to(tl.float32)
+            else:
+                z = 1 << (BITS - 1)
+        part = tl.zeros([BLOCK_N, BLOCK_KP] if ONE_ROW else [BLOCK_M, BLOCK_N], tl.float32)
+        for j in tl.static_range(PER_INT):
+            w = value_minus_zero(words, j, z, BITS)  # [BLOCK_N, BLOCK_KP], exact
+            x = tl.load(x_ptrs + k0 + j, mask=x_mask, other=0.0)  # [BLOCK_M, BLOCK_KP]
+            if ONE_ROW:
+                part += w * x.to(tl.float32)
+            elif SCALE_PER_TILE:  # q - zero: small integers, exact in x's dtype
+                if IEEE:
+                    part = tl.dot(x, tl.trans(w), part, input_precision="ieee")
+                else:
+                    part = tl.dot(x, tl.trans(w.to(x.dtype)), part)
+            elif IEEE:
+                acc = tl.dot(x, tl.trans(w * s), acc, input_precision="ieee")
+            else:  # the scaled weight rounded to x's dtype, as the reference rounds it
+                acc = tl.dot(x, tl.trans((w * s).to(x.dtype)), acc)
+        if ONE_ROW:
+            acc2 += part * (s[:, None] if SCALE_PER_TILE else s)
+        elif SCALE_PER_TILE:
+            acc += part * s[None, :]
+    if ONE_ROW:
+        acc = tl.reshape(tl.sum(acc2, axis=1), [BLOCK_M, BLOCK_N])
+    return acc
+
+
+@triton.jit
 def _split_k_sum(acc, ws_ptr, count_ptr, offs_m, offs_n, M, N, SPLIT_K: tl.constexpr):
     """Stores this split's partial in the workspace [SPLIT_K, M, N] and counts in on the tile's
     counter; returns (the splits' sum in split order, the tile's output mask: empty unless this
@@ -171,6 +304,7 @@ def _wna16_kernel(
     SCALE_LATER: tl.constexpr,  # dots, SCALE_PER_TILE: dot q - zero (exact), then scale
     HAS_BIAS: tl.constexpr,
     ONE_ROW: tl.constexpr,  # M == 1: multiply-adds, no dot
+    PERMUTED_K: tl.constexpr,  # the K loop without interleave (_permuted_k_loop)
     IEEE: tl.constexpr,  # fp32 x: an exact fp32 dot (not tf32)
     EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -188,36 +322,18 @@ def _wna16_kernel(
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     k_lo = tl.program_id(1) * k_tiles_per_split * BLOCK_K
     k_hi = tl.minimum(K, k_lo + k_tiles_per_split * BLOCK_K)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BM, BK]
-    if ONE_ROW:
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        w, s = _dequant_tile(
-            q_ptr, s_ptr, z_ptr, g_ptr, rows, k0, K, group_size, stride_qn, stride_sn, stride_zn,
-            BITS, HAS_ZEROS, HAS_G_IDX, SCALE_PER_TILE, EVEN_K, BLOCK_N, BLOCK_K, SCALE_LATER,
+    if PERMUTED_K:
+        acc = _permuted_k_loop(
+            x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, m_mask, k_lo, k_hi, K, group_size,
+            stride_xm, stride_qn, stride_sn, stride_zn, BITS, HAS_ZEROS, SCALE_PER_TILE, ONE_ROW,
+            IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        if EVEN_K:
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
-        else:
-            x_mask = m_mask[:, None] & ((k0 + offs_k) < K)[None, :]
-            x = tl.load(x_ptrs + k0, mask=x_mask, other=0.0)
-        if ONE_ROW:
-            acc2 += w * x.to(tl.float32)  # x is [1, BLOCK_K]
-        elif SCALE_LATER:
-            if IEEE:
-                part = tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                part = tl.dot(x, tl.trans(w.to(x.dtype)))
-            acc += part * s[None, :]
-        elif IEEE:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    if ONE_ROW:
-        acc = tl.reshape(tl.sum(acc2, axis=1), [BLOCK_M, BLOCK_N])
+    else:
+        acc = _interleaved_k_loop(
+            x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, rows, offs_m, m_mask, k_lo, k_hi, K, group_size,
+            stride_xm, stride_qn, stride_sn, stride_zn, BITS, HAS_ZEROS, HAS_G_IDX,
+            SCALE_PER_TILE, SCALE_LATER, ONE_ROW, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
         acc, out_mask = _split_k_sum(acc, ws_ptr, count_ptr, offs_m, offs_n, M, N, SPLIT_K)
@@ -245,28 +361,45 @@ def _block_k(group_size: int, per_tile: bool, cap: int) -> int:
 
 
 def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool, sms: int,
-                 interpreted: bool = False) -> dict:  # fmt: skip
+                 interpreted: bool = False, bits: int = 4) -> dict:  # fmt: skip
     """The launch of ``_wna16_kernel`` for an [num_rows, k] x [n, k]^T GEMM (``per_tile``: the
-    groups are contiguous, no g_idx).
+    groups are contiguous, no g_idx); ``PERMUTED_K``: the K loop without interleave.
 
-    One row takes 16-row dots too: per 4-bit weight the multiply-add path issues shift, mask,
-    zero, scale and multiply-add (~5 ALU instructions an element: 4.7e12 elements/s, 70% of an
-    H100's bandwidth, would need ~90% of its issue rate), the dot path shift, mask, zero and half
-    a conversion (the tensor cores multiply; the scale applies once per tile and column).
-    NOTE: chosen from that count and the bytes a program keeps in flight (4 stages of 64 x 128
-    4-bit tiles, ~2 programs an SM), not yet measured: ``benchmarks/quant_kernels.py --only
-    int,int_tiles`` times them and sweeps the alternatives (BLOCK_M = 1: the multiply-adds)."""
+    Decode (up to SKINNY_MAX_ROWS rows) takes the permuted K loop (``_permuted_k_loop``) where
+    a word lies in one group (no g_idx, group_size a multiple of 32 / bits): the interleaved
+    loop's [BLOCK_N, BLOCK_KP, 8] -> [BLOCK_N, BLOCK_K] reshape costs layout conversions through
+    shared memory, and on an H200 (benchmarks/results/int-quant/int.json, int-tiles.json) 1 to
+    16 rows took the same time at 13-20% of the copy bandwidth with no tile near 70%: bound by
+    instructions, not bytes. 128-deep K tiles: a dot's K is BLOCK_K * bits / 32 >= 16.
+    NOTE (sm_90 SASS of the main loop, triton 3.9 AOT, 4-bit, o_proj's launch; counts, not
+    times): instructions a weight, interleaved -> permuted: 16-row dots 64 x 128 tiles 8.5 ->
+    6.4 (128-wide 5.3), BLOCK_M = 1 multiply-adds 10.3 -> 6.4 (128-wide 5.5, 256-wide 4.9;
+    the interleaved one spent 448 warp shuffles an iteration, the permuted none). At 70% of an
+    H200's copy rate (~6e12 4-bit weights/s) its 132 SMs can issue ~5.6 a weight: wider tiles
+    or fewer x loads are still needed. Not measured yet: ``benchmarks/quant_kernels.py --only
+    int,int_tiles`` times both loops in one call and sweeps the tiles.
+
+    One row takes 16-row dots too: per 4-bit weight the multiply-add path (BLOCK_M = 1) issues
+    shift, mask, zero and multiply-add (~4 ALU instructions an element: 4.7e12 elements/s, 70%
+    of an H100's bandwidth, would need ~75% of its issue rate), the dot path shift, mask, zero
+    and half a conversion (the tensor cores multiply; the scale applies once per tile and
+    column). NOTE: chosen from that count, not measured for the permuted loop; the interleaved
+    one measured BLOCK_M = 1 slower than the dots at every tile (int-tiles.json)."""
+    per_int = 32 // bits
+    permuted = num_rows <= SKINNY_MAX_ROWS and per_tile and group_size % per_int == 0
     if interpreted:
         cfg = dict(BLOCK_M=1 if num_rows == 1 else 16, BLOCK_N=16, BLOCK_K=32, num_warps=4,
                    num_stages=1, GROUP_M=1, per_sm=2)  # fmt: skip
     elif num_rows <= SKINNY_MAX_ROWS:
-        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=_block_k(group_size, per_tile, 128),
-                   num_warps=4, num_stages=4, GROUP_M=1, per_sm=2)  # fmt: skip
+        block_k = 128 if permuted else _block_k(group_size, per_tile, 128)
+        cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4, GROUP_M=1,
+                   per_sm=2)  # fmt: skip
     else:
         block_m = 64 if num_rows <= 64 else 128
         warps = 8 if block_m == 128 else 4
         cfg = dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=_block_k(group_size, per_tile, 64),
                    num_warps=warps, num_stages=3, GROUP_M=8, per_sm=1)  # fmt: skip
+    cfg["PERMUTED_K"] = permuted
     tiles = triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, cfg["BLOCK_K"]), sms, cfg["per_sm"])
     return cfg
@@ -313,12 +446,18 @@ def wna16_linear(
     group_size = k // scales.shape[1]
     per_tile = g_idx is None
     sms = num_sms(x.device)
-    cfg = wna16_config(num_rows, n, k, group_size, per_tile, sms, is_interpreted(x.device))
+    cfg = wna16_config(num_rows, n, k, group_size, per_tile, sms, is_interpreted(x.device), bits)
     cfg.update(config or {})
     block_k = cfg["BLOCK_K"]
     one_row = cfg["BLOCK_M"] == 1
     if num_rows > 1 and one_row:
         raise ValueError("wna16_linear: BLOCK_M = 1 (multiply-adds) takes one row only")
+    permuted = bool(cfg.get("PERMUTED_K", False))
+    if permuted and not (per_tile and group_size % (32 // bits) == 0):
+        raise ValueError(
+            "wna16_linear: PERMUTED_K needs no g_idx and whole words in a group "
+            f"(group size {group_size}, {bits}-bit)"
+        )
     tiles = triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if cfg["SPLIT_K"] is None:  # an override's "choose"
         cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, block_k), sms, cfg.get("per_sm", 2))
@@ -338,7 +477,8 @@ def wna16_linear(
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None,
         SCALE_PER_TILE=scale_per_tile, SCALE_LATER=scale_later,
         HAS_BIAS=bias is not None,
-        ONE_ROW=one_row, IEEE=x.dtype == torch.float32, EVEN_K=k % block_k == 0,
+        ONE_ROW=one_row, PERMUTED_K=permuted, IEEE=x.dtype == torch.float32,
+        EVEN_K=k % block_k == 0,
         SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

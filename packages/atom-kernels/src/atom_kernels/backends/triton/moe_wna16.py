@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_sms
+from atom_kernels.backends.triton.int_quant import value_minus_zero
 from atom_kernels.backends.triton.moe import (
     _ACTIVATIONS,
     ALIGN_KERNEL_MAX_PAIRS,
@@ -122,10 +123,12 @@ def wna16_step(
         x_mask = x_valid[:, None] & j_valid[None, :]
         for i in tl.static_range(0, PER):
             x = tl.load(x_rows + (js * PER + i)[None, :] * stride_xk, mask=x_mask, other=0.0)
-            w = _weight((words >> (i * BITS)) & MASK, zero, scale, x.dtype)  # [J, N]
+            # (q - zero) * scale rounded once to x's dtype, as ``_weight``; value i masked in
+            # place (``value_minus_zero``: one LOP3 a value, no shift or bit-field extract)
+            w = (value_minus_zero(words, i, zero, BITS) * scale).to(x.dtype)  # [J, N]
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
             if TWO:
-                w2 = _weight((words2 >> (i * BITS)) & MASK, zero2, scale2, x.dtype)
+                w2 = (value_minus_zero(words2, i, zero2, BITS) * scale2).to(x.dtype)
                 acc2 = tl.dot(x, w2, acc2, input_precision=PRECISION)
     else:
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -159,12 +162,12 @@ def wna16_row(
     """One live row (the per-pair path) in register multiply-adds, no MMA and no shared memory:
     ``part`` [J, N] float32 (J = BLOCK_K / PER words; the same for ``part2`` / W2 when ``TWO``)
     + the step's products with the row ``x_row`` (a scalar pointer), each word's PER products
-    (q - zero) * x summed first, then times the word's scale: per value a shift-and-mask, an OR
-    (the exponent bits, see ``_weight``), a subtraction and a multiply-add. The caller sums
+    (q - zero) * x summed first, then times the word's scale: per value an AND-OR of the value
+    in place into exponent bits (``int_quant.value_minus_zero``), a subtraction and a
+    multiply-add. The caller sums
     ``part`` over J after its loop. The weights are never rounded to x's dtype (more exact
     than the reference's, within its tolerances)."""
     PER: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     js = tl.multiple_of(k0 // PER, BLOCK_K // PER) + tl.arange(0, BLOCK_K // PER)  # [J]
     if EVEN_K:
         j_valid = tl.full([BLOCK_K // PER], 1, tl.int1)
@@ -184,11 +187,9 @@ def wna16_row(
     for i in tl.static_range(0, PER):
         x = tl.load(x_row + (js * PER + i) * stride_xk, mask=j_valid, other=0.0)
         x = x.to(tl.float32)[:, None]  # [J, 1]
-        q = ((words >> (i * BITS)) & MASK) | 0x4B000000
-        sum1 += (q.to(tl.float32, bitcast=True) - (8388608.0 + zero)) * x
+        sum1 += value_minus_zero(words, i, zero, BITS) * x
         if TWO:
-            q2 = ((words2 >> (i * BITS)) & MASK) | 0x4B000000
-            sum2 += (q2.to(tl.float32, bitcast=True) - (8388608.0 + zero2)) * x
+            sum2 += value_minus_zero(words2, i, zero2, BITS) * x
     part += sum1 * scale
     if TWO:
         part2 += sum2 * scale2
@@ -357,7 +358,8 @@ def wna16_configs(
     num_stages, GROUP_M; both GEMMs share BLOCK_M). Pass one to ``fused_moe(config=...)`` to
     override.
 
-    NOTE (sm_90 PTX from the AOT compile, triton 3.9, no GPU run yet): at Kimi-K2's decode tiles
+    NOTE (sm_90 PTX from the AOT compile, triton 3.9, no GPU run yet; counted before both loops
+    took ``value_minus_zero``, which drops the shift and extract a value): at Kimi-K2's decode tiles
     the MMA loop spends about 7 instructions a weight value (extract, exponent OR, subtract,
     scale, convert, a 2-byte shared-memory store to reach the MMA operand layout, then ldmatrix),
     the register loop about 4.5 (extract, OR, subtract, multiply-add; the scale once a word):
@@ -408,16 +410,25 @@ def _widest(num_blocks: int, width: int, sms: int) -> int:
 def _launch(
     cfg: dict, num_row_blocks: int, num_k: int, group_k: int, bits: int, row_fma: bool = False
 ) -> tuple[dict, int, dict]:
-    """(launch config without GROUP_M, group_m, the dequantization constexprs) of one GEMM;
-    ``row_fma``: the per-pair path's register loop (``wna16_row``) where the groups allow."""
+    """(launch config without GROUP_M and SPLIT, group_m, the dequantization constexprs) of one
+    GEMM; ``row_fma``: the per-pair path's register loop (``wna16_row``) where the groups allow.
+    The MMA loop is split (no interleave: ``wna16_step``) wherever it can be, unless the GEMM's
+    config says ``SPLIT=False`` (benchmarks: the tile loop at the same tile)."""
     cfg = dict(cfg)
     group_m = cfg.pop("GROUP_M", 0)
     per_int = 32 // bits
+    can_split = cfg["BLOCK_K"] // per_int >= 16 and group_k % per_int == 0
+    split = cfg.pop("SPLIT", None)
+    if split and not can_split:
+        raise ValueError(
+            f"fused_moe wna16: SPLIT needs BLOCK_K * {bits} / 32 >= 16 and whole words in a "
+            f"group (BLOCK_K {cfg['BLOCK_K']}, group {group_k})"
+        )
     quant = dict(
         BITS=bits,
         GROUP_K=group_k,
         SCALE_VEC=group_k % cfg["BLOCK_K"] == 0,
-        SPLIT=cfg["BLOCK_K"] // per_int >= 16 and group_k % per_int == 0,
+        SPLIT=can_split if split is None else bool(split),
         EVEN_K=num_k % cfg["BLOCK_K"] == 0,
         ROW=row_fma and group_k % per_int == 0,
     )
