@@ -98,10 +98,11 @@ def test_wna16_linear_launches(triton_backend, iq, dtype, config):
 # symmetric and asymmetric, 4- and 8-bit.
 PERMUTED_CASES = [(4, False, 3), (4, True, 3), (4, False, 12), (4, True, 12), (8, True, 12)]
 # rows, launch: one row through the multiply-adds (BLOCK_M 1) and the 16-row dots, 5 rows; K
-# tiles of 32 (a group per tile) and 128 (group 32: a group per word, scales gathered), split.
+# tiles of 32 (a group per tile; multiply-adds only: a GPU's dots are 16 words deep or more) and
+# 128 (group 32: a group per word, scales gathered), split.
 PERMUTED_LAUNCHES = [
     (1, dict(BLOCK_M=1, BLOCK_K=32, SPLIT_K=3)), (1, dict(BLOCK_M=1, BLOCK_K=128, SPLIT_K=2)),
-    (1, dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=2)), (5, dict(BLOCK_K=32, SPLIT_K=3)),
+    (1, dict(BLOCK_M=16, BLOCK_K=128, SPLIT_K=2)), (5, dict(BLOCK_K=128, SPLIT_K=3)),
     (5, dict(BLOCK_K=128, SPLIT_K=2)),
 ]  # fmt: skip
 
@@ -127,11 +128,13 @@ def test_wna16_linear_permuted_k(triton_backend, iq, bits, zeros, groups, rows, 
 
 @pytest.mark.parametrize("rows", [1, 5])
 def test_wna16_linear_permuted_k_ragged_k(triton_backend, iq, rows):
-    """K = 160 in 64-deep tiles (the last one half past K: masked words and x), group 32."""
+    """K = 160 in 64-deep tiles (one row) or 128-deep (dots): the last tile partly past K (masked
+    words and x), group 32."""
     device = triton_backend.device
     qw, s, z, g = wna16_weight(20, 160, 4, 5, True, False, seed=43, device=device)
     x = torch.randn(rows, 160, generator=_gen(44)).to(device)
-    config = dict(BLOCK_M=1 if rows == 1 else 16, BLOCK_K=64, PERMUTED_K=True, SPLIT_K=2)
+    block_m, block_k = (1, 64) if rows == 1 else (16, 128)
+    config = dict(BLOCK_M=block_m, BLOCK_K=block_k, PERMUTED_K=True, SPLIT_K=2)
     out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
     expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
     assert_close(out, expected, atol=1e-4, rtol=1e-4)
@@ -143,6 +146,13 @@ def test_wna16_linear_permuted_k_refuses_what_it_cannot_order(triton_backend, iq
     x = torch.randn(1, 128, generator=_gen(46)).to(device)
     with pytest.raises(ValueError, match="PERMUTED_K"):  # g_idx: a word's k in many groups
         iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(PERMUTED_K=True))
+    qw, s, z, g = wna16_weight(16, 128, 4, 1, False, False, seed=45, device=device)
+    x4 = torch.randn(4, 128, generator=_gen(46)).to(device)
+    with pytest.raises(ValueError, match="BLOCK_K >= 128"):  # 8-word dots: too shallow on a GPU
+        iq.wna16_linear(x4, qw, s, z, g, 4, None, config=dict(PERMUTED_K=True, BLOCK_K=64))
+    # Not asked for: a shallower K tile than the default takes the interleaved loop.
+    out = iq.wna16_linear(x4, qw, s, z, g, 4, None, config=dict(BLOCK_K=64))
+    assert_close(out, reference.wna16_linear(x4, qw, s, z, g, 4, None), atol=1e-4, rtol=1e-4)
 
 
 def test_wna16_linear_split_k_is_deterministic(triton_backend, iq):

@@ -39,6 +39,8 @@ import triton.language as tl
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
 
 SKINNY_MAX_ROWS = 16
+# The shallowest K of a tl.dot on a GPU (the interpreter takes any).
+MIN_DOT_K = 16
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 |y| < 2**22 to an integer, half to even
 # (the FPU's round-to-nearest-even), as torch.round. libdevice.rint would do the same on a GPU but
 # the interpreter has no libdevice; LLVM does not reassociate the two adds (no fast-math flags;
@@ -458,6 +460,14 @@ def wna16_linear(
             "wna16_linear: PERMUTED_K needs no g_idx and whole words in a group "
             f"(group size {group_size}, {bits}-bit)"
         )
+    if permuted and not one_row and block_k // (32 // bits) < MIN_DOT_K:
+        # Its dots are BLOCK_K / (32 / bits) deep; a GPU's tl.dot takes 16 or more.
+        if (config or {}).get("PERMUTED_K"):
+            raise ValueError(
+                f"wna16_linear: PERMUTED_K with dots needs BLOCK_K >= {MIN_DOT_K * 32 // bits} "
+                f"at {bits} bits (got {block_k})"
+            )
+        permuted = False  # an override's shallower K tile: the interleaved loop
     tiles = triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if cfg["SPLIT_K"] is None:  # an override's "choose"
         cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, block_k), sms, cfg.get("per_sm", 2))
