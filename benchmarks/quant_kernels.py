@@ -704,13 +704,14 @@ def _checked_add(bench: Bench, group, shape, impl, fn, expected, nbytes, flops, 
 def _w4a16_variants(rows: int) -> list:
     """(impl, config) of the W4A16 GEMM timed side by side at M = ``rows``: its own launch, and
     at decode sizes the interleaved K loop (``PERMUTED_K`` False, the launch before issue 40's
-    rework) next to the permuted one, plus at M = 1 the permuted multiply-adds (BLOCK_M 1)."""
+    rework) next to the permuted one (128-deep K tiles, its default: 16-word dots), plus at M = 1
+    the permuted multiply-adds (BLOCK_M 1)."""
     if rows > W4A16_DECODE_ROWS:
         return [("w4a16_g128", None)]
     out = [("w4a16_g128 interleaved", {"PERMUTED_K": False}),
-           ("w4a16_g128 permuted", {"PERMUTED_K": True})]  # fmt: skip
+           ("w4a16_g128 permuted", {"PERMUTED_K": True, "BLOCK_K": 128})]  # fmt: skip
     if rows == 1:
-        out.append(("w4a16_g128 permuted fma", {"PERMUTED_K": True, "BLOCK_M": 1,
+        out.append(("w4a16_g128 permuted fma", {"PERMUTED_K": True, "BLOCK_M": 1, "BLOCK_K": 128,
                                                  "num_stages": 1}))  # fmt: skip
     return out
 

@@ -139,7 +139,7 @@ def test_w4a16_variants(bench):
     permuted multiply-adds); prefill its own launch alone."""
     one = dict(bench._w4a16_variants(1))
     assert one["w4a16_g128 interleaved"] == {"PERMUTED_K": False}
-    assert one["w4a16_g128 permuted"] == {"PERMUTED_K": True}
+    assert one["w4a16_g128 permuted"] == {"PERMUTED_K": True, "BLOCK_K": 128}
     assert one["w4a16_g128 permuted fma"]["BLOCK_M"] == 1
     assert [impl for impl, _ in bench._w4a16_variants(16)] == [
         "w4a16_g128 interleaved", "w4a16_g128 permuted"]  # fmt: skip
