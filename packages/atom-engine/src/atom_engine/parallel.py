@@ -14,11 +14,13 @@ never block an engine's shutdown. The model runner that owns the group closes it
 
 With `ATOM_ALLREDUCE=peer`, on GPUs that can access each other, the group also maps a staging
 buffer of every rank into every other rank (`atom_kernels.collectives.PeerAllReduce`): messages up
-to PEER_MAX_BYTES take its one-shot kernel, larger ones NCCL, and `all_reduce_add_rms_norm` fuses
-the decoder layers' post-attention residual add and RMSNorm into it. The default is NCCL for every
-message (`ATOM_ALLREDUCE=nccl`): in the engine the peer kernel has not beaten NCCL yet (its plain
-all-reduce runs 31 us a call at TP=2 against NCCL's 13), and an engine at TP=4 hung in it once
-(benchmarks/README.md, "Multi-GPU").
+to PEER_MAX_BYTES take its one-shot kernel (each rank pushes its rows into every rank's buffer),
+larger ones NCCL, and `all_reduce_add_rms_norm` fuses the decoder layers' post-attention residual
+add and RMSNorm into it. It beats NCCL at every size it takes and in every engine case measured
+(benchmarks/README.md, "Multi-GPU": Llama-3-8B batch 1 at TP=2 0.62x TP=1, at TP=4 0.44x). The
+default is still NCCL for every message (`ATOM_ALLREDUCE=nccl`): a rank that dies mid-step leaves
+its peers' kernels polling until they trap (SPIN_LIMIT, tens of seconds) where NCCL's abort ends
+them at once, and the killed-rank serving tests have not run on the peer path yet.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 ABORT_TIMEOUT = 10.0
 # The largest message (bytes) the peer kernel takes, by group size: (plain all-reduce, fused with
 # the residual add + RMSNorm); larger ones go to NCCL. The sizes up to which it beat NCCL (+ the
-# Triton norm) at every size in benchmarks/allreduce.py on H200s (results/multi-gpu/
-# allreduce-*.json); 8 ranks were not measured: NCCL.
+# Triton norm) at every size in benchmarks/allreduce.py on 2 and 4 H100s (results/multi-gpu/
+# peer-allreduce/s19/allreduce-*.json; TP=4 at 2 MB: 30 against 33 us); 8 ranks were not
+# measured: NCCL.
 PEER_MAX_BYTES = {2: (8 << 20, 8 << 20), 4: (2 << 20, 2 << 20)}
 ALLREDUCE_CHOICES = ("nccl", "peer")
 
