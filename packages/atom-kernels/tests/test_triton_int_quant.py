@@ -374,13 +374,15 @@ def test_int8_linear_gpu_real_sizes(triton_backend, iq, rows, n, k):
 
 
 def test_launch_policy(triton_backend, iq):
-    """On an H100 (132 SMs) the decode launches of the Llama-3-8B shapes fill the SMs: 16-row
-    dots, a tile-wide scale (BLOCK_K divides the group), K split where the N tiles are too few;
-    prefill takes big tiles unsplit; odd groups fall back to a 32-deep K tile."""
+    """On an H100 (132 SMs) the decode launches of the Llama-3-8B shapes fill the SMs: one row
+    the permuted multiply-adds 256 wide, 16 rows the interleaved 16-row dots, a tile-wide scale
+    (BLOCK_K divides the group), K split where the N tiles are too few; prefill takes big tiles
+    unsplit; odd groups fall back to a 32-deep K tile."""
     for rows in (1, 16):
         for n, k in LLAMA3_8B:
             cfg = iq.wna16_config(rows, n, k, 128, True, 132)
-            assert cfg["BLOCK_M"] == 16 and 128 % cfg["BLOCK_K"] == 0, cfg
+            assert cfg["BLOCK_M"] == (1 if rows == 1 else 16) and 128 % cfg["BLOCK_K"] == 0, cfg
+            assert cfg["PERMUTED_K"] == (rows == 1) and cfg["BLOCK_N"] == (256 if rows == 1 else 64)
             programs = -(-n // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
             assert programs >= 132 and cfg["SPLIT_K"] <= k // cfg["BLOCK_K"] // 2, (n, k, cfg)
     cfg = iq.wna16_config(4096, 4096, 4096, 128, True, 132)

@@ -39,6 +39,8 @@ import triton.language as tl
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
 
 SKINNY_MAX_ROWS = 16
+# The most rows the permuted K loop takes by default (wna16_config says why).
+PERMUTED_MAX_ROWS = 4
 # The shallowest K of a tl.dot on a GPU (the interpreter takes any).
 MIN_DOT_K = 16
 # 1.5 * 2**23: adding and subtracting it rounds an fp32 |y| < 2**22 to an integer, half to even
@@ -367,31 +369,31 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     """The launch of ``_wna16_kernel`` for an [num_rows, k] x [n, k]^T GEMM (``per_tile``: the
     groups are contiguous, no g_idx); ``PERMUTED_K``: the K loop without interleave.
 
-    Decode (up to SKINNY_MAX_ROWS rows) takes the permuted K loop (``_permuted_k_loop``) where
-    a word lies in one group (no g_idx, group_size a multiple of 32 / bits): the interleaved
+    Decode takes the permuted K loop (``_permuted_k_loop``) where a word lies in one group (no
+    g_idx, group_size a multiple of 32 / bits) at up to PERMUTED_MAX_ROWS rows: the interleaved
     loop's [BLOCK_N, BLOCK_KP, 8] -> [BLOCK_N, BLOCK_K] reshape costs layout conversions through
-    shared memory, and on an H200 (benchmarks/results/int-quant/int.json, int-tiles.json) 1 to
-    16 rows took the same time at 13-20% of the copy bandwidth with no tile near 70%: bound by
-    instructions, not bytes. 128-deep K tiles: a dot's K is BLOCK_K * bits / 32 >= 16.
-    NOTE (sm_90 SASS of the main loop, triton 3.9 AOT, 4-bit, o_proj's launch; counts, not
-    times): instructions a weight, interleaved -> permuted: 16-row dots 64 x 128 tiles 8.5 ->
-    6.4 (128-wide 5.3), BLOCK_M = 1 multiply-adds 10.3 -> 6.4 (128-wide 5.5, 256-wide 4.9;
-    the interleaved one spent 448 warp shuffles an iteration, the permuted none). At 70% of an
-    H200's copy rate (~6e12 4-bit weights/s) its 132 SMs can issue ~5.6 a weight: wider tiles
-    or fewer x loads are still needed. Not measured yet: ``benchmarks/quant_kernels.py --only
-    int,int_tiles`` times both loops in one call and sweeps the tiles.
-
-    One row takes 16-row dots too: per 4-bit weight the multiply-add path (BLOCK_M = 1) issues
-    shift, mask, zero and multiply-add (~4 ALU instructions an element: 4.7e12 elements/s, 70%
-    of an H100's bandwidth, would need ~75% of its issue rate), the dot path shift, mask, zero
-    and half a conversion (the tensor cores multiply; the scale applies once per tile and
-    column). NOTE: chosen from that count, not measured for the permuted loop; the interleaved
-    one measured BLOCK_M = 1 slower than the dots at every tile (int-tiles.json)."""
+    shared memory. One row: the permuted multiply-adds (BLOCK_M = 1) over 256-wide tiles; 2..4
+    rows: the permuted 16-row dots (128-deep K tiles: a dot's K is BLOCK_K * bits / 32 >= 16);
+    5..16 rows: the interleaved 16-row dots.
+    NOTE (one H100, 2026-11-28, benchmarks/results/int-quant/s19/int-h100.json, cold-L2 graphs,
+    alternatives in one call; us for qkv / o / gate_up / down of Llama-3-8B): one row,
+    interleaved dots 22.2 / 14.3 / 74.9 / 39.6, permuted dots 16.3 / 11.0 / 51.2 / 30.4,
+    permuted multiply-adds 64-wide 13.8 / 10.0 / 49.1 / 27.5, and 256-wide (the tile sweep's best
+    of 33 launches at every shape) 12.5 / 9.7 / 42.7 / 24.8 (34-47% of the copy bandwidth: the
+    70% target is not met); 4 rows, permuted dots 17.3 / 11.8 / 54.1 / 31.6 against interleaved
+    22.2 / 14.1 / 74.8 / 39.6; 16 rows, permuted dots 29.9 / 19.1 / 105.1 / 58.2 against
+    interleaved 22.7 / 14.7 / 75.2 / 40.0. 8 rows: not measured (interleaved).
+    Instructions a weight (sm_90 SASS of the main loop, 4-bit, counts, not times): interleaved
+    -> permuted: 16-row dots 64 x 128 tiles 8.5 -> 6.4, BLOCK_M = 1 multiply-adds 10.3 -> 6.4
+    (256-wide 4.9); at 70% of an H200's copy rate its SMs can issue ~5.6 a weight."""
     per_int = 32 // bits
-    permuted = num_rows <= SKINNY_MAX_ROWS and per_tile and group_size % per_int == 0
+    permuted = num_rows <= PERMUTED_MAX_ROWS and per_tile and group_size % per_int == 0
     if interpreted:
         cfg = dict(BLOCK_M=1 if num_rows == 1 else 16, BLOCK_N=16, BLOCK_K=32, num_warps=4,
                    num_stages=1, GROUP_M=1, per_sm=2)  # fmt: skip
+    elif num_rows == 1 and permuted:
+        cfg = dict(BLOCK_M=1, BLOCK_N=256, BLOCK_K=128, num_warps=4, num_stages=1, GROUP_M=1,
+                   per_sm=2)  # fmt: skip
     elif num_rows <= SKINNY_MAX_ROWS:
         block_k = 128 if permuted else _block_k(group_size, per_tile, 128)
         cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4, GROUP_M=1,
