@@ -28,8 +28,9 @@ recorded as such while the others go on:
   3 dense and 21 MoE layers, ~245 GB) at TP=4 (`-tp4`), TP=4 + EP (`-tp4-ep`)
   and TP=4 + EP + an fp8 KV cache (`-tp4-ep-fp8kv`), full engines; each also as `<case>-b1`
   (batch-1 decode alone, small engine);
-- <any TP case>-peer: the same with `ATOM_ALLREDUCE=peer` (the peer all-reduce, issue 36) where
-  the case without the suffix runs NCCL: run both in one call to compare.
+- <any TP case>-peer: the same with `ATOM_ALLREDUCE=peer` (the peer all-reduce, issue 36; the
+  engine's default) where the case without the suffix runs NCCL (`ATOM_ALLREDUCE=nccl`): run both
+  in one call to compare.
 
 Random weights (load_format="dummy"). A decode floor is rank 0's weight bytes (its shard: the ranks
 read theirs at once) plus its KV read, over the copy bandwidth measured in this run; for the MoE,

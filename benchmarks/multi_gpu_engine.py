@@ -46,8 +46,9 @@ for _shape in ("qwen3-235b-a22b-fp8", "deepseek-v3-40l", "deepseek-v3-24l"):
         ENGINE_CASES[f"{_shape}-tp4{_suffix}-b1"] = ENGINE_CASES[f"{_shape}-tp4{_suffix}"]
 # Cases that time batch-1 decode alone, on a small engine.
 DECODE_ONLY = {name for name in ENGINE_CASES if name.endswith("-b1")}
-# A case name + PEER_SUFFIX runs the case with the peer all-reduce (ATOM_ALLREDUCE=peer) for
-# small messages, the others on NCCL (the default): run both in one call to compare (issue 36).
+# A case name + PEER_SUFFIX runs the case with the peer all-reduce (ATOM_ALLREDUCE=peer, the
+# default) for small messages, the others on NCCL (ATOM_ALLREDUCE=nccl): run both in one call to
+# compare (issue 36).
 PEER_SUFFIX = "-peer"
 for _name in [n for n, (_, p) in ENGINE_CASES.items() if p.get("tensor_parallel_size", 1) > 1]:
     ENGINE_CASES[_name + PEER_SUFFIX] = ENGINE_CASES[_name]
@@ -328,8 +329,8 @@ def case_engine(name: str, args) -> dict:
     from atom_engine import LLM, EngineConfig, LLMEngine
 
     shape, parallel = ENGINE_CASES[name]
-    if name.endswith(PEER_SUFFIX):  # read by each rank's EngineTPGroup (workers inherit it)
-        os.environ["ATOM_ALLREDUCE"] = "peer"
+    # Read by each rank's EngineTPGroup (workers inherit it): NCCL unless the case says peer.
+    os.environ["ATOM_ALLREDUCE"] = "peer" if name.endswith(PEER_SUFFIX) else "nccl"
     decode_only = name in DECODE_ONLY
     kwargs = engine_args(shape, args, small=decode_only, **parallel)
     t0 = time.perf_counter()

@@ -46,9 +46,10 @@ TABLE: tuple[Switch, ...] = (
         "to node 0 are authenticated with it)",
     ),
     Switch(
-        "ATOM_ALLREDUCE", "nccl", _stripped,
-        "tensor-parallel all-reduce on GPUs: `nccl`, or `peer` (the one-shot kernel for small "
-        "messages, NCCL for the rest; see parallel.py)",
+        "ATOM_ALLREDUCE", "peer", _stripped,
+        "tensor-parallel all-reduce on GPUs: `peer` (the one-shot kernel over peer-mapped "
+        "buffers up to a measured size, NCCL for the rest and where GPUs lack peer access; see "
+        "parallel.py) or `nccl` (NCCL for every message)",
     ),
     Switch(
         "ATOM_ALLREDUCE_PEER_MAX_BYTES", None, int,

@@ -12,15 +12,16 @@ communicator may: NCCL's finalize does, and its abort waits for every CUDA graph
 be destroyed), in a daemon thread joined at most ABORT_TIMEOUT s, so a stuck communicator can
 never block an engine's shutdown. The model runner that owns the group closes it after its graphs.
 
-With `ATOM_ALLREDUCE=peer`, on GPUs that can access each other, the group also maps a staging
-buffer of every rank into every other rank (`atom_kernels.collectives.PeerAllReduce`): messages up
-to PEER_MAX_BYTES take its one-shot kernel (each rank pushes its rows into every rank's buffer),
-larger ones NCCL, and `all_reduce_add_rms_norm` fuses the decoder layers' post-attention residual
-add and RMSNorm into it. It beats NCCL at every size it takes and in every engine case measured
-(benchmarks/README.md, "Multi-GPU": Llama-3-8B batch 1 at TP=2 0.62x TP=1, at TP=4 0.44x). The
-default is still NCCL for every message (`ATOM_ALLREDUCE=nccl`): a rank that dies mid-step leaves
-its peers' kernels polling until they trap (SPIN_LIMIT, tens of seconds) where NCCL's abort ends
-them at once, and the killed-rank serving tests have not run on the peer path yet.
+On GPUs of one host that can access each other (`ATOM_ALLREDUCE=peer`, the default), the group
+also maps a staging buffer of every rank into every other rank
+(`atom_kernels.collectives.PeerAllReduce`): messages up to PEER_MAX_BYTES take its one-shot kernel
+(each rank pushes its rows into every rank's buffer), larger ones NCCL, and
+`all_reduce_add_rms_norm` fuses the decoder layers' post-attention residual add and RMSNorm into
+it. It beat NCCL at every size it takes and in every engine case measured (benchmarks/README.md,
+"Multi-GPU": Llama-3-8B batch 1 at TP=2 0.62x TP=1, at TP=4 0.44x). `ATOM_ALLREDUCE=nccl` sends
+every message to NCCL. A rank that dies mid-step leaves its peers' kernels polling until rank 0's
+monitor ends the engine (the server exits, as when NCCL waits on a dead rank) or, offline, until
+the kernel traps (SPIN_LIMIT polls, tens of seconds; NCCL would wait COLLECTIVE_TIMEOUT).
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 
 def allreduce_choice() -> str:
-    """`ATOM_ALLREDUCE`: "nccl" (default) or "peer" (the one-shot kernel for small messages)."""
+    """`ATOM_ALLREDUCE`: "peer" (default: the one-shot kernel up to PEER_MAX_BYTES) or "nccl"."""
     choice = envs.ATOM_ALLREDUCE
     if choice not in ALLREDUCE_CHOICES:
         raise ValueError(f"ATOM_ALLREDUCE={choice!r}: expected one of {ALLREDUCE_CHOICES}")
