@@ -8,17 +8,17 @@ One process per GPU over the engine's own `EngineTPGroup` (its NCCL communicator
 `PeerAllReduce`, here allowed every size: ATOM_ALLREDUCE_PEER_MAX_BYTES). For each [tokens, 4096]
 bf16 message (8 KB at one token: Llama-3-8B's and Qwen3-235B's hidden size) it times, inside a CUDA
 graph of 20 back-to-back calls as the decode graphs run them, replayed:
-- `nccl`: NCCL's all-reduce; `peer`: the one-shot kernel;
+- `nccl`: NCCL's all-reduce; `peer`: the one-shot kernel; `peer2`: its two-shot form;
 - `nccl+norm`: NCCL then the Triton `fused_add_rms_norm` (today's decoder layer); `peer+norm`:
-  `all_reduce_add_rms_norm`, one kernel.
+  `all_reduce_add_rms_norm`, one kernel; `peer2+norm`: the same two-shot.
 The four alternate round after round (median of the rounds); rank 0's times are reported.
 "peer-copy" is the plain peer all-reduce again on a tensor NCCL's in-place calls never write;
 `ALLREDUCE_ORDER=a,b,...` picks and orders the implementations (to tell a kernel's own time from
 its place in the round).
 `crossover_bytes` / `fused_crossover_bytes`: the largest size up to which `peer` beats `nccl`
 (`peer+norm` beats `nccl+norm`) at every size, what `PEER_MAX_BYTES` in atom_engine/parallel.py is
-set from. The first line of the JSON names the
-devices, torch and NCCL.
+set from; `two_shot_faster_bytes`: the sizes where `peer2` beat `peer` (`PEER_TWO_SHOT_BYTES`).
+The first line of the JSON names the devices, torch and NCCL.
 """
 
 from __future__ import annotations
@@ -102,7 +102,14 @@ def rank_main(rank: int, world: int, port: int, smoke: bool, out: str) -> None:
             def peer_copy(x=x_copy):
                 tp.peer.all_reduce(x)
 
+            def peer2(x=x):
+                tp.peer.all_reduce(x, two_shot=True)
+
+            def peer2_norm(x=x, residual=residual, weight=weight):
+                tp.peer.all_reduce_add_rms_norm(x, residual, weight, 1e-6, two_shot=True)
+
             impls.update({"peer": peer, "peer+norm": peer_norm, "peer-copy": peer_copy})
+            impls.update({"peer2": peer2, "peer2+norm": peer2_norm})
         order = os.environ.get("ALLREDUCE_ORDER")  # e.g. "peer-copy,nccl,peer,peer+norm"
         if order:
             impls = {name: impls[name] for name in order.split(",") if name in impls}
@@ -135,6 +142,10 @@ def rank_main(rank: int, world: int, port: int, smoke: bool, out: str) -> None:
             world=world,
             crossover_bytes=crossover("peer_us", "nccl_us"),
             fused_crossover_bytes=crossover("peer+norm_us", "nccl+norm_us"),
+            # Where two-shot beat one-shot (PEER_TWO_SHOT_BYTES is set from these).
+            two_shot_faster_bytes=[
+                r["bytes"] for r in rows if "peer2_us" in r and r["peer2_us"] < r["peer_us"]
+            ],
             results=rows,
         )
         Path(out).write_text(json.dumps(result, indent=2))

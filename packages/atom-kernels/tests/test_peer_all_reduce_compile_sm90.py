@@ -1,8 +1,8 @@
-"""The one-shot peer all-reduce kernel (``backends/triton/peer_all_reduce.py``) compiles for a real
-Hopper GPU (sm_90) without one: 16- and 32-bit rows, plain and fused with the norm, 2 to 8 ranks,
-with and without PDL. Its pushes and polls are 16-byte wide, the polls volatile (re-read every
-time, never hoisted); a peer that never comes traps, and the phase moves on through an atomic.
-The multi-GPU tests run it for real."""
+"""The peer all-reduce kernel (``backends/triton/peer_all_reduce.py``) compiles for a real Hopper
+GPU (sm_90) without one: 16- and 32-bit rows, plain and fused with the norm, one- and two-shot,
+2 to 8 ranks, with and without PDL. Its pushes and polls are 16-byte wide, the polls volatile
+(re-read every time, never hoisted); a peer that never comes traps, and the phase moves on
+through an atomic. The multi-GPU tests run it for real."""
 
 from __future__ import annotations
 
@@ -25,16 +25,23 @@ from atom_kernels.backends.triton import peer_all_reduce  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    ("dtype", "world", "fuse", "use_pdl"),
-    [("bf16", 2, True, True), ("bf16", 4, False, True), ("fp32", 8, True, False)],
+    ("dtype", "world", "fuse", "use_pdl", "two_shot"),
+    [
+        ("bf16", 2, True, True, False),
+        ("bf16", 4, False, True, False),
+        ("fp32", 8, True, False, False),
+        ("bf16", 4, True, True, True),
+        ("fp32", 2, False, False, True),
+    ],
 )
-def test_peer_all_reduce_compiles_for_sm90(dtype, world, fuse, use_pdl):
+def test_peer_all_reduce_compiles_for_sm90(dtype, world, fuse, use_pdl, two_shot):
     kernel = peer_all_reduce._peer_all_reduce_kernel
     wide16 = dtype == "bf16"
     constexprs = dict(
         WORLD=world,
         BLOCK_N=4096,
         FUSE_NORM=fuse,
+        TWO_SHOT=two_shot,
         TRAP=True,
         SPIN_LIMIT=peer_all_reduce.SPIN_LIMIT,
         PHASES=peer_all_reduce.PHASES,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from atom_kernels.backends.torch import norm as reference
-from atom_kernels.backends.triton.peer_all_reduce import EMPTY32, PHASES
+from atom_kernels.backends.triton.peer_all_reduce import EMPTY16, EMPTY32, PHASES
 from atom_kernels.collectives import PeerAllReduce, reference_all_reduce_add_rms_norm
 from atom_kernels.testing import assert_close, assert_equal, tolerances
 
@@ -41,23 +41,56 @@ def _sent(part: torch.Tensor) -> torch.Tensor:
     return torch.where(bits == EMPTY32, -(1 << 31), bits).view(part.dtype)
 
 
-def _run_round(ranks, parts, phase, call):
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _owner_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Two-shot: the rows as their owners send them (the fp32 sum in rank order, rounded, the
+    mark replaced)."""
+    return _sent(sum(_sent(p).float() for p in parts).to(parts[0].dtype))
+
+
+def _run_round(ranks, parts, phase, call, two_shot=False):
     """Every rank's call in turn, the pushes of the ranks not run yet written by the test."""
-    results = []
+    world, results = len(ranks), []
+    rows, n = parts[0].shape[0], parts[0].shape[1]
+    owner = [r * world // rows for r in range(rows)]
+    sums = _owner_sum(parts)
     for group, part in zip(ranks, parts, strict=True):
-        r, n = group.rank, part.numel()
+        r = group.rank
         slots = _slots(group, part.dtype)
-        for s in range(r + 1, group.world):
-            slots[phase, s, :n] = _sent(parts[s]).flatten()
+        for s in range(r + 1, world):
+            if not two_shot:
+                slots[phase, s, : part.numel()] = _sent(parts[s]).flatten()
+                continue
+            for row in range(rows):
+                at = slice(row * n, (row + 1) * n)
+                if owner[row] == r:  # s's row for me to sum
+                    slots[phase, s, at] = _sent(parts[s][row])
+                elif owner[row] == s:  # s's sum of its row
+                    slots[phase, s, at] = sums[row]
         results.append(call(group, part))
         empty = _slots(group, torch.int32)[phase].flatten()
         assert (empty == EMPTY32).all(), f"rank {r} left its phase-{phase} slots not empty"
-        for done in ranks[:r]:
-            pushed = _slots(done, part.dtype)[phase, r, :n]
-            assert_equal(pushed.view(torch.int16 if part.element_size() == 2 else torch.int32),
-                         _sent(part).flatten().view(pushed.shape).view(
-                             torch.int16 if part.element_size() == 2 else torch.int32),
-                         name=f"rank {r}'s row at rank {done.rank}")  # fmt: skip
+        for done in ranks[:r]:  # what r pushed to a rank already done: check, then empty it
+            pushed = _slots(done, part.dtype)[phase, r]
+            for row in range(rows):
+                at = slice(row * n, (row + 1) * n)
+                if not two_shot:
+                    want = _sent(part[row])
+                elif owner[row] == done.rank:
+                    want = _sent(part[row])  # r's row for `done` to sum
+                elif owner[row] == r:
+                    want = sums[row]  # r's sum of its row
+                else:
+                    want = None  # never sent there
+                got = _bits(pushed[at])
+                if want is None:
+                    assert (got == (EMPTY16 if part.element_size() == 2 else EMPTY32)).all()
+                else:
+                    assert_equal(got, _bits(want.to(got.device)),
+                                 name=f"rank {r}'s row {row} at rank {done.rank}")  # fmt: skip
             _slots(done, torch.int32)[phase] = EMPTY32
     for group in ranks:
         assert group.counter.tolist() == [(phase + 1) % PHASES, 0]
@@ -84,7 +117,8 @@ def _parts(world, rows, cols, dtype, device, seed):
         (8, torch.float32, 9, 32),
     ],
 )
-def test_all_reduce_add_rms_norm(triton_backend, world, dtype, rows, cols):
+@pytest.mark.parametrize("two_shot", [False, True])
+def test_all_reduce_add_rms_norm(triton_backend, world, dtype, rows, cols, two_shot):
     device = triton_backend.device
     ranks = _world(world, device)
     g = torch.Generator().manual_seed(1)
@@ -100,8 +134,9 @@ def test_all_reduce_add_rms_norm(triton_backend, world, dtype, rows, cols):
             parts,
             count % PHASES,
             lambda group, part, residual=residual: group.all_reduce_add_rms_norm(
-                part.clone(), residual, weight, 1e-6
+                part.clone(), residual, weight, 1e-6, two_shot=two_shot
             ),
+            two_shot,
         )
         atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else tolerances(dtype)
         for out, new_residual in results:
@@ -110,8 +145,8 @@ def test_all_reduce_add_rms_norm(triton_backend, world, dtype, rows, cols):
             assert_equal(out, results[0][0], name="the same bits on every rank")
 
 
-@pytest.mark.parametrize("world", [2, 8])
-def test_all_reduce(triton_backend, world):
+@pytest.mark.parametrize(("world", "two_shot"), [(2, False), (8, False), (4, True)])
+def test_all_reduce(triton_backend, world, two_shot):
     device = triton_backend.device
     ranks = _world(world, device)
     for count in range(2):  # a message of another shape and dtype in the next phase
@@ -119,7 +154,13 @@ def test_all_reduce(triton_backend, world):
         parts = _parts(world, *shape, dtype, device, seed=5 + count)
         expected = sum(_sent(p).float() for p in parts).to(dtype)
         copies = [p.clone() for p in parts]
-        results = _run_round(ranks, copies, count, lambda group, part: group.all_reduce(part))
+        results = _run_round(
+            ranks,
+            copies,
+            count,
+            lambda group, part: group.all_reduce(part, two_shot=two_shot),
+            two_shot,
+        )
         for out, x, part in zip(results, copies, parts, strict=True):
             assert_equal(out, expected, name="sum")
             assert_equal(x, part, name="x unchanged")

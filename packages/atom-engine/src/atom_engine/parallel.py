@@ -51,6 +51,10 @@ ABORT_TIMEOUT = 10.0
 # peer-allreduce/s19/allreduce-*.json; TP=4 at 2 MB: 30 against 33 us); 8 ranks were not
 # measured: NCCL.
 PEER_MAX_BYTES = {2: (8 << 20, 8 << 20), 4: (2 << 20, 2 << 20)}
+# Messages at least this large (bytes, by group size) that the peer kernel takes go two-shot (each
+# rank sums a share of the rows and sends the sums on: fewer bytes a rank at 4+ ranks). None yet:
+# not measured on a GPU (benchmarks/allreduce.py times `peer2`).
+PEER_TWO_SHOT_BYTES: dict[int, int] = {}
 ALLREDUCE_CHOICES = ("nccl", "peer")
 
 
@@ -250,9 +254,12 @@ class EngineTPGroup:
         if self.size > 1:
             if self.peer is not None and x.nbytes <= self.peer_max_bytes and self.peer.fits(x):
                 self._group()  # a closed group refuses, as NCCL's would
-                return self.peer.all_reduce(x)
+                return self.peer.all_reduce(x, self._two_shot(x))
             self._group().allreduce([x]).wait()
         return x
+
+    def _two_shot(self, x: torch.Tensor) -> bool:
+        return x.nbytes >= PEER_TWO_SHOT_BYTES.get(self.size, 1 << 62)
 
     @property
     def fuses_all_reduce_norm(self) -> bool:
@@ -273,7 +280,7 @@ class EngineTPGroup:
             and residual.is_contiguous()
         ):
             self._group()
-            return peer.all_reduce_add_rms_norm(x, residual, weight, eps)
+            return peer.all_reduce_add_rms_norm(x, residual, weight, eps, self._two_shot(x))
         import atom_kernels
 
         return atom_kernels.fused_add_rms_norm(self.all_reduce(x), residual, weight, eps)

@@ -16,6 +16,13 @@ into phase p + 1 only once it has finished call p, which needed every peer's pus
 after that peer finished p - 1 and emptied its phase p - 1 slots; so a push never lands in slots
 their reader has not emptied, nor while it reads them.
 
+Two-shot (`TWO_SHOT`, for larger messages): row r belongs to rank r * W // rows. Each rank pushes
+every row it does not own into slot `rank` of the owner's buffer, sums the rows it owns (its own
+part from x, the others' as they land) and pushes each sum into slot `owner` of every other
+rank's buffer, then takes the others' sums as they land: a rank sends 2 (W - 1) / W of the message
+instead of W - 1 of it. The slots a call uses are disjoint (slot s holds s's rows for me to sum,
+or s's sums of its own rows) and empty again when it ends, so the phases work as above.
+
 At most one program per SM (all resident at once: a program polling for a peer's push never
 keeps a program of its own rank from running), each over rows p, p + G, ...
 
@@ -45,6 +52,52 @@ EMPTY32 = -(1 << 31) + (1 << 15)  # 0x80008000
 
 
 @triton.jit
+def _sendable(x, BITS_TY: tl.constexpr, MARK: tl.constexpr, SEND_AS: tl.constexpr):
+    """`x` with the empty mark replaced by the nearest value that is not it (-0.0 -> +0.0, or
+    the 32-bit mark -> -0.0)."""
+    bits = x.to(BITS_TY, bitcast=True)
+    bits = tl.where(bits == MARK, tl.full(bits.shape, SEND_AS, BITS_TY), bits)
+    return bits.to(x.dtype, bitcast=True)
+
+
+@triton.jit
+def _take(slot, mask, empty, BITS_TY: tl.constexpr, MARK: tl.constexpr, TRAP: tl.constexpr,
+          SPIN_LIMIT: tl.constexpr):  # fmt: skip
+    """The row at `slot` once no element is the empty mark (volatile polls); the slot is left
+    empty. Traps after SPIN_LIMIT polls (a peer that never comes: dead, or stuck)."""
+    v = tl.load(slot, mask=mask, other=0.0, volatile=True)
+    polls = 0
+    while tl.sum((v.to(BITS_TY, bitcast=True) == MARK).to(tl.int32), axis=0) > 0:
+        v = tl.load(slot, mask=mask, other=0.0, volatile=True)
+        polls += 1
+        if TRAP:
+            if polls > SPIN_LIMIT:
+                tl.inline_asm_elementwise(
+                    "trap;", "=r,r", [polls], dtype=tl.int32, is_pure=False, pack=1
+                )
+    tl.store(slot, empty, mask=mask)
+    return v
+
+
+@triton.jit
+def _finish(total, row, cols, mask, num_cols, residual_ptr, stride_r, residual_out_ptr,
+            weight_ptr, out_ptr, stride_o, eps, FUSE_NORM: tl.constexpr):  # fmt: skip
+    """Store a summed row: as it is, or `residual + total` and its RMSNorm."""
+    if FUSE_NORM:
+        res = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        # As `fused_add_rms_norm`: the sum rounds before the norm; HF's rounding after it.
+        h = (total.to(tl.float32) + res.to(tl.float32)).to(total.dtype)
+        tl.store(residual_out_ptr + row * num_cols + cols, h, mask=mask)
+        hf = h.to(tl.float32)
+        variance = tl.sum(hf * hf, axis=0) / num_cols
+        normed = (hf * tl.math.rsqrt(variance + eps)).to(total.dtype).to(tl.float32)
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, w * normed, mask=mask)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, total, mask=mask)
+
+
+@triton.jit
 def _peer_all_reduce_kernel(
     x_ptr,
     stride_x,
@@ -65,6 +118,7 @@ def _peer_all_reduce_kernel(
     WORLD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FUSE_NORM: tl.constexpr,
+    TWO_SHOT: tl.constexpr,
     TRAP: tl.constexpr,
     SPIN_LIMIT: tl.constexpr,
     PHASES: tl.constexpr,
@@ -85,47 +139,60 @@ def _peer_all_reduce_kernel(
     empty = tl.full([BLOCK_N], MARK, BITS_TY).to(dtype, bitcast=True)
     phase = tl.load(counter_ptr)
     base = phase.to(tl.int64) * WORLD * slot_elems
+    mine = base + rank * slot_elems  # my slot, in every rank's buffer
 
-    for row in range(pid, num_rows, grid):
-        bits = tl.load(x_ptr + row * stride_x + cols, mask=mask).to(BITS_TY, bitcast=True)
-        # The mark is sent as the nearest value that is not it (-0.0 -> +0.0, or -0.0).
-        bits = tl.where(bits == MARK, tl.full([BLOCK_N], SEND_AS, BITS_TY), bits)
-        x = bits.to(dtype, bitcast=True)
-        start = base + rank * slot_elems + row * num_cols
-        for r in tl.static_range(WORLD):
-            tl.store(buffers[r] + start + cols, x, mask=mask)
-
-    own = own_ptr
-    for row in range(pid, num_rows, grid):
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for r in tl.static_range(WORLD):
-            slot = own + base + r * slot_elems + row * num_cols + cols
-            v = tl.load(slot, mask=mask, other=0.0, volatile=True)
-            polls = 0
-            while tl.sum((v.to(BITS_TY, bitcast=True) == MARK).to(tl.int32), axis=0) > 0:
-                v = tl.load(slot, mask=mask, other=0.0, volatile=True)
-                polls += 1
-                if TRAP:  # a peer that never comes (dead, or stuck): fail, never hang
-                    if polls > SPIN_LIMIT:
-                        tl.inline_asm_elementwise(
-                            "trap;", "=r,r", [polls], dtype=tl.int32, is_pure=False, pack=1
-                        )
-            acc += v.to(tl.float32)
-            tl.store(slot, empty, mask=mask)
-        # The sum rounds to the input dtype, as NCCL's all-reduce result does.
-        total = acc.to(dtype)
-        if FUSE_NORM:
-            res = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
-            # As `fused_add_rms_norm`: the sum rounds before the norm; HF's rounding after it.
-            h = (total.to(tl.float32) + res.to(tl.float32)).to(dtype)
-            tl.store(residual_out_ptr + row * num_cols + cols, h, mask=mask)
-            hf = h.to(tl.float32)
-            variance = tl.sum(hf * hf, axis=0) / num_cols
-            normed = (hf * tl.math.rsqrt(variance + eps)).to(dtype).to(tl.float32)
-            w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + row * stride_o + cols, w * normed, mask=mask)
-        else:
-            tl.store(out_ptr + row * stride_o + cols, total, mask=mask)
+    if TWO_SHOT:
+        # Row r belongs to rank r * W // rows. 1. each row to its owner (slot: mine); 2. the owner
+        # sums its rows (its own part from x) and sends the sum to every other rank (slot: the
+        # owner's); 3. the rows of the others, taken as they come.
+        for row in range(pid, num_rows, grid):
+            owner = (row * WORLD) // num_rows
+            if owner != rank:
+                x = _sendable(tl.load(x_ptr + row * stride_x + cols, mask=mask), BITS_TY, MARK,
+                              SEND_AS)  # fmt: skip
+                for r in tl.static_range(WORLD):
+                    if r == owner:
+                        tl.store(buffers[r] + mine + row * num_cols + cols, x, mask=mask)
+        for row in range(pid, num_rows, grid):
+            if (row * WORLD) // num_rows == rank:
+                acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for r in tl.static_range(WORLD):
+                    if r == rank:
+                        v = _sendable(tl.load(x_ptr + row * stride_x + cols, mask=mask), BITS_TY,
+                                      MARK, SEND_AS)  # fmt: skip
+                    else:
+                        v = _take(own_ptr + base + r * slot_elems + row * num_cols + cols, mask,
+                                  empty, BITS_TY, MARK, TRAP, SPIN_LIMIT)  # fmt: skip
+                    acc += v.to(tl.float32)
+                # The sum rounds to the input dtype, as NCCL's all-reduce result does.
+                total = acc.to(dtype)
+                sent = _sendable(total, BITS_TY, MARK, SEND_AS)
+                for r in tl.static_range(WORLD):
+                    if r != rank:
+                        tl.store(buffers[r] + mine + row * num_cols + cols, sent, mask=mask)
+                _finish(sent, row, cols, mask, num_cols, residual_ptr, stride_r, residual_out_ptr,
+                        weight_ptr, out_ptr, stride_o, eps, FUSE_NORM)  # fmt: skip
+        for row in range(pid, num_rows, grid):
+            owner = (row * WORLD) // num_rows
+            if owner != rank:
+                total = _take(own_ptr + base + owner * slot_elems + row * num_cols + cols, mask,
+                              empty, BITS_TY, MARK, TRAP, SPIN_LIMIT)  # fmt: skip
+                _finish(total, row, cols, mask, num_cols, residual_ptr, stride_r, residual_out_ptr,
+                        weight_ptr, out_ptr, stride_o, eps, FUSE_NORM)  # fmt: skip
+    else:
+        for row in range(pid, num_rows, grid):
+            x = _sendable(tl.load(x_ptr + row * stride_x + cols, mask=mask), BITS_TY, MARK,
+                          SEND_AS)  # fmt: skip
+            for r in tl.static_range(WORLD):
+                tl.store(buffers[r] + mine + row * num_cols + cols, x, mask=mask)
+        for row in range(pid, num_rows, grid):
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for r in tl.static_range(WORLD):
+                slot = own_ptr + base + r * slot_elems + row * num_cols + cols
+                acc += _take(slot, mask, empty, BITS_TY, MARK, TRAP, SPIN_LIMIT).to(tl.float32)
+            # The sum rounds to the input dtype, as NCCL's all-reduce result does.
+            _finish(acc.to(dtype), row, cols, mask, num_cols, residual_ptr, stride_r,
+                    residual_out_ptr, weight_ptr, out_ptr, stride_o, eps, FUSE_NORM)  # fmt: skip
 
     # The last program of this rank to finish moves its phase on (the next call reads it only
     # once this kernel has ended: stream order, or its PDL wait).
@@ -148,6 +215,7 @@ def launch(
     rank: int,
     world: int,
     max_programs: int,
+    two_shot: bool = False,
 ) -> None:
     """Rows of `x` [T, N] summed over the ranks into `out`, or, given `residual` and `weight`:
     `residual_out = residual + sum` (contiguous) and `out = rms_norm(residual_out)`. Every rank
@@ -177,6 +245,7 @@ def launch(
         WORLD=world,
         BLOCK_N=block,
         FUSE_NORM=fuse,
+        TWO_SHOT=two_shot,
         TRAP=not is_interpreted(x.device),
         SPIN_LIMIT=SPIN_LIMIT,
         PHASES=PHASES,
