@@ -149,7 +149,7 @@ def decode_cases(s: Sizes, device, page_size: int, gen) -> Iterator[Case]:
                     "decode_attention", f"H={heads}/{kv_heads} D={d} B={batch} ctx={context}",
                     atom, flashinfer, close, nbytes,
                 )  # fmt: skip
-                del kc, vc
+                del kc, vc, atom, flashinfer  # the next case's caches: one row's at a time
 
 
 def prefill_cases(s: Sizes, device, page_size: int, gen) -> Iterator[Case]:
@@ -183,7 +183,7 @@ def prefill_cases(s: Sizes, device, page_size: int, gen) -> Iterator[Case]:
             attention_bytes([new], seq, heads, kv_heads, d, 2, 2),
             attention_flops([new], seq, heads, d, d),
         )  # fmt: skip
-        del kc, vc
+        del kc, vc, atom, flashinfer
 
 
 def mla_cases(s: Sizes, device, page_size: int, gen) -> Iterator[Case]:
@@ -222,7 +222,7 @@ def mla_cases(s: Sizes, device, page_size: int, gen) -> Iterator[Case]:
                 "mla_decode", f"H={heads} L={lat}+{rope} B={batch} ctx={context}",
                 atom, flashinfer, close, float(nbytes),
             )  # fmt: skip
-            del cache
+            del cache, atom, flashinfer
 
 
 def norm_cases(s: Sizes, device, gen) -> Iterator[Case]:

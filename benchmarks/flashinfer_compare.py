@@ -79,6 +79,19 @@ def load_flashinfer(device: str) -> tuple[object | None, str]:
     return flashinfer, "ok"
 
 
+def norm_path(fi, device: str) -> str | None:
+    """Which kernels FlashInfer's norms run: "cute-dsl" (its default, with nvidia-cutlass-dsl
+    installed, as in vLLM's install) or "cuda-jit" (its fallback without the DSL)."""
+    if fi is None:
+        return None
+    try:
+        from flashinfer.norm import _use_cuda_norm  # private: 0.7.2's own dispatch test
+
+        return "cuda-jit" if _use_cuda_norm(torch.device(device)) else "cute-dsl"
+    except Exception as e:  # noqa: BLE001
+        return _error(e)
+
+
 def _error(e: BaseException) -> str:
     return f"error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
@@ -231,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": _versions(fi),
         "flashinfer": fi_status,
+        "flashinfer_norm_path": norm_path(fi, device),
         "fi_page_size": args.fi_page_size,
         "atom_block_size": 16,
         "rounds": args.rounds,
@@ -240,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
-    print(f"{report['device']}  flashinfer: {fi_status}  versions: {report['versions']}")
+    print(
+        f"{report['device']}  flashinfer: {fi_status} (norms: {report['flashinfer_norm_path']})  "
+        f"versions: {report['versions']}"
+    )
     if roofline:
         print(f"roofline: copy {roofline['copy_GBps']:.0f} GB/s, "
               f"bf16 matmul {roofline['matmul_TFLOPs']:.0f} TFLOP/s")  # fmt: skip

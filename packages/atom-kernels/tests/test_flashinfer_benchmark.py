@@ -38,7 +38,7 @@ def test_atom_half_runs_and_records_flashinfer_absent(bench, tmp_path):
     assert compare.main(["--tiny", "--rounds", "2", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["flashinfer"] == "not installed"
-    assert report["versions"]["flashinfer"] is None
+    assert report["versions"]["flashinfer"] is None and report["flashinfer_norm_path"] is None
     assert set(report["versions"]) >= {"torch", "triton", "flashinfer"}
     rows = report["rows"]
     tiny = fcases.TINY
