@@ -111,6 +111,13 @@ def fi_pages(block_tables, seq_lens, page_size: int) -> dict:
     }
 
 
+def _planned(call: Callable[[], object], wrapper) -> Callable[[], object]:
+    """``call`` tagged with the backend the wrapper's plan() chose (fa2 / fa3 / ...): the row
+    records it."""
+    call.backend = str(getattr(wrapper, "_backend", None))
+    return call
+
+
 def _pages_view(cache: torch.Tensor, page_size: int) -> torch.Tensor:
     return cache if page_size == BLOCK else cache.view(-1, 1, *cache.shape[2:])
 
@@ -142,7 +149,7 @@ def decode_cases(s: Sizes, device, page_size: int, gen) -> Iterator[Case]:
                         q_data_type=dt, kv_data_type=dt, sm_scale=d**-0.5,
                     )  # fmt: skip
                     pages = (_pages_view(kc, page_size), _pages_view(vc, page_size))
-                    return lambda: w.run(q, pages)
+                    return _planned(lambda: w.run(q, pages), w)
 
                 nbytes = attention_bytes([1] * batch, [context] * batch, heads, kv_heads, d, 2, 2)
                 yield Case(
@@ -174,7 +181,7 @@ def prefill_cases(s: Sizes, device, page_size: int, gen) -> Iterator[Case]:
                 causal=True, sm_scale=d**-0.5, q_data_type=dt, kv_data_type=dt,
             )  # fmt: skip
             pages = (_pages_view(kc, page_size), _pages_view(vc, page_size))
-            return lambda: w.run(q, pages)
+            return _planned(lambda: w.run(q, pages), w)
 
         seq = [new + prefix]
         yield Case(
@@ -215,7 +222,7 @@ def mla_cases(s: Sizes, device, page_size: int, gen) -> Iterator[Case]:
                     kv_data_type=dt,
                 )  # fmt: skip
                 pages = _pages_view(cache, page_size)
-                return lambda: w.run(query=q, kv_cache=pages)
+                return _planned(lambda: w.run(query=q, kv_cache=pages), w)
 
             nbytes = 2 * (batch * context * (lat + rope) + batch * heads * (2 * lat + rope))
             yield Case(
@@ -254,6 +261,8 @@ def norm_cases(s: Sizes, device, gen) -> Iterator[Case]:
         def check_fused(a, b):
             out = close(a[0], None if b is None else b[0])
             out["residual"] = close(a[1], None if b is None else b[1])
+            if b is not None:
+                out["agree"] = out["agree"] and out["residual"]["agree"]
             return out
 
         yield Case(
@@ -301,6 +310,8 @@ def rope_cases(s: Sizes, device, gen) -> Iterator[Case]:
         def check(a, b):
             out = close(a[0], None if b is None else b[0])
             out["k"] = close(a[1], None if b is None else b[1])
+            if b is not None:
+                out["agree"] = out["agree"] and out["k"]["agree"]
             return out
 
         nbytes = 2 * (q.numel() + k.numel()) * 2 + tokens * d * 4

@@ -145,6 +145,8 @@ def run_case(case: Case, fi, fi_status: str, rounds: int, device: str, roofline:
     if fi is not None:
         try:
             fi_fn = case.flashinfer(fi)  # plan (and JIT compile) here, untimed
+            if hasattr(fi_fn, "backend"):
+                row["flashinfer_backend"] = fi_fn.backend
             for _ in range(WARMUP):
                 if case.reset is not None:
                     case.reset()
@@ -234,7 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     roofline = measure_roofline(torch) if device == "cuda" else None
     rows = []
     for case in cases(groups, TINY if args.tiny else FULL, device, args.fi_page_size):
-        rows.append(run_case(case, fi, fi_status, args.rounds, device, roofline))
+        try:
+            rows.append(run_case(case, fi, fi_status, args.rounds, device, roofline))
+        except Exception as e:  # noqa: BLE001 - timing raised after both warmed up: keep going
+            err = _error(e)
+            rows.append({"op": case.op, "shape": case.shape, "atom": err, "flashinfer": err})
+            rows[-1].update(atom_ms=None, flashinfer_ms=None, fi_speedup=None, check=None)
         print(json.dumps({k: rows[-1][k] for k in ("op", "shape", "atom_ms", "flashinfer_ms")}))
         del case
         if device == "cuda":

@@ -114,3 +114,21 @@ def test_flashinfer_pages_name_the_same_tokens_as_the_block_table(bench, page_si
         assert 1 <= last <= page_size
         got = got[: (len(ids) - 1) * page_size + last]
         torch.testing.assert_close(got, want)
+
+
+def test_checks_tell_agreement_from_disagreement(bench):
+    """The checks a FlashInfer row runs, fed ATOM's own output as the other side, then a wrong one
+    (a shifted residual; a draw outside the top-k set)."""
+    _, fcases = bench
+    gen = torch.Generator().manual_seed(0)
+    fused = next(c for c in fcases.norm_cases(fcases.TINY, "cpu", gen) if c.op.startswith("fused"))
+    out, residual = fused.atom()
+    assert fused.check((out, residual), (out.clone(), residual.clone()))["agree"] is True
+    assert fused.check((out, residual), (out.clone(), residual + 1.0))["agree"] is False
+    sampling = next(fcases.sampling_cases(fcases.TINY, "cpu", gen))
+    drawn = sampling.atom()
+    assert sampling.check(drawn, drawn.token_ids.clone())["agree"] is True
+    logits = sampling.atom.__defaults__[0]
+    worst = logits.argmin(dim=-1)  # never inside the top 50
+    result = sampling.check(drawn, worst)
+    assert result["agree"] is False and result["flashinfer_in_top_k"] == 0.0
