@@ -234,18 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     fi, fi_status = load_flashinfer(device)
     roofline = measure_roofline(torch) if device == "cuda" else None
-    rows = []
-    for case in cases(groups, TINY if args.tiny else FULL, device, args.fi_page_size):
-        try:
-            rows.append(run_case(case, fi, fi_status, args.rounds, device, roofline))
-        except Exception as e:  # noqa: BLE001 - timing raised after both warmed up: keep going
-            err = _error(e)
-            rows.append({"op": case.op, "shape": case.shape, "atom": err, "flashinfer": err})
-            rows[-1].update(atom_ms=None, flashinfer_ms=None, fi_speedup=None, check=None)
-        print(json.dumps({k: rows[-1][k] for k in ("op", "shape", "atom_ms", "flashinfer_ms")}))
-        del case
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    rows: list[dict] = []
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else f"{platform.machine()} CPU",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -259,8 +248,19 @@ def main(argv: list[str] | None = None) -> int:
         "roofline": roofline,
         "rows": rows,
     }
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    for case in cases(groups, TINY if args.tiny else FULL, device, args.fi_page_size):
+        try:
+            rows.append(run_case(case, fi, fi_status, args.rounds, device, roofline))
+        except Exception as e:  # noqa: BLE001 - timing raised after both warmed up: keep going
+            err = _error(e)
+            rows.append({"op": case.op, "shape": case.shape, "atom": err, "flashinfer": err})
+            rows[-1].update(atom_ms=None, flashinfer_ms=None, fi_speedup=None, check=None)
+        print(json.dumps({k: rows[-1][k] for k in ("op", "shape", "atom_ms", "flashinfer_ms")}))
+        with open(args.out, "w") as f:  # after every row: a call cut off at its limit keeps them
+            json.dump(report, f, indent=2)
+        del case
+        if device == "cuda":
+            torch.cuda.empty_cache()
     print(
         f"{report['device']}  flashinfer: {fi_status} (norms: {report['flashinfer_norm_path']})  "
         f"versions: {report['versions']}"
