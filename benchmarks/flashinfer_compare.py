@@ -13,8 +13,9 @@ RMSNorm, SiLU-and-mul, rotary (neox), top-k / top-p sampling at vocab 128256 and
 side is the public op (Triton on a GPU); FlashInfer's is the API vLLM 0.33 calls (0.7.2.post1).
 
 Timing: both sides alternate inside every round (the order flips each round); each call is
-timed alone with CUDA events after a 256 MB L2 flush (the flush also hides the host's launch
-work, so this is GPU time with a cold L2); the row's time is the median over ``--rounds``.
+timed alone with CUDA events after a 256 MB L2 flush and a ~0.5 ms GPU spin that hides the host's
+launch work: GPU time with a cold L2 (an op that syncs the host inside also counts the gaps that
+makes); the row's time is the median over ``--rounds``.
 FlashInfer's plan() (host work, and its JIT compile at first use) runs once per row, untimed, as
 vLLM plans once per step outside the graph. Each row: both times, ``fi_speedup`` = ATOM ms /
 FlashInfer ms (above 1: FlashInfer faster), and both as a fraction of the row's roofline: the
@@ -55,9 +56,10 @@ from flashinfer_cases import FULL, GROUPS, TINY, Case, cases  # noqa: E402
 from kernels import format_table, measure_roofline  # noqa: E402
 
 WARMUP = 3
+SPIN_CYCLES = 1_000_000  # torch.cuda._sleep: ~0.5 ms at an H100's 1.98 GHz
 TIMING = {
-    "cuda": "GPU time of each call after a 256 MB L2 flush (CUDA events), median over rounds, "
-    "ATOM and FlashInfer alternating",
+    "cuda": "GPU time of each call after a 256 MB L2 flush and a 0.5 ms spin (CUDA events), "
+    "median over rounds, ATOM and FlashInfer alternating",
     "cpu": "wall time of each call, median over rounds",
 }
 
@@ -116,6 +118,9 @@ def time_alternating(fns: list, resets: list, rounds: int, device: str) -> list[
             if resets[i] is not None:
                 resets[i]()
             if device == "cuda":
+                # the GPU spins (~0.5 ms) while the host enqueues the call: the events then
+                # bracket GPU work alone, whatever the host's launch work (checks, plan lookups)
+                torch.cuda._sleep(SPIN_CYCLES)
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
