@@ -167,11 +167,9 @@ def test_all_reduce(triton_backend, world, two_shot):
 
 
 def test_fits(triton_backend):
-    group = PeerAllReduce(0, 2, [PeerAllReduce.empty_buffer(2, 4096, "cpu")] * 2, 4096)
-    if triton_backend.device.type == "cuda":
-        group = _world(2, triton_backend.device)[0]
-        group.max_bytes = 4096
-    cuda = triton_backend.device.type == "cuda"
+    device = triton_backend.device
+    group = PeerAllReduce(0, 2, [PeerAllReduce.empty_buffer(2, 4096, device)] * 2, 4096)
+    cuda = device.type == "cuda"
     x = torch.zeros(2, 1024, dtype=torch.bfloat16, device=triton_backend.device)
     assert group.fits(x) == cuda  # 4 KB
     assert not group.fits(torch.zeros(3, 1024, dtype=torch.bfloat16))  # over max_bytes / on CPU
