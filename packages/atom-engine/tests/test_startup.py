@@ -36,13 +36,15 @@ def _llm(path, **kwargs) -> LLM:
 
 
 def test_bars_and_phase_times(sharded, capfd, caplog):
+    """At TP=2 (rank 0's bars and line): the workers' start is a phase of its own."""
     shards = len(safetensors_files(sharded))
     with caplog.at_level(logging.INFO, logger="atom_engine"):
-        llm = _llm(sharded, load_format="safetensors")
+        llm = _llm(sharded, load_format="safetensors", tensor_parallel_size=2)
     err = capfd.readouterr().err
     assert "Loading safetensors checkpoint shards" in err and f"{shards}/{shards}" in err
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("startup ")]
-    assert ": front " in line and ", load " in line and ", kv-cache " in line, line
+    assert ": front " in line and ", workers " in line, line
+    assert ", load " in line and ", kv-cache " in line, line
     llm.shutdown()
 
 

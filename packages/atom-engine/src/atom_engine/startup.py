@@ -2,8 +2,9 @@
 
 `StartupTimes.phase(name)` times a phase; `line(total)` writes them as
 "startup 12.3 s: front 0.5 s, load 8.1 s, kv-cache 0.4 s, graphs 3.2 s, other 0.1 s": "front" the
-model's files, config and tokenizer (`EngineFront`), "other" the rest of `total` (tensor-parallel
-workers meeting, CPU weight packing, the scheduler).
+model's files, config and tokenizer (`EngineFront`), "workers" (tensor parallelism) the worker
+processes' start until every rank has met, "other" the rest of `total` (CPU weight packing, the
+scheduler).
 """
 
 from __future__ import annotations

@@ -324,6 +324,7 @@ def start_runner(
     device = rank_device(config, 0)
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, model_path, hf_config, max_model_len, device=device)
+    begin = time.perf_counter()  # the workers' start (imports included) to their meeting
     workers = WorkerGroup(config, model_path, max_model_len, dp_rank, hf_config)
     tp = None
     try:
@@ -335,7 +336,10 @@ def start_runner(
             config.enable_expert_parallel,
             single_host=config.nnodes == 1,
         )
-        return ModelRunner(config, model_path, hf_config, max_model_len, tp, workers)
+        meet_s = time.perf_counter() - begin
+        runner = ModelRunner(config, model_path, hf_config, max_model_len, tp, workers)
+        runner.startup.phases = {"workers": meet_s, **runner.startup.phases}
+        return runner
     except BaseException as e:
         if tp is not None:
             tp.close()
