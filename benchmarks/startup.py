@@ -9,7 +9,8 @@ the imports (torch, atom_engine), the engine's construction split into the phase
 line (front, workers, load, kv-cache, graphs, warm-up, other; `atom_engine/startup.py`), then one
 128-token prompt's first token. Random weights (`load_format="dummy"`): the load phase here is
 allocation and initialization, not reading a checkpoint (`load_bench.py` times that). The engine
-is sized as a server would be (256 sequences, 8192 batched tokens, 4096-token context).
+is sized as `atom serve` sizes it by default (128 sequences, 2048 batched tokens on a GPU), with
+a 4096-token context.
 
 The runs, in order: `cold` with an empty TRITON_CACHE_DIR (every kernel compiled), then `warm`
 (`--warm` times) with the cache the cold run filled. Triton compilation is cold minus warm, per
@@ -61,8 +62,8 @@ def child(args) -> None:
             device="cuda" if cuda else "cpu",
             tensor_parallel_size=args.tp,
             enable_expert_parallel=args.ep,
-            max_num_seqs=256,
-            max_num_batched_tokens=8192,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=4096,
             show_progress=False,
         )
@@ -99,6 +100,8 @@ def compiled_kernels(cache: Path) -> int:
 def one_start(args, model: str, cache: Path) -> dict:
     cmd = [sys.executable, __file__, "--child", model, "--tp", str(args.tp)]
     cmd += ["--ep"] if args.ep else []
+    cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+    cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache), LAUNCH_ENV: repr(time.time())}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     result = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -112,6 +115,8 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen3-235b-a22b-fp8")
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--ep", action="store_true", help="enable_expert_parallel")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--warm", type=int, default=2, help="warm-cache starts after the cold one")
     parser.add_argument("--smoke", action="store_true", help="the shape's tiny stand-in (CPU)")
     parser.add_argument("--timeout", type=float, default=540.0, help="seconds a start may take")
@@ -140,6 +145,9 @@ def main() -> None:
         shape=args.shape + (" (smoke)" if args.smoke else ""),
         tensor_parallel_size=args.tp,
         enable_expert_parallel=args.ep,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=4096,
         runs=[],
     )
     for i in range(1 + args.warm):

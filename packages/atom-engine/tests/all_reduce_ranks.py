@@ -10,6 +10,8 @@ chunks, bf16 and fp32):
   bitwise, the norm within bf16's rounding, fp32 within 1e-5) and against NCCL + the reference,
   eagerly and replayed from a CUDA graph (twice, new inputs copied in: both halves of the
   staging buffer);
+- the two-shot form (`two_shot=True`, each rank sums a share of the rows) of both, eagerly, on
+  every message the peer buffer fits, whichever form the engine picks for it: the same checks;
 - every rank gets the same bits (all-gathered over NCCL).
 
 Exits non-zero (a rank's exception) on the first mismatch.
@@ -103,7 +105,7 @@ def rank_main(rank: int, world: int, port: int) -> None:
     torch.cuda.set_device(device)
     tp = EngineTPGroup(make_store(rank, world, port), rank, world, device)
     assert tp.peer is not None, "no peer all-reduce on GPUs that should have it"
-    checked = 0
+    checked = two_shot_checked = 0
     for dtype in (torch.bfloat16, torch.float32):
         for hidden in HIDDEN:
             for tokens in TOKENS:
@@ -122,6 +124,14 @@ def rank_main(rank: int, world: int, port: int) -> None:
                 if x.nbytes <= tp.peer_fused_max_bytes and tp.peer.fits(x):
                     _check_fused(fused, refs, dtype, what)
                 _same_on_every_rank(tp, fused[0], f"{what} normed")
+                if tp.peer.fits(x):  # the two-shot form, whether or not the engine picks it
+                    two = tp.peer.all_reduce(x.clone(), two_shot=True)
+                    _check_equal(two, exact, f"{what} two-shot all_reduce")
+                    two = tp.peer.all_reduce_add_rms_norm(
+                        x.clone(), residual, weight, EPS, two_shot=True
+                    )
+                    _check_fused(two, refs, dtype, f"{what} two-shot")
+                    two_shot_checked += 1
 
                 # In a CUDA graph, as the engine's decode graphs run it (3 per graph).
                 static_x = x.clone()
@@ -150,7 +160,10 @@ def rank_main(rank: int, world: int, port: int) -> None:
                 del graph
                 checked += 1
     if rank == 0:
-        print(f"world {world}: {checked} message shapes checked, peer max {tp.peer.max_bytes} B")
+        print(
+            f"world {world}: {checked} message shapes checked ({two_shot_checked} two-shot too), "
+            f"peer max {tp.peer.max_bytes} B"
+        )
     tp.close()
 
 
