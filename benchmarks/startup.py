@@ -53,6 +53,12 @@ def child(args) -> None:
     logging.getLogger("atom_engine").addHandler(Grab())
     logging.getLogger("atom_engine").setLevel(logging.INFO)
     cuda = torch.cuda.is_available()
+    profiler = None
+    if args.profile:  # rank 0's process (the workers are others): Python's profiler
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     engine = LLMEngine(
         EngineConfig(
             model=args.child,
@@ -69,6 +75,14 @@ def child(args) -> None:
         )
     )
     ready_at = time.time()
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
+        Path(args.profile).write_text(text.getvalue())
     try:
         vocab = engine.hf_config.vocab_size
         prompt = [(7 * i + 11) % vocab for i in range(PROMPT_LEN)]
@@ -97,8 +111,9 @@ def compiled_kernels(cache: Path) -> int:
     return sum(1 for p in cache.rglob("*") if p.suffix in (".cubin", ".hsaco"))
 
 
-def one_start(args, model: str, cache: Path) -> dict:
+def one_start(args, model: str, cache: Path, profile: str | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", model, "--tp", str(args.tp)]
+    cmd += ["--profile", profile] if profile else []
     cmd += ["--ep"] if args.ep else []
     cmd += ["--max-num-seqs", str(args.max_num_seqs)]
     cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
@@ -120,6 +135,11 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=2, help="warm-cache starts after the cold one")
     parser.add_argument("--smoke", action="store_true", help="the shape's tiny stand-in (CPU)")
     parser.add_argument("--timeout", type=float, default=540.0, help="seconds a start may take")
+    parser.add_argument(
+        "--profile",
+        help="after the timed starts, one more (warm) under cProfile: rank 0's engine "
+        "construction, its 60 costliest calls (cumulative) written to this file",
+    )
     parser.add_argument("--out")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -159,6 +179,9 @@ def main() -> None:
         print({k: v for k, v in result.items() if k != "line"}, flush=True)
         if args.out:
             Path(args.out).write_text(json.dumps(record, indent=2))
+    if args.profile:
+        result = one_start(args, str(model), cache, args.profile)
+        print("profiled start:", {k: v for k, v in result.items() if k != "line"}, flush=True)
     print(json.dumps(record, indent=2))
 
 

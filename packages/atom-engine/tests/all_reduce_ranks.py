@@ -100,7 +100,7 @@ def rank_main(rank: int, world: int, port: int) -> None:
 
     os.environ["ATOM_ALLREDUCE"] = "peer"
     # Every message here on the peer path (the engine's limits are per size: PEER_MAX_BYTES).
-    os.environ["ATOM_ALLREDUCE_PEER_MAX_BYTES"] = str(4 << 20)
+    os.environ["ATOM_ALLREDUCE_PEER_MAX_BYTES"] = str(16 << 20)
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     tp = EngineTPGroup(make_store(rank, world, port), rank, world, device)

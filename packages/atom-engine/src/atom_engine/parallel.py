@@ -15,7 +15,8 @@ never block an engine's shutdown. The model runner that owns the group closes it
 On GPUs of one host that can access each other (`ATOM_ALLREDUCE=peer`, the default), the group
 also maps a staging buffer of every rank into every other rank
 (`atom_kernels.collectives.PeerAllReduce`): messages up to PEER_MAX_BYTES take its one-shot kernel
-(each rank pushes its rows into every rank's buffer), larger ones NCCL, and
+(each rank pushes its rows into every rank's buffer; from PEER_TWO_SHOT_BYTES its two-shot form),
+larger ones NCCL, and
 `all_reduce_add_rms_norm` fuses the decoder layers' post-attention residual add and RMSNorm into
 it. It beat NCCL at every size it takes and in every engine case measured (benchmarks/README.md,
 "Multi-GPU": Llama-3-8B batch 1 at TP=2 0.62x TP=1, at TP=4 0.44x). `ATOM_ALLREDUCE=nccl` sends
@@ -46,15 +47,17 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 # How long a shutdown waits for a group's abort before it leaves it to its daemon thread.
 ABORT_TIMEOUT = 10.0
 # The largest message (bytes) the peer kernel takes, by group size: (plain all-reduce, fused with
-# the residual add + RMSNorm); larger ones go to NCCL. The sizes up to which it beat NCCL (+ the
-# Triton norm) at every size in benchmarks/allreduce.py on 2 and 4 H100s (results/multi-gpu/
-# peer-allreduce/s19/allreduce-*.json; TP=4 at 2 MB: 30 against 33 us); 8 ranks were not
-# measured: NCCL.
-PEER_MAX_BYTES = {2: (8 << 20, 8 << 20), 4: (2 << 20, 2 << 20)}
-# Messages at least this large (bytes, by group size) that the peer kernel takes go two-shot (each
-# rank sums a share of the rows and sends the sums on: fewer bytes a rank at 4+ ranks). None yet:
-# not measured on a GPU (benchmarks/allreduce.py times `peer2`).
-PEER_TWO_SHOT_BYTES: dict[int, int] = {}
+# the residual add + RMSNorm); larger ones go to NCCL. The sizes up to which it (one- or two-shot,
+# as below) beat NCCL (+ the Triton norm) at every size in benchmarks/allreduce.py on 4 H200s
+# (results/multi-gpu/peer-allreduce/s20/allreduce-4xh200.json: TP=2 at 16 MB two-shot 62 against
+# NCCL's 82 us, fused 87 against 98; TP=4 at 8 MB 59 against 62, fused 63 against 74; at 16 MB
+# NCCL wins); 8 ranks were not measured: NCCL.
+PEER_MAX_BYTES = {2: (16 << 20, 16 << 20), 4: (8 << 20, 8 << 20)}
+# Messages at least this large (bytes, by group size) go two-shot (each rank sums a share of the
+# rows and sends the sums on: fewer bytes a rank). Where it overtook the one-shot form in the same
+# runs: TP=2 from 2 MB (one-shot 10.7 / fused 11.9 us against 10.8 / 11.0; 4 MB: 19.3 against
+# 16.5), TP=4 from 512 KB (10.1 against 9.2 us; 1 MB: 17.3 against 11.2).
+PEER_TWO_SHOT_BYTES: dict[int, int] = {2: 2 << 20, 4: 512 << 10}
 ALLREDUCE_CHOICES = ("nccl", "peer")
 
 
