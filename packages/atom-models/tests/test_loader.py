@@ -110,3 +110,37 @@ def test_loads_in_requested_dtype_with_weights_equal(checkpoint, dtype):
     assert torch.equal(qkv, expected.to(dtype))
     # The rotary cache stays fp32 whatever the weights' dtype.
     assert model.model.layers[0].self_attn.rotary_emb.cos_sin_cache.dtype == torch.float32
+
+
+def test_layers_share_one_rotary_cache(checkpoint):
+    """Every layer's rotary cache is one tensor, built once for the model's arguments (the
+    materializer keeps it shared), with the values `rope_cos_sin_cache` gives; another model of
+    other rotary arguments gets its own."""
+    import atom_kernels
+
+    model = load_model(checkpoint, dtype=torch.float32)
+    caches = {id(m.cos_sin_cache) for m in model.modules() if hasattr(m, "cos_sin_cache")}
+    assert len(caches) == 1
+    rotary = next(m for m in model.modules() if hasattr(m, "cos_sin_cache"))
+    head = CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
+    want = atom_kernels.rope_cos_sin_cache(head, rotary.cos_sin_cache.shape[0], 10000.0)
+    torch.testing.assert_close(rotary.cos_sin_cache, want, rtol=0, atol=0)
+    from atom_models.layers.rotary import get_rope
+
+    assert get_rope(head, 64, 10000.0).cos_sin_cache is get_rope(head, 64, 10000.0).cos_sin_cache
+    other = get_rope(head, 64, 500000.0).cos_sin_cache
+    assert other is not get_rope(head, 64, 10000.0).cos_sin_cache
+    assert not torch.equal(other, get_rope(head, 64, 10000.0).cos_sin_cache)
+
+
+def test_materialize_moves_a_shared_buffer_once():
+    from atom_models.loader import materialize
+
+    shared = torch.arange(4.0)
+    parts = [torch.nn.Module() for _ in range(3)]
+    for part in parts:
+        part.register_buffer("table", shared, persistent=False)
+    model = torch.nn.Sequential(*parts)
+    materialize(model, "meta", torch.float32)  # a new tensor on the target device each move
+    assert parts[0].table is not shared and parts[0].table.is_meta
+    assert all(part.table is parts[0].table for part in parts)

@@ -78,10 +78,12 @@ def iter_weights(model: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
     """Give every `meta` parameter real (uninitialized) storage, once; tied parameters stay tied.
 
-    Computed buffers (rotary caches) were built for real and only move to `device`. A parameter
+    Computed buffers (rotary caches) were built for real and only move to `device`, a buffer
+    shared by several modules once (they share the moved one). A parameter
     with a `fixed_dtype` attribute keeps that dtype (e.g. an fp32 router bias in a bf16 model).
     """
     replaced: dict[int, nn.Parameter] = {}
+    moved: dict[int, torch.Tensor] = {}  # a buffer shared by modules (the rotary caches): once
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             new = replaced.get(id(param))
@@ -96,7 +98,9 @@ def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype
             if buf is not None:
                 if buf.is_meta:
                     raise RuntimeError(f"buffer {name} of {type(module).__name__} is on meta")
-                module._buffers[name] = buf.to(device)
+                if id(buf) not in moved:
+                    moved[id(buf)] = buf.to(device)
+                module._buffers[name] = moved[id(buf)]
     return model
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch import nn
 
@@ -44,6 +46,32 @@ def _cache_length(max_position: int, rope_scaling: dict | None) -> int:
     return max_position
 
 
+# The cos/sin caches built so far, by their arguments: every layer of a model shares one (built
+# once, not once per layer: 94 times 40,960 positions took ~30 s of a Qwen3-235B start on 4
+# ranks). Never written: a rank's materializer copies it to the device once for all the layers.
+_COS_SIN_CACHES: dict[tuple, torch.Tensor] = {}
+_MAX_CACHES = 8
+
+
+def shared_cos_sin_cache(
+    rotary_dim: int, length: int, base: float, rope_scaling: dict | None
+) -> torch.Tensor:
+    """`rope_cos_sin_cache` (fp32, CPU) for these arguments, built once per process."""
+    key = (rotary_dim, length, float(base), json.dumps(rope_scaling, sort_keys=True, default=repr))
+    cache = _COS_SIN_CACHES.get(key)
+    if cache is None:
+        # Built for real on the CPU even while the model is built on `meta`: it is computed, not
+        # loaded; the materializer moves it to the model's device and keeps it in fp32.
+        with torch.device("cpu"):
+            cache = atom_kernels.rope_cos_sin_cache(
+                rotary_dim, length, base, rope_scaling, dtype=torch.float32, device="cpu"
+            )
+        if len(_COS_SIN_CACHES) >= _MAX_CACHES:
+            _COS_SIN_CACHES.pop(next(iter(_COS_SIN_CACHES)))
+        _COS_SIN_CACHES[key] = cache
+    return cache
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -56,17 +84,8 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.head_size, self.rotary_dim, self.is_neox = head_size, rotary_dim, is_neox
-        # Built for real on the CPU even while the model is built on `meta`: it is computed, not
-        # loaded; the materializer moves it to the model's device and keeps it in fp32.
-        with torch.device("cpu"):
-            cache = atom_kernels.rope_cos_sin_cache(
-                rotary_dim,
-                _cache_length(max_position, rope_scaling),
-                base,
-                rope_scaling,
-                dtype=torch.float32,
-                device="cpu",
-            )
+        length = _cache_length(max_position, rope_scaling)
+        cache = shared_cos_sin_cache(rotary_dim, length, base, rope_scaling)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(
