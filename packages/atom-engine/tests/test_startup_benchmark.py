@@ -11,13 +11,13 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "startup.py"
 
 
-@pytest.mark.slow  # two fresh engine processes: ~1 min on 2 cores
+@pytest.mark.slow  # a fresh engine process: ~30 s on 2 cores
 def test_startup_benchmark_times_each_phase(tmp_path):
     out = tmp_path / "startup.json"
     cmd = [sys.executable, str(SCRIPT), "--smoke", "--shape", "llama3-8b", "--tp", "1"]
-    subprocess.run([*cmd, "--warm", "1", "--out", str(out)], check=True, timeout=600)
+    subprocess.run([*cmd, "--warm", "0", "--out", str(out)], check=True, timeout=600)
     record = json.loads(out.read_text())
-    assert [run["triton_cache"] for run in record["runs"]] == ["cold", "warm"]
+    assert [run["triton_cache"] for run in record["runs"]] == ["cold"]
     for run in record["runs"]:
         assert "error" not in run, run.get("error")
         assert {"front", "load", "kv-cache"} <= set(run["phases"])

@@ -32,15 +32,19 @@ def test_triton_backend_under_the_interpreter(request, capsys):
     for package in ("triton", "numpy"):  # the interpreter runs kernels with numpy
         if importlib.util.find_spec(package) is None:
             pytest.skip(f"{package} is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    # One interpreter thread a worker: the child's tests are single-threaded Python, so they run
+    # over every core (pytest-xdist), while this process only waits for them.
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    workers = max(1, min(4, os.cpu_count() or 1))
     durations = request.config.getoption("durations", None)
     command = [
         sys.executable, "-m", "pytest", *triton_test_files(), "-q", "-m", "not gpu",
         "-p", "no:cacheprovider", "--no-header", "-W", "ignore::RuntimeWarning",
+        *(["-n", str(workers)] if workers > 1 else []),
         *([f"--durations={durations}"] if durations is not None else []),
     ]  # fmt: skip
-    # A hang guard, not a time budget: the child takes ~11 min on an idle 2-core machine and
-    # passed 15 min on one shared with other test runs (2026-11-27).
+    # A hang guard, not a time budget: the child took ~15 min on one core of a 2-core machine
+    # (2026-11-28), before it ran over both.
     child = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500, check=False
     )
