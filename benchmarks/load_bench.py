@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
-import re
 import subprocess
 import sys
 import time
@@ -33,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from shapes import shape_config  # noqa: E402
+from startup import engine_log, startup_phases  # noqa: E402
 
 SHARD_BYTES = 4 << 30
 CHUNK = 64 << 20
@@ -138,14 +137,7 @@ def load_child(path: str, tp: int, smoke: bool) -> None:
     """A child process: start an engine on the checkpoint; print its start-up phases as JSON."""
     from atom_engine import LLM
 
-    lines: list[str] = []
-
-    class Grab(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-
-    logging.getLogger("atom_engine").addHandler(Grab())
-    logging.getLogger("atom_engine").setLevel(logging.INFO)
+    lines = engine_log()
     cuda = torch.cuda.is_available()
     start = time.perf_counter()
     llm = LLM(
@@ -163,8 +155,7 @@ def load_child(path: str, tp: int, smoke: bool) -> None:
     )
     ready = time.perf_counter() - start
     llm.shutdown()
-    line = next((entry for entry in lines if entry.startswith("startup ")), "")
-    phases = {m[1]: float(m[2]) for m in re.finditer(r"([a-z-]+) ([0-9.]+) s", line)}
+    line, phases = startup_phases(lines)
     print("RESULT " + json.dumps({"ready_s": ready, "line": line, "phases": phases}), flush=True)
 
 

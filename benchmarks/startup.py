@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import subprocess
@@ -33,25 +34,36 @@ LAUNCH_ENV = "ATOM_BENCH_LAUNCH"  # the parent's time.time() at the child's laun
 PROMPT_LEN = 128
 
 
-def child(args) -> None:
-    """One start: print its times as a RESULT line of JSON."""
-    main_at = time.time()
-    launch = float(os.environ[LAUNCH_ENV])
-    import logging
-
-    import torch
-
-    from atom_engine import EngineConfig, LLMEngine, SamplingParams
-
-    imported_at = time.time()
+def engine_log() -> list[str]:
+    """A list that fills with the `atom_engine` logger's messages (INFO and up) from now on."""
     lines: list[str] = []
 
     class Grab(logging.Handler):
         def emit(self, record):
             lines.append(record.getMessage())
 
-    logging.getLogger("atom_engine").addHandler(Grab())
-    logging.getLogger("atom_engine").setLevel(logging.INFO)
+    logger = logging.getLogger("atom_engine")
+    logger.addHandler(Grab())
+    logger.setLevel(logging.INFO)
+    return lines
+
+
+def startup_phases(lines: list[str]) -> tuple[str, dict[str, float]]:
+    """The engine's start-up line among `lines` and its seconds by name ("startup": the total)."""
+    line = next((entry for entry in lines if entry.startswith("startup ")), "")
+    return line, {m[1]: float(m[2]) for m in re.finditer(r"([a-z-]+) ([0-9.]+) s", line)}
+
+
+def child(args) -> None:
+    """One start: print its times as a RESULT line of JSON."""
+    main_at = time.time()
+    launch = float(os.environ[LAUNCH_ENV])
+    import torch
+
+    from atom_engine import EngineConfig, LLMEngine, SamplingParams
+
+    imported_at = time.time()
+    lines = engine_log()
     cuda = torch.cuda.is_available()
     profiler = None
     if args.profile:  # rank 0's process (the workers are others): Python's profiler
@@ -92,13 +104,13 @@ def child(args) -> None:
         first_at = time.time()
     finally:
         engine.shutdown()
-    line = next((entry for entry in lines if entry.startswith("startup ")), "")
-    phases = re.findall(r"([a-z-]+) ([0-9.]+) s", line.split(": ", 1)[-1])
+    line, phases = startup_phases(lines)
+    phases.pop("startup", None)  # the total
     result = dict(
         interpreter_s=main_at - launch,
         imports_s=imported_at - main_at,
         engine_s=ready_at - imported_at,
-        phases={name: float(seconds) for name, seconds in phases},
+        phases=phases,
         first_token_s=first_at - ready_at,
         total_s=first_at - launch,
         line=line,
