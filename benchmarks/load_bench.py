@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from shapes import shape_config  # noqa: E402
-from startup import engine_log, startup_phases  # noqa: E402
+from startup import engine_log, run_child, startup_phases  # noqa: E402
 
 SHARD_BYTES = 4 << 30
 CHUNK = 64 << 20
@@ -167,11 +166,7 @@ def timed_load(path: Path, tp: int, smoke: bool, cold: bool, direct: str) -> dic
     cmd = [sys.executable, __file__, "--child", str(path), "--tp", str(tp)]
     cmd += ["--smoke"] if smoke else []
     env = {**os.environ, "ATOM_SAFETENSORS_DIRECT": direct}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    result = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if out.returncode or result is None:
-        return {"error": (out.stderr or out.stdout)[-2000:]}
-    return json.loads(result.removeprefix("RESULT "))
+    return run_child(cmd, env, 600, tail=2000)
 
 
 def main() -> None:

@@ -130,10 +130,15 @@ def one_start(args, model: str, cache: Path, profile: str | None = None) -> dict
     cmd += ["--max-num-seqs", str(args.max_num_seqs)]
     cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache), LAUNCH_ENV: repr(time.time())}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+    return run_child(cmd, env, args.timeout, tail=3000)
+
+
+def run_child(cmd: list[str], env: dict, timeout: float, tail: int) -> dict:
+    """Run a child process; its printed `RESULT <json>` line, or {"error": its output's tail}."""
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     result = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if out.returncode or result is None:
-        return {"error": (out.stderr or out.stdout)[-3000:]}
+        return {"error": (out.stderr or out.stdout)[-tail:]}
     return json.loads(result.removeprefix("RESULT "))
 
 
