@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from atom_kernels.backends.torch import sampling as reference
+from atom_kernels.backends.torch import sampling_threshold
 from atom_kernels.ops.sampling import SamplerOutput
 from atom_kernels.registry import register_op
 
@@ -69,7 +70,9 @@ def sample(
     filtered = top_k is not None or top_p is not None or min_p is not None
     scaled = logits
     if filtered:
-        scaled = reference.apply_top_k_top_p_min_p(logits / temp[:, None], top_k, top_p, min_p)
+        scaled = sampling_threshold.apply_top_k_top_p_min_p(
+            logits / temp[:, None], top_k, top_p, min_p
+        )
         temp = torch.ones_like(temp)
     # Greedy ids (ties -> the lowest id, as argmax) and each row's max in one pass; the draw's
     # weights exp((x - max) / T) in two more (x the scaled logits: a filtered token's is -inf).

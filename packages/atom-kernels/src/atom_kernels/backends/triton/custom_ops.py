@@ -467,14 +467,22 @@ def _(logits, temperature):
 def _sample_router(fused):
     def sample_op(logits, temperature, top_k, top_p, min_p, generators, num_logprobs):
         """A plain function (generators are not a schema type): the fused kernel (``fused``)
-        where it applies, the torch reference otherwise."""
-        if not sampling.takes(logits, top_k, top_p, min_p, generators, num_logprobs):
-            return sampling.reference.sample(
-                logits, temperature, top_k, top_p, min_p, generators, num_logprobs
-            )
-        token_ids, logprobs = fused(logits, temperature)
-        empty = logits.new_empty((logits.shape[0], 0), dtype=torch.float32)
-        return SamplerOutput(token_ids, logprobs, empty, empty.to(torch.int64))
+        where it applies, after ``sampling_threshold``'s masking for filtered batches where that
+        pays; the torch reference (its sort) otherwise."""
+        if sampling.takes(logits, top_k, top_p, min_p, generators, num_logprobs):
+            token_ids, logprobs = fused(logits, temperature)
+            empty = logits.new_empty((logits.shape[0], 0), dtype=torch.float32)
+            return SamplerOutput(token_ids, logprobs, empty, empty.to(torch.int64))
+        if sampling.takes(logits, None, None, None, generators, 0) and sampling.thresholds_pay(
+            logits, top_k
+        ):
+            out = sampling.filtered_sample(fused, logits, temperature, top_k, top_p, min_p,
+                                           num_logprobs)  # fmt: skip
+            if out is not None:
+                return out
+        return sampling.reference.sample(
+            logits, temperature, top_k, top_p, min_p, generators, num_logprobs
+        )
 
     return sample_op
 

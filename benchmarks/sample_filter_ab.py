@@ -1,0 +1,100 @@
+"""Filtered sampling (top-k / top-p / min-p) on the GPU: the reference's sort against the sort-free
+thresholds (``sampling_threshold``) the Triton backend now takes, alternating (issue 42, item 2).
+
+Run on a GPU from the repo root:
+
+    export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
+    python benchmarks/sample_filter_ab.py --out /tmp/o/sample_filter_ab.json
+
+Each case calls the Triton backend's ``sample`` op as the engine does, once with the old route
+(the torch reference: sort-based masking, exponential race) and once with the new one (thresholds,
+then the fused kernel), the order flipping each round. Both sync the host inside (the filters'
+checks), so a call is timed on the wall clock from a synced GPU to a synced GPU: median over
+``--rounds`` of ``--calls`` calls each, ms a call. Logits: ``flat`` is 4 * N(0, 1) (a top-p
+nucleus of tens of thousands of tokens: the new route falls back to the sort when no top-k bounds
+it), ``peaked`` 8 * N(0, 1) (a nucleus of a few dozen, like a model's). Writes JSON as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from atom_kernels.backends.torch import sampling as reference
+from atom_kernels.backends.triton import custom_ops
+
+FILTERS = {  # name -> (top_k, top_p, min_p)
+    "k50_p0.9": (50, 0.9, None),
+    "p0.95": (None, 0.95, None),
+    "minp0.1": (None, None, 0.1),
+}
+
+
+def old_route(logits, temperature, top_k, top_p, min_p):
+    return reference.sample(logits, temperature, top_k, top_p, min_p, None, 0)
+
+
+def new_route(logits, temperature, top_k, top_p, min_p):
+    return custom_ops.sample_op(logits, temperature, top_k, top_p, min_p, None, 0)
+
+
+def wall_ms(fn, calls: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--vocabs", type=int, nargs="+", default=[128256, 151936])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=10)
+    args = parser.parse_args()
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "rows": [],
+    }
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for vocab in args.vocabs:
+        for batch in args.batches:
+            for spread, shape in ((4.0, "flat"), (8.0, "peaked")):
+                logits = spread * torch.randn(batch, vocab, device="cuda", generator=gen)
+                temperature = torch.full((batch,), 0.8, device="cuda")
+                for name, (k, p, m) in FILTERS.items():
+                    params = tuple(
+                        None if v is None else torch.full((batch,), v, dtype=dt, device="cuda")
+                        for v, dt in ((k, torch.int32), (p, torch.float32), (m, torch.float32))
+                    )
+                    call = (logits, temperature, *params)
+                    fns = {
+                        "sort_ms": lambda call=call: old_route(*call),
+                        "threshold_ms": lambda call=call: new_route(*call),
+                    }
+                    for fn in fns.values():
+                        fn()  # compile / warm
+                    times = {key: [] for key in fns}
+                    for r in range(args.rounds):
+                        order = list(fns) if r % 2 == 0 else list(fns)[::-1]
+                        for key in order:
+                            times[key].append(wall_ms(fns[key], args.calls))
+                    row = {"vocab": vocab, "batch": batch, "logits": shape, "filter": name}
+                    row.update({key: statistics.median(v) for key, v in times.items()})
+                    row["speedup"] = row["sort_ms"] / row["threshold_ms"]
+                    print(json.dumps(row), flush=True)
+                    result["rows"].append(row)
+                    with open(args.out, "w") as f:
+                        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
