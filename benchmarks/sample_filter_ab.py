@@ -1,18 +1,19 @@
-"""Filtered sampling (top-k / top-p / min-p) on the GPU: the reference's sort against the sort-free
-thresholds (``sampling_threshold``) the Triton backend now takes, alternating (issue 42, item 2).
+"""Filtered sampling (top-k / top-p / min-p) on the GPU: the reference's sort against the Triton
+kernel (``sampling_filter``), alternating (issue 42, item 2).
 
 Run on a GPU from the repo root:
 
     export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
     python benchmarks/sample_filter_ab.py --out /tmp/o/sample_filter_ab.json
 
-Each case calls the Triton backend's ``sample`` op as the engine does, once with the old route
-(the torch reference: sort-based masking, exponential race) and once with the new one (thresholds,
-then the fused kernel), the order flipping each round. Both sync the host inside (the filters'
-checks), so a call is timed on the wall clock from a synced GPU to a synced GPU: median over
-``--rounds`` of ``--calls`` calls each, ms a call. Logits: ``flat`` is 4 * N(0, 1) (a top-p
-nucleus of tens of thousands of tokens: the new route falls back to the sort when no top-k bounds
-it), ``peaked`` 8 * N(0, 1) (a nucleus of a few dozen, like a model's). Writes JSON as it goes.
+Each case runs each route, rotating their order each round: the torch reference (sort-based
+masking, exponential race) and ``sampling_filter``'s kernel at each ``--ways`` (pivots a pass).
+(Session 21's results also have a third route, torch thresholds then the fused draw, since
+dropped on the GPU.) The reference syncs the host inside (the filters' checks), so a call is
+timed on the wall clock from a synced GPU to a synced GPU: median over ``--rounds`` of ``--calls``
+calls each, ms a call.
+Logits: ``flat`` is 4 * N(0, 1) (a top-p nucleus of tens of thousands of tokens), ``peaked``
+8 * N(0, 1) (a nucleus of a few dozen, like a model's). Writes JSON as it goes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 import torch
 
 from atom_kernels.backends.torch import sampling as reference
-from atom_kernels.backends.triton import custom_ops
+from atom_kernels.backends.triton import sampling_filter
 
 FILTERS = {  # name -> (top_k, top_p, min_p)
     "k50_p0.9": (50, 0.9, None),
@@ -38,8 +39,8 @@ def old_route(logits, temperature, top_k, top_p, min_p):
     return reference.sample(logits, temperature, top_k, top_p, min_p, None, 0)
 
 
-def new_route(logits, temperature, top_k, top_p, min_p):
-    return custom_ops.sample_op(logits, temperature, top_k, top_p, min_p, None, 0)
+def kernel_route(logits, temperature, top_k, top_p, min_p, ways):
+    return sampling_filter.filtered_sample(logits, temperature, top_k, top_p, min_p, ways=ways)
 
 
 def wall_ms(fn, calls: int) -> float:
@@ -56,7 +57,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--vocabs", type=int, nargs="+", default=[128256, 151936])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--ways", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
     result = {
@@ -78,18 +80,23 @@ def main() -> None:
                     call = (logits, temperature, *params)
                     fns = {
                         "sort_ms": lambda call=call: old_route(*call),
-                        "threshold_ms": lambda call=call: new_route(*call),
+                        **{
+                            f"kernel_w{w}_ms": lambda call=call, w=w: kernel_route(*call, w)
+                            for w in args.ways
+                        },
                     }
                     for fn in fns.values():
                         fn()  # compile / warm
                     times = {key: [] for key in fns}
                     for r in range(args.rounds):
-                        order = list(fns) if r % 2 == 0 else list(fns)[::-1]
+                        order = list(fns)[r % len(fns) :] + list(fns)[: r % len(fns)]
                         for key in order:
                             times[key].append(wall_ms(fns[key], args.calls))
                     row = {"vocab": vocab, "batch": batch, "logits": shape, "filter": name}
                     row.update({key: statistics.median(v) for key, v in times.items()})
-                    row["speedup"] = row["sort_ms"] / row["threshold_ms"]
+                    kernels = {key: v for key, v in row.items() if key.startswith("kernel_w")}
+                    row["best_kernel"] = min(kernels, key=kernels.get)
+                    row["kernel_speedup"] = row["sort_ms"] / kernels[row["best_kernel"]]
                     print(json.dumps(row), flush=True)
                     result["rows"].append(row)
                     with open(args.out, "w") as f:

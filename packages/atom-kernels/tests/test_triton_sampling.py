@@ -117,43 +117,6 @@ def test_sample_op_routes_filters_to_the_reference(triton_backend):
     assert out.token_ids.shape == (4,) and out.top_logprobs.shape == (4, 0)
 
 
-def test_filtered_rows_draw_inside_the_mask_with_the_fused_kernel(triton_backend):
-    """Unseeded filtered rows: the sort-free mask, then the fused draw; raw log-probs. The op
-    takes that route from 64 rows with top-k, 256 without (measured); fewer sort."""
-    device, sampling = triton_backend.device, triton_backend.sampling
-    one = torch.empty(1, 10)
-    assert not sampling.thresholds_pay(one.expand(63, 10), one[0].int())
-    assert sampling.thresholds_pay(one.expand(64, 10), one[0].int())
-    assert not sampling.thresholds_pay(one.expand(255, 10), None)
-    assert sampling.thresholds_pay(one.expand(256, 10), None)
-    rows, vocab = 6, 300
-    logits = _logits(rows, vocab, seed=8, device=device)
-    temperature = torch.tensor([0.7, 0.0, 1.3, 1.0, 0.0, 0.9], device=device)
-    top_k = torch.tensor([5, 3, 0, 40, 0, 1], dtype=torch.int32, device=device)
-    top_p = torch.tensor([1.0, 0.5, 0.6, 0.8, 1.0, 1.0], device=device)
-    min_p = torch.tensor([0.0, 0.0, 0.0, 0.2, 0.0, 0.0], device=device)
-    greedy = temperature == 0
-    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    allowed = torch.isfinite(
-        triton_backend.sampling.reference.apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
-    )
-    assert bool((allowed.sum(-1)[[0, 2, 3]] > 1).all())  # real choices in the drawn rows
-    raw = torch.log_softmax(logits, dim=-1)
-    seen = set()
-    for _ in range(8):
-        out = sampling.filtered_sample(sampling.fused_sample, logits, temperature, top_k, top_p,
-                                       min_p, 2)  # fmt: skip
-        ids = out.token_ids
-        assert bool(allowed.gather(1, ids[:, None]).all()), "a draw outside the mask"
-        assert_equal(ids[greedy], logits[greedy].argmax(-1), name="greedy rows")
-        assert_close(out.logprobs, raw.gather(1, ids[:, None]).squeeze(1), atol=1e-5, rtol=1e-5,
-                     name="raw log-probs")  # fmt: skip
-        assert_close(out.top_logprobs, raw.topk(2, dim=-1).values, atol=1e-5, rtol=1e-5,
-                     name="top log-probs")  # fmt: skip
-        seen.update(ids[[0, 2, 3]].tolist())
-    assert len(seen) > 3, "the filtered rows should draw different tokens"
-
-
 def test_empty_batch(triton_backend):
     logits = torch.empty(0, 10, device=triton_backend.device)
     ids, logprobs = triton_backend.sampling.fused_sample(

@@ -32,10 +32,8 @@ import triton.language as tl
 
 from atom_kernels import envs
 from atom_kernels.backends.torch import sampling as reference
-from atom_kernels.backends.torch import sampling_threshold
 from atom_kernels.backends.triton import sampling_block
 from atom_kernels.backends.triton.common import is_interpreted, num_sms
-from atom_kernels.ops.sampling import SamplerOutput
 
 _SAMPLING_EPS = reference._SAMPLING_EPS
 # The draw's kernel, and the Philox keys each takes: "gumbel" (noise per token, one pass) or
@@ -268,48 +266,3 @@ def takes(
         and (generators is None or all(g is None for g in generators))
         and logits.dtype != torch.float64
     )
-
-
-# NOTE (benchmarks/sample_filter_ab.py, one H200, torch 2.11, 2026-11-28, results/sampling/s21,
-# vocab 128,256 / 151,936, ms a call, the sort route against this one, alternating): with top-k 50
-# and top-p 0.9, batch 1 0.59 / 1.20, 8 0.82 / 1.18, 64 2.02 / 1.40, 256 6.54 / 1.98 (151,936:
-# 2.30 / 1.36 at 64, 7.73 / 2.37 at 256); top-p 0.95 alone (a model-like, peaked row) 1.47 / 1.28
-# at 64, 4.41 / 1.94 at 256, but 0.38 / 1.03 at 1; min-p 0.1 alone 0.49 / 0.59 at 64, 1.16 / 0.72
-# at 256. The small batches pay for topk on long rows and two host syncs more than the sort costs.
-THRESHOLD_ROWS_WITH_TOP_K = 64
-THRESHOLD_ROWS = 256
-
-
-def thresholds_pay(logits: torch.Tensor, top_k: torch.Tensor | None) -> bool:
-    """Whether ``filtered_sample`` beats the reference's sort at this batch (measured above)."""
-    rows = logits.shape[0]
-    return rows >= THRESHOLD_ROWS or (top_k is not None and rows >= THRESHOLD_ROWS_WITH_TOP_K)
-
-
-def filtered_sample(
-    fused,
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor | None,
-    top_p: torch.Tensor | None,
-    min_p: torch.Tensor | None,
-    num_logprobs: int,
-) -> SamplerOutput | None:
-    """Unseeded rows with top-k / top-p / min-p: ``sampling_threshold``'s masking (no sort), then
-    ``fused`` (``fused_sample``) draws from the masked, tempered logits; log-probs of the raw
-    logits. None when the thresholds need the reference's sort (the caller takes it).
-
-    Greedy rows draw at temperature 0 from the masked logits: every filter keeps the row's max
-    (and its ties), so that argmax is the raw one."""
-    x = logits.float()
-    greedy = temperature < _SAMPLING_EPS
-    scaled = x / torch.where(greedy, 1.0, temperature.float())[:, None]
-    threshold = sampling_threshold.thresholds(scaled, top_k, top_p, min_p)
-    if threshold is None:
-        return None
-    masked = scaled.masked_fill(scaled < threshold[:, None], float("-inf"))
-    token_ids, _ = fused(masked, greedy.logical_not().float())
-    raw = torch.log_softmax(x, dim=-1)
-    top_logprobs, top_token_ids = raw.topk(num_logprobs, dim=-1)
-    logprobs = raw.gather(1, token_ids[:, None]).squeeze(1)
-    return SamplerOutput(token_ids, logprobs, top_logprobs, top_token_ids)

@@ -1,0 +1,226 @@
+"""Triton filtered sampling: top-k, top-p and min-p thresholds found by a search over the logits'
+ordered bit patterns, then the Gumbel-max draw, in one kernel with no host sync.
+
+One program per row. Each filter keeps ``x >= t`` for a per-row ``t`` (``sampling_threshold``
+explains why, and is this kernel's reference): a float's bits, with the negative ones' magnitude
+bits flipped, order as int32 the way the floats do (``_key``), so ``t`` is found over the int32
+range, ``WAYS`` candidate keys a pass over the row:
+
+- top-k: the largest key with at least k logits at or above it, which is the k-th largest logit
+  (ties with it kept, as the reference keeps them): about 32 / log2(WAYS) passes;
+- top-p (over the top-k set, tempered): the largest key whose tempered mass at or above it
+  reaches p times the top-k set's, one pass for that mass and as many again;
+- min-p: ``x / T >= max / T + log(min_p)``, closed form.
+
+The temperature never reorders the logits, so the keys are the raw logits' and only the masses
+are tempered. Then one pass draws ``argmax(x / T + G)`` over the kept logits (G ~ Gumbel(0, 1),
+Philox keyed by a seed from torch's generator, as ``sampling._sample_kernel``); a greedy row
+(T < 1e-5) takes the raw argmax, and every row gets the raw log-prob of its token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from atom_kernels.backends.triton.common import is_interpreted
+from atom_kernels.backends.triton.sampling import _argmax_merge, _finish, _lse_step
+
+WAYS = 4  # candidate keys a pass: ~16 passes per 32-bit search (measured below)
+
+
+@triton.jit
+def _key(x):
+    """Ordered int64 key of fp32 ``x``: the int32 bits, negatives' magnitude bits flipped."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+
+@triton.jit
+def _value(key):
+    """The fp32 whose ``_key`` is ``key`` (the flip is its own inverse)."""
+    bits = key.to(tl.int32)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _search(row_ptr, vocab_size, lo, hi, need, m, inv_t, MASS: tl.constexpr,
+            BLOCK_V: tl.constexpr, WAYS_: tl.constexpr):  # fmt: skip
+    """The largest key in [lo, hi] whose count (MASS: tempered mass exp((x - m) / T)) of logits
+    at or above its value reaches ``need``; ``lo`` must reach it. The pivots are searched as keys
+    and compared as floats (one fp32 compare a logit a pivot)."""
+    offs = tl.arange(0, BLOCK_V)
+    ways = tl.arange(0, WAYS_)
+    while lo < hi:
+        step = (hi - lo + WAYS_) // WAYS_
+        pivots = lo + (ways + 1).to(tl.int64) * step  # [WAYS]
+        live = pivots <= hi
+        values = _value(tl.where(live, pivots, hi))
+        total = tl.zeros([WAYS_], tl.float32)
+        for start in range(0, vocab_size, BLOCK_V):
+            cols = start + offs
+            valid = cols < vocab_size
+            x = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32)
+            above = x[None, :] >= values[:, None]
+            if MASS:
+                weight = tl.where(valid, tl.exp2((x - m) * inv_t * 1.4426950408889634), 0.0)
+                total += tl.sum(tl.where(above, weight[None, :], 0.0), axis=1)
+            else:
+                total += tl.sum((above & valid[None, :]).to(tl.float32), axis=1)
+        # Counts and masses fall as the pivot rises: the pivots that reach ``need`` are a prefix.
+        reached = tl.sum((live & (total >= need)).to(tl.int64), axis=0)
+        new_lo = lo + reached * step
+        hi = tl.minimum(hi, lo + (reached + 1) * step - 1)
+        lo = new_lo
+    return lo
+
+
+@triton.jit
+def _filtered_sample_kernel(
+    logits_ptr,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    seed_ptr,
+    token_ids_ptr,
+    logprobs_ptr,
+    thresholds_ptr,  # [B] int64: each row's threshold key (kept: x >= _value(it))
+    vocab_size,
+    stride_lb,
+    HAS_K: tl.constexpr,
+    HAS_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    WAYS_: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_lb
+    temperature = tl.load(temperature_ptr + row).to(tl.float32)
+    greedy = temperature < 1e-5  # vLLM's epsilon, as the reference
+    inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
+    offs = tl.arange(0, BLOCK_V)
+    neg_inf = float("-inf")
+    # Pass 1: the raw max (and argmax), the log-sum-exp, the smallest key.
+    run_max = tl.full([], neg_inf, tl.float32)
+    run_sum = tl.zeros([], tl.float32)
+    best_raw, best_raw_i = tl.full([], neg_inf, tl.float32), tl.zeros([], tl.int32)
+    low = tl.full([], float("inf"), tl.float32)
+    for start in range(0, vocab_size, BLOCK_V):
+        cols = start + offs
+        valid = cols < vocab_size
+        x = tl.load(row_ptr + cols, mask=valid, other=neg_inf).to(tl.float32)
+        run_max, run_sum = _lse_step(run_max, run_sum, x)
+        best_raw, best_raw_i = _argmax_merge(best_raw, best_raw_i, x, cols)
+        low = tl.minimum(low, tl.min(tl.where(valid, x, float("inf")), axis=0))
+    low_key = _key(low)
+    high_key = _key(run_max)
+    threshold = low_key
+    if HAS_K:
+        k = tl.load(top_k_ptr + row).to(tl.int64)
+        if (k > 0) & (k < vocab_size):
+            threshold = _search(row_ptr, vocab_size, low_key, high_key, k.to(tl.float32),
+                                run_max, inv_t, False, BLOCK_V, WAYS_)  # fmt: skip
+    if HAS_P:
+        p = tl.load(top_p_ptr + row).to(tl.float32)
+        if p < 1.0:
+            kept_mass = tl.zeros([], tl.float32)
+            for start in range(0, vocab_size, BLOCK_V):
+                cols = start + offs
+                valid = cols < vocab_size
+                x = tl.load(row_ptr + cols, mask=valid, other=neg_inf).to(tl.float32)
+                keep = valid & (x >= _value(threshold))
+                scaled = (x - run_max) * inv_t * 1.4426950408889634
+                kept_mass += tl.sum(tl.where(keep, tl.exp2(scaled), 0.0), axis=0)
+            threshold = _search(row_ptr, vocab_size, threshold, high_key, p * kept_mass,
+                                run_max, inv_t, True, BLOCK_V, WAYS_)  # fmt: skip
+    if HAS_MIN_P:
+        min_p = tl.load(min_p_ptr + row).to(tl.float32)
+        if min_p > 0.0:
+            # x / T >= max / T + log(min_p)  <=>  x >= max + T log(min_p)
+            floor = run_max + tl.log(min_p) / inv_t
+            threshold = tl.maximum(threshold, _key(floor))
+    tl.store(thresholds_ptr + row, threshold)
+    cut = _value(threshold)
+    best_draw, best_draw_i = tl.full([], neg_inf, tl.float32), tl.zeros([], tl.int32)
+    if temperature >= 1e-5:
+        seed = tl.load(seed_ptr)
+        for start in range(0, vocab_size, BLOCK_V):
+            cols = start + offs
+            valid = cols < vocab_size
+            x = tl.load(row_ptr + cols, mask=valid, other=neg_inf).to(tl.float32)
+            u = tl.rand(seed, row.to(tl.int64) * vocab_size + cols)
+            u = tl.maximum(u, 1e-20)  # tl.rand is in [0, 1): log(0) would make an infinite draw
+            keep = valid & (x >= cut) & (x > neg_inf)
+            draw = tl.where(keep, x * inv_t - tl.log(-tl.log(u)), neg_inf)
+            best_draw, best_draw_i = _argmax_merge(best_draw, best_draw_i, draw, cols)
+    _finish(row_ptr, row, greedy, run_max, run_sum, best_raw_i, best_draw_i, token_ids_ptr,
+            logprobs_ptr)  # fmt: skip
+
+
+# NOTE (benchmarks/sample_filter_ab.py, one H200, triton 3.6, torch 2.11, 2026-11-28,
+# results/sampling/s21/sample_filter_ab_ways.json; ms a call, vocab 128,256, fp32 logits, the
+# reference's sort / this kernel with 4 / 8 / 16 pivots a pass):
+#   top-k 50 + top-p 0.9, batch 1: 0.98 / 1.62 / 2.36 / 4.73; 64: 2.10 / 1.68 / 2.40 / 4.77;
+#   256: 6.71 / 2.69 / 3.81 / 6.95
+#   top-p 0.95, batch 1: 0.74 / 0.99; 64: 1.51 / 1.00; 256: 4.48 / 1.65
+#   min-p 0.1, batch 1: 0.42 / 0.19; 64: 0.50 / 0.20; 256: 1.17 / 0.30
+# (151,936 alike, ~18% more.) One program walks a row ~35 times at ~45 us a walk: latency, not
+# bandwidth, bounds it, so below 64 rows the sort wins unless only min-p filters (``pays``).
+# FlashInfer 0.7.2's sort-free sampler took 0.11 / 0.51 ms at batch 1 / 256 (issue 42's table):
+# splitting a row over programs is the step that remains.
+MIN_ROWS = 64
+
+
+def pays(logits: torch.Tensor, top_k, top_p) -> bool:
+    """Whether this kernel beats the reference's sort for the batch (measured above)."""
+    return logits.shape[0] >= MIN_ROWS or (top_k is None and top_p is None)
+
+
+def filtered_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+    thresholds: torch.Tensor | None = None,
+    ways: int = WAYS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_ids [B] int64, their raw log-probs [B] fp32): each row drawn from its tempered
+    logits after top-k, then top-p, then min-p (any of the three None: off for every row).
+    ``thresholds`` ([B] int64, tests): gets each row's threshold as a key (``values`` turns it
+    into the logit: each row keeps ``x >= value``); ``ways``: pivots a pass (benchmarks)."""
+    num_seqs, vocab_size = logits.shape
+    device = logits.device
+    token_ids = torch.empty(num_seqs, dtype=torch.int64, device=device)
+    logprobs = torch.empty(num_seqs, dtype=torch.float32, device=device)
+    if num_seqs == 0:
+        return token_ids, logprobs
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=device)
+    interpreted = is_interpreted(device)
+    if block_v is None:
+        block_v = 64 if interpreted else 8192 // ways
+    block_v = min(block_v, triton.next_power_of_2(vocab_size))
+    dummy = temperature
+    if thresholds is None:
+        thresholds = torch.empty(num_seqs, dtype=torch.int64, device=device)
+    _filtered_sample_kernel[(num_seqs,)](
+        logits, temperature.contiguous(),
+        dummy if top_k is None else top_k.contiguous(),
+        dummy if top_p is None else top_p.contiguous(),
+        dummy if min_p is None else min_p.contiguous(),
+        seed, token_ids, logprobs, thresholds, vocab_size, logits.stride(0),
+        HAS_K=top_k is not None, HAS_P=top_p is not None, HAS_MIN_P=min_p is not None,
+        BLOCK_V=block_v, WAYS_=ways, num_warps=num_warps or 8,
+    )  # fmt: skip
+    return token_ids, logprobs
+
+
+def values(keys: torch.Tensor) -> torch.Tensor:
+    """``_value`` in torch: the fp32 logits of int64 ``keys``."""
+    bits = keys.to(torch.int32)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).view(torch.float32)

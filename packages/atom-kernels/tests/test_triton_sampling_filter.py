@@ -1,0 +1,121 @@
+"""Triton filtered sampling (sampling_filter.py) against the torch reference's masking: each row's
+threshold keeps exactly the reference's tokens, draws stay inside, greedy rows are the raw argmax,
+log-probs are raw."""
+
+import pytest
+import torch
+
+from atom_kernels.backends.torch import sampling as reference
+from atom_kernels.testing import assert_close, assert_equal
+
+
+def _batch(rows, vocab, seed, device):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    temperature = torch.rand(rows, generator=g) * 2 + 0.3
+    top_k = torch.randint(0, 30, (rows,), generator=g, dtype=torch.int32)
+    top_k[::4] = 0  # off
+    top_k[1] = vocab + 5  # >= V: off
+    top_p = torch.rand(rows, generator=g)
+    top_p[::3] = 1.0  # off
+    top_p[2] = 0.0  # the max only
+    min_p = torch.rand(rows, generator=g) * 0.4
+    min_p[::2] = 0.0
+    return [t.to(device) for t in (logits, temperature, top_k, top_p, min_p)]
+
+
+def test_thresholds_keep_exactly_the_reference_tokens(triton_backend):
+    from atom_kernels.backends.triton import sampling_filter as sf
+
+    device = triton_backend.device
+    logits, temperature, top_k, top_p, min_p = _batch(24, 150, seed=1, device=device)
+    for args in ((top_k, None, None), (None, top_p, None), (top_k, top_p, min_p)):
+        thresholds = torch.empty(24, dtype=torch.int64, device=device)
+        ids, _ = sf.filtered_sample(logits, temperature, *args, block_v=256, thresholds=thresholds)
+        masked = reference.apply_top_k_top_p_min_p(logits / temperature[:, None], *args)
+        expected = torch.isfinite(masked)
+        kept = logits >= sf.values(thresholds)[:, None]
+        assert_equal(kept, expected, name=f"kept tokens (filters {[a is not None for a in args]})")
+        assert bool(expected.gather(1, ids[:, None]).all()), "a draw outside the kept tokens"
+
+
+def test_greedy_rows_top_k_1_and_top_p_0_are_the_argmax(triton_backend):
+    from atom_kernels.backends.triton import sampling_filter as sf
+
+    device = triton_backend.device
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 200, generator=g) * 3).to(device)
+    logits[1, 17] = logits[1, 150] = logits[1].max() + 1  # a tie at the max: 17
+    temperature = torch.tensor([0.0, 0.0, 1.0, 1.0, 0.7, 2.0], device=device)
+    top_k = torch.tensor([5, 0, 1, 0, 1, 300], dtype=torch.int32, device=device)
+    top_p = torch.tensor([0.5, 1.0, 1.0, 0.0, 0.9, 0.0], device=device)
+    ids, logprobs = sf.filtered_sample(logits, temperature, top_k, top_p, None)
+    assert_equal(ids, logits.argmax(-1), name="argmax rows")
+    raw = torch.log_softmax(logits, dim=-1).gather(1, ids[:, None]).squeeze(1)
+    assert_close(logprobs, raw, atol=1e-5, rtol=1e-5, name="raw log-probs")
+
+
+def test_the_op_takes_the_kernel_where_it_pays(triton_backend):
+    """From 64 rows, or for min-p alone at any batch (measured); top log-probs alongside."""
+    from atom_kernels.backends.triton import sampling_filter as sf
+
+    device = triton_backend.device
+    one = torch.empty(1, 10)
+    k = torch.ones(1, dtype=torch.int32)
+    assert not sf.pays(one.expand(63, 10), k, None) and sf.pays(one.expand(64, 10), k, None)
+    assert not sf.pays(one.expand(8, 10), None, k.float()) and sf.pays(one, None, None)
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(5, 120, generator=g) * 2).to(device)
+    temperature = torch.tensor([1.0, 0.0, 0.8, 1.5, 1.0], device=device)
+    min_p = torch.tensor([0.3, 0.5, 0.2, 0.1, 0.0], device=device)
+    allowed = torch.isfinite(
+        reference.apply_top_k_top_p_min_p(
+            logits / torch.where(temperature > 0, temperature, 1.0)[:, None], None, None, min_p
+        )
+    )
+    for _ in range(3):
+        out = triton_backend.custom_ops.sample_op(logits, temperature, None, None, min_p, None, 2)
+        assert bool(allowed.gather(1, out.token_ids[:, None]).all()), "a draw outside min-p"
+        assert int(out.token_ids[1]) == int(logits[1].argmax())
+        assert_close(out.top_logprobs, torch.log_softmax(logits, -1).topk(2, dim=-1).values,
+                     atol=1e-5, rtol=1e-5, name="top log-probs")  # fmt: skip
+
+
+def test_draws_cover_the_kept_tokens_and_bf16_ties_at_the_kth_are_kept(triton_backend):
+    from atom_kernels.backends.triton import sampling_filter as sf
+
+    device = triton_backend.device
+    logits = torch.full((48, 100), -5.0)
+    logits[:, :3] = torch.tensor([1.3, 1.2, 1.1])
+    logits[:, 3:8] = 1.0  # 5 tokens tie with the 4th
+    logits = logits.to(torch.bfloat16).to(device)
+    temperature = torch.full((48,), 4.0, device=device)  # nearly flat over the kept 8
+    top_k = torch.full((48,), 4, dtype=torch.int32, device=device)
+    ids = [sf.filtered_sample(logits, temperature, top_k, None, None, block_v=128)[0]
+           for _ in range(2)]  # fmt: skip
+    assert set(torch.cat(ids).tolist()) == set(range(8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_vocab_152k_batch_64(triton_backend, dtype):
+    from atom_kernels.backends.triton import sampling_filter as sf
+
+    logits, temperature, top_k, top_p, min_p = _batch(64, 151936, seed=7, device="cuda")
+    logits = (logits * 2).to(dtype)
+    top_k = top_k * 4
+    for args in ((top_k, None, None), (top_k, top_p, min_p), (None, None, min_p)):
+        thresholds = torch.empty(64, dtype=torch.int64, device="cuda")
+        ids, _ = sf.filtered_sample(logits, temperature, *args, thresholds=thresholds)
+        masked = reference.apply_top_k_top_p_min_p(logits.float() / temperature[:, None], *args)
+        expected = torch.isfinite(masked)
+        kept = logits.float() >= sf.values(thresholds)[:, None]
+        assert bool(kept.gather(1, ids[:, None]).all()), "a draw outside the kept tokens"
+        if dtype == torch.float32 or args[1] is None:
+            assert_equal(kept, expected, name=f"kept tokens {dtype}")
+            continue
+        # bf16 ties at the top-p cut: the sort keeps some of the tied tokens, the threshold all.
+        assert bool((kept | ~expected).all()), "a token the sort keeps was dropped"
+        cut = logits.float().masked_fill(~expected, float("inf")).amin(dim=-1, keepdim=True)
+        extra = kept & ~expected
+        assert bool((logits.float() == cut)[extra].all()), "an extra token not tied at the cut"
