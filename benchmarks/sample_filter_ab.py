@@ -7,7 +7,8 @@ Run on a GPU from the repo root:
     python benchmarks/sample_filter_ab.py --out /tmp/o/sample_filter_ab.json
 
 Each case runs each route, rotating their order each round: the torch reference (sort-based
-masking, exponential race) and ``sampling_filter``'s kernel at each ``--ways`` (pivots a pass).
+masking, exponential race), ``sampling_filter``'s kernel (one program a row) at each ``--ways``
+(pivots a pass) and ``sampling_filter_split``'s (a row over programs) at each ``--split-ways``.
 (Session 21's results also have a third route, torch thresholds then the fused draw, since
 dropped on the GPU.) The reference syncs the host inside (the filters' checks), so a call is
 timed on the wall clock from a synced GPU to a synced GPU: median over ``--rounds`` of ``--calls``
@@ -26,7 +27,7 @@ import time
 import torch
 
 from atom_kernels.backends.torch import sampling as reference
-from atom_kernels.backends.triton import sampling_filter
+from atom_kernels.backends.triton import sampling_filter, sampling_filter_split
 
 FILTERS = {  # name -> (top_k, top_p, min_p)
     "k50_p0.9": (50, 0.9, None),
@@ -41,6 +42,12 @@ def old_route(logits, temperature, top_k, top_p, min_p):
 
 def kernel_route(logits, temperature, top_k, top_p, min_p, ways):
     return sampling_filter.filtered_sample(logits, temperature, top_k, top_p, min_p, ways=ways)
+
+
+def split_route(logits, temperature, top_k, top_p, min_p, ways):
+    return sampling_filter_split.filtered_sample(
+        logits, temperature, top_k, top_p, min_p, ways=ways
+    )
 
 
 def wall_ms(fn, calls: int) -> float:
@@ -58,7 +65,8 @@ def main() -> None:
     parser.add_argument("--vocabs", type=int, nargs="+", default=[128256, 151936])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--ways", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--ways", type=int, nargs="+", default=[4])
+    parser.add_argument("--split-ways", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
     result = {
@@ -84,6 +92,10 @@ def main() -> None:
                             f"kernel_w{w}_ms": lambda call=call, w=w: kernel_route(*call, w)
                             for w in args.ways
                         },
+                        **{
+                            f"split_w{w}_ms": lambda call=call, w=w: split_route(*call, w)
+                            for w in args.split_ways
+                        },
                     }
                     for fn in fns.values():
                         fn()  # compile / warm
@@ -94,7 +106,8 @@ def main() -> None:
                             times[key].append(wall_ms(fns[key], args.calls))
                     row = {"vocab": vocab, "batch": batch, "logits": shape, "filter": name}
                     row.update({key: statistics.median(v) for key, v in times.items()})
-                    kernels = {key: v for key, v in row.items() if key.startswith("kernel_w")}
+                    prefixes = ("kernel_w", "split_w")
+                    kernels = {k: v for k, v in row.items() if k.startswith(prefixes)}
                     row["best_kernel"] = min(kernels, key=kernels.get)
                     row["kernel_speedup"] = row["sort_ms"] / kernels[row["best_kernel"]]
                     print(json.dumps(row), flush=True)

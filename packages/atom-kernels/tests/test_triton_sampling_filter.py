@@ -24,14 +24,26 @@ def _batch(rows, vocab, seed, device):
     return [t.to(device) for t in (logits, temperature, top_k, top_p, min_p)]
 
 
-def test_thresholds_keep_exactly_the_reference_tokens(triton_backend):
+@pytest.mark.parametrize("split", [False, True])
+def test_thresholds_keep_exactly_the_reference_tokens(triton_backend, split):
     from atom_kernels.backends.triton import sampling_filter as sf
+    from atom_kernels.backends.triton import sampling_filter_split
 
     device = triton_backend.device
-    logits, temperature, top_k, top_p, min_p = _batch(24, 150, seed=1, device=device)
+    rows = 12 if split else 24  # the split kernel's ~25 launches are slow in the interpreter
+    logits, temperature, top_k, top_p, min_p = _batch(rows, 150, seed=1, device=device)
     for args in ((top_k, None, None), (None, top_p, None), (top_k, top_p, min_p)):
-        thresholds = torch.empty(24, dtype=torch.int64, device=device)
-        ids, _ = sf.filtered_sample(logits, temperature, *args, block_v=256, thresholds=thresholds)
+        thresholds = torch.empty(rows, dtype=torch.int64, device=device)
+        if split:  # two programs a row
+            ids, logprobs = sampling_filter_split.filtered_sample(
+                logits, temperature, *args, num_splits=2, thresholds=thresholds
+            )
+        else:
+            ids, logprobs = sf.filtered_sample(
+                logits, temperature, *args, block_v=256, thresholds=thresholds
+            )
+        raw = torch.log_softmax(logits, dim=-1).gather(1, ids[:, None]).squeeze(1)
+        assert_close(logprobs, raw, atol=1e-5, rtol=1e-5, name="raw log-probs")
         masked = reference.apply_top_k_top_p_min_p(logits / temperature[:, None], *args)
         expected = torch.isfinite(masked)
         kept = logits >= sf.values(thresholds)[:, None]
@@ -55,15 +67,10 @@ def test_greedy_rows_top_k_1_and_top_p_0_are_the_argmax(triton_backend):
     assert_close(logprobs, raw, atol=1e-5, rtol=1e-5, name="raw log-probs")
 
 
-def test_the_op_takes_the_kernel_where_it_pays(triton_backend):
-    """From 64 rows, or for min-p alone at any batch (measured); top log-probs alongside."""
-    from atom_kernels.backends.triton import sampling_filter as sf
-
+def test_the_op_draws_filtered_rows_with_the_kernels(triton_backend):
+    """Unseeded filtered rows: the split kernel below SPLIT_BELOW rows (here), top log-probs
+    alongside; seeded rows keep the reference (test_triton_sampling.py)."""
     device = triton_backend.device
-    one = torch.empty(1, 10)
-    k = torch.ones(1, dtype=torch.int32)
-    assert not sf.pays(one.expand(63, 10), k, None) and sf.pays(one.expand(64, 10), k, None)
-    assert not sf.pays(one.expand(8, 10), None, k.float()) and sf.pays(one, None, None)
     g = torch.Generator().manual_seed(5)
     logits = (torch.randn(5, 120, generator=g) * 2).to(device)
     temperature = torch.tensor([1.0, 0.0, 0.8, 1.5, 1.0], device=device)
@@ -97,9 +104,12 @@ def test_draws_cover_the_kept_tokens_and_bf16_ties_at_the_kth_are_kept(triton_ba
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_vocab_152k_batch_64(triton_backend, dtype):
-    from atom_kernels.backends.triton import sampling_filter as sf
+def test_gpu_vocab_152k_batch_64(triton_backend, dtype, split):
+    from atom_kernels.backends.triton import sampling_filter, sampling_filter_split
+
+    sf = sampling_filter_split if split else sampling_filter
 
     logits, temperature, top_k, top_p, min_p = _batch(64, 151936, seed=7, device="cuda")
     logits = (logits * 2).to(dtype)
@@ -109,7 +119,7 @@ def test_gpu_vocab_152k_batch_64(triton_backend, dtype):
         ids, _ = sf.filtered_sample(logits, temperature, *args, thresholds=thresholds)
         masked = reference.apply_top_k_top_p_min_p(logits.float() / temperature[:, None], *args)
         expected = torch.isfinite(masked)
-        kept = logits.float() >= sf.values(thresholds)[:, None]
+        kept = logits.float() >= sampling_filter.values(thresholds)[:, None]
         assert bool(kept.gather(1, ids[:, None]).all()), "a draw outside the kept tokens"
         if dtype == torch.float32 or args[1] is None:
             assert_equal(kept, expected, name=f"kept tokens {dtype}")

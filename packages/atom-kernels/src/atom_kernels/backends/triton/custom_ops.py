@@ -31,6 +31,7 @@ from atom_kernels.backends.triton import (
     rotary_cache,
     sampling,
     sampling_filter,
+    sampling_filter_split,
 )
 from atom_kernels.ops.sampling import SamplerOutput
 from atom_kernels.registry import register_op
@@ -468,18 +469,17 @@ def _(logits, temperature):
 def _sample_router(fused):
     def sample_op(logits, temperature, top_k, top_p, min_p, generators, num_logprobs):
         """A plain function (generators are not a schema type): the fused kernel (``fused``)
-        where it applies, ``sampling_filter``'s kernel for unseeded rows with top-k / top-p /
-        min-p where it pays, the torch reference otherwise (seeded rows, float64)."""
+        where it applies, ``sampling_filter``'s kernels for unseeded rows with top-k / top-p /
+        min-p (a row over programs below ``SPLIT_BELOW`` rows), the torch reference otherwise
+        (seeded rows, float64)."""
         if sampling.takes(logits, top_k, top_p, min_p, generators, num_logprobs):
             token_ids, logprobs = fused(logits, temperature)
             empty = logits.new_empty((logits.shape[0], 0), dtype=torch.float32)
             return SamplerOutput(token_ids, logprobs, empty, empty.to(torch.int64))
-        if sampling.takes(logits, None, None, None, generators, 0) and sampling_filter.pays(
-            logits, top_k, top_p
-        ):
-            token_ids, logprobs = sampling_filter.filtered_sample(
-                logits, temperature, top_k, top_p, min_p
-            )
+        if sampling.takes(logits, None, None, None, generators, 0):
+            split = logits.shape[0] < sampling_filter.SPLIT_BELOW
+            kernel = sampling_filter_split if split else sampling_filter
+            token_ids, logprobs = kernel.filtered_sample(logits, temperature, top_k, top_p, min_p)
             raw = torch.log_softmax(logits.float(), dim=-1) if num_logprobs else None
             empty = logits.new_empty((logits.shape[0], 0), dtype=torch.float32)
             top, top_ids = raw.topk(num_logprobs, dim=-1) if num_logprobs else (empty, empty.long())

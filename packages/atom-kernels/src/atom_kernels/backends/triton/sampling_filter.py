@@ -167,15 +167,9 @@ def _filtered_sample_kernel(
 #   top-p 0.95, batch 1: 0.74 / 0.99; 64: 1.51 / 1.00; 256: 4.48 / 1.65
 #   min-p 0.1, batch 1: 0.42 / 0.19; 64: 0.50 / 0.20; 256: 1.17 / 0.30
 # (151,936 alike, ~18% more.) One program walks a row ~35 times at ~45 us a walk: latency, not
-# bandwidth, bounds it, so below 64 rows the sort wins unless only min-p filters (``pays``).
-# FlashInfer 0.7.2's sort-free sampler took 0.11 / 0.51 ms at batch 1 / 256 (issue 42's table):
-# splitting a row over programs is the step that remains.
-MIN_ROWS = 64
-
-
-def pays(logits: torch.Tensor, top_k, top_p) -> bool:
-    """Whether this kernel beats the reference's sort for the batch (measured above)."""
-    return logits.shape[0] >= MIN_ROWS or (top_k is None and top_p is None)
+# bandwidth, bounds it, so small batches take ``sampling_filter_split`` (a row over programs,
+# a launch a search step; its NOTE has the numbers); from ``SPLIT_BELOW`` rows, this kernel.
+SPLIT_BELOW = 128
 
 
 def filtered_sample(
