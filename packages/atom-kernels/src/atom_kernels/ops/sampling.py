@@ -57,7 +57,9 @@ def apply_top_k_top_p_min_p(
 
     logits: [B, V]; top_k: [B] int (<= 0 or >= V: off; ties with the k-th value are kept);
     top_p: [B] float (1.0: off; keeps the smallest set of most likely tokens whose probability
-    reaches p, at least one); min_p: [B] float (0: off; drops tokens with prob < min_p * max prob).
+    reaches p, at least one; a token tied with that set's least likely one may be kept too: the
+    CPU and GPU samplers keep every such tie, the torch reference keeps them as its sort orders
+    them); min_p: [B] float (0: off; drops tokens with prob < min_p * max prob).
     Any of the three may be None (off for every row).
     """
     op = "apply_top_k_top_p_min_p"

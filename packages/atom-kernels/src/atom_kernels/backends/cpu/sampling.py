@@ -53,6 +53,10 @@ def draw(weights: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, to
     return ids.clamp_(0, vocab - 1), total.squeeze(1)
 
 
+# The filters alone (the spec-decode sampler's path): thresholds, not the sort (cpu_filter_ab.py).
+register_op("apply_top_k_top_p_min_p", "cpu")(sampling_threshold.apply_top_k_top_p_min_p)
+
+
 @register_op("sample", "cpu")
 def sample(
     logits: torch.Tensor,
