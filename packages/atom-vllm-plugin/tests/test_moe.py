@@ -7,11 +7,12 @@ weight loading) and the sliding window of every other layer, on ATOM's backend a
 ATOM_DISABLE_VLLM_PLUGIN_ATTENTION=1, on vLLM's own CPU backend.
 
 The plugin runs in this process; vLLM's own implementation needs a fresh process (vLLM resolves
-its plugins once per process): this file run as a script.
+its plugins once per process): this file run as a script, once for all four checkpoints.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import re
@@ -89,14 +90,16 @@ def generate(model_dir: str) -> dict:
     return {"tokens": [list(o.outputs[0].token_ids) for o in outs], **info}
 
 
-def run_in_child(model_dir, python_env, **switches) -> dict:
-    proc = subprocess.run([sys.executable, __file__, str(model_dir)],
+def run_in_child(model_dirs, python_env, **switches) -> dict:
+    """Model directory -> `generate` of it, all in one fresh process (one import of vLLM)."""
+    proc = subprocess.run([sys.executable, __file__, *map(str, model_dirs)],
                           env=python_env(**switches), capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+                          timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-8000:]
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
 
 
+@functools.cache
 def transformers_tokens(model_dir: str) -> list[list[int]]:
     import torch
     from transformers import AutoModelForCausalLM
@@ -129,16 +132,31 @@ def save_checkpoint(arch: str, tmp_path_factory, smollm2_dir):
     return path
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss"])
-def checkpoint(request, tmp_path_factory, smollm2_dir):
-    return request.param, save_checkpoint(request.param, tmp_path_factory, smollm2_dir)
+ARCHS = ["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, smollm2_dir) -> dict:
+    return {arch: save_checkpoint(arch, tmp_path_factory, smollm2_dir) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def own_runs(checkpoints, python_env) -> dict:
+    """Arch -> vLLM's own implementation's run (plugin disabled), all in one fresh process."""
+    runs = run_in_child(checkpoints.values(), python_env, ATOM_DISABLE_VLLM_PLUGIN="1")
+    return {arch: runs[str(path)] for arch, path in checkpoints.items()}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def checkpoint(request, checkpoints):
+    return request.param, checkpoints[request.param]
 
 
 ATOM_IMPL = "atom_vllm_plugin.attention.backend.AtomAttentionImpl"
 VLLM_CPU_IMPL = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl"
 
 
-def test_moe_greedy_matches_vllm_and_transformers(checkpoint, python_env) -> None:
+def test_moe_greedy_matches_vllm_and_transformers(checkpoint, own_runs) -> None:
     arch, path = checkpoint
     atom = generate(str(path))
     assert atom["model"] == "atom_vllm_plugin.model.AtomForCausalLM"
@@ -146,7 +164,7 @@ def test_moe_greedy_matches_vllm_and_transformers(checkpoint, python_env) -> Non
     assert atom["attention"] == [ATOM_IMPL]
     # vLLM's CPU build runs its own implementation of all four, GptOssForCausalLM included
     # (unquantized experts; CPU_ATTN computes sinks and sliding windows).
-    own = run_in_child(path, python_env, ATOM_DISABLE_VLLM_PLUGIN="1")
+    own = own_runs[arch]
     assert own["model"].startswith(f"vllm.model_executor.models.{arch}.")
     assert own["attention"] == [VLLM_CPU_IMPL]
     assert atom["tokens"] == own["tokens"]
@@ -156,10 +174,10 @@ def test_moe_greedy_matches_vllm_and_transformers(checkpoint, python_env) -> Non
         assert_gpt_oss_attention(own, path)
 
 
-def test_gpt_oss_atom_model_on_vllms_attention(tmp_path_factory, smollm2_dir, python_env) -> None:
+def test_gpt_oss_atom_model_on_vllms_attention(checkpoints, python_env) -> None:
     """ATOM's GPT-OSS on vLLM's own CPU attention: the sinks reach vLLM's backend too."""
-    path = save_checkpoint("gpt_oss", tmp_path_factory, smollm2_dir)
-    mixed = run_in_child(path, python_env, ATOM_DISABLE_VLLM_PLUGIN_ATTENTION="1")
+    path = checkpoints["gpt_oss"]
+    (mixed,) = run_in_child([path], python_env, ATOM_DISABLE_VLLM_PLUGIN_ATTENTION="1").values()
     assert mixed["model"] == "atom_vllm_plugin.model.AtomForCausalLM"
     assert mixed["inner"] == "atom_models.models.gpt_oss.GptOssForCausalLM"
     assert mixed["attention"] == [VLLM_CPU_IMPL]
@@ -180,4 +198,4 @@ def assert_gpt_oss_attention(run: dict, path) -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(generate(sys.argv[1])))
+    print(json.dumps({path: generate(path) for path in sys.argv[1:]}))

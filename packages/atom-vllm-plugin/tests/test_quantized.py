@@ -48,18 +48,16 @@ class Capture(logging.Handler):
         printed.append((record.levelname, record.getMessage()))
 log.logger.addHandler(Capture())
 
+import gc, traceback
 from vllm import LLM, SamplingParams
-llm = LLM(model={model!r}, dtype={dtype!r}, enforce_eager=True, max_model_len=256, seed=0,
-          block_size=16, skip_tokenizer_init=True)
-params = SamplingParams(temperature=0.0, max_tokens={max_tokens}, ignore_eos=True)
-outs = llm.generate([{{"prompt_token_ids": p}} for p in {prompts!r}], params)
+from atom_vllm_plugin.stats import counters
 
-def inspect(wrapper):
+def inspect(wrapper, model_dir, loaded_as_is):
     from safetensors.torch import load_file
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     model = wrapper.model
-    ckpt = load_file({model!r} + "/model.safetensors")
+    ckpt = load_file(model_dir + "/model.safetensors")
     params = dict(model.named_parameters())
     def as_is(name, names):
         packed = torch.cat([ckpt[n] for n in names]).reshape(params[name].shape)
@@ -76,38 +74,67 @@ def inspect(wrapper):
                                                QuantizeMethodBase)}}),
         "attention": sorted({{type(m.impl).__qualname__ for m in wrapper.modules()
                               if isinstance(m, Attention)}}),
-        "loaded_as_is": {{n: as_is(n, names) for n, names in {loaded_as_is!r}.items()}},
+        "loaded_as_is": {{n: as_is(n, names) for n, names in loaded_as_is.items()}},
     }}
 
-(info,) = llm.apply_model(inspect)
-config = llm.llm_engine.vllm_config
-from atom_vllm_plugin.stats import counters
-print(json.dumps({{
-    "tokens": [list(o.outputs[0].token_ids) for o in outs],
-    "quantization": config.model_config.quantization,
-    "quant_config": type(config.quant_config).__qualname__,
-    "counters": counters.snapshot(),
-    "logged": printed + [(logging.getLevelName(l), m) for l, m in log._pending],
-    **info,
-}}))
+def run(model, dtype, loaded_as_is):
+    # Each case as in a process of its own: its counters, its log lines (logged once per case).
+    start = len(printed)
+    log._logged.clear()
+    before = counters.snapshot()
+    llm = LLM(model=model, dtype=dtype, enforce_eager=True, max_model_len=256, seed=0,
+              block_size=16, skip_tokenizer_init=True)
+    params = SamplingParams(temperature=0.0, max_tokens={max_tokens}, ignore_eos=True)
+    outs = llm.generate([{{"prompt_token_ids": p}} for p in {prompts!r}], params)
+    (info,) = llm.apply_model(lambda wrapper: inspect(wrapper, model, loaded_as_is))
+    config = llm.llm_engine.vllm_config
+    after = counters.snapshot()
+    result = {{
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "quantization": config.model_config.quantization,
+        "quant_config": type(config.quant_config).__qualname__,
+        "counters": {{k: after[k] - before[k] for k in after}},
+        "logged": printed[start:] + [(logging.getLevelName(l), m) for l, m in log._pending],
+        **info,
+    }}
+    del llm
+    gc.collect()
+    return result
+
+results = {{}}
+for name, (model, dtype, loaded_as_is) in {cases!r}.items():
+    try:
+        results[name] = run(model, dtype, loaded_as_is)
+    except Exception:
+        results[name] = {{"error": traceback.format_exc()}}
+print(json.dumps(results))
 """
 
 ENGINE_RUN = """
-import json
+import gc, json, traceback
 from atom_engine import LLM, SamplingParams
-llm = LLM({model!r}, dtype={dtype!r}, device="cpu", block_size=16, skip_tokenizer_init=True)
 params = SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True)
-outs = llm.generate([{{"prompt_token_ids": p}} for p in {prompts!r}], params, use_tqdm=False)
-print(json.dumps({{"tokens": [list(o.outputs[0].token_ids) for o in outs]}}))
+results = {{}}
+for name, (model, dtype, _) in {cases!r}.items():
+    try:
+        llm = LLM(model, dtype=dtype, device="cpu", block_size=16, skip_tokenizer_init=True)
+        outs = llm.generate([{{"prompt_token_ids": p}} for p in {prompts!r}], params,
+                            use_tqdm=False)
+        results[name] = {{"tokens": [list(o.outputs[0].token_ids) for o in outs]}}
+        del llm
+        gc.collect()
+    except Exception:
+        results[name] = {{"error": traceback.format_exc()}}
+print(json.dumps(results))
 """
 
 RESOLVE = """
 import json
 from vllm.engine.arg_utils import EngineArgs
 results = {{}}
-for model in {models!r}:
+for model, dtype in {models!r}:
     try:
-        config = EngineArgs(model=model, dtype="float32", enforce_eager=True,
+        config = EngineArgs(model=model, dtype=dtype, enforce_eager=True,
                             max_model_len=256).create_engine_config()
         results[model] = "accepted: " + str(config.model_config.quantization)
     except Exception as error:
@@ -311,14 +338,27 @@ CASES = {
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
+@pytest.fixture(scope="module")
+def all_runs(tmp_path_factory, run_python) -> dict:
+    """Every case, run by vLLM in one fresh process and by ATOM's engine in another: a process
+    start (importing vLLM) costs more than a tiny checkpoint's run. Each case's counters and log
+    lines are its own (read around its run)."""
+    cases = {
+        name: (str(case.write(tmp_path_factory.mktemp(name))), case.dtype, case.loaded_as_is)
+        for name, case in CASES.items()
+    }
+    common = dict(cases=cases, max_tokens=MAX_TOKENS, prompts=PROMPTS)
+    vllm = run_python(VLLM_RUN.format(**common), timeout=1200)
+    engine = run_python(ENGINE_RUN.format(**common), timeout=1200)
+    return {name: (vllm[name], engine[name]) for name in CASES}
+
+
 @pytest.fixture(scope="module", params=list(CASES))
-def quantized_run(request, tmp_path_factory, run_python) -> dict:
-    case = CASES[request.param]
-    path = case.write(tmp_path_factory.mktemp(request.param))
-    common = dict(model=str(path), dtype=case.dtype, max_tokens=MAX_TOKENS, prompts=PROMPTS)
-    vllm = run_python(VLLM_RUN.format(**common, loaded_as_is=case.loaded_as_is), timeout=600)
-    engine = run_python(ENGINE_RUN.format(**common), timeout=600)
-    return {"name": request.param, "case": case, "vllm": vllm, "engine": engine}
+def quantized_run(request, all_runs) -> dict:
+    vllm, engine = all_runs[request.param]
+    for run in (vllm, engine):
+        assert "error" not in run, run.get("error")
+    return {"name": request.param, "case": CASES[request.param], "vllm": vllm, "engine": engine}
 
 
 def check_fp8_linears(run: dict, scale_name: str) -> list[str]:
@@ -412,35 +452,49 @@ def test_vllm_builds_its_own_quant_config_for_the_method(quantized_run) -> None:
 # -- where vLLM refuses the method: its own error, before any model is built ------------------
 
 
-def test_vllm_refuses_fp8_and_mxfp4_in_float32(tmp_path, run_python) -> None:
-    fp8 = str(block_fp8_checkpoint(tmp_path))
-    mxfp4 = str(mxfp4_gpt_oss_checkpoint(tmp_path))
-    compressed = str(compressed_fp8_checkpoint(tmp_path))
-    code = RESOLVE.format(models=[fp8, mxfp4, compressed])
+@pytest.fixture(scope="module")
+def resolved(tmp_path_factory, run_python) -> dict:
+    """Checkpoint -> what vLLM's config resolution made of it, with the plugin ("atom") and
+    without ("stock"): one fresh process each, for every checkpoint of the refusal tests."""
+    tmp = tmp_path_factory.mktemp("refusals")
+    models = {
+        "fp8": (block_fp8_checkpoint(tmp), "float32"),
+        "mxfp4": (mxfp4_gpt_oss_checkpoint(tmp), "float32"),
+        "compressed": (compressed_fp8_checkpoint(tmp), "float32"),
+        "gptq": (int_checkpoint(tmp, "gptq"), "float32"),
+        "awq": (int_checkpoint(tmp, "awq"), "float32"),
+        "desc_act": (int_checkpoint(tmp, "gptq", desc_act=True), "bfloat16"),
+    }
+    code = RESOLVE.format(models=[(str(path), dtype) for path, dtype in models.values()])
     atom = run_python(code)
     stock = run_python(code, ATOM_DISABLE_VLLM_PLUGIN="1")
     assert atom["platform"] == "AtomCpuPlatform"
     assert stock["platform"] == "CpuPlatform"
-    results = atom["results"]
+    return {
+        mode: {name: run["results"][str(path)] for name, (path, _) in models.items()}
+        for mode, run in (("atom", atom), ("stock", stock))
+    }
+
+
+def test_vllm_refuses_fp8_and_mxfp4_in_float32(resolved) -> None:
+    results = resolved["atom"]
     assert "torch.float32 is not supported for quantization method fp8. Supported dtypes: " \
-        "[torch.bfloat16, torch.float16]" in results[fp8]  # fmt: skip
+        "[torch.bfloat16, torch.float16]" in results["fp8"]  # fmt: skip
     assert "torch.float32 is not supported for quantization method gpt_oss_mxfp4. Supported " \
-        "dtypes: [torch.bfloat16]" in results[mxfp4]  # fmt: skip
-    assert results[compressed] == "accepted: compressed-tensors"
+        "dtypes: [torch.bfloat16]" in results["mxfp4"]  # fmt: skip
+    assert results["compressed"] == "accepted: compressed-tensors"
     # vLLM's own refusal, in its config (no model class is built): the same without the plugin.
-    assert stock["results"] == results
+    mine = ("fp8", "mxfp4", "compressed")
+    assert {k: resolved["stock"][k] for k in mine} == {k: results[k] for k in mine}
 
 
-def test_vllm_refuses_gptq_and_awq_in_float32_and_gptq_desc_act(tmp_path, run_python) -> None:
+def test_vllm_refuses_gptq_and_awq_in_float32_and_gptq_desc_act(resolved) -> None:
     """vLLM's own refusals of integer checkpoints (the plugin changes none of them): GPTQ and AWQ
     in float32, and GPTQ with desc_act=True in any dtype."""
-    gptq, awq = str(int_checkpoint(tmp_path, "gptq")), str(int_checkpoint(tmp_path, "awq"))
-    desc_act = str(int_checkpoint(tmp_path, "gptq", desc_act=True))
-    float32 = run_python(RESOLVE.format(models=[gptq, awq]))["results"]
-    bf16 = run_python(RESOLVE.replace('"float32"', '"bfloat16"').format(models=[desc_act]))
+    results = resolved["atom"]
     assert "torch.float32 is not supported for quantization method auto_gptq. Supported " \
-        "dtypes: [torch.float16, torch.bfloat16]" in float32[gptq]  # fmt: skip
+        "dtypes: [torch.float16, torch.bfloat16]" in results["gptq"]  # fmt: skip
     assert "torch.float32 is not supported for quantization method awq. Supported " \
-        "dtypes: [torch.float16, torch.bfloat16]" in float32[awq]  # fmt: skip
+        "dtypes: [torch.float16, torch.bfloat16]" in results["awq"]  # fmt: skip
     assert "GPTQ group activation ordering (desc_act=True) is no longer supported" \
-        in bf16["results"][desc_act]  # fmt: skip
+        in results["desc_act"]  # fmt: skip

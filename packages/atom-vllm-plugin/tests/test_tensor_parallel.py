@@ -1,12 +1,14 @@
 """Tensor parallelism through vLLM's own TP group: ATOM's model sharded over two vLLM CPU workers
 (gloo) gives the greedy tokens of the unsharded model, on a tiny random Llama (no tokenizer).
 
-Each run is this file as a script in a fresh process; the TP=2 run uses vLLM's multiprocess
-executor with one core bound per worker (vLLM's CPU workers need explicit binding on one NUMA node).
+The TP=1 run is vLLM's in-process engine in this process; the TP=2 run is this file as a script in
+a fresh process, with vLLM's multiprocess executor and one core bound per worker (vLLM's CPU
+workers need explicit binding on one NUMA node).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -44,12 +46,11 @@ def generate(model_dir: str, tp: int) -> dict:
     return {"tokens": [list(o.outputs[0].token_ids) for o in outputs]}
 
 
-def run(model_dir, tp: int, python_env) -> tuple[dict, str]:
-    env = python_env()
-    if tp > 1:  # worker processes, one core each
-        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
+def run_tp2(model_dir, python_env) -> tuple[dict, str]:
+    env = python_env()  # worker processes, one core each
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
     proc = subprocess.run(
-        [sys.executable, __file__, str(model_dir), str(tp)],
+        [sys.executable, __file__, str(model_dir), "2"],
         env=env,
         capture_output=True,
         text=True,
@@ -61,8 +62,9 @@ def run(model_dir, tp: int, python_env) -> tuple[dict, str]:
 
 
 def test_tp2_matches_tp1(tiny_llama, python_env) -> None:
-    single, _ = run(tiny_llama, 1, python_env)
-    sharded, log = run(tiny_llama, 2, python_env)
+    single = generate(str(tiny_llama), 1)
+    gc.collect()  # this process's engine, before two workers start
+    sharded, log = run_tp2(tiny_llama, python_env)
     # Both ranks built ATOM's model on their shard, in vLLM's TP group.
     for rank in (0, 1):
         assert f"ATOM: model atom_models.models.llama.LlamaForCausalLM for {tiny_llama} " \
