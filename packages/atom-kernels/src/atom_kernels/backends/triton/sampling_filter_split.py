@@ -171,7 +171,8 @@ def _step_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, part_f_ptr, 
                 scaled = (x - row_max) * inv_t * 1.4426950408889634
                 weight = tl.where(valid, tl.exp2(scaled), 0.0)
                 total += tl.sum(tl.where(above, weight[None, :], 0.0), axis=1)
-                kept_mass += tl.sum(tl.where(x >= cut, weight, 0.0), axis=0)
+                if first_p:  # the top-k set's mass: needed once, by every later top-p step
+                    kept_mass += tl.sum(tl.where(x >= cut, weight, 0.0), axis=0)
             else:
                 total += tl.sum((above & valid[None, :]).to(tl.float32), axis=1)
     new = 1 - it % 2
