@@ -13,6 +13,7 @@ import argparse
 import bisect
 import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -80,6 +81,9 @@ def kv_bytes_per_token(engine) -> int:
     return kv_cache_bytes_per_token(runner.model, runner.kv_cache_dtype)
 
 
+FILTERED = {"temperature": 0.8, "top_k": 50, "top_p": 0.9}  # --sampling filtered: a chat default
+
+
 def bench_decode(args) -> dict:
     from atom_engine import SamplingParams
 
@@ -99,7 +103,8 @@ def bench_decode(args) -> dict:
     rng = random.Random(0)
     vocab = engine.hf_config.vocab_size
     for bs in args.batch_sizes:
-        params = SamplingParams(temperature=0, max_tokens=args.steps + 16, ignore_eos=True)
+        how = FILTERED if args.sampling == "filtered" else {"temperature": 0}
+        params = SamplingParams(max_tokens=args.steps + 16, ignore_eos=True, **how)
         for i in range(bs):
             ids = [rng.randrange(vocab) for _ in range(args.prompt_len)]
             engine.add_request(f"{bs}-{i}", ids, params)
@@ -383,7 +388,10 @@ def bench_throughput(args) -> dict:
             str(i),
             p,
             SamplingParams(
-                temperature=1.0, max_tokens=o, ignore_eos=True, output_kind="final_only"
+                max_tokens=o,
+                ignore_eos=True,
+                output_kind="final_only",
+                **(FILTERED if args.sampling == "filtered" else {"temperature": 1.0}),
             ),
         )
     steps = 0
@@ -511,13 +519,25 @@ def main() -> None:
         )
         p.add_argument("--hf-attention", choices=["sdpa-no-cudnn", "sdpa"],
                        default="sdpa-no-cudnn")  # fmt: skip
+    for p in (d, t):
+        p.add_argument(
+            "--sampling",
+            choices=["default", "filtered"],
+            default="default",
+            help="default: greedy decode, temperature 1 throughput; filtered: "
+            "temperature 0.8, top-k 50, top-p 0.9 (ATOM_SAMPLE_FILTER=0 A/Bs its kernels)",
+        )
     for p in (d, t, h):
         p.add_argument("--out", required=True)
     args = parser.parse_args()
     bench = {"decode": bench_decode, "throughput": bench_throughput, "hf": bench_hf}[args.cmd]
     result = bench(args)
     result.update(
-        device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d")
+        sampling=getattr(args, "sampling", None),
+        sample_filter_kernels=os.environ.get("ATOM_SAMPLE_FILTER", "1") != "0",
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
     )
     Path(args.out).write_text(json.dumps(result, indent=2))
 

@@ -15,6 +15,11 @@ safetensors shards of at most 4 GiB. Then, per checkpoint:
   0's), cold and warm as above, with `ATOM_SAFETENSORS_DIRECT` 1 and 0 alternated (the direct
   file -> pinned -> GPU reader against mmap'd CPU tensors; TP > 1 reads by range either way).
   GB/s is the checkpoint's bytes over the load phase's seconds.
+- `--reader-sweep` (a GPU): first the direct reader alone (no model: every tensor read to the
+  device and dropped) on the warm bf16 checkpoint for each `threads:chunk MiB:ring chunks` of
+  `SWEEP`, alternated, best of two rounds, and the page cache's own rate read by as many threads
+  with `preadv` (no GPU); then the loads alternate the default reader with the sweep's fastest
+  (`--readers` names readers explicitly instead).
 """
 
 from __future__ import annotations
@@ -34,6 +39,83 @@ from startup import engine_log, run_child, startup_phases  # noqa: E402
 
 SHARD_BYTES = 4 << 30
 CHUNK = 64 << 20
+DEFAULT_READER = "8:16:2"  # safetensors_direct's READ_THREADS : CHUNK_BYTES MiB : RING_CHUNKS
+SWEEP = ["8:16:2", "8:64:2", "16:16:2", "16:16:4", "16:64:2", "16:64:4", "12:32:3", "16:8:4"]
+
+
+def set_reader(spec: str) -> None:
+    """Set the direct reader's sizes from `threads:chunk MiB:ring chunks`."""
+    from atom_models import safetensors_direct as direct
+
+    threads, chunk_mib, ring = (int(v) for v in spec.split(":"))
+    direct.READ_THREADS, direct.CHUNK_BYTES, direct.RING_CHUNKS = threads, chunk_mib << 20, ring
+
+
+def reader_alone_s(path: Path, spec: str) -> float:
+    """Seconds for the direct reader to bring every tensor of the checkpoint to the device."""
+    from atom_models.safetensors_direct import iter_safetensors_to_device
+
+    set_reader(spec)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _name, tensor in iter_safetensors_to_device(path, "cuda"):
+        del tensor
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def parallel_read_gbps(path: Path, threads: int, chunk: int = 16 << 20) -> float:
+    """The page cache's rate read by `threads` threads (`preadv` of `chunk`s, files split in
+    contiguous ranges), no GPU."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = sorted(path.glob("*.safetensors"))
+    sizes = [f.stat().st_size for f in files]
+    total = sum(sizes)
+    jobs, share = [], -(-total // threads)
+    for f, size in zip(files, sizes, strict=True):
+        for begin in range(0, size, share):
+            jobs.append((f, begin, min(size, begin + share)))
+
+    def read(job) -> int:
+        f, begin, end = job
+        view = memoryview(bytearray(chunk))
+        fd, done = os.open(f, os.O_RDONLY), 0
+        try:
+            while begin + done < end:
+                got = os.preadv(fd, [view[: min(chunk, end - begin - done)]], begin + done)
+                if got <= 0:
+                    break
+                done += got
+        finally:
+            os.close(fd)
+        return done
+
+    with ThreadPoolExecutor(threads) as pool:
+        start = time.perf_counter()
+        read_bytes = sum(pool.map(read, jobs))
+        seconds = time.perf_counter() - start
+    return read_bytes / seconds / 1e9
+
+
+def reader_sweep(path: Path, size: int) -> dict:
+    raw_read_gbps(path)  # into the page cache
+    out: dict = {"reader_gbps": {}, "page_cache_threads_gbps": {}}
+    best: dict[str, float] = {}
+    for _round in range(2):
+        for spec in SWEEP:
+            seconds = reader_alone_s(path, spec)
+            best[spec] = min(best.get(spec, float("inf")), seconds)
+            print(f"reader {spec}: {size / seconds / 1e9:.1f} GB/s", flush=True)
+    out["reader_gbps"] = {spec: size / s / 1e9 for spec, s in best.items()}
+    for threads in (1, 4, 8, 16):
+        out["page_cache_threads_gbps"][threads] = max(
+            parallel_read_gbps(path, threads) for _ in range(2)
+        )
+    out["fastest"] = max(out["reader_gbps"], key=out["reader_gbps"].get)
+    set_reader(DEFAULT_READER)
+    print("sweep", json.dumps(out), flush=True)
+    return out
 
 
 def checkpoint_tensors(config, fp8: bool, device: str):
@@ -132,10 +214,11 @@ def h2d_gbps(pinned: bool) -> float | None:
     return host.numel() / best / 1e9
 
 
-def load_child(path: str, tp: int, smoke: bool) -> None:
+def load_child(path: str, tp: int, smoke: bool, reader: str) -> None:
     """A child process: start an engine on the checkpoint; print its start-up phases as JSON."""
     from atom_engine import LLM
 
+    set_reader(reader)
     lines = engine_log()
     cuda = torch.cuda.is_available()
     start = time.perf_counter()
@@ -153,17 +236,20 @@ def load_child(path: str, tp: int, smoke: bool) -> None:
         **({"gpu_memory_utilization": 0.5} if cuda else {}),
     )
     ready = time.perf_counter() - start
+    runner = getattr(llm.engine, "runner", None)  # TP=1: in this process, unrounded phases
+    exact = dict(getattr(getattr(runner, "startup", None), "phases", {}) or {})
     llm.shutdown()
     line, phases = startup_phases(lines)
-    print("RESULT " + json.dumps({"ready_s": ready, "line": line, "phases": phases}), flush=True)
+    result = {"ready_s": ready, "line": line, "phases": phases, "phases_exact": exact}
+    print("RESULT " + json.dumps(result), flush=True)
 
 
-def timed_load(path: Path, tp: int, smoke: bool, cold: bool, direct: str) -> dict:
+def timed_load(path: Path, tp: int, smoke: bool, cold: bool, direct: str, reader: str) -> dict:
     if cold:
         drop_cache(path)
     else:
         raw_read_gbps(path)  # into the page cache
-    cmd = [sys.executable, __file__, "--child", str(path), "--tp", str(tp)]
+    cmd = [sys.executable, __file__, "--child", str(path), "--tp", str(tp), "--readers", reader]
     cmd += ["--smoke"] if smoke else []
     env = {**os.environ, "ATOM_SAFETENSORS_DIRECT": direct}
     return run_child(cmd, env, 600, tail=2000)
@@ -182,10 +268,17 @@ def main() -> None:
         choices=["1", "0"],
         help="ATOM_SAFETENSORS_DIRECT values to alternate (1: file -> pinned -> GPU; 0: mmap)",
     )
+    parser.add_argument(
+        "--readers",
+        nargs="+",
+        default=[DEFAULT_READER],
+        help="direct readers (threads:chunk MiB:ring chunks) the loads alternate",
+    )
+    parser.add_argument("--reader-sweep", action="store_true", help="time readers alone first")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        load_child(args.child, args.tp[0], args.smoke)
+        load_child(args.child, args.tp[0], args.smoke, args.readers[0])
         return
     cuda = torch.cuda.is_available()
     record = dict(
@@ -198,6 +291,7 @@ def main() -> None:
         checkpoints={},
     )
     tps = [tp for tp in args.tp if not cuda or tp <= torch.cuda.device_count()]
+    readers = list(args.readers)
     for label, fp8 in (("llama3-8b-bf16", False), ("llama3-8b-fp8-block", True)):
         if fp8 and not cuda:
             continue  # the CPU smoke run: FP8 weights need a GPU to compute
@@ -209,11 +303,19 @@ def main() -> None:
         drop_cache(path)
         entry["raw_read_cold_gbps"] = raw_read_gbps(path)
         entry["raw_read_warm_gbps"] = raw_read_gbps(path)
+        if args.reader_sweep and cuda and not fp8:
+            entry["sweep"] = reader_sweep(path, size)
+            if entry["sweep"]["fastest"] not in readers:
+                readers.append(entry["sweep"]["fastest"])
+        ways = [("0", DEFAULT_READER)] if "0" in args.direct else []
+        ways = [("1", r) for r in readers] * ("1" in args.direct) + ways
         for tp in tps:
-            for cold, direct in [(c, d) for c in (True, False) for d in args.direct]:
+            for cold, (direct, reader) in [(c, w) for c in (True, False) for w in ways]:
                 key = f"tp{tp}_{'cold' if cold else 'warm'}_direct{direct}"
-                result = timed_load(path, tp, args.smoke, cold, direct)
-                load_s = result.get("phases", {}).get("load")
+                key += f"_r{reader}" if direct == "1" and reader != DEFAULT_READER else ""
+                result = timed_load(path, tp, args.smoke, cold, direct, reader)
+                exact = result.get("phases_exact", {}).get("load")
+                load_s = exact or result.get("phases", {}).get("load")
                 if load_s:
                     result["load_gbps"] = size / load_s / 1e9
                 entry[key] = result

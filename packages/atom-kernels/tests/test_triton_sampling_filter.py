@@ -129,3 +129,17 @@ def test_gpu_vocab_152k_batch_64(triton_backend, dtype, split):
         cut = logits.float().masked_fill(~expected, float("inf")).amin(dim=-1, keepdim=True)
         extra = kept & ~expected
         assert bool((logits.float() == cut)[extra].all()), "an extra token not tied at the cut"
+
+
+def test_the_filter_switch_off_sends_filtered_rows_to_the_reference(triton_backend, monkeypatch):
+    """ATOM_SAMPLE_FILTER=0 (read into FILTER_KERNELS at import): the torch reference draws the
+    filtered rows, the same draws as the reference's under the same global seed."""
+    monkeypatch.setattr(triton_backend.custom_ops, "FILTER_KERNELS", False)
+    logits, temperature, top_k, top_p, min_p = _batch(16, 150, seed=3, device=triton_backend.device)
+    args = (logits, temperature, top_k, top_p, min_p, None, 2)
+    torch.manual_seed(7)
+    out = triton_backend.custom_ops.sample_op(*args)
+    torch.manual_seed(7)
+    expected = reference.sample(*args)
+    assert_equal(out.token_ids, expected.token_ids, name="token ids")
+    assert_equal(out.top_token_ids, expected.top_token_ids, name="top ids")

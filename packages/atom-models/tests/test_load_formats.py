@@ -254,13 +254,15 @@ def test_direct_reader_headers_match_safetensors(sharded, name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
-@pytest.mark.parametrize("chunk", [64, 16 << 20])
-def test_direct_to_the_gpu_is_bit_equal_to_serial(sharded, name, chunk, monkeypatch):
-    """The CUDA path (file -> pinned chunks -> device, several threads) loads every
+@pytest.mark.parametrize(("chunk", "ring", "threads"), [(64, 2, 8), (64, 3, 16), (16 << 20, 2, 8)])
+def test_direct_to_the_gpu_is_bit_equal_to_serial(sharded, name, chunk, ring, threads, monkeypatch):
+    """The CUDA path (file -> a ring of pinned chunks -> device, several threads) loads every
     architecture bit-equal to the serial CPU reader, also with chunks smaller than a tensor."""
     import atom_models.safetensors_direct as direct
 
     monkeypatch.setattr(direct, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(direct, "RING_CHUNKS", ring)
+    monkeypatch.setattr(direct, "READ_THREADS", threads)
     path = sharded(name)
     kwargs = dict(device="cuda", dtype=torch.bfloat16)
     serial = dict(load_model(path, weights=iter_safetensors(path), **kwargs).named_parameters())

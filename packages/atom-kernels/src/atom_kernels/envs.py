@@ -129,6 +129,10 @@ TABLE: tuple[Switch, ...] = (
         "Triton sampling draw: `block` or `gumbel` (benchmarks/sample_ab.py times both)",
     ),
     Switch(
+        "ATOM_SAMPLE_FILTER", True, _not_zero,
+        "top-k / top-p / min-p rows drawn by the Triton filter kernels (`0`: the torch sort, A/B)",
+    ),
+    Switch(
         "ATOM_TRITON_ARGMAX", True, _is_one,
         "Triton greedy argmax (anything but `1`: `torch.argmax`)",
     ),

@@ -1,12 +1,14 @@
 """Safetensors shards read straight to a CUDA device: the `safetensors` load format's path on a GPU
 when one rank reads whole tensors.
 
-The shards' headers give each tensor's byte range. `MAX_READ_THREADS` threads share the tensors
+The shards' headers give each tensor's byte range. `READ_THREADS` threads share the tensors
 (largest first, so no thread is left with the tail); each reads its tensors with `os.preadv` into
-its own two pinned chunks and copies them to the device on its own stream, alternating the chunks
-(a chunk is refilled once its last copy is done). The consumer gets a device tensor once its copies
-are done. So the bytes go file -> pinned memory -> device with no pageable copy and no full CPU
-copy of the model; at most two tensors a thread wait on the device.
+its own ring of `RING_CHUNKS` pinned chunks of `CHUNK_BYTES` and copies them to the device on its
+own stream, going round the ring (a chunk is refilled once its last copy is done). The consumer
+gets a device tensor once its copies are done. So the bytes go file -> pinned memory -> device
+with no pageable copy and no full CPU copy of the model; at most two tensors a thread wait on the
+device. The three sizes are module constants read at each call (`benchmarks/load_bench.py
+--reader-sweep` times them on a machine).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from atom_models.checkpoint_slice import _DTYPES
 from atom_models.progress import progress_bar
 from atom_models.weights import safetensors_files
 
+READ_THREADS = 8
 CHUNK_BYTES = 16 << 20
+RING_CHUNKS = 2
 
 
 def read_header(path: Path) -> list[tuple[str, torch.dtype, list[int], int, int]]:
@@ -50,7 +54,7 @@ def iter_safetensors_to_device(
     model_dir: str | Path,
     device: torch.device | str,
     *,
-    max_threads: int = 8,
+    max_threads: int | None = None,
     show_progress: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     device = torch.device(device)
@@ -59,7 +63,8 @@ def iter_safetensors_to_device(
     files = safetensors_files(model_dir)
     tensors = [(path, *entry) for path in files for entry in read_header(path)]
     tensors.sort(key=lambda t: -t[5])
-    num_threads = max(1, min(max_threads, len(tensors)))
+    num_threads = max(1, min(max_threads or READ_THREADS, len(tensors)))
+    chunk_bytes, ring = CHUNK_BYTES, max(2, RING_CHUNKS)
     results: queue.Queue = queue.Queue(maxsize=2 * num_threads)
     stop = threading.Event()
     done_marker = object()
@@ -76,9 +81,10 @@ def iter_safetensors_to_device(
         try:
             torch.cuda.set_device(device)
             stream = torch.cuda.Stream(device)
-            chunks = [torch.empty(CHUNK_BYTES, dtype=torch.uint8).pin_memory() for _ in range(2)]
+            chunks = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True)
+                      for _ in range(ring)]  # fmt: skip
             views = [memoryview(c.numpy()) for c in chunks]
-            events = [None, None]
+            events: list = [None] * ring
             files: dict[Path, int] = {}
             try:
                 turn = 0
@@ -94,14 +100,14 @@ def iter_safetensors_to_device(
                         while done < nbytes:
                             if events[turn] is not None:
                                 events[turn].synchronize()  # the chunk's last copy is done
-                            size = min(CHUNK_BYTES, nbytes - done)
+                            size = min(chunk_bytes, nbytes - done)
                             got = os.preadv(fd, [views[turn][:size]], offset + done)
                             if got != size:
                                 raise OSError(f"{path.name}: short read of tensor {name}")
                             out[done : done + size].copy_(chunks[turn][:size], non_blocking=True)
                             events[turn] = stream.record_event()
                             done += size
-                            turn ^= 1
+                            turn = (turn + 1) % ring
                         ready = stream.record_event()
                     put((name, out.view(dtype).view(shape), ready, stream))
             finally:

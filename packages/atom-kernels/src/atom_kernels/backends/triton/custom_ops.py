@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from atom_kernels import envs
 from atom_kernels.backends.triton import (
     activation,
     attention,
@@ -466,6 +467,10 @@ def _(logits, temperature):
     return logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows, dtype=torch.float32)
 
 
+# ATOM_SAMPLE_FILTER=0: filtered rows go to the torch reference (the A/B of the filter kernels).
+FILTER_KERNELS = envs.ATOM_SAMPLE_FILTER
+
+
 def _sample_router(fused):
     def sample_op(logits, temperature, top_k, top_p, min_p, generators, num_logprobs):
         """A plain function (generators are not a schema type): the fused kernel (``fused``)
@@ -476,7 +481,7 @@ def _sample_router(fused):
             token_ids, logprobs = fused(logits, temperature)
             empty = logits.new_empty((logits.shape[0], 0), dtype=torch.float32)
             return SamplerOutput(token_ids, logprobs, empty, empty.to(torch.int64))
-        if sampling.takes(logits, None, None, None, generators, 0):
+        if FILTER_KERNELS and sampling.takes(logits, None, None, None, generators, 0):
             split = logits.shape[0] < sampling_filter.SPLIT_BELOW
             kernel = sampling_filter_split if split else sampling_filter
             token_ids, logprobs = kernel.filtered_sample(logits, temperature, top_k, top_p, min_p)
