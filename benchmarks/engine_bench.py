@@ -89,10 +89,11 @@ def bench_decode(args) -> dict:
 
     bandwidth = copy_bandwidth()
     results = []
+    batched = max(4096, args.prompt_len * 4)
     engine = make_engine(
         args.shape,
         max_num_seqs=max(args.batch_sizes),
-        max_num_batched_tokens=max(4096, args.prompt_len * 4),
+        max_num_batched_tokens=batched,
         enforce_eager=args.enforce_eager,
         async_scheduling=not args.no_async,
         max_model_len=4096,
@@ -104,7 +105,9 @@ def bench_decode(args) -> dict:
     vocab = engine.hf_config.vocab_size
     for bs in args.batch_sizes:
         how = FILTERED if args.sampling == "filtered" else {"temperature": 0}
-        params = SamplingParams(max_tokens=args.steps + 16, ignore_eos=True, **how)
+        # The first prompts decode while the last prefill (bs x prompt_len over `batched` steps).
+        prefill_steps = -(-bs * args.prompt_len // batched)
+        params = SamplingParams(max_tokens=args.steps + 16 + prefill_steps, ignore_eos=True, **how)
         for i in range(bs):
             ids = [rng.randrange(vocab) for _ in range(args.prompt_len)]
             engine.add_request(f"{bs}-{i}", ids, params)
