@@ -133,6 +133,10 @@ TABLE: tuple[Switch, ...] = (
         "top-k / top-p / min-p rows drawn by the Triton filter kernels (`0`: the torch sort, A/B)",
     ),
     Switch(
+        "ATOM_FLASHINFER", "auto", _lower,
+        "FlashInfer's kernels, when installed, for ops measured faster: `auto`, `0` or op names",
+    ),
+    Switch(
         "ATOM_TRITON_ARGMAX", True, _is_one,
         "Triton greedy argmax (anything but `1`: `torch.argmax`)",
     ),

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from atom_kernels import envs
+from atom_kernels.backends import flashinfer
+from atom_kernels.backends.flashinfer import sampling as flashinfer_sampling
 from atom_kernels.backends.triton import (
     activation,
     attention,
@@ -474,17 +476,25 @@ FILTER_KERNELS = envs.ATOM_SAMPLE_FILTER
 def _sample_router(fused):
     def sample_op(logits, temperature, top_k, top_p, min_p, generators, num_logprobs):
         """A plain function (generators are not a schema type): the fused kernel (``fused``)
-        where it applies, ``sampling_filter``'s kernels for unseeded rows with top-k / top-p /
-        min-p (a row over programs below ``SPLIT_BELOW`` rows), the torch reference otherwise
-        (seeded rows, float64)."""
+        where it applies; for unseeded rows with top-k / top-p, FlashInfer's sampler when it is
+        installed and wanted (``backends/flashinfer``), else (and with min-p)
+        ``sampling_filter``'s kernels (a row over programs below ``SPLIT_BELOW`` rows); the torch
+        reference otherwise (seeded rows, float64)."""
         if sampling.takes(logits, top_k, top_p, min_p, generators, num_logprobs):
             token_ids, logprobs = fused(logits, temperature)
             empty = logits.new_empty((logits.shape[0], 0), dtype=torch.float32)
             return SamplerOutput(token_ids, logprobs, empty, empty.to(torch.int64))
         if FILTER_KERNELS and sampling.takes(logits, None, None, None, generators, 0):
-            split = logits.shape[0] < sampling_filter.SPLIT_BELOW
-            kernel = sampling_filter_split if split else sampling_filter
-            token_ids, logprobs = kernel.filtered_sample(logits, temperature, top_k, top_p, min_p)
+            if min_p is None and flashinfer.use("sample", logits):
+                token_ids, logprobs = flashinfer_sampling.filtered_sample(
+                    logits, temperature, top_k, top_p
+                )
+            else:
+                split = logits.shape[0] < sampling_filter.SPLIT_BELOW
+                kernel = sampling_filter_split if split else sampling_filter
+                token_ids, logprobs = kernel.filtered_sample(
+                    logits, temperature, top_k, top_p, min_p
+                )
             raw = torch.log_softmax(logits.float(), dim=-1) if num_logprobs else None
             empty = logits.new_empty((logits.shape[0], 0), dtype=torch.float32)
             top, top_ids = raw.topk(num_logprobs, dim=-1) if num_logprobs else (empty, empty.long())

@@ -1,0 +1,62 @@
+"""FlashInfer's kernels for the ops where they measured faster than ATOM's own (issue 42).
+
+Optional: installed with the extra ``atom-kernels[flashinfer]`` (``flashinfer-python``, the
+version vLLM 0.33 pins), never required. It is not a whole backend chosen per device like
+``triton``: the Triton backend's op for an entry of ``MEASURED_FASTER`` calls FlashInfer's kernel
+when ``use(op, tensor)`` says so, and its own otherwise. An op enters the table only from a
+side-by-side measurement (``benchmarks/flashinfer_compare.py``, results in
+``benchmarks/results/flashinfer/``), which the entry names.
+
+``ATOM_FLASHINFER``: ``auto`` (default) uses every entry of the table when ``flashinfer`` imports
+and the tensor is on a CUDA device; ``0`` never; a comma-separated list of op names only those.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+from atom_kernels import envs
+
+logger = logging.getLogger("atom_kernels")
+
+# op -> the measurement that put it here (ATOM's time over FlashInfer's, one H200).
+MEASURED_FASTER: dict[str, str] = {
+    "sample": (
+        "top-k / top-p sampling, vocabulary 128K and 152K, batch 1-256: ATOM's time "
+        "1.38-5.3x FlashInfer's (session 21, results/flashinfer/s21/, results/sampling/s21/)"
+    ),
+}
+
+_AVAILABLE: bool | None = None
+_LOGGED: set[str] = set()
+
+
+def installed() -> bool:
+    """Whether ``flashinfer`` can be imported (looked up once; imported only when used)."""
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        _AVAILABLE = importlib.util.find_spec("flashinfer") is not None
+    return _AVAILABLE
+
+
+def wanted(op: str) -> bool:
+    """Whether ``ATOM_FLASHINFER`` lets ``op`` use FlashInfer."""
+    setting = envs.ATOM_FLASHINFER
+    if setting in ("0", "off", "none", ""):
+        return False
+    if setting == "auto":
+        return op in MEASURED_FASTER
+    return op in {name.strip() for name in setting.split(",")}
+
+
+def use(op: str, tensor: torch.Tensor) -> bool:
+    """Whether ``op`` on ``tensor`` runs FlashInfer's kernel (logged once per op)."""
+    if tensor.device.type != "cuda" or torch.version.hip or not wanted(op) or not installed():
+        return False
+    if op not in _LOGGED:
+        _LOGGED.add(op)
+        logger.info("atom_kernels: %s runs FlashInfer's kernel (ATOM_FLASHINFER=0: ATOM's)", op)
+    return True
