@@ -22,13 +22,14 @@ from atom_kernels import envs
 
 logger = logging.getLogger("atom_kernels")
 
-# op -> the measurement that put it here (ATOM's time over FlashInfer's, one H200).
-MEASURED_FASTER: dict[str, str] = {
-    "sample": (
-        "top-k / top-p sampling, vocabulary 128K and 152K, batch 1-256: ATOM's time "
-        "1.38-5.3x FlashInfer's (session 21, results/flashinfer/s21/, results/sampling/s21/)"
-    ),
-}
+# op -> the measurement that put it here (ATOM's time over FlashInfer's, one H200). Empty: no op
+# has won inside the engine yet. Measured and left out (session 22, results/flashinfer/s22/):
+# "sample" - FlashInfer's sampler alone is 1.2-5.4x faster than ATOM's filter kernels at
+# vocabulary 128K / 152K, and ATOM's op with it inside takes 0.34-0.35x ATOM's own time at batch
+# 256, but 1.25-1.32x at batch 1; in the engine Llama-3-8B decode (top-k 50, top-p 0.9) is 1.01x /
+# 0.91x / 0.91x ATOM's step time at batch 1 / 64 / 256, while Qwen3-0.6B offline throughput falls
+# to 0.40x (8,060 against 20,291 output tok/s). Ask for it with ATOM_FLASHINFER=sample.
+MEASURED_FASTER: dict[str, str] = {}
 
 _AVAILABLE: bool | None = None
 _LOGGED: set[str] = set()
