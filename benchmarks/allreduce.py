@@ -3,6 +3,7 @@ with the residual add + RMSNorm after it (issue 36).
 
     python benchmarks/allreduce.py --world 2 4 --out $OUT/allreduce-4xh200.json
     python benchmarks/allreduce.py --world 2 --smoke --out /tmp/ar.json   # 2 GPUs, few sizes
+    python benchmarks/allreduce.py --world 2 --flashinfer --out $OUT/ar-fi.json   # issue 42
 
 One process per GPU over the engine's own `EngineTPGroup` (its NCCL communicator and its
 `PeerAllReduce`, here allowed every size: ATOM_ALLREDUCE_PEER_MAX_BYTES). For each [tokens, 4096]
@@ -11,7 +12,12 @@ graph of 20 back-to-back calls as the decode graphs run them, replayed:
 - `nccl`: NCCL's all-reduce; `peer`: the one-shot kernel; `peer2`: its two-shot form;
 - `nccl+norm`: NCCL then the Triton `fused_add_rms_norm` (today's decoder layer); `peer+norm`:
   `all_reduce_add_rms_norm`, one kernel; `peer2+norm`: the same two-shot.
-The four alternate round after round (median of the rounds); rank 0's times are reported.
+- with `--flashinfer` (FlashInfer installed: benchmarks/README.md "FlashInfer on the device"):
+  `flashinfer+norm`, FlashInfer's fused all-reduce + residual add + RMSNorm (its TensorRT-LLM
+  kernel through `flashinfer.comm.allreduce_fusion`, the one vLLM and SGLang fuse on NVIDIA),
+  its output first checked against `peer+norm`'s on the same inputs (`flashinfer_max_abs_diff`).
+The implementations alternate round after round (median of the rounds); rank 0's times are
+reported.
 "peer-copy" is the plain peer all-reduce again on a tensor NCCL's in-place calls never write;
 `ALLREDUCE_ORDER=a,b,...` picks and orders the implementations (to tell a kernel's own time from
 its place in the round).
@@ -63,7 +69,36 @@ def _time_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / (replays * CALLS)
 
 
-def rank_main(rank: int, world: int, port: int, smoke: bool, out: str) -> None:
+def _flashinfer(rank: int, world: int, port: int, max_tokens: int):
+    """(flashinfer.comm, its TensorRT-LLM fusion workspace) over a torch.distributed group of its
+    own (FlashInfer exchanges its buffers' handles through one)."""
+    import torch.distributed as dist
+    from flashinfer import comm
+
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", rank))  # fmt: skip
+    workspace = comm.create_allreduce_fusion_workspace(
+        backend="trtllm", world_size=world, rank=rank, max_token_num=max_tokens,
+        hidden_dim=HIDDEN, dtype=torch.bfloat16,
+    )  # fmt: skip
+    return comm, workspace
+
+
+def _flashinfer_norm(fi, x, residual, weight):
+    """FlashInfer's all_reduce(x) + residual -> RMSNorm: (normed, new residual), fresh outputs."""
+    comm, workspace = fi
+    norm_out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    comm.allreduce_fusion(
+        input=x, workspace=workspace, pattern=comm.AllReduceFusionPattern.kARResidualRMSNorm,
+        launch_with_pdl=True, residual_out=residual_out, norm_out=norm_out, residual_in=residual,
+        rms_gamma=weight, rms_eps=1e-6,
+    )  # fmt: skip
+    return norm_out, residual_out
+
+
+def rank_main(
+    rank: int, world: int, port: int, smoke: bool, out: str, fi_port: int | None = None
+) -> None:
     import faulthandler
 
     import atom_kernels
@@ -75,8 +110,10 @@ def rank_main(rank: int, world: int, port: int, smoke: bool, out: str) -> None:
     torch.cuda.set_device(device)
     tp = EngineTPGroup(make_store(rank, world, port), rank, world, device)
     rounds, replays = (2, 5) if smoke else (7, 50)
+    sizes = TOKENS[:4] if smoke else TOKENS
+    fi = _flashinfer(rank, world, fi_port, max(sizes)) if fi_port else None
     rows = []
-    for tokens in TOKENS[:4] if smoke else TOKENS:
+    for tokens in sizes:
         x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device=device)
         residual = torch.randn_like(x)
         weight = torch.rand(HIDDEN, dtype=torch.bfloat16, device=device) + 0.5
@@ -110,6 +147,22 @@ def rank_main(rank: int, world: int, port: int, smoke: bool, out: str) -> None:
 
             impls.update({"peer": peer, "peer+norm": peer_norm, "peer-copy": peer_copy})
             impls.update({"peer2": peer2, "peer2+norm": peer2_norm})
+        agreement = {}
+        if fi is not None:  # checked on fresh inputs before any timed call sums into x
+            inputs = (x.clone(), residual.clone(), weight)
+            ref, ref_residual = tp.all_reduce_add_rms_norm(*inputs, 1e-6)
+            got, got_residual = _flashinfer_norm(fi, x.clone(), residual.clone(), weight)
+            agreement = dict(
+                flashinfer_max_abs_diff=float((got.float() - ref.float()).abs().max()),
+                flashinfer_residual_max_abs_diff=float(
+                    (got_residual.float() - ref_residual.float()).abs().max()
+                ),
+            )
+
+            def fi_norm(x=x, residual=residual, weight=weight):
+                _flashinfer_norm(fi, x, residual, weight)
+
+            impls["flashinfer+norm"] = fi_norm
         order = os.environ.get("ALLREDUCE_ORDER")  # e.g. "peer-copy,nccl,peer,peer+norm"
         if order:
             impls = {name: impls[name] for name in order.split(",") if name in impls}
@@ -118,7 +171,7 @@ def rank_main(rank: int, world: int, port: int, smoke: bool, out: str) -> None:
         for _ in range(rounds):  # alternated: every implementation once a round
             for name, graph in graphs.items():
                 times[name].append(_time_us(graph, replays))
-        row = dict(tokens=tokens, hidden=HIDDEN, bytes=x.nbytes)
+        row = dict(tokens=tokens, hidden=HIDDEN, bytes=x.nbytes, **agreement)
         row.update({f"{name}_us": statistics.median(t) for name, t in times.items()})
         rows.append(row)
         if rank == 0:
@@ -150,6 +203,11 @@ def rank_main(rank: int, world: int, port: int, smoke: bool, out: str) -> None:
         )
         Path(out).write_text(json.dumps(result, indent=2))
     torch.cuda.synchronize()
+    if fi is not None:
+        import torch.distributed as dist
+
+        fi[1].destroy()
+        dist.destroy_process_group()
     tp.close()
 
 
@@ -158,6 +216,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, nargs="+", default=[2])
     parser.add_argument("--out", required=True)
     parser.add_argument("--smoke", action="store_true", help="four sizes, few rounds")
+    parser.add_argument("--flashinfer", action="store_true", help="FlashInfer's fused kernel too")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from atom_engine.testing import free_port
@@ -179,7 +238,8 @@ def main() -> None:
             continue
         part = f"{args.out}.world{world}"
         try:
-            mp.spawn(rank_main, args=(world, free_port(), args.smoke, part), nprocs=world)
+            fi_port = free_port() if args.flashinfer else None
+            mp.spawn(rank_main, args=(world, free_port(), args.smoke, part, fi_port), nprocs=world)
             record["worlds"].append(json.loads(Path(part).read_text()))
             Path(part).unlink()
         except Exception as e:  # the other worlds still run
