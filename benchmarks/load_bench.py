@@ -21,6 +21,8 @@ safetensors shards of at most 4 GiB. Then, per checkpoint:
   page cache's own rate read by 1-16 threads with `preadv` (no GPU); then the loads alternate
   the default reader with the sweep's fastest
   (`--readers` names readers explicitly instead).
+- `--register-probe` (a GPU): whether the GPU can copy straight from the page cache
+  (`cudaHostRegister` of a warm shard's mapping; no pinned copy): `register_probe`.
 """
 
 from __future__ import annotations
@@ -35,92 +37,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from load_readers import (  # noqa: E402
+    DEFAULT_READER,
+    raw_read_gbps,
+    reader_sweep,
+    register_probe,
+    set_reader,
+)
 from shapes import shape_config  # noqa: E402
 from startup import engine_log, run_child, startup_phases  # noqa: E402
 
 SHARD_BYTES = 4 << 30
-CHUNK = 64 << 20
-DEFAULT_READER = "8:16:2"  # safetensors_direct's READ_THREADS : CHUNK_BYTES MiB : RING_CHUNKS
-# Session 22's first sweep (8:16:2 ... 16:64:4, results/load/) found bigger rings slower in a fresh
-# process (pinning them costs more than they gain); this one tries smaller chunks, whose bytes may
-# still be in the CPU's cache when the GPU reads them.
-SWEEP = ["8:16:2", "8:4:2", "8:4:4", "8:2:4", "4:16:2", "12:8:2", "16:4:2", "8:1:8"]
-
-
-def set_reader(spec: str) -> None:
-    """Set the direct reader's sizes from `threads:chunk MiB:ring chunks`."""
-    from atom_models import safetensors_direct as direct
-
-    threads, chunk_mib, ring = (int(v) for v in spec.split(":"))
-    direct.READ_THREADS, direct.CHUNK_BYTES, direct.RING_CHUNKS = threads, chunk_mib << 20, ring
-
-
-def reader_alone_s(path: Path, spec: str) -> float:
-    """Seconds for the direct reader to bring every tensor of the checkpoint to the device."""
-    from atom_models.safetensors_direct import iter_safetensors_to_device
-
-    set_reader(spec)
-    torch.cuda.synchronize()
-    torch._C._host_emptyCache()  # pinned chunks allocated afresh, as in a new process
-    start = time.perf_counter()
-    for _name, tensor in iter_safetensors_to_device(path, "cuda"):
-        del tensor
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def parallel_read_gbps(path: Path, threads: int, chunk: int = 16 << 20) -> float:
-    """The page cache's rate read by `threads` threads (`preadv` of `chunk`s, files split in
-    contiguous ranges), no GPU."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    files = sorted(path.glob("*.safetensors"))
-    sizes = [f.stat().st_size for f in files]
-    total = sum(sizes)
-    jobs, share = [], -(-total // threads)
-    for f, size in zip(files, sizes, strict=True):
-        for begin in range(0, size, share):
-            jobs.append((f, begin, min(size, begin + share)))
-
-    def read(job) -> int:
-        f, begin, end = job
-        view = memoryview(bytearray(chunk))
-        fd, done = os.open(f, os.O_RDONLY), 0
-        try:
-            while begin + done < end:
-                got = os.preadv(fd, [view[: min(chunk, end - begin - done)]], begin + done)
-                if got <= 0:
-                    break
-                done += got
-        finally:
-            os.close(fd)
-        return done
-
-    with ThreadPoolExecutor(threads) as pool:
-        start = time.perf_counter()
-        read_bytes = sum(pool.map(read, jobs))
-        seconds = time.perf_counter() - start
-    return read_bytes / seconds / 1e9
-
-
-def reader_sweep(path: Path, size: int) -> dict:
-    raw_read_gbps(path)  # into the page cache
-    out: dict = {"reader_gbps": {}, "page_cache_threads_gbps": {}}
-    best: dict[str, float] = {}
-    for _round in range(2):
-        for spec in SWEEP:
-            seconds = reader_alone_s(path, spec)
-            best[spec] = min(best.get(spec, float("inf")), seconds)
-            print(f"reader {spec}: {size / seconds / 1e9:.1f} GB/s", flush=True)
-    out["reader_gbps"] = {spec: size / s / 1e9 for spec, s in best.items()}
-    for threads in (1, 4, 8, 16):
-        out["page_cache_threads_gbps"][threads] = max(
-            parallel_read_gbps(path, threads) for _ in range(2)
-        )
-    out["fastest"] = max(out["reader_gbps"], key=out["reader_gbps"].get)
-    set_reader(DEFAULT_READER)
-    print("sweep", json.dumps(out), flush=True)
-    return out
 
 
 def checkpoint_tensors(config, fp8: bool, device: str):
@@ -190,17 +117,6 @@ def drop_cache(path: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-def raw_read_gbps(path: Path) -> float:
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    total, start = 0, time.perf_counter()
-    for f in sorted(path.glob("*.safetensors")):
-        with open(f, "rb", buffering=0) as fh:
-            while n := fh.readinto(view):
-                total += n
-    return total / (time.perf_counter() - start) / 1e9
 
 
 def h2d_gbps(pinned: bool) -> float | None:
@@ -285,6 +201,9 @@ def main() -> None:
         default=["llama3-8b-bf16", "llama3-8b-fp8-block"],
         choices=["llama3-8b-bf16", "llama3-8b-fp8-block"],
     )
+    parser.add_argument(
+        "--register-probe", action="store_true", help="DMA from the page cache, one shard"
+    )
     parser.add_argument("--reader-sweep", action="store_true", help="time readers alone first")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -316,6 +235,8 @@ def main() -> None:
         drop_cache(path)
         entry["raw_read_cold_gbps"] = raw_read_gbps(path)
         entry["raw_read_warm_gbps"] = raw_read_gbps(path)
+        if args.register_probe and cuda and not fp8:
+            entry["register_probe"] = register_probe(path)
         if args.reader_sweep and cuda and not fp8:
             entry["sweep"] = reader_sweep(path, size)
             if entry["sweep"]["fastest"] not in readers:
