@@ -180,7 +180,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
     parser.add_argument("--dir", default="/tmp/atom-load")
-    parser.add_argument("--tp", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--tp", nargs="*", type=int, default=[1, 2], help="none: no loads")
     parser.add_argument("--smoke", action="store_true", help="tiny shape on the CPU")
     parser.add_argument(
         "--direct",
