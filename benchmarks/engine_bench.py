@@ -13,7 +13,6 @@ import argparse
 import bisect
 import gc
 import json
-import os
 import random
 import statistics
 import sys
@@ -21,6 +20,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from atom_kernels import envs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from shapes import SHAPES, config_dir  # noqa: E402
@@ -537,7 +538,7 @@ def main() -> None:
     result = bench(args)
     result.update(
         sampling=getattr(args, "sampling", None),
-        sample_filter_kernels=os.environ.get("ATOM_SAMPLE_FILTER", "1") != "0",
+        sample_filter_kernels=envs.ATOM_SAMPLE_FILTER,
         device=torch.cuda.get_device_name(),
         torch=torch.__version__,
         date=time.strftime("%Y-%m-%d"),

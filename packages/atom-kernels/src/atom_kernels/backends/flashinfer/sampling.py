@@ -1,7 +1,8 @@
 """Top-k / top-p sampling by FlashInfer's rejection sampler (no sort, no threshold search).
 
 The same draw as ``sampling_filter.filtered_sample`` for rows without min-p: each row from its
-tempered logits after top-k, then top-p on what top-k kept (FlashInfer's ``top_k_first``);
+tempered logits after top-k, then top-p on what top-k kept (FlashInfer's ``top_k_first``), except
+that tokens tied with the last one top-p keeps are all kept (the reference cuts such a tie);
 greedy rows (temperature below ``_SAMPLING_EPS``) are the raw argmax; the log-prob is the raw
 distribution's. Unseeded rows only: FlashInfer draws from the global CUDA generator.
 """
