@@ -100,7 +100,7 @@ def test_gated_skinny_kernel(use_pdl, has_norm, one_pass):
 
 @pytest.mark.parametrize("use_pdl", [True, False])
 def test_rms_norm_kernel(use_pdl):
-    constexprs = dict(HAS_RESIDUAL=True, BLOCK_N=4096, USE_PDL=use_pdl)
+    constexprs = dict(HAS_RESIDUAL=True, BLOCK_N=4096, ROWS=1, USE_PDL=use_pdl)
     kernel = _compile(norm._rms_norm_kernel, constexprs, set(), 8, 1)
     ptx = kernel.asm["ptx"]
     for instruction in ("griddepcontrol.wait", "griddepcontrol.launch_dependents"):

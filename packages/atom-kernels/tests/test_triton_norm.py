@@ -49,6 +49,26 @@ def test_fused_add_rms_norm(triton_backend, dtype, shape, strided):
     assert_equal(residual, residual_before, name="residual unchanged")
 
 
+@pytest.mark.parametrize(("rows", "num_warps"), [(2, 4), (4, 8)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_several_rows_a_program(triton_backend, rows, num_warps, residual):
+    # ROWS rows a program (benchmarks' launch option): 7 rows leave the last program a partial
+    # block, whose masked rows must neither be stored nor disturb the others' statistics.
+    from atom_kernels.backends.triton import norm
+
+    x, weight = _inputs((7, 123), torch.bfloat16, triton_backend.device)
+    res, _ = _inputs((7, 123), torch.bfloat16, triton_backend.device, seed=7)
+    config = {"ROWS": rows, "num_warps": num_warps}
+    out, new_res = norm._launch(x, res if residual else None, weight, 1e-6, config)
+    if residual:
+        expected, expected_res = reference.fused_add_rms_norm(x, res, weight, 1e-6)
+        assert_equal(new_res, expected_res, name="new_residual")
+    else:
+        expected = reference.rms_norm(x, weight, 1e-6)
+    atol, rtol = tolerances(torch.bfloat16)
+    assert_close(out, expected, atol=atol, rtol=rtol, name="out")
+
+
 def test_fp32_weight_bf16_x(triton_backend):
     x, _ = _inputs((3, 32), torch.bfloat16, triton_backend.device)
     weight = torch.rand(32, device=triton_backend.device) + 0.5

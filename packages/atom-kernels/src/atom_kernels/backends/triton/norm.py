@@ -1,4 +1,5 @@
-"""Triton RMSNorm and fused residual-add + RMSNorm: one row per program, fp32 statistics."""
+"""Triton RMSNorm and fused residual-add + RMSNorm: ROWS rows per program (a [ROWS, BLOCK_N]
+block, each row's statistics in fp32 over its own columns), one by default."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def _rms_norm_kernel(
     weight_ptr,
     out_ptr,
     residual_out_ptr,
+    num_rows,
     num_cols,
     eps,
     stride_xm,
@@ -34,28 +36,31 @@ def _rms_norm_kernel(
     stride_rom,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,
 ):
     if USE_PDL:  # launched early behind the previous kernel (pdl.py): nothing read before this
         pdl.wait_for_previous()
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < num_cols
-    x = tl.load(x_ptr + row * stride_xm + cols * stride_xn, mask=mask, other=0.0).to(tl.float32)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    mask = (rows < num_rows) & (cols < num_cols)
+    x = tl.load(x_ptr + rows * stride_xm + cols * stride_xn, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_rm + cols * stride_rn, mask=mask, other=0.0)
+        r = tl.load(residual_ptr + rows * stride_rm + cols * stride_rn, mask=mask, other=0.0)
         # The sum rounds to the input dtype (as `x + residual` does in torch) before the norm.
         x = (x + r.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
-        tl.store(residual_out_ptr + row * stride_rom + cols, x, mask=mask)
+        tl.store(residual_out_ptr + rows * stride_rom + cols, x, mask=mask)
         x = x.to(tl.float32)
-    variance = tl.sum(x * x, axis=0) / num_cols
+    variance = tl.sum(x * x, axis=1)[:, None] / num_cols
     # HF rounding: the normalized row goes to the input dtype, then the weight multiplies it.
     normed = (x * tl.math.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight_ptr + cols * stride_w, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + cols, w * normed, mask=mask)
+    w = tl.load(weight_ptr + cols * stride_w, mask=cols < num_cols, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows * stride_om + cols, w * normed, mask=mask)
 
 
-def _launch(x, residual, weight, eps):
+def _launch(x, residual, weight, eps, config: dict | None = None):
+    """``config`` (benchmarks): ``ROWS`` rows a program and ``num_warps`` instead of the
+    defaults (one row, ``row_num_warps``)."""
     num_cols = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(out) if residual is not None else None
@@ -70,12 +75,14 @@ def _launch(x, residual, weight, eps):
         return out, residual_out
     block = next_pow2(num_cols)
     use_pdl = pdl.enabled(x.device)
-    _rms_norm_kernel[(num_rows,)](
+    cfg = {"ROWS": 1, "num_warps": row_num_warps(block), **(config or {})}
+    _rms_norm_kernel[(triton.cdiv(num_rows, cfg["ROWS"]),)](
         x2,
         r2,
         weight,
         out2,
         rout2,
+        num_rows,
         num_cols,
         eps,
         x2.stride(0),
@@ -87,8 +94,9 @@ def _launch(x, residual, weight, eps):
         rout2.stride(0),
         HAS_RESIDUAL=residual is not None,
         BLOCK_N=block,
+        ROWS=cfg["ROWS"],
         USE_PDL=use_pdl,
-        num_warps=row_num_warps(block),
+        num_warps=cfg["num_warps"],
         **({"launch_pdl": True} if use_pdl else {}),
     )
     return out, residual_out
