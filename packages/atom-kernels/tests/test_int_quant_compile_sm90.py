@@ -71,6 +71,7 @@ def _wna16(cfg: dict, bits: int, zeros: bool, g_idx: bool, dtype: str = "bf16", 
         BITS=bits, HAS_ZEROS=zeros, HAS_G_IDX=g_idx, SCALE_PER_TILE=per_tile,
         SCALE_LATER=per_tile and 1 < cfg["BLOCK_M"] <= int_quant.SKINNY_MAX_ROWS,
         HAS_BIAS=True, ONE_ROW=one_row, PERMUTED_K=cfg.get("PERMUTED_K", False),
+        SMALL_MAGIC=cfg.get("SMALL_MAGIC", False),
         IEEE=dtype == "fp32", EVEN_K=True,
         SPLIT_K=cfg["SPLIT_K"] if split else 1, GROUP_M=cfg.get("GROUP_M", 1),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
@@ -96,6 +97,11 @@ def _wna16_launches() -> dict:
         one_row = dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, SPLIT_K=4,
                        PERMUTED_K=permuted)  # fmt: skip
         out[f"one-row multiply-adds, split, permuted {permuted}"] = one_row
+    for block_n, warps, stages in ((256, 4, 1), (256, 4, 2), (128, 2, 1), (128, 4, 2)):
+        small_magic = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps,
+                           num_stages=stages, SPLIT_K=4, PERMUTED_K=True,
+                           SMALL_MAGIC=True)  # fmt: skip
+        out[f"one-row small magic {block_n} w{warps} s{stages}, split"] = small_magic
     return out
 
 
@@ -129,6 +135,10 @@ def test_wna16_variants_compile_for_sm90(bits, zeros, g_idx, dtype, group):
         if rows == 1 and group == 32:
             one_row = _wna16(dict(cfg, BLOCK_M=1, num_stages=1), bits, zeros, g_idx, dtype, group)
             assert "ld.local" not in one_row.asm["ptx"]
+        if rows == 1 and bits == 4 and not g_idx:  # SMALL_MAGIC: zeros, fp16 x, group 32
+            small_magic = dict(cfg, BLOCK_M=1, num_stages=1, SMALL_MAGIC=True)
+            kernel = _wna16(small_magic, bits, zeros, g_idx, dtype, group)
+            assert "ld.local" not in kernel.asm["ptx"]
 
 
 def test_dequantize_and_int8_quant_compile_for_sm90():
