@@ -143,12 +143,17 @@ def _wna16_tile(bn, warps, stages, split=None, bm=16, bk=128) -> dict:
                 SPLIT_K=split)  # fmt: skip
 
 
+# (BLOCK_N, warps, stages) of the one-row loop without a subtraction a weight (SMALL_MAGIC),
+# timed in ``int`` beside the default and swept in ``int_tiles``.
+SMALL_MAGIC_TILES = ((256, 4, 1), (256, 4, 2), (128, 2, 1), (128, 2, 2), (128, 4, 1))
 _DOT_TILES = tuple(_wna16_tile(bn, w, st, split) for bn in (32, 64, 128) for w in (4, 8)
                    for st in (4,) for split in (None, 1))  # fmt: skip
 WNA16_TILES = {  # int_tiles' candidates by M: 16-row dots; at M = 1 also multiply-adds (BLOCK_M 1)
     1: _DOT_TILES + tuple(_wna16_tile(bn, w, 1, split, bm=1) for bn in (16, 32, 64, 128)
                           for w in (4, 8) for split in (None, 1))
-    + (_wna16_tile(256, 4, 1, bm=1), _wna16_tile(128, 2, 1, bm=1)),  # permuted: 256 a thread
+    + (_wna16_tile(256, 4, 1, bm=1), _wna16_tile(128, 2, 1, bm=1))  # permuted: 256 a thread
+    + tuple(dict(_wna16_tile(bn, w, st, bm=1), SMALL_MAGIC=True)
+            for bn, w, st in SMALL_MAGIC_TILES),  # int_quant_small_magic
     16: _DOT_TILES + (_wna16_tile(64, 4, 3), _wna16_tile(64, 4, 5)),
 }  # fmt: skip
 MOE_TILE_TOKENS = (1, 16)  # moe_tiles without --moe-tile-tokens
@@ -713,6 +718,10 @@ def _w4a16_variants(rows: int) -> list:
     if rows == 1:
         out.append(("w4a16_g128 permuted fma", {"PERMUTED_K": True, "BLOCK_M": 1, "BLOCK_K": 128,
                                                  "num_stages": 1}))  # fmt: skip
+        for block_n, warps, stages in SMALL_MAGIC_TILES:
+            config = _wna16_tile(block_n, warps, stages, bm=1)  # SPLIT_K None: chosen
+            out.append((f"w4a16_g128 permuted fma small-magic {block_n} w{warps} s{stages}",
+                        dict(config, PERMUTED_K=True, SMALL_MAGIC=True)))  # fmt: skip
     return out
 
 

@@ -155,6 +155,70 @@ def test_wna16_linear_permuted_k_refuses_what_it_cannot_order(triton_backend, iq
     assert_close(out, reference.wna16_linear(x4, qw, s, z, g, 4, None), atol=1e-4, rtol=1e-4)
 
 
+# (zeros, groups, dtype) of the one-row loop without a subtraction a weight (SMALL_MAGIC) at N = 24,
+# K = 384: group 128 and 32, symmetric and asymmetric, 16-bit and fp32 x.
+SMALL_MAGIC_CASES = [
+    (False, 3, torch.bfloat16), (True, 3, torch.float32), (False, 12, torch.float32),
+    (True, 12, torch.bfloat16), (True, 3, torch.float16),
+]  # fmt: skip
+# K tiles of 32 (a group per tile) and 128 (group 32: a group per word, scales gathered), split or
+# not, 2 stages (a GPU's pipelining; the interpreter runs it as 1).
+SMALL_MAGIC_LAUNCHES = [
+    dict(BLOCK_K=32, SPLIT_K=3), dict(BLOCK_K=128, SPLIT_K=2),
+    dict(BLOCK_K=128, SPLIT_K=1, num_stages=2),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("zeros", "groups", "dtype"), SMALL_MAGIC_CASES)
+@pytest.mark.parametrize("launch", SMALL_MAGIC_LAUNCHES)
+def test_wna16_linear_small_magic(triton_backend, iq, zeros, groups, dtype, launch):
+    """The one-row multiply-adds on 2**(23 - p) + q with the magics and zeros taken off per
+    column of x (SMALL_MAGIC) against the reference, and against the permuted loop it varies
+    (the same fp32 weights: a few fp32 ulps of the output apart, not its dtype's)."""
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(24, 384, 4, groups, zeros, False, seed=60 + groups, device=device,
+                               dtype=dtype)  # fmt: skip
+    x = torch.randn(1, 384, generator=_gen(61)).to(dtype).to(device)
+    bias = torch.randn(24, generator=_gen(62)).to(dtype).to(device)
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, bias)
+    config = dict(launch, BLOCK_M=1, BLOCK_N=16, PERMUTED_K=True, SMALL_MAGIC=True)
+    out = iq.wna16_linear(x, qw, s, z, g, 4, bias, config=config)
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(out, expected, atol=atol, rtol=rtol, name=f"wna16_linear {config} {dtype}")
+    if dtype == torch.float32:
+        permuted = iq.wna16_linear(x, qw, s, z, g, 4, bias, config=dict(config, SMALL_MAGIC=False))
+        assert_close(out, permuted, atol=2e-5, rtol=2e-5, name="small magic vs permuted")
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+def test_wna16_linear_small_magic_ragged_k(triton_backend, iq, zeros):
+    """K = 160 in 64-deep tiles: the last tile partly past K (masked words read as 0, a value of
+    2**(23 - p) met by x = 0), group 32; outliers in x (the correction cancels ~256 |x|)."""
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(20, 160, 4, 5, zeros, False, seed=63, device=device)
+    x = torch.randn(1, 160, generator=_gen(64))
+    x[0, ::37] *= 100
+    x = x.to(device)
+    config = dict(BLOCK_M=1, BLOCK_K=64, PERMUTED_K=True, SMALL_MAGIC=True, SPLIT_K=2)
+    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
+    expected = reference.wna16_linear(x.double(), qw, s.double(), None if z is None else z.double(),
+                                      g, 4, None).float()  # fmt: skip
+    assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_wna16_linear_small_magic_refuses_other_launches(triton_backend, iq):
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(16, 128, 4, 1, False, False, seed=65, device=device)
+    x = torch.randn(1, 128, generator=_gen(66)).to(device)
+    with pytest.raises(ValueError, match="SMALL_MAGIC"):  # dots, not multiply-adds
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(SMALL_MAGIC=True, BLOCK_M=16))
+    with pytest.raises(ValueError, match="SMALL_MAGIC"):  # the interleaved loop
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(SMALL_MAGIC=True, PERMUTED_K=False))
+    qw8, s8, z8, g8 = wna16_weight(16, 128, 8, 1, False, False, seed=65, device=device)
+    with pytest.raises(ValueError, match="4-bit"):
+        iq.wna16_linear(x, qw8, s8, z8, g8, 8, None, config=dict(SMALL_MAGIC=True))
+
+
 def test_wna16_linear_split_k_is_deterministic(triton_backend, iq):
     device = triton_backend.device
     qw, s, z, g = wna16_weight(16, 512, 4, 4, False, False, seed=8, device=device)
@@ -359,6 +423,28 @@ def test_wna16_linear_gpu_permuted_k(triton_backend, iq, rows, config, bits, gro
     out = iq.wna16_linear(x, qw, s, z, g, bits, None, config=config)
     expected = reference.wna16_linear(x, qw, s, z, g, bits, None)
     assert_close(out, expected, atol=3e-2, rtol=2e-2, name=f"wna16_linear {config}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config",
+    [dict(BLOCK_N=256, num_warps=4, num_stages=1), dict(BLOCK_N=256, num_warps=4, num_stages=2),
+     dict(BLOCK_N=128, num_warps=2, num_stages=1), dict(BLOCK_N=128, num_warps=4, num_stages=2)],
+)  # fmt: skip
+@pytest.mark.parametrize(("group", "zeros"), [(128, False), (128, True), (32, True)])
+@pytest.mark.parametrize(("n", "k"), LLAMA3_8B)
+def test_wna16_linear_gpu_small_magic(triton_backend, iq, config, group, zeros, n, k):
+    """The one-row loop without a subtraction a weight (SMALL_MAGIC) compiled, at the benchmark's
+    launches and the Llama-3-8B sizes (split K as chosen)."""
+    qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=67, device="cuda",
+                               dtype=torch.bfloat16)  # fmt: skip
+    x = torch.randn(1, k, generator=_gen(68)).to(torch.bfloat16).cuda()
+    config = dict(config, BLOCK_M=1, BLOCK_K=128, PERMUTED_K=True, SMALL_MAGIC=True)
+    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
+    assert_close(out, expected, atol=3e-2, rtol=2e-2, name=f"wna16_linear {config}")
+    permuted = iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(config, SMALL_MAGIC=False))
+    assert_close(out.float(), permuted.float(), atol=1e-2, rtol=1e-2, name="vs permuted")
 
 
 @pytest.mark.gpu

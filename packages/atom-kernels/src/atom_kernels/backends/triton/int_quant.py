@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
+from atom_kernels.backends.triton.int_quant_small_magic import _small_magic_k_loop
 
 SKINNY_MAX_ROWS = 16
 # The most rows the permuted K loop takes by default (wna16_config says why).
@@ -309,6 +310,7 @@ def _wna16_kernel(
     HAS_BIAS: tl.constexpr,
     ONE_ROW: tl.constexpr,  # M == 1: multiply-adds, no dot
     PERMUTED_K: tl.constexpr,  # the K loop without interleave (_permuted_k_loop)
+    SMALL_MAGIC: tl.constexpr,  # ONE_ROW, PERMUTED_K, 4-bit: _small_magic_k_loop
     IEEE: tl.constexpr,  # fp32 x: an exact fp32 dot (not tf32)
     EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -326,7 +328,13 @@ def _wna16_kernel(
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     k_lo = tl.program_id(1) * k_tiles_per_split * BLOCK_K
     k_hi = tl.minimum(K, k_lo + k_tiles_per_split * BLOCK_K)
-    if PERMUTED_K:
+    if SMALL_MAGIC:
+        acc = _small_magic_k_loop(
+            x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, m_mask, k_lo, k_hi, K, group_size,
+            stride_xm, stride_qn, stride_sn, stride_zn, HAS_ZEROS, SCALE_PER_TILE, EVEN_K,
+            BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    elif PERMUTED_K:
         acc = _permuted_k_loop(
             x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, m_mask, k_lo, k_hi, K, group_size,
             stride_xm, stride_qn, stride_sn, stride_zn, BITS, HAS_ZEROS, SCALE_PER_TILE, ONE_ROW,
@@ -385,7 +393,9 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     interleaved 22.7 / 14.7 / 75.2 / 40.0. 8 rows: not measured (interleaved).
     Instructions a weight (sm_90 SASS of the main loop, 4-bit, counts, not times): interleaved
     -> permuted: 16-row dots 64 x 128 tiles 8.5 -> 6.4, BLOCK_M = 1 multiply-adds 10.3 -> 6.4
-    (256-wide 4.9); at 70% of an H200's copy rate its SMs can issue ~5.6 a weight."""
+    (256-wide 4.9); at 70% of an H200's copy rate its SMs can issue ~5.6 a weight.
+    ``config={"SMALL_MAGIC": True}`` (one row, permuted, 4-bit) takes the multiply-adds without a
+    subtraction a weight (``int_quant_small_magic``): not measured on a GPU yet, not a default."""
     per_int = 32 // bits
     permuted = num_rows <= PERMUTED_MAX_ROWS and per_tile and group_size % per_int == 0
     if interpreted:
@@ -436,7 +446,8 @@ def wna16_linear(
     config: dict | None = None,
 ) -> torch.Tensor:
     """See ``atom_kernels.wna16_linear``; ``config`` (keys of ``wna16_config``; SPLIT_K None:
-    chosen) overrides the launch (benchmarks, tests)."""
+    chosen; ``SMALL_MAGIC``: ``_small_magic_k_loop``, one row, permuted, 4-bit) overrides the
+    launch (benchmarks, tests)."""
     n = qweight.shape[0]
     k = qweight.shape[1] * 32 // bits
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
@@ -470,6 +481,13 @@ def wna16_linear(
                 f"at {bits} bits (got {block_k})"
             )
         permuted = False  # an override's shallower K tile: the interleaved loop
+    small_magic = bool(cfg.get("SMALL_MAGIC", False))
+    if small_magic and not (one_row and permuted and bits == 4):
+        raise ValueError(
+            "wna16_linear: SMALL_MAGIC is a variant of the one-row permuted multiply-adds: it "
+            f"needs BLOCK_M = 1, PERMUTED_K and 4-bit weights (got BLOCK_M {cfg['BLOCK_M']}, "
+            f"PERMUTED_K {permuted}, {bits}-bit)"
+        )
     tiles = triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if cfg["SPLIT_K"] is None:  # an override's "choose"
         cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, block_k), sms, cfg.get("per_sm", 2))
@@ -489,7 +507,8 @@ def wna16_linear(
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None,
         SCALE_PER_TILE=scale_per_tile, SCALE_LATER=scale_later,
         HAS_BIAS=bias is not None,
-        ONE_ROW=one_row, PERMUTED_K=permuted, IEEE=x.dtype == torch.float32,
+        ONE_ROW=one_row, PERMUTED_K=permuted, SMALL_MAGIC=small_magic,
+        IEEE=x.dtype == torch.float32,
         EVEN_K=k % block_k == 0,
         SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, num_warps=cfg["num_warps"],
