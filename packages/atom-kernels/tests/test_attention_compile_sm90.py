@@ -238,3 +238,20 @@ def test_decode_sweep_tiles_compile_for_sm90():
     for tile in sweep.TILES:
         if tile not in _default_decode_tiles():
             _check(_compile_decode(tile, torch.bfloat16, 128, 16, single_split=True))
+
+
+def test_decode_group16_runs_unsplit_on_128_token_tiles():
+    """Qwen3-235B's 64 / 4 heads (group 16): from one program an SM the batch runs unsplit on
+    128-token tiles (default_config's NOTE: 64 sequences on an H200's 132 SMs); group 4 keeps
+    the split below PROGRAMS_PER_SM; the group-16 tile compiles for the GPU."""
+    from atom_kernels.backends.triton.attention import choose_splits
+
+    g16 = attention.default_config(128, torch.bfloat16, False, 16)
+    g4 = attention.default_config(128, torch.bfloat16, False, 4)
+    per_sm = 64 * 4 / 132
+    assert g16.decode_tile(per_sm) == (128, 4, 2)
+    assert g4.decode_tile(per_sm) == g4.decode_tile(0)  # still the split tiles
+    assert choose_splits(64, 4, 4096, 132, 128, g16.unsplit_from()) == (1, 4096)
+    assert choose_splits(64, 4, 4096, 132, 64, g4.unsplit_from())[0] > 1
+    assert choose_splits(16, 4, 4096, 132, 128, g16.unsplit_from())[0] > 1  # 0.48 an SM
+    _check(_compile_decode((128, 4, 2), torch.bfloat16, 128, 16, single_split=True, group=16))

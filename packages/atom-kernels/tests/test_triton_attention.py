@@ -451,6 +451,16 @@ def test_gpu_decode_large_batch_tiles(triton_backend):
 
 
 @pytest.mark.gpu
+def test_gpu_decode_group16_unsplit_tiles(triton_backend):
+    # 64 sequences x 4 kv heads of 64 / 4 query heads (Qwen3-235B): unsplit on 128-token tiles
+    # (attention_config's group-16 NOTE), contexts across several tiles and a ragged last one.
+    lens = torch.linspace(100, 4100, 64).long().tolist()
+    heads = (64, 4, 128, 128, 16)
+    batch = PagedBatch([(n, 1) for n in lens], heads, torch.bfloat16, "cuda", seed=15)
+    _check(triton_backend, batch, {}, TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 256])
 @pytest.mark.parametrize("feature", ["window_sinks", "sinks_softcap"])
 def test_gpu_head_dims_and_features(triton_backend, head_dim, feature):

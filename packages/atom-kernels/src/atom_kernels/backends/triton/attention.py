@@ -82,7 +82,12 @@ if LARGE_BATCH_SPLITS < 1 or LARGE_BATCH_SPLIT_TOKENS < 1:
 
 
 def choose_splits(
-    num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int, block_n: int
+    num_seqs: int,
+    num_kv_heads: int,
+    max_context: int,
+    num_sms: int,
+    block_n: int,
+    programs_per_sm: float = PROGRAMS_PER_SM,
 ) -> tuple[int, int]:
     """(num_splits, min_split_len) of the decode grid (num_seqs, num_kv_heads, num_splits).
 
@@ -91,7 +96,8 @@ def choose_splits(
     can hold (shapes only: no host sync); a decode graph's table is as wide as max_model_len while
     the batch's contexts are often much shorter.
 
-    When the batch alone does not give every SM PROGRAMS_PER_SM programs: splits of
+    When the batch alone does not give every SM ``programs_per_sm`` programs (PROGRAMS_PER_SM;
+    a config's ``decode_unsplit_from``): splits of
     MIN_SPLIT_TOKENS tokens (at most MAX_SPLITS). H100, 8 kv heads, table of 4096 tokens, contexts
     of 512 / 1024 / 2048 (benchmarks/tune_decode.py): batch 8 took 20.3 / 31.7 / 42.9 us with
     splits sized to fill the SMs (5) and 11.6 / 19.2 / 34.4 us with 32 splits of 128; batch 1
@@ -103,7 +109,7 @@ def choose_splits(
     """
     context = max(max_context, 1)
     programs = max(1, num_seqs * num_kv_heads)
-    target = PROGRAMS_PER_SM * num_sms
+    target = programs_per_sm * num_sms
     if programs >= target:
         split_len = triton.cdiv(LARGE_BATCH_SPLIT_TOKENS, block_n) * block_n
         split = LARGE_BATCH_SPLITS > 1 and programs < LARGE_BATCH_SPLITS_BELOW * num_sms
@@ -231,8 +237,9 @@ def paged_attention(
     block_n, num_warps, num_stages = config.decode_tile(programs_per_sm)
     if num_splits is None:
         num_splits, min_split_len = choose_splits(
-            num_seqs, num_kv_heads, max_context, num_sms(query.device), block_n
-        )
+            num_seqs, num_kv_heads, max_context, num_sms(query.device), block_n,
+            config.unsplit_from(),
+        )  # fmt: skip
     elif min_split_len is None:
         min_split_len = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
         num_splits = triton.cdiv(max_context, min_split_len)

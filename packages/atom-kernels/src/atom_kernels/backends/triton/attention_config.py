@@ -79,6 +79,13 @@ class AttentionConfig:
     # 2.5-4% at every batch of benchmarks/decode_sweep.py (its last NOTE); off, the A/B switch
     # ATOM_DECODE_PAGE_CONSTEXPR=0, is gone. Other page sizes take the runtime division.
     decode_page_constexpr: bool = False
+    # (sequence, kv head) programs an SM from which a decode batch runs unsplit (None:
+    # PROGRAMS_PER_SM): fewer for large groups on 128-token tiles (see _default_tiles).
+    decode_unsplit_from: float | None = None
+
+    def unsplit_from(self) -> float:
+        """Programs an SM from which decode runs unsplit (the ``_unsplit`` / ``_large`` tiles)."""
+        return self.decode_unsplit_from or PROGRAMS_PER_SM
 
     def decode_tile(self, programs_per_sm: float) -> tuple[int, int, int]:
         """(KV tile, warps, stages) of the decode kernel for a batch of this many (sequence, kv
@@ -90,7 +97,7 @@ class AttentionConfig:
                 self.decode_num_warps_large or self.decode_num_warps_unsplit,
                 self.decode_num_stages_large or self.decode_num_stages,
             )
-        if programs_per_sm >= PROGRAMS_PER_SM:
+        if programs_per_sm >= self.unsplit_from():
             return (
                 self.decode_block_n_unsplit or self.decode_block_n,
                 self.decode_num_warps_unsplit,
@@ -230,4 +237,17 @@ def _default_tiles(
             decode_num_warps_unsplit=4,
             decode_num_warps_large=4,
         )
+    elif group == 16 and 64 < block_d <= 128:
+        # NOTE (benchmarks/fi_tune.py, one H200, triton 3.6, 2026-11-28,
+        # results/flashinfer/s23/fi-tune.json; 64 / 4 heads, D=128, 64 sequences = 1.94 programs
+        # an SM, 6 split counts x 7 tiles, FlashInfer's decode alternating): unsplit on 128-token
+        # tiles, 4 warps, 2 stages, is the fastest at every context: 512 / 4096 / 32768 tokens
+        # 31.0 / 142.6 / 991.9 us against the former 4 splits on 64-token tiles 52.0 / 191.6 /
+        # 1123.7 and FlashInfer's 33.0 / 139.3 / 960.5. At 32 / 8 heads (group 4) 128-token tiles
+        # lose (312 against 257 us at 4096), so only group 16 (Qwen3-235B's 64 / 4) takes them.
+        # Batches from one program an SM run unsplit (128 programs and below: not measured).
+        config = replace(
+            config, decode_block_n_unsplit=128, decode_num_warps_unsplit=4,
+            decode_num_stages_unsplit=2, decode_unsplit_from=1.0,
+        )  # fmt: skip
     return config
