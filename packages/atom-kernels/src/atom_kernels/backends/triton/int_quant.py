@@ -403,7 +403,7 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
                    num_stages=1, GROUP_M=1, per_sm=2)  # fmt: skip
     elif num_rows == 1 and permuted:
         cfg = dict(BLOCK_M=1, BLOCK_N=256, BLOCK_K=128, num_warps=4, num_stages=1, GROUP_M=1,
-                   per_sm=2)  # fmt: skip
+                   per_sm=2, SMALL_MAGIC=bits == 4)  # fmt: skip
     elif num_rows <= SKINNY_MAX_ROWS:
         block_k = 128 if permuted else _block_k(group_size, per_tile, 128)
         cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4, GROUP_M=1,
@@ -482,7 +482,10 @@ def wna16_linear(
             )
         permuted = False  # an override's shallower K tile: the interleaved loop
     small_magic = bool(cfg.get("SMALL_MAGIC", False))
-    if small_magic and not (one_row and permuted and bits == 4):
+    fits = one_row and permuted and bits == 4
+    if small_magic and not fits and not (config or {}).get("SMALL_MAGIC"):
+        small_magic = False  # the default's, under an override's other loop
+    if small_magic and not fits:
         raise ValueError(
             "wna16_linear: SMALL_MAGIC is a variant of the one-row permuted multiply-adds: it "
             f"needs BLOCK_M = 1, PERMUTED_K and 4-bit weights (got BLOCK_M {cfg['BLOCK_M']}, "
