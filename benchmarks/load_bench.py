@@ -186,8 +186,9 @@ def main() -> None:
         "--direct",
         nargs="+",
         default=["1", "0"],
-        choices=["1", "0"],
-        help="ATOM_SAFETENSORS_DIRECT values to alternate (1: file -> pinned -> GPU; 0: mmap)",
+        choices=["1", "0", "register"],
+        help="ATOM_SAFETENSORS_DIRECT values to alternate (1: file -> pinned -> GPU; register: "
+        "DMA from the registered page cache; 0: mmap)",
     )
     parser.add_argument(
         "--readers",
@@ -243,6 +244,7 @@ def main() -> None:
                 readers.append(entry["sweep"]["fastest"])
         ways = [("0", DEFAULT_READER)] if "0" in args.direct else []
         ways = [("1", r) for r in readers] * ("1" in args.direct) + ways
+        ways = [("register", DEFAULT_READER)] * ("register" in args.direct) + ways
         for tp in tps:
             for cold, (direct, reader) in [(c, w) for c in (True, False) for w in ways]:
                 key = f"tp{tp}_{'cold' if cold else 'warm'}_direct{direct}"

@@ -151,8 +151,9 @@ TABLE: tuple[Switch, ...] = (
     ),
     # Read by atom-models' checkpoint reader.
     Switch(
-        "ATOM_SAFETENSORS_DIRECT", True, _not_zero,
-        "safetensors read file -> pinned memory -> GPU when a rank reads whole tensors (`0`: mmap)",
+        "ATOM_SAFETENSORS_DIRECT", "1", _lower,
+        "a rank reading whole safetensors on a GPU: `1` file -> pinned memory -> GPU, `register` "
+        "DMA from the registered page cache, `0` mmap",
     ),
 )  # fmt: skip
 

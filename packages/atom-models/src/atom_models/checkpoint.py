@@ -36,13 +36,15 @@ _FASTSAFETENSORS_MISSING = (
 )
 
 
-def direct_reads_enabled() -> bool:
-    """`ATOM_SAFETENSORS_DIRECT` (default 1): on a CUDA device, one rank reading whole tensors
-    reads them file -> pinned memory -> device (`safetensors_direct`); 0: through mmap'd CPU
-    tensors, as the CPU does (for comparison)."""
+def direct_reads() -> str:
+    """`ATOM_SAFETENSORS_DIRECT`: how one rank reading whole tensors on a CUDA device reads them:
+    `1` (default; any value but the two below) file -> pinned memory -> device
+    (`safetensors_direct`), `register` the device's DMA from the page cache registered in place
+    (`safetensors_registered`), `0` through mmap'd CPU tensors as the CPU does (comparison)."""
     from atom_kernels import envs
 
-    return envs.get("ATOM_SAFETENSORS_DIRECT")
+    value = envs.get("ATOM_SAFETENSORS_DIRECT")
+    return value if value in ("0", "register") else "1"
 
 
 def check_load_format(load_format: str) -> None:
@@ -96,7 +98,12 @@ def iter_checkpoint(
         return iter_gguf_weights(path)
     if load_format == "fastsafetensors":
         return iter_fastsafetensors(path, device, show_progress=show_progress)
-    if torch.device(device).type == "cuda" and not slices and direct_reads_enabled():
+    direct = direct_reads() if torch.device(device).type == "cuda" and not slices else "0"
+    if direct == "register":
+        from atom_models.safetensors_registered import iter_safetensors_registered
+
+        return iter_safetensors_registered(path, device, show_progress=show_progress)
+    if direct == "1":
         from atom_models.safetensors_direct import iter_safetensors_to_device
 
         return iter_safetensors_to_device(path, device, show_progress=show_progress)
