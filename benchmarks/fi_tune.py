@@ -66,6 +66,17 @@ def _norm_row(fi, fi_status, rounds, device, x, res, w):
         for rows, warps in NORM_VARIANTS
     ]
     fns = [lambda c=cfg: norm._launch(x, res, w, EPS, c) for _, cfg in variants]
+    # in place as FlashInfer's (its own copies of the inputs, restored before each call)
+    x_ip, res_ip = x.clone(), None if res is None else res.clone()
+    variants.append(("in-place", {"INPLACE": True}))
+    fns.append(lambda: norm._launch(x_ip, res_ip, w, EPS, {"INPLACE": True}))
+
+    def restore():
+        x_ip.copy_(x)
+        if res_ip is not None:
+            res_ip.copy_(res)
+
+    resets = [None] * (len(fns) - 1) + [restore]
     fi_fn, reset = None, None
     if fi is not None and res is not None:
         x_fi, res_fi = x.clone(), res.clone()
@@ -85,7 +96,7 @@ def _norm_row(fi, fi_status, rounds, device, x, res, w):
     tokens = x.shape[0]
     nbytes = x.numel() * 2 * (2 if res is None else 4)
     return _row(op, f"T={tokens} N={HIDDEN}", variants, fns, fi_fn, reset, fi_status, rounds,
-                device, nbytes)  # fmt: skip
+                device, nbytes, resets)  # fmt: skip
 
 
 def decode_rows(fi, fi_status, rounds, device):
@@ -176,16 +187,20 @@ def _decode_row(fi, fi_status, rounds, device, q, kc, vc, bt, sl):
                 nbytes)  # fmt: skip
 
 
-def _row(op, shape, variants, fns, fi_fn, fi_reset, fi_status, rounds, device, nbytes):
+def _row(op, shape, variants, fns, fi_fn, fi_reset, fi_status, rounds, device, nbytes,
+         resets=None):  # fmt: skip
     """Warm and check every variant against the first (the default), then time them and
-    FlashInfer alternating."""
+    FlashInfer alternating (``resets``: a variant's, run before each of its calls)."""
+    resets = resets or [None] * len(fns)
     row = {"op": op, "shape": shape, "bytes": nbytes, "flashinfer": fi_status, "variants": []}
     ref = fns[0]()
     live = []
-    for (name, cfg), fn in zip(variants, fns, strict=True):
+    for (name, cfg), fn, reset in zip(variants, fns, resets, strict=True):
         entry = {"name": name, "config": cfg}
         try:
             for _ in range(2):
+                if reset is not None:
+                    reset()
                 out = fn()
             out = out[0] if isinstance(out, tuple) else out
             why = _check(out, ref[0] if isinstance(ref, tuple) else ref)
@@ -203,7 +218,7 @@ def _row(op, shape, variants, fns, fi_fn, fi_reset, fi_status, rounds, device, n
                 fi_fn()
         except Exception as e:  # noqa: BLE001
             row["flashinfer"], fi_fn = _error(e), None
-    times = time_alternating(live + [fi_fn], [None] * len(live) + [fi_reset], rounds, device)
+    times = time_alternating(live + [fi_fn], list(resets) + [fi_reset], rounds, device)
     fi_ms = times[-1]
     row["flashinfer_ms"] = fi_ms
     for entry, ms in zip(row["variants"], times[:-1], strict=True):

@@ -69,6 +69,21 @@ def test_several_rows_a_program(triton_backend, rows, num_warps, residual):
     assert_close(out, expected, atol=atol, rtol=rtol, name="out")
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_in_place_launch(triton_backend, rows):
+    # INPLACE (benchmarks' launch option): the outputs overwrite x and residual, equal to the
+    # out-of-place results.
+    from atom_kernels.backends.triton import norm
+
+    x, weight = _inputs((7, 123), torch.bfloat16, triton_backend.device)
+    res, _ = _inputs((7, 123), torch.bfloat16, triton_backend.device, seed=7)
+    expected, expected_res = norm._launch(x, res, weight, 1e-6)
+    out, new_res = norm._launch(x, res, weight, 1e-6, {"INPLACE": True, "ROWS": rows})
+    assert out.data_ptr() == x.data_ptr() and new_res.data_ptr() == res.data_ptr()
+    assert_equal(out, expected, name="out")
+    assert_equal(new_res, expected_res, name="new_residual")
+
+
 def test_fp32_weight_bf16_x(triton_backend):
     x, _ = _inputs((3, 32), torch.bfloat16, triton_backend.device)
     weight = torch.rand(32, device=triton_backend.device) + 0.5

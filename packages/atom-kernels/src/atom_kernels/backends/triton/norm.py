@@ -60,10 +60,16 @@ def _rms_norm_kernel(
 
 def _launch(x, residual, weight, eps, config: dict | None = None):
     """``config`` (benchmarks): ``ROWS`` rows a program and ``num_warps`` instead of the
-    defaults (one row, ``row_num_warps``)."""
+    defaults (one row, ``row_num_warps``); ``INPLACE``: the outputs overwrite x and residual
+    (contiguous rows; FlashInfer's form: a program reads its rows whole before it stores)."""
     num_cols = x.shape[-1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    residual_out = torch.empty_like(out) if residual is not None else None
+    if (config or {}).get("INPLACE"):
+        if not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
+            raise ValueError("norm: INPLACE needs contiguous x and residual")
+        out, residual_out = x, residual
+    else:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        residual_out = torch.empty_like(out) if residual is not None else None
     x2 = as_rows(x)
     r2 = as_rows(residual) if residual is not None else x2
     out2 = out.view(-1, num_cols)
@@ -76,6 +82,7 @@ def _launch(x, residual, weight, eps, config: dict | None = None):
     block = next_pow2(num_cols)
     use_pdl = pdl.enabled(x.device)
     cfg = {"ROWS": 1, "num_warps": row_num_warps(block), **(config or {})}
+    cfg.pop("INPLACE", None)
     _rms_norm_kernel[(triton.cdiv(num_rows, cfg["ROWS"]),)](
         x2,
         r2,
