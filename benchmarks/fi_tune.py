@@ -44,8 +44,12 @@ DECODE_TILES = (None, (64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 8, 2), (32, 4, 3
 
 
 def _check(out, ref) -> str | None:
-    diff = (out.float() - ref.float()).abs().max().item()
-    return None if diff <= 2e-2 else f"disagrees with the default: max |diff| {diff:.3g}"
+    """None when ``out`` is within bf16 tolerance of ``ref`` (flashinfer_cases.close's), else
+    why not."""
+    diff = (out.float() - ref.float()).abs()
+    if bool((diff <= 2e-2 + 2e-2 * ref.float().abs()).all()):
+        return None
+    return f"disagrees with the default: max |diff| {diff.max().item():.3g}"
 
 
 def norm_rows(fi, fi_status, rounds, device):
