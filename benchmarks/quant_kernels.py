@@ -42,7 +42,9 @@ what it measured):
 - ``int_tiles``: the W4A16 GEMM at M = 1 and 16 under its own launch and each candidate of
   ``WNA16_TILES`` (cold L2 only, each checked first): the evidence for ``wna16_config``.
 
-The integer GEMMs alone: ``python benchmarks/quant_kernels.py --only int,int_tiles --out ...``.
+The integer GEMMs alone: ``python benchmarks/quant_kernels.py --only int,int_tiles --out ...``;
+the one-row W4A16 loops alone (a short device call):
+``--only int --int-rows 1 --int-impls fma,bf16_linear``. The JSON is rewritten after every row.
 
 The block-FP8 GEMM and group-quant work alone, in one GPU call (a few minutes):
 
@@ -146,6 +148,14 @@ def _wna16_tile(bn, warps, stages, split=None, bm=16, bk=128) -> dict:
 # (BLOCK_N, warps, stages) of the one-row loop without a subtraction a weight (SMALL_MAGIC),
 # timed in ``int`` beside the default and swept in ``int_tiles``.
 SMALL_MAGIC_TILES = ((256, 4, 1), (256, 4, 2), (128, 2, 1), (128, 2, 2), (128, 4, 1))
+# int_quant_small_magic's variants (SMALL_MAGIC_VARIANTS), timed in ``int`` at M = 1 beside the
+# default launch (BLOCK_N 256, 4 warps, 1 stage).
+SMALL_MAGIC_VARIANTS = (
+    {"X_VECTOR": True}, {"X_SPLIT": True}, {"PREFETCH": True},
+    {"X_VECTOR": True, "PREFETCH": True},
+)  # fmt: skip
+INT_ROWS = None  # --int-rows: the M the ``int`` group runs (None: all)
+INT_IMPLS = ()  # --int-impls: substrings, one of which an ``int`` impl must hold (empty: all)
 _DOT_TILES = tuple(_wna16_tile(bn, w, st, split) for bn in (32, 64, 128) for w in (4, 8)
                    for st in (4,) for split in (None, 1))  # fmt: skip
 WNA16_TILES = {  # int_tiles' candidates by M: 16-row dots; at M = 1 also multiply-adds (BLOCK_M 1)
@@ -305,6 +315,9 @@ PEAK_KEYS = {"fp8": "fp8_matmul_TFLOPs", "int8": "int8_matmul_TOPs", "bf16": "ma
 class Bench:
     """Times ops (CUDA graphs, cold and warm L2) and turns them into result rows."""
 
+    # called after each row is recorded (main: rewrite the JSON, so a run cut short keeps them)
+    on_row = None
+
     def __init__(self, torch, roofline_numbers: dict):
         self.torch = torch
         self.roof = roofline_numbers
@@ -333,6 +346,7 @@ class Bench:
             print(f"FAILED {group} {shape} {impl}: {type(exc).__name__}: {exc}", flush=True)
             row = {"group": group, "shape": shape, "impl": impl, "error": repr(exc)[:500]}
             self.rows.append(row)
+            self.saved()
             return row
         peak_tflops = self.roof[PEAK_KEYS[peak]]
         roof = roofline(nbytes, flops, self.roof["copy_GBps"], peak_tflops)
@@ -345,7 +359,12 @@ class Bench:
         }  # fmt: skip
         print(json.dumps(row), flush=True)
         self.rows.append(row)
+        self.saved()
         return row
+
+    def saved(self) -> None:
+        if self.on_row is not None:
+            self.on_row()
 
 
 def measure_fp8_matmul(torch) -> dict:
@@ -700,6 +719,7 @@ def _checked_add(bench: Bench, group, shape, impl, fn, expected, nbytes, flops, 
         print(f"FAILED {group} {shape} {impl}: {exc!r}"[:1000], flush=True)
         row = {"group": group, "shape": shape, "impl": impl, "error": repr(exc)[:500]}
         bench.rows.append(row)
+        bench.saved()
         return row
     bad = bool((error > TOLERANCE + TOLERANCE * expected.abs()).any())
     return bench.add(group, shape, ("BAD " if bad else "") + impl, fn, nbytes, flops, peak,
@@ -722,6 +742,11 @@ def _w4a16_variants(rows: int) -> list:
             config = _wna16_tile(block_n, warps, stages, bm=1)  # SPLIT_K None: chosen
             out.append((f"w4a16_g128 permuted fma small-magic {block_n} w{warps} s{stages}",
                         dict(config, PERMUTED_K=True, SMALL_MAGIC=True)))  # fmt: skip
+        default = dict(_wna16_tile(256, 4, 1, bm=1), PERMUTED_K=True, SMALL_MAGIC=True)
+        for variant in SMALL_MAGIC_VARIANTS:
+            name = "+".join(k.lower().replace("_", "-") for k in variant)
+            out.append((f"w4a16_g128 permuted fma small-magic 256 w4 s1 {name}",
+                        dict(default, **variant)))  # fmt: skip
     return out
 
 
@@ -758,9 +783,13 @@ def bench_int(torch, bench: Bench) -> None:
         w_bf16 = reference.dequantize_wna16(qweight, scales, None, None, 4, torch.bfloat16)
         weights = (qweight, scales, w8, w8_s, w_bf16)
         for rows in sorted(set(W4A16_ROWS) | set(W8A8_ROWS)):
+            if INT_ROWS is not None and rows not in INT_ROWS:
+                continue
             x = torch.randn(rows, k, generator=g, device=DEVICE).to(torch.bfloat16)
             shape = f"{name} M={rows} N={n} K={k}"
             for impl, fn, peak in _int_cases(torch, x, rows, weights):
+                if INT_IMPLS and not any(part in impl for part in INT_IMPLS):
+                    continue
                 if impl.startswith("w8a8"):
                     expected = reference.int8_linear(x, w8, w8_s, None, None).float()
                 else:
@@ -916,8 +945,18 @@ def main(argv: list[str] | None = None) -> int:
         "--moe-tile-tokens", default="", help=f"moe_tiles: comma-separated T (default "
         f"{MOE_TILE_TOKENS})",
     )  # fmt: skip
+    parser.add_argument(
+        "--int-rows", default="",
+        help=f"int: comma-separated M only (of {sorted(set(W4A16_ROWS) | set(W8A8_ROWS))})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--int-impls", default="",
+        help="int: comma-separated substrings; an impl runs if it holds one (e.g. small-magic)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    global MOE_FORMATS, MOE_SHAPE_NAMES, MXFP4_MODES
+    global MOE_FORMATS, MOE_SHAPE_NAMES, MXFP4_MODES, INT_ROWS, INT_IMPLS
+    INT_ROWS = tuple(int(m) for m in args.int_rows.split(",") if m) or None
+    INT_IMPLS = tuple(part for part in args.int_impls.split(",") if part)
     MOE_FORMATS = tuple(f for f in args.moe_formats.split(",") if f)
     MOE_SHAPE_NAMES = tuple(f for f in args.moe_shapes.split(",") if f)
     MXFP4_MODES = tuple(f for f in args.mxfp4_modes.split(",") if f)
@@ -973,6 +1012,12 @@ def main(argv: list[str] | None = None) -> int:
         },
         "results": bench.rows,
     }
+
+    def save() -> None:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+    bench.on_row = save
     moe_tokens = tuple(int(t) for t in args.moe_tokens.split(",") if t) or MOE_TOKENS
     tile_tokens = tuple(int(t) for t in args.moe_tile_tokens.split(",") if t) or MOE_TILE_TOKENS
     runners = {
@@ -995,8 +1040,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAILED group {group}: {type(exc).__name__}: {exc}", flush=True)
             report.setdefault("errors", {})[group] = repr(exc)[:1000]
         report.setdefault("group_seconds", {})[group] = round(time.perf_counter() - t0, 1)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        save()
     print(
         f"{report['device']}  torch {torch.__version__}  triton {triton.__version__}\n"
         f"roofline: copy {roof['copy_GBps']:.0f} GB/s, bf16 matmul {roof['matmul_TFLOPs']:.0f} "

@@ -73,6 +73,7 @@ def _wna16(cfg: dict, bits: int, zeros: bool, g_idx: bool, dtype: str = "bf16", 
         SCALE_LATER=per_tile and 1 < cfg["BLOCK_M"] <= int_quant.SKINNY_MAX_ROWS,
         HAS_BIAS=True, ONE_ROW=one_row, PERMUTED_K=cfg.get("PERMUTED_K", False),
         SMALL_MAGIC=cfg.get("SMALL_MAGIC", False),
+        **{key: cfg.get(key, False) for key in int_quant.SMALL_MAGIC_VARIANTS},
         IEEE=dtype == "fp32", EVEN_K=True,
         SPLIT_K=cfg["SPLIT_K"] if split else 1, GROUP_M=cfg.get("GROUP_M", 1),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
@@ -103,6 +104,11 @@ def _wna16_launches() -> dict:
                            num_stages=stages, SPLIT_K=4, PERMUTED_K=True,
                            SMALL_MAGIC=True)  # fmt: skip
         out[f"one-row small magic {block_n} w{warps} s{stages}, split"] = small_magic
+    for variant in int_quant.SMALL_MAGIC_VARIANTS:  # int_quant_small_magic's variants
+        small_magic = dict(BLOCK_M=1, BLOCK_N=256, BLOCK_K=128, num_warps=4, num_stages=1,
+                           SPLIT_K=4, PERMUTED_K=True, SMALL_MAGIC=True)  # fmt: skip
+        small_magic[variant] = True
+        out[f"one-row small magic 256 w4 s1 {variant}, split"] = small_magic
     return out
 
 
@@ -138,8 +144,10 @@ def test_wna16_variants_compile_for_sm90(bits, zeros, g_idx, dtype, group):
             assert "ld.local" not in one_row.asm["ptx"]
         if rows == 1 and bits == 4 and not g_idx:  # SMALL_MAGIC: zeros, fp16 x, group 32
             small_magic = dict(cfg, BLOCK_M=1, num_stages=1, SMALL_MAGIC=True)
-            kernel = _wna16(small_magic, bits, zeros, g_idx, dtype, group)
-            assert "ld.local" not in kernel.asm["ptx"]
+            for variant in (None, *int_quant.SMALL_MAGIC_VARIANTS):
+                launch = dict(small_magic, **{variant: True}) if variant else small_magic
+                kernel = _wna16(launch, bits, zeros, g_idx, dtype, group)
+                assert "ld.local" not in kernel.asm["ptx"], variant
 
 
 def test_dequantize_and_int8_quant_compile_for_sm90():
@@ -263,3 +271,48 @@ def test_small_magic_main_loop_sass():
     assert moves / weights < 0.1, (moves, weights)
     assert fadds / weights < 0.2, (fadds, weights)
     assert len(body) / weights < 3.8, (len(body), weights)
+
+
+# (variant, instructions a weight at most, registers at most) of SMALL_MAGIC's main loop at its
+# default launch, bf16 x, symmetric (Triton 3.9's ptxas; counts, not times): the default 3.47 and
+# 159 registers, X_VECTOR 3.11 and 128, X_SPLIT 3.02 and 161 (x through shared memory: a
+# barrier pair), PREFETCH 3.63 and 243.
+SMALL_MAGIC_SASS = [
+    ({}, 3.6, 168), (dict(X_VECTOR=True), 3.25, 136), (dict(X_SPLIT=True), 3.15, 168),
+    (dict(PREFETCH=True), 3.8, 255),
+]  # fmt: skip
+
+
+def _registers(kernel) -> int:
+    """Registers a thread of ``kernel`` (cuobjdump -res-usage on its cubin)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run(
+            [str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True, check=True
+        ).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+@pytest.mark.parametrize(("variant", "most", "most_registers"), SMALL_MAGIC_SASS, ids=str)
+def test_small_magic_variants_sass(variant, most, most_registers):
+    """The variants' main loops: X_VECTOR's x as eight 64-bit loads a tile (no 16-bit ones, no
+    shared memory for x: the loop's one barrier pair is the scales' layout conversion)."""
+    cfg = dict(BLOCK_M=1, BLOCK_N=256, BLOCK_K=128, num_warps=4, num_stages=1, SPLIT_K=1,
+               PERMUTED_K=True, SMALL_MAGIC=True, **variant)  # fmt: skip
+    kernel = _wna16(cfg, 4, False, False)
+    body = _main_loop_sass(kernel)
+    weights = 256 * 128 / (32 * 4)  # a thread's, a K tile
+    assert "ld.local" not in kernel.asm["ptx"]
+    assert len(body) / weights < most, (len(body), weights)
+    assert _registers(kernel) <= most_registers
+    if variant.get("X_VECTOR"):
+        wide = sum(1 for ins in body if re.match(r"(@\S+\s+)?LDG\.E\.64\b", ins))
+        narrow = sum(1 for ins in body if re.match(r"(@\S+\s+)?LDG\.E\.U16\b", ins))
+        barriers = sum(1 for ins in body if ins.startswith("BAR"))
+        assert wide == 8 and narrow <= 2 and barriers <= 2, (wide, narrow, barriers)

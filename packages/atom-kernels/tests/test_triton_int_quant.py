@@ -167,11 +167,18 @@ SMALL_MAGIC_LAUNCHES = [
     dict(BLOCK_K=32, SPLIT_K=3), dict(BLOCK_K=128, SPLIT_K=2),
     dict(BLOCK_K=128, SPLIT_K=1, num_stages=2),
 ]  # fmt: skip
+# SMALL_MAGIC's variants (int_quant_small_magic.SMALL_MAGIC_VARIANTS): none (the default), each,
+# all that combine.
+SMALL_MAGIC_VARIANTS = [
+    {}, dict(X_VECTOR=True), dict(X_SPLIT=True), dict(PREFETCH=True),
+    dict(X_VECTOR=True, PREFETCH=True),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("zeros", "groups", "dtype"), SMALL_MAGIC_CASES)
 @pytest.mark.parametrize("launch", SMALL_MAGIC_LAUNCHES)
-def test_wna16_linear_small_magic(triton_backend, iq, zeros, groups, dtype, launch):
+@pytest.mark.parametrize("variant", SMALL_MAGIC_VARIANTS, ids=str)
+def test_wna16_linear_small_magic(triton_backend, iq, zeros, groups, dtype, launch, variant):
     """The one-row multiply-adds on 2**(23 - p) + q with the magics and zeros taken off per
     column of x (SMALL_MAGIC) against the reference, and against the permuted loop it varies
     (the same fp32 weights: a few fp32 ulps of the output apart, not its dtype's)."""
@@ -181,17 +188,19 @@ def test_wna16_linear_small_magic(triton_backend, iq, zeros, groups, dtype, laun
     x = torch.randn(1, 384, generator=_gen(61)).to(dtype).to(device)
     bias = torch.randn(24, generator=_gen(62)).to(dtype).to(device)
     expected = reference.wna16_linear(x, qw, s, z, g, 4, bias)
-    config = dict(launch, BLOCK_M=1, BLOCK_N=16, PERMUTED_K=True, SMALL_MAGIC=True)
+    config = dict(launch, BLOCK_M=1, BLOCK_N=16, PERMUTED_K=True, SMALL_MAGIC=True, **variant)
     out = iq.wna16_linear(x, qw, s, z, g, 4, bias, config=config)
     atol, rtol = TOLERANCES[dtype]
     assert_close(out, expected, atol=atol, rtol=rtol, name=f"wna16_linear {config} {dtype}")
     if dtype == torch.float32:
-        permuted = iq.wna16_linear(x, qw, s, z, g, 4, bias, config=dict(config, SMALL_MAGIC=False))
+        plain = dict(launch, BLOCK_M=1, BLOCK_N=16, PERMUTED_K=True)
+        permuted = iq.wna16_linear(x, qw, s, z, g, 4, bias, config=plain)
         assert_close(out, permuted, atol=2e-5, rtol=2e-5, name="small magic vs permuted")
 
 
 @pytest.mark.parametrize("zeros", [False, True])
-def test_wna16_linear_small_magic_ragged_k(triton_backend, iq, zeros):
+@pytest.mark.parametrize("variant", SMALL_MAGIC_VARIANTS, ids=str)
+def test_wna16_linear_small_magic_ragged_k(triton_backend, iq, zeros, variant):
     """K = 160 in 64-deep tiles: the last tile partly past K (masked words read as 0, a value of
     2**(23 - p) met by x = 0), group 32; outliers in x (the correction cancels ~256 |x|)."""
     device = triton_backend.device
@@ -199,11 +208,23 @@ def test_wna16_linear_small_magic_ragged_k(triton_backend, iq, zeros):
     x = torch.randn(1, 160, generator=_gen(64))
     x[0, ::37] *= 100
     x = x.to(device)
-    config = dict(BLOCK_M=1, BLOCK_K=64, PERMUTED_K=True, SMALL_MAGIC=True, SPLIT_K=2)
+    config = dict(BLOCK_M=1, BLOCK_K=64, PERMUTED_K=True, SMALL_MAGIC=True, SPLIT_K=2, **variant)
     out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
     expected = reference.wna16_linear(x.double(), qw, s.double(), None if z is None else z.double(),
                                       g, 4, None).float()  # fmt: skip
     assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_wna16_linear_small_magic_x_vector_unaligned(triton_backend, iq, dtype):
+    """X_VECTOR reads x as 64-bit words: a row starting off a 16-byte boundary (a view one
+    element in) is copied to an aligned one first, the result unchanged."""
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(16, 256, 4, 2, True, False, seed=69, device=device, dtype=dtype)
+    x = torch.randn(1, 257, generator=_gen(70)).to(dtype).to(device)[:, 1:]
+    config = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, PERMUTED_K=True, SMALL_MAGIC=True)
+    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(config, X_VECTOR=True))
+    assert_close(out, iq.wna16_linear(x, qw, s, z, g, 4, None, config=config), atol=0, rtol=0)
 
 
 def test_wna16_linear_small_magic_refuses_other_launches(triton_backend, iq):
@@ -217,6 +238,8 @@ def test_wna16_linear_small_magic_refuses_other_launches(triton_backend, iq):
     qw8, s8, z8, g8 = wna16_weight(16, 128, 8, 1, False, False, seed=65, device=device)
     with pytest.raises(ValueError, match="4-bit"):
         iq.wna16_linear(x, qw8, s8, z8, g8, 8, None, config=dict(SMALL_MAGIC=True))
+    with pytest.raises(ValueError, match="need SMALL_MAGIC"):  # a variant of the loop, alone
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(SMALL_MAGIC=False, X_VECTOR=True))
 
 
 def test_wna16_linear_split_k_is_deterministic(triton_backend, iq):
@@ -433,17 +456,19 @@ def test_wna16_linear_gpu_permuted_k(triton_backend, iq, rows, config, bits, gro
 )  # fmt: skip
 @pytest.mark.parametrize(("group", "zeros"), [(128, False), (128, True), (32, True)])
 @pytest.mark.parametrize(("n", "k"), LLAMA3_8B)
-def test_wna16_linear_gpu_small_magic(triton_backend, iq, config, group, zeros, n, k):
+@pytest.mark.parametrize("variant", SMALL_MAGIC_VARIANTS, ids=str)
+def test_wna16_linear_gpu_small_magic(triton_backend, iq, config, group, zeros, n, k, variant):
     """The one-row loop without a subtraction a weight (SMALL_MAGIC) compiled, at the benchmark's
     launches and the Llama-3-8B sizes (split K as chosen)."""
     qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=67, device="cuda",
                                dtype=torch.bfloat16)  # fmt: skip
     x = torch.randn(1, k, generator=_gen(68)).to(torch.bfloat16).cuda()
-    config = dict(config, BLOCK_M=1, BLOCK_K=128, PERMUTED_K=True, SMALL_MAGIC=True)
+    plain = dict(config, BLOCK_M=1, BLOCK_K=128, PERMUTED_K=True)
+    config = dict(plain, SMALL_MAGIC=True, **variant)
     out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
     expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
     assert_close(out, expected, atol=3e-2, rtol=2e-2, name=f"wna16_linear {config}")
-    permuted = iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(config, SMALL_MAGIC=False))
+    permuted = iq.wna16_linear(x, qw, s, z, g, 4, None, config=plain)
     assert_close(out.float(), permuted.float(), atol=1e-2, rtol=1e-2, name="vs permuted")
 
 

@@ -37,7 +37,10 @@ import triton
 import triton.language as tl
 
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
-from atom_kernels.backends.triton.int_quant_small_magic import _small_magic_k_loop
+from atom_kernels.backends.triton.int_quant_small_magic import (
+    SMALL_MAGIC_VARIANTS,
+    _small_magic_k_loop,
+)
 
 SKINNY_MAX_ROWS = 16
 # The most rows the permuted K loop takes by default (wna16_config says why).
@@ -318,6 +321,9 @@ def _wna16_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    X_VECTOR: tl.constexpr = False,  # SMALL_MAGIC's variants (int_quant_small_magic)
+    X_SPLIT: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     pid_m, pid_n = _tile_ids(M, N, GROUP_M, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -332,7 +338,7 @@ def _wna16_kernel(
         acc = _small_magic_k_loop(
             x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, m_mask, k_lo, k_hi, K, group_size,
             stride_xm, stride_qn, stride_sn, stride_zn, HAS_ZEROS, SCALE_PER_TILE, EVEN_K,
-            BLOCK_M, BLOCK_N, BLOCK_K,
+            BLOCK_M, BLOCK_N, BLOCK_K, X_VECTOR, X_SPLIT, PREFETCH,
         )  # fmt: skip
     elif PERMUTED_K:
         acc = _permuted_k_loop(
@@ -491,6 +497,14 @@ def wna16_linear(
             f"needs BLOCK_M = 1, PERMUTED_K and 4-bit weights (got BLOCK_M {cfg['BLOCK_M']}, "
             f"PERMUTED_K {permuted}, {bits}-bit)"
         )
+    variants = {key: bool(cfg.get(key, False)) for key in SMALL_MAGIC_VARIANTS}
+    if any(variants.values()) and not small_magic:
+        raise ValueError(
+            f"wna16_linear: {', '.join(k for k, v in variants.items() if v)} are variants of "
+            "SMALL_MAGIC's loop: they need SMALL_MAGIC"
+        )
+    if variants["X_VECTOR"] and x2.data_ptr() % 16:  # it reads x as 64-bit words: one row
+        x2 = x2.clone()
     tiles = triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if cfg["SPLIT_K"] is None:  # an override's "choose"
         cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, block_k), sms, cfg.get("per_sm", 2))
@@ -515,7 +529,7 @@ def wna16_linear(
         EVEN_K=k % block_k == 0,
         SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        num_stages=cfg["num_stages"], **variants,
     )  # fmt: skip
     return out
 
