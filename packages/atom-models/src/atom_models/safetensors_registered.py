@@ -82,6 +82,16 @@ def budget(tensors: list[Tensor], ahead: int) -> int:
     return max(ahead, span + 1)
 
 
+def _pieces(t: Tensor, chunks: list[Chunk]) -> list[tuple[int, int]]:
+    """The tensor's byte ranges (from its start) that each lie in one chunk."""
+    end = t.offset + t.nbytes
+    return [
+        (max(c.start, t.offset) - t.offset, min(c.end, end) - t.offset)
+        for c in chunks[t.first_chunk : t.last_chunk + 1]
+        if min(c.end, end) > max(c.start, t.offset)
+    ]
+
+
 def iter_safetensors_registered(
     model_dir: str | Path,
     device: torch.device | str,
@@ -176,7 +186,10 @@ def iter_safetensors_registered(
             if cuda:
                 with torch.cuda.stream(stream):
                     out = torch.empty(t.nbytes, dtype=torch.uint8, device=device)
-                    out.copy_(src, non_blocking=True)  # DMA from the registered pages
+                    # one copy a chunk: a copy's source lies in one registration (the driver
+                    # refuses a range over two: cudaErrorInvalidValue)
+                    for begin, end in _pieces(t, chunks):
+                        out[begin:end].copy_(src[begin:end], non_blocking=True)
                     last_copy = stream.record_event()
                 current = torch.cuda.current_stream(device)
                 current.wait_event(last_copy)
