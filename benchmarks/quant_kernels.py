@@ -142,7 +142,7 @@ INT_TILE_ROWS = (1, 16)
 def _wna16_tile(bn, warps, stages, split=None, bm=16, bk=128) -> dict:
     """A wna16_linear launch (``int_quant.wna16_config``'s keys); split None: its own choice."""
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-                SPLIT_K=split, SMALL_MAGIC=False)  # fmt: skip
+                SPLIT_K=split, SMALL_MAGIC=False, X_VECTOR=False)  # fmt: skip
 
 
 # (BLOCK_N, warps, stages) of the one-row loop without a subtraction a weight (SMALL_MAGIC),
@@ -737,7 +737,7 @@ def _w4a16_variants(rows: int) -> list:
            ("w4a16_g128 permuted", {"PERMUTED_K": True, "BLOCK_K": 128})]  # fmt: skip
     if rows == 1:
         fma = {"PERMUTED_K": True, "BLOCK_M": 1, "BLOCK_K": 128, "num_stages": 1}
-        out.append(("w4a16_g128 permuted fma", dict(fma, SMALL_MAGIC=False)))
+        out.append(("w4a16_g128 permuted fma", dict(fma, SMALL_MAGIC=False, X_VECTOR=False)))
         for block_n, warps, stages in SMALL_MAGIC_TILES:
             config = _wna16_tile(block_n, warps, stages, bm=1)  # SPLIT_K None: chosen
             out.append((f"w4a16_g128 permuted fma small-magic {block_n} w{warps} s{stages}",

@@ -400,8 +400,13 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     Instructions a weight (sm_90 SASS of the main loop, 4-bit, counts, not times): interleaved
     -> permuted: 16-row dots 64 x 128 tiles 8.5 -> 6.4, BLOCK_M = 1 multiply-adds 10.3 -> 6.4
     (256-wide 4.9); at 70% of an H200's copy rate its SMs can issue ~5.6 a weight.
-    ``config={"SMALL_MAGIC": True}`` (one row, permuted, 4-bit) takes the multiply-adds without a
-    subtraction a weight (``int_quant_small_magic``): not measured on a GPU yet, not a default."""
+    One row, 4-bit: the multiply-adds without a subtraction a weight (``SMALL_MAGIC``,
+    ``int_quant_small_magic``) reading x as 64-bit words (``X_VECTOR``).
+    NOTE (one H200, 2026-11-28, benchmarks/results/int-quant/s23/int-m1-h200.json, CUDA graphs
+    back to back, alternatives in one call; us for qkv / o / gate_up / down): the permuted
+    multiply-adds above 9.41 / 7.58 / 36.30 / 17.68, SMALL_MAGIC 8.26 / 6.93 / 30.78 / 14.80,
+    with X_VECTOR 7.58 / 6.49 / 29.37 / 13.57 (X_SPLIT, PREFETCH and both with X_VECTOR slower);
+    bf16 ``linear`` 14.45 / 10.39 / 56.54 / 32.09."""
     per_int = 32 // bits
     permuted = num_rows <= PERMUTED_MAX_ROWS and per_tile and group_size % per_int == 0
     if interpreted:
@@ -409,7 +414,7 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
                    num_stages=1, GROUP_M=1, per_sm=2)  # fmt: skip
     elif num_rows == 1 and permuted:
         cfg = dict(BLOCK_M=1, BLOCK_N=256, BLOCK_K=128, num_warps=4, num_stages=1, GROUP_M=1,
-                   per_sm=2, SMALL_MAGIC=bits == 4)  # fmt: skip
+                   per_sm=2, SMALL_MAGIC=bits == 4, X_VECTOR=bits == 4)  # fmt: skip
     elif num_rows <= SKINNY_MAX_ROWS:
         block_k = 128 if permuted else _block_k(group_size, per_tile, 128)
         cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4, GROUP_M=1,
@@ -498,6 +503,8 @@ def wna16_linear(
             f"PERMUTED_K {permuted}, {bits}-bit)"
         )
     variants = {key: bool(cfg.get(key, False)) for key in SMALL_MAGIC_VARIANTS}
+    if not small_magic and not any((config or {}).get(key) for key in variants):
+        variants = dict.fromkeys(variants, False)  # the default's, under another loop
     if any(variants.values()) and not small_magic:
         raise ValueError(
             f"wna16_linear: {', '.join(k for k, v in variants.items() if v)} are variants of "
