@@ -126,10 +126,11 @@ def test_wna16_tile_candidates_are_launchable(bench):
     (128, the tile-wide scale path); all distinct."""
     pytest.importorskip("triton")
     keys = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K"}
+    loops = {"SMALL_MAGIC", "X_VECTOR"}  # the one-row loop named explicitly (not the default's)
     for rows, candidates in bench.WNA16_TILES.items():
         assert len({repr(c) for c in candidates}) == len(candidates)
         for cfg in candidates:
-            assert set(cfg) == keys, cfg
+            assert set(cfg) == keys | loops, cfg
             assert cfg["BLOCK_M"] in ((1, 16) if rows == 1 else (16,)), cfg
             assert cfg["BLOCK_K"] % 8 == 0 and bench.INT_GROUP % cfg["BLOCK_K"] == 0, cfg
 
@@ -146,7 +147,7 @@ def test_w4a16_variants(bench):
     assert bench._w4a16_variants(256) == [("w4a16_g128", None)]
 
 
-def test_int_groups_smoke_on_the_interpreter(tmp_path):
+def test_int_groups_smoke_on_the_interpreter(tmp_path, bench):
     """``--smoke-cpu --only int,int_tiles`` runs every impl on tiny shapes in the interpreter;
     rows not through a bf16 dot (W8A8, one-row W4A16) agree with the reference there."""
     pytest.importorskip("triton")
@@ -163,9 +164,16 @@ def test_int_groups_smoke_on_the_interpreter(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert not [r for r in rows if "error" in r], run.stdout[-3000:]
     impls = {r["impl"].removeprefix("BAD ") for r in rows if r["group"] == "int"}
+    small_magic = {
+        f"w4a16_g128 permuted fma small-magic {n} w{w} s{s}" for n, w, s in bench.SMALL_MAGIC_TILES
+    } | {
+        "w4a16_g128 permuted fma small-magic 256 w4 s1 "
+        + "+".join(k.lower().replace("_", "-") for k in variant)
+        for variant in bench.SMALL_MAGIC_VARIANTS
+    }
     assert impls == {
         "bf16_linear", "w4a16_g128 interleaved", "w4a16_g128 permuted",
-        "w4a16_g128 permuted fma", "w8a8_linear", "w8a8_gemm",
+        "w4a16_g128 permuted fma", "w8a8_linear", "w8a8_gemm", *small_magic,
     }  # fmt: skip
     w4a16 = [r for r in rows if r["group"] == "int" and "w4a16" in r["impl"]]
     assert all(r["of_copy_bandwidth"] > 0 for r in w4a16), w4a16

@@ -69,6 +69,10 @@ class WorkerGroup:
         # Set before any worker is ended on purpose (shared with the monitor and the finalizer).
         self._closing = threading.Event()
         self._lock = threading.Lock()
+        # One reader of a dead worker's status pipe at a time: the monitor thread and check()
+        # both record a death, and two readers of one pipe could leave the error message to the
+        # one that records the death second (so "no error message" won).
+        self._death_lock = threading.Lock()
         ctx = mp.get_context("spawn")
         self.procs: list[mp.process.BaseProcess] = []
         self._steps: list[mp.connection.Connection] = []
@@ -152,6 +156,10 @@ class WorkerGroup:
                 logger.exception("an on_death hook failed")
 
     def _record_death(self, rank: int, text: str = "") -> None:
+        with self._death_lock:
+            self._record_death_locked(rank, text)
+
+    def _record_death_locked(self, rank: int, text: str) -> None:
         proc = self.procs[rank - 1]
         proc.join(1.0)
         conn = self._status[rank - 1]
