@@ -227,9 +227,8 @@ def test_int_tiles_candidates_compile_for_sm90(name):
     assert kernel.metadata.shared <= H100_SHARED_BYTES
 
 
-def _main_loop_sass(kernel) -> list[str]:
-    """The instructions of ``kernel``'s one loop (from its backward branch to its target), by
-    cuobjdump (Triton's bundled copy) on the cubin."""
+def _cuobjdump(kernel, flag: str) -> str:
+    """cuobjdump ``flag`` (Triton's bundled copy) on ``kernel``'s cubin: its output."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -240,9 +239,15 @@ def _main_loop_sass(kernel) -> list[str]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
-        sass = subprocess.run(
-            [str(cuobjdump), "-sass", cubin.name], capture_output=True, text=True, check=True
+        return subprocess.run(
+            [str(cuobjdump), flag, cubin.name], capture_output=True, text=True, check=True
         ).stdout
+
+
+def _main_loop_sass(kernel) -> list[str]:
+    """The instructions of ``kernel``'s one loop (from its backward branch to its target), by
+    cuobjdump (Triton's bundled copy) on the cubin."""
+    sass = _cuobjdump(kernel, "-sass")
     code = [
         (int(m.group(1), 16), m.group(2).strip())
         for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
@@ -285,18 +290,7 @@ SMALL_MAGIC_SASS = [
 
 def _registers(kernel) -> int:
     """Registers a thread of ``kernel`` (cuobjdump -res-usage on its cubin)."""
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run(
-            [str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True, check=True
-        ).stdout
-    return int(re.search(r"REG:(\d+)", usage).group(1))
+    return int(re.search(r"REG:(\d+)", _cuobjdump(kernel, "-res-usage")).group(1))
 
 
 @pytest.mark.parametrize(("variant", "most", "most_registers"), SMALL_MAGIC_SASS, ids=str)

@@ -263,7 +263,12 @@ def test_direct_to_the_gpu_is_bit_equal_to_serial(sharded, name, chunk, ring, th
     monkeypatch.setattr(direct, "CHUNK_BYTES", chunk)
     monkeypatch.setattr(direct, "RING_CHUNKS", ring)
     monkeypatch.setattr(direct, "READ_THREADS", threads)
-    path = sharded(name)
+    assert_cuda_load_bit_equal_to_serial(sharded(name))
+
+
+def assert_cuda_load_bit_equal_to_serial(path: Path) -> None:
+    """load_model on the GPU (its CUDA reader, as the environment picks it) gives every
+    parameter bit-equal to the serial CPU reader's."""
     kwargs = dict(device="cuda", dtype=torch.bfloat16)
     serial = dict(load_model(path, weights=iter_safetensors(path), **kwargs).named_parameters())
     fast = dict(load_model(path, **kwargs).named_parameters())

@@ -13,21 +13,22 @@ import pytest
 import torch
 
 import atom_models.safetensors_registered as registered
-from atom_models import load_model
 from atom_models.safetensors_direct import read_header
 from atom_models.testing import save_random_checkpoint
 from atom_models.weights import iter_safetensors, safetensors_files
 
 
-def _architectures() -> dict:
+def _load_formats():
     path = Path(__file__).with_name("test_load_formats.py")
     spec = importlib.util.spec_from_file_location("atom_models_tests_load_formats", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.ARCHITECTURES
+    return module
 
 
-ARCHITECTURES = _architectures()
+LOAD_FORMATS = _load_formats()
+ARCHITECTURES = LOAD_FORMATS.ARCHITECTURES
+_bytes = LOAD_FORMATS._bytes
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +42,6 @@ def sharded(tmp_path_factory):
         return made[name]
 
     return make
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def test_plan_covers_every_byte_and_spans():
@@ -101,11 +98,4 @@ def test_registered_to_the_gpu_is_bit_equal_to_serial(sharded, name, chunk, ahea
     monkeypatch.setattr(registered, "CHUNK_BYTES", chunk)
     monkeypatch.setattr(registered, "AHEAD_CHUNKS", ahead)
     monkeypatch.setenv("ATOM_SAFETENSORS_DIRECT", "register")
-    path = sharded(name)
-    kwargs = dict(device="cuda", dtype=torch.bfloat16)
-    serial = dict(load_model(path, weights=iter_safetensors(path), **kwargs).named_parameters())
-    fast = dict(load_model(path, **kwargs).named_parameters())
-    assert fast.keys() == serial.keys()
-    for key, param in fast.items():
-        assert param.device.type == "cuda", key
-        assert torch.equal(_bytes(param), _bytes(serial[key])), key
+    LOAD_FORMATS.assert_cuda_load_bit_equal_to_serial(sharded(name))
