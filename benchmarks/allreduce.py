@@ -19,6 +19,8 @@ graph of 20 back-to-back calls as the decode graphs run them, replayed:
 The implementations alternate round after round (median of the rounds); rank 0's times are
 reported.
 "peer-copy" is the plain peer all-reduce again on a tensor NCCL's in-place calls never write;
+`--splits 2 4 8` adds `peer+norm/s2` ...: the fused one-shot with that many programs a row
+(`ATOM_PEER_SPLIT`); `--tokens 1 8` times those sizes only.
 `ALLREDUCE_ORDER=a,b,...` picks and orders the implementations (to tell a kernel's own time from
 its place in the round).
 `crossover_bytes` / `fused_crossover_bytes`: the largest size up to which `peer` beats `nccl`
@@ -97,7 +99,14 @@ def _flashinfer_norm(fi, x, residual, weight):
 
 
 def rank_main(
-    rank: int, world: int, port: int, smoke: bool, out: str, fi_port: int | None = None
+    rank: int,
+    world: int,
+    port: int,
+    smoke: bool,
+    out: str,
+    fi_port: int | None = None,
+    splits: tuple[int, ...] = (),
+    tokens_only: tuple[int, ...] = (),
 ) -> None:
     import faulthandler
 
@@ -110,7 +119,7 @@ def rank_main(
     torch.cuda.set_device(device)
     tp = EngineTPGroup(make_store(rank, world, port), rank, world, device)
     rounds, replays = (2, 5) if smoke else (7, 50)
-    sizes = TOKENS[:4] if smoke else TOKENS
+    sizes = TOKENS[:4] if smoke else (tokens_only or TOKENS)
     fi = _flashinfer(rank, world, fi_port, max(sizes)) if fi_port else None
     rows = []
     for tokens in sizes:
@@ -147,6 +156,18 @@ def rank_main(
 
             impls.update({"peer": peer, "peer+norm": peer_norm, "peer-copy": peer_copy})
             impls.update({"peer2": peer2, "peer2+norm": peer2_norm})
+            for split in splits:  # captured with collectives.SPLIT = split (programs per row)
+
+                def split_norm(x=x, residual=residual, weight=weight, split=split):
+                    from atom_kernels import collectives
+
+                    default, collectives.SPLIT = collectives.SPLIT, split
+                    try:
+                        tp.peer.all_reduce_add_rms_norm(x, residual, weight, 1e-6)
+                    finally:
+                        collectives.SPLIT = default
+
+                impls[f"peer+norm/s{split}"] = split_norm
         agreement = {}
         if fi is not None:  # checked on fresh inputs before any timed call sums into x
             inputs = (x.clone(), residual.clone(), weight)
@@ -217,6 +238,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--smoke", action="store_true", help="four sizes, few rounds")
     parser.add_argument("--flashinfer", action="store_true", help="FlashInfer's fused kernel too")
+    parser.add_argument(
+        "--splits", type=int, nargs="*", default=[],
+        help="also `peer+norm/sK`: the fused one-shot with K programs a row (ATOM_PEER_SPLIT)",
+    )  # fmt: skip
+    parser.add_argument("--tokens", type=int, nargs="*", default=[], help="these sizes only")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from atom_engine.testing import free_port
@@ -239,7 +265,11 @@ def main() -> None:
         part = f"{args.out}.world{world}"
         try:
             fi_port = free_port() if args.flashinfer else None
-            mp.spawn(rank_main, args=(world, free_port(), args.smoke, part, fi_port), nprocs=world)
+            mp.spawn(
+                rank_main,
+                args=(world, free_port(), args.smoke, part, fi_port, args.splits, args.tokens),
+                nprocs=world,
+            )
             record["worlds"].append(json.loads(Path(part).read_text()))
             Path(part).unlink()
         except Exception as e:  # the other worlds still run

@@ -141,7 +141,45 @@ def collective_kernels(prof, steps: int, cuda: bool) -> dict:
                 out[f"{kind}_us_per_step"] = out.get(f"{kind}_us_per_step", 0.0) + time_us / steps
     if cuda:
         out["gpu_kernels_us_per_step"] = gpu_total / steps
+        out.update(all_reduce_calls(prof, steps))
     return out
+
+
+def all_reduce_calls(prof, steps: int) -> dict:
+    """How rank 0's all-reduce kernel time per step is spread over its calls: the calls of a step
+    by position (the i-th all-reduce of every step alike), each position's median over the steps
+    summed (`median_sum_us_per_step`: a step's collective time without one-off waits), the first
+    call's median (it absorbs the ranks' launch skew), and the quantiles of single calls. A call
+    runs from its kernel's start to its end: with the ranks out of step, that includes waiting
+    for the slowest."""
+    spans = sorted(
+        (event.time_range.start, event.time_range.elapsed_us())
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+        and (
+            "peer_all_reduce" in event.name.lower()
+            or ("nccl" in event.name.lower() and "allreduce" in event.name.lower())
+        )
+    )
+    if not spans or len(spans) % steps:
+        return {"all_reduce_calls": len(spans)}
+    per_step = len(spans) // steps
+    durations = [d for _, d in spans]
+    by_position = [sorted(durations[i::per_step]) for i in range(per_step)]
+    ordered = sorted(durations)
+
+    def quantile(values: list[float], q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    return dict(
+        all_reduce_calls_per_step=per_step,
+        median_sum_us_per_step=sum(quantile(v, 0.5) for v in by_position),
+        first_call_median_us=quantile(by_position[0], 0.5),
+        call_us_min=ordered[0],
+        call_us_p50=quantile(ordered, 0.5),
+        call_us_p90=quantile(ordered, 0.9),
+        call_us_max=ordered[-1],
+    )
 
 
 def bench_decode(
