@@ -19,8 +19,10 @@ graph of 20 back-to-back calls as the decode graphs run them, replayed:
 The implementations alternate round after round (median of the rounds); rank 0's times are
 reported.
 "peer-copy" is the plain peer all-reduce again on a tensor NCCL's in-place calls never write;
-`--splits 2 4 8` adds `peer+norm/s2` ...: the fused one-shot with that many programs a row
-(`ATOM_PEER_SPLIT`); `--tokens 1 8` times those sizes only.
+`--each-slot` adds `peer/each` and `peer+norm/each`: the one-shot kernel's first form, every
+rank's row through its slot and one slot polled at a time (`peer_all_reduce.EACH_SLOT`), where
+the default sends to the peers only and polls them all at once; `--tokens 1 8` times those
+sizes only.
 `ALLREDUCE_ORDER=a,b,...` picks and orders the implementations (to tell a kernel's own time from
 its place in the round).
 `crossover_bytes` / `fused_crossover_bytes`: the largest size up to which `peer` beats `nccl`
@@ -105,7 +107,7 @@ def rank_main(
     smoke: bool,
     out: str,
     fi_port: int | None = None,
-    splits: tuple[int, ...] = (),
+    each_slot: bool = False,
     tokens_only: tuple[int, ...] = (),
 ) -> None:
     import faulthandler
@@ -156,18 +158,21 @@ def rank_main(
 
             impls.update({"peer": peer, "peer+norm": peer_norm, "peer-copy": peer_copy})
             impls.update({"peer2": peer2, "peer2+norm": peer2_norm})
-            for split in splits:  # captured with collectives.SPLIT = split (programs per row)
+            if each_slot:  # the first one-shot form, captured with EACH_SLOT (A/B)
 
-                def split_norm(x=x, residual=residual, weight=weight, split=split):
-                    from atom_kernels import collectives
+                def each(fn):
+                    def run():
+                        from atom_kernels.backends.triton import peer_all_reduce
 
-                    default, collectives.SPLIT = collectives.SPLIT, split
-                    try:
-                        tp.peer.all_reduce_add_rms_norm(x, residual, weight, 1e-6)
-                    finally:
-                        collectives.SPLIT = default
+                        peer_all_reduce.EACH_SLOT = True
+                        try:
+                            fn()
+                        finally:
+                            peer_all_reduce.EACH_SLOT = False
 
-                impls[f"peer+norm/s{split}"] = split_norm
+                    return run
+
+                impls.update({"peer/each": each(peer), "peer+norm/each": each(peer_norm)})
         agreement = {}
         if fi is not None:  # checked on fresh inputs before any timed call sums into x
             inputs = (x.clone(), residual.clone(), weight)
@@ -239,8 +244,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="four sizes, few rounds")
     parser.add_argument("--flashinfer", action="store_true", help="FlashInfer's fused kernel too")
     parser.add_argument(
-        "--splits", type=int, nargs="*", default=[],
-        help="also `peer+norm/sK`: the fused one-shot with K programs a row (ATOM_PEER_SPLIT)",
+        "--each-slot", action="store_true",
+        help="also `peer/each`, `peer+norm/each`: the one-shot polling one peer at a time",
     )  # fmt: skip
     parser.add_argument("--tokens", type=int, nargs="*", default=[], help="these sizes only")
     args = parser.parse_args()
@@ -267,7 +272,7 @@ def main() -> None:
             fi_port = free_port() if args.flashinfer else None
             mp.spawn(
                 rank_main,
-                args=(world, free_port(), args.smoke, part, fi_port, args.splits, args.tokens),
+                args=(world, free_port(), args.smoke, part, fi_port, args.each_slot, args.tokens),
                 nprocs=world,
             )
             record["worlds"].append(json.loads(Path(part).read_text()))

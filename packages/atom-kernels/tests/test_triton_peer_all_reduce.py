@@ -93,7 +93,7 @@ def _run_round(ranks, parts, phase, call, two_shot=False):
                                  name=f"rank {r}'s row {row} at rank {done.rank}")  # fmt: skip
             _slots(done, torch.int32)[phase] = EMPTY32
     for group in ranks:
-        assert group.counter.tolist() == [(phase + 1) % PHASES, 0, 0]
+        assert group.counter.tolist() == [(phase + 1) % PHASES, 0]
     return results
 
 
@@ -186,65 +186,10 @@ def test_reference_matches_unfused():
     assert_close(out, reference.rms_norm(total + residual, weight, 1e-6), atol=1e-5, rtol=1e-5)
 
 
-def _run_split_round(ranks, parts, phase, call):
-    """`_run_round` for split calls: a rank's slots stay full after its call (its other programs
-    read them too) and its next call empties them, so before each call the slots the test fills
-    for the ranks not run yet must already be empty."""
-    results = []
-    empty = EMPTY16 if parts[0].element_size() == 2 else EMPTY32
-    for group, part in zip(ranks, parts, strict=True):
-        r, n = group.rank, part.numel()
-        slots = _slots(group, part.dtype)
-        for s in range(r + 1, len(ranks)):
-            assert (_bits(slots[phase, s, :n]) == empty).all(), f"rank {r} slot {s} not emptied"
-            slots[phase, s, :n] = _sent(parts[s]).flatten()
-        results.append(call(group, part))
-        for done in ranks[:r]:  # r's push landed whole in every rank already done
-            got = _bits(_slots(done, part.dtype)[phase, r, :n])
-            assert_equal(got, _bits(_sent(part).flatten()), name=f"rank {r}'s push at {done.rank}")
-        assert group.counter.tolist() == [(phase + 1) % PHASES, 0, n]
-    return results
+def test_each_slot_form(triton_backend, monkeypatch):
+    """The first one-shot form (one slot polled at a time, kept for benchmarks/allreduce.py's
+    A/B) sums the same."""
+    from atom_kernels.backends.triton import peer_all_reduce
 
-
-@pytest.mark.parametrize(("world", "dtype", "rows", "cols"),
-                         [(2, torch.float32, 1, 100), (4, torch.bfloat16, 2, 64)])  # fmt: skip
-def test_split_rows(triton_backend, monkeypatch, world, dtype, rows, cols):
-    """Several programs a row (4 / 2: the CPU's 4 programs): every phase, then a call too large to
-    split, which empties what the last split call left and its own slots."""
-    from atom_kernels import collectives
-
-    monkeypatch.setattr(collectives, "SPLIT", 4)
-    device = triton_backend.device
-    ranks = _world(world, device)
-    assert ranks[0].split_for(rows, two_shot=False) == 4 // rows
-    assert ranks[0].split_for(rows, two_shot=True) == 1
-    g = torch.Generator().manual_seed(3)
-    weight = (torch.rand(cols, generator=g) + 0.5).to(dtype).to(device)
-    for count in range(PHASES + 1):
-        parts = _parts(world, rows, cols, dtype, device, seed=count)
-        residual = _parts(1, rows, cols, dtype, device, seed=50 + count)[0]
-        expected, expected_residual = reference_all_reduce_add_rms_norm(
-            [_sent(p) for p in parts], residual, weight, 1e-6
-        )
-        results = _run_split_round(
-            ranks,
-            parts,
-            count % PHASES,
-            lambda group, part, residual=residual: group.all_reduce_add_rms_norm(
-                part, residual, weight, 1e-6
-            ),
-        )
-        atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else tolerances(dtype)
-        for out, new_residual in results:
-            assert_equal(new_residual, expected_residual, name="residual")
-            assert_close(out, expected, atol=atol, rtol=rtol, name="normed")
-            assert_equal(out, results[0][0], name="the same bits on every rank")
-    # 5 rows: one program each (no split); the phase after the last split call's
-    phase = (PHASES + 1) % PHASES
-    parts = _parts(world, 5, cols, dtype, device, seed=9)
-    expected = sum(_sent(p).float() for p in parts).to(dtype)
-    for out in _run_round(ranks, parts, phase, lambda group, part: group.all_reduce(part)):
-        assert_equal(out, expected, name="sum after split calls")
-    for group in ranks:
-        assert (_slots(group, torch.int32) == EMPTY32).all(), "a split call's slots left full"
-        assert group.counter.tolist()[2] == 0
+    monkeypatch.setattr(peer_all_reduce, "EACH_SLOT", True)
+    test_all_reduce(triton_backend, 4, False)

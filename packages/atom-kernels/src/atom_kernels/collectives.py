@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from atom_kernels import envs
 from atom_kernels.backends.torch.norm import fused_add_rms_norm
 
 # The most programs of one call (it runs at most one per SM).
@@ -28,9 +27,6 @@ MAX_ROWS = 1 << 16
 # Widest row (elements): one program holds a row in registers.
 MAX_COLS = 16384
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Programs per row of a one-shot call (`ATOM_PEER_SPLIT`, read at import), as many as the SMs
-# allow: each sends 1/SPLIT of the row to the peers, waits for the whole row and stores its part.
-SPLIT = envs.ATOM_PEER_SPLIT
 
 
 def reference_all_reduce_add_rms_norm(
@@ -70,9 +66,8 @@ class PeerAllReduce:
         self.buffers = list(buffers)  # keep the mappings alive
         device = buffers[rank].device
         self._views: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}  # the buffers by dtype
-        # The phase this rank's next call uses, its programs done with the current one, and the
-        # elements per slot a split call left full (peer_all_reduce.py).
-        self.counter = torch.zeros(3, dtype=torch.int32, device=device)
+        # The phase this rank's next call uses, and its programs done with the current one.
+        self.counter = torch.zeros(2, dtype=torch.int32, device=device)
         # Programs a call runs: all must be resident at once (a polling program must never keep
         # one of its own rank's from starting), so at most one per SM.
         self.max_programs = (
@@ -118,13 +113,6 @@ class PeerAllReduce:
         cols = x.shape[-1] if x.dim() else 1
         return x.is_contiguous() and cols <= MAX_COLS and x.numel() // max(cols, 1) <= MAX_ROWS
 
-    def split_for(self, rows: int, two_shot: bool) -> int:
-        """Programs per row of a call: SPLIT while rows x SPLIT programs fit (a power of two)."""
-        split = 1
-        while not two_shot and split * 2 <= SPLIT and rows * split * 2 <= self.max_programs:
-            split *= 2
-        return split
-
     def _launch(self, x, out, residual, residual_out, weight, eps, two_shot) -> None:
         from atom_kernels.backends.triton import peer_all_reduce
 
@@ -146,7 +134,6 @@ class PeerAllReduce:
             self.world,
             min(self.max_programs, MAX_PROGRAMS),
             two_shot,
-            self.split_for(rows.shape[0], two_shot),
         )
 
     def all_reduce(self, x: torch.Tensor, two_shot: bool = False) -> torch.Tensor:

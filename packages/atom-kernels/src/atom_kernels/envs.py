@@ -61,10 +61,6 @@ TABLE: tuple[Switch, ...] = (
         "128-byte weight lines prefetched into L2 before the PDL wait",
     ),
     Switch(
-        "ATOM_PEER_SPLIT", 1, int,
-        "programs per row of the peer all-reduce's one-shot calls (a power of two; A/B)",
-    ),
-    Switch(
         "ATOM_SKINNY_SPLIT_K", "auto", _same,
         "split-K skinny GEMM: `auto` follows PDL, `1` on, anything else off",
     ),

@@ -46,6 +46,9 @@ from atom_kernels.backends.triton.common import is_interpreted, next_pow2, row_n
 # engine with it) instead of waiting forever on a peer that never comes: about 30 s.
 SPIN_LIMIT = 1 << 26
 PHASES = 3
+# One-shot calls poll the peers' slots one after the other, each through its own slot (the first
+# form; benchmarks/allreduce.py times it against the default, all at once: `peer+norm/each`).
+EACH_SLOT = False
 # The empty mark: a 16-bit element's bits, and a 32-bit element's (two 16-bit marks).
 EMPTY16 = -(1 << 15)  # 0x8000
 EMPTY32 = -(1 << 31) + (1 << 15)  # 0x80008000
@@ -62,10 +65,9 @@ def _sendable(x, BITS_TY: tl.constexpr, MARK: tl.constexpr, SEND_AS: tl.constexp
 
 @triton.jit
 def _take(slot, mask, empty, BITS_TY: tl.constexpr, MARK: tl.constexpr, TRAP: tl.constexpr,
-          SPIN_LIMIT: tl.constexpr, CLEAR: tl.constexpr = True):  # fmt: skip
+          SPIN_LIMIT: tl.constexpr):  # fmt: skip
     """The row at `slot` once no element is the empty mark (volatile polls); the slot is left
-    empty (`CLEAR`; else the next call empties it). Traps after SPIN_LIMIT polls (a peer that
-    never comes: dead, or stuck)."""
+    empty. Traps after SPIN_LIMIT polls (a peer that never comes: dead, or stuck)."""
     v = tl.load(slot, mask=mask, other=0.0, volatile=True)
     polls = 0
     while tl.sum((v.to(BITS_TY, bitcast=True) == MARK).to(tl.int32), axis=0) > 0:
@@ -76,29 +78,26 @@ def _take(slot, mask, empty, BITS_TY: tl.constexpr, MARK: tl.constexpr, TRAP: tl
                 tl.inline_asm_elementwise(
                     "trap;", "=r,r", [polls], dtype=tl.int32, is_pure=False, pack=1
                 )
-    if CLEAR:
-        tl.store(slot, empty, mask=mask)
+    tl.store(slot, empty, mask=mask)
     return v
 
 
 @triton.jit
 def _finish(total, row, cols, mask, num_cols, residual_ptr, stride_r, residual_out_ptr,
-            weight_ptr, out_ptr, stride_o, eps, FUSE_NORM: tl.constexpr, keep=None):  # fmt: skip
-    """Store a summed row: as it is, or `residual + total` and its RMSNorm (`keep`: the columns
-    this program stores, all of `mask` when None)."""
-    store = mask if keep is None else keep
+            weight_ptr, out_ptr, stride_o, eps, FUSE_NORM: tl.constexpr):  # fmt: skip
+    """Store a summed row: as it is, or `residual + total` and its RMSNorm."""
     if FUSE_NORM:
         res = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         # As `fused_add_rms_norm`: the sum rounds before the norm; HF's rounding after it.
         h = (total.to(tl.float32) + res.to(tl.float32)).to(total.dtype)
-        tl.store(residual_out_ptr + row * num_cols + cols, h, mask=store)
+        tl.store(residual_out_ptr + row * num_cols + cols, h, mask=mask)
         hf = h.to(tl.float32)
         variance = tl.sum(hf * hf, axis=0) / num_cols
         normed = (hf * tl.math.rsqrt(variance + eps)).to(total.dtype).to(tl.float32)
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + cols, w * normed, mask=store)
+        tl.store(out_ptr + row * stride_o + cols, w * normed, mask=mask)
     else:
-        tl.store(out_ptr + row * stride_o + cols, total, mask=store)
+        tl.store(out_ptr + row * stride_o + cols, total, mask=mask)
 
 
 @triton.jit
@@ -113,8 +112,7 @@ def _peer_all_reduce_kernel(
     stride_o,
     own_ptr,  # this rank's buffer, [PHASES, W, slot_elems] of x's dtype
     buffers,  # every rank's buffer (a tuple of WORLD pointers; its own at `rank`)
-    counter_ptr,  # int32 [3]: this rank's phase (0..PHASES-1), programs done with this call,
-    # elements of each peer slot the previous call left for this one to empty (SPLIT)
+    counter_ptr,  # int32 [2]: this rank's phase (0..PHASES-1), programs done with this call
     num_rows,
     num_cols,
     slot_elems,
@@ -124,8 +122,8 @@ def _peer_all_reduce_kernel(
     BLOCK_N: tl.constexpr,
     FUSE_NORM: tl.constexpr,
     TWO_SHOT: tl.constexpr,
-    SPLIT: tl.constexpr,  # programs per row (one-shot): each sends 1/SPLIT of it
-    CHUNK: tl.constexpr,  # a power of two >= num_cols / SPLIT
+    EACH_SLOT: tl.constexpr,
+    WORLD_P2: tl.constexpr,
     TRAP: tl.constexpr,
     SPIN_LIMIT: tl.constexpr,
     PHASES: tl.constexpr,
@@ -148,47 +146,7 @@ def _peer_all_reduce_kernel(
     base = phase.to(tl.int64) * WORLD * slot_elems
     mine = base + rank * slot_elems  # my slot, in every rank's buffer
 
-    # What a split call before this one left in its phase's peer slots, emptied now: no peer
-    # writes there before its call after next, which needs this call's push.
-    left = tl.load(counter_ptr + 2)
-    if left > 0:
-        prev = ((phase + PHASES - 1) % PHASES).to(tl.int64) * WORLD * slot_elems
-        for start in range(pid * BLOCK_N, left, grid * BLOCK_N):
-            at = start + cols
-            for r in tl.static_range(WORLD):
-                if r != rank:
-                    tl.store(own_ptr + prev + r * slot_elems + at, empty, mask=at < left)
-
-    if SPLIT > 1:
-        # Program p takes chunk p % SPLIT of rows p // SPLIT, ...: sends that chunk to every peer,
-        # then waits for the whole row from each (the norm needs it all) and stores its chunk.
-        # Its own part it reads from x. The slots stay full until the next call empties them
-        # (above): the other programs of the row read them too.
-        part = tl.arange(0, CHUNK)
-        for item in range(pid, num_rows * SPLIT, grid):
-            row = item // SPLIT
-            at = (item % SPLIT) * CHUNK + part
-            x = _sendable(tl.load(x_ptr + row * stride_x + at, mask=at < num_cols), BITS_TY,
-                          MARK, SEND_AS)  # fmt: skip
-            for r in tl.static_range(WORLD):
-                if r != rank:
-                    tl.store(buffers[r] + mine + row * num_cols + at, x, mask=at < num_cols)
-        for item in range(pid, num_rows * SPLIT, grid):
-            row = item // SPLIT
-            lo = (item % SPLIT) * CHUNK
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for r in tl.static_range(WORLD):
-                if r == rank:
-                    v = _sendable(tl.load(x_ptr + row * stride_x + cols, mask=mask), BITS_TY,
-                                  MARK, SEND_AS)  # fmt: skip
-                else:
-                    v = _take(own_ptr + base + r * slot_elems + row * num_cols + cols, mask,
-                              empty, BITS_TY, MARK, TRAP, SPIN_LIMIT, False)  # fmt: skip
-                acc += v.to(tl.float32)
-            _finish(acc.to(dtype), row, cols, mask, num_cols, residual_ptr, stride_r,
-                    residual_out_ptr, weight_ptr, out_ptr, stride_o, eps, FUSE_NORM,
-                    mask & (cols >= lo) & (cols < lo + CHUNK))  # fmt: skip
-    elif TWO_SHOT:
+    if TWO_SHOT:
         # Row r belongs to rank r * W // rows. 1. each row to its owner (slot: mine); 2. the owner
         # sums its rows (its own part from x) and sends the sum to every other rank (slot: the
         # owner's); 3. the rows of the others, taken as they come.
@@ -226,7 +184,7 @@ def _peer_all_reduce_kernel(
                               empty, BITS_TY, MARK, TRAP, SPIN_LIMIT)  # fmt: skip
                 _finish(total, row, cols, mask, num_cols, residual_ptr, stride_r, residual_out_ptr,
                         weight_ptr, out_ptr, stride_o, eps, FUSE_NORM)  # fmt: skip
-    else:
+    elif EACH_SLOT:  # the first form (A/B): every rank's row through its slot, one slot at a time
         for row in range(pid, num_rows, grid):
             x = _sendable(tl.load(x_ptr + row * stride_x + cols, mask=mask), BITS_TY, MARK,
                           SEND_AS)  # fmt: skip
@@ -240,14 +198,53 @@ def _peer_all_reduce_kernel(
             # The sum rounds to the input dtype, as NCCL's all-reduce result does.
             _finish(acc.to(dtype), row, cols, mask, num_cols, residual_ptr, stride_r,
                     residual_out_ptr, weight_ptr, out_ptr, stride_o, eps, FUSE_NORM)  # fmt: skip
+    else:
+        # The row goes to the peers only (its own part is read from x), and all the peers' slots
+        # are polled at once: one round trip a poll, not one a peer.
+        for row in range(pid, num_rows, grid):
+            x = _sendable(tl.load(x_ptr + row * stride_x + cols, mask=mask), BITS_TY, MARK,
+                          SEND_AS)  # fmt: skip
+            for r in tl.static_range(WORLD):
+                if r != rank:
+                    tl.store(buffers[r] + mine + row * num_cols + cols, x, mask=mask)
+        ranks = tl.arange(0, WORLD_P2)
+        peers = mask[None, :] & (ranks != rank)[:, None] & (ranks < WORLD)[:, None]
+        empties = tl.full([WORLD_P2, BLOCK_N], MARK, BITS_TY).to(dtype, bitcast=True)
+        for row in range(pid, num_rows, grid):
+            slots = own_ptr + base + ranks[:, None] * slot_elems + row * num_cols + cols[None, :]
+            v = tl.load(slots, mask=peers, other=0.0, volatile=True)
+            polls = 0
+            while tl.sum(tl.sum((v.to(BITS_TY, bitcast=True) == MARK).to(tl.int32), 1), 0) > 0:
+                v = tl.load(slots, mask=peers, other=0.0, volatile=True)
+                polls += 1
+                if TRAP:
+                    if polls > SPIN_LIMIT:
+                        tl.inline_asm_elementwise(
+                            "trap;", "=r,r", [polls], dtype=tl.int32, is_pure=False, pack=1
+                        )
+            tl.store(slots, empties, mask=peers)
+            x = _sendable(tl.load(x_ptr + row * stride_x + cols, mask=mask), BITS_TY, MARK,
+                          SEND_AS)  # fmt: skip
+            vf = v.to(tl.float32)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for r in tl.static_range(WORLD):  # in rank order: the same bits on every rank
+                if r == rank:
+                    acc += x.to(tl.float32)
+                else:
+                    acc += tl.sum(tl.where((ranks == r)[:, None], vf, 0.0), 0)
+            # The sum rounds to the input dtype, as NCCL's all-reduce result does.
+            _finish(acc.to(dtype), row, cols, mask, num_cols, residual_ptr, stride_r,
+                    residual_out_ptr, weight_ptr, out_ptr, stride_o, eps, FUSE_NORM)  # fmt: skip
 
     # The last program of this rank to finish moves its phase on (the next call reads it only
     # once this kernel has ended: stream order, or its PDL wait).
-    done = tl.atomic_add(counter_ptr + 1, 1)
-    if done == grid - 1:
+    if grid == 1:  # no other program to wait for
         tl.store(counter_ptr, (phase + 1) % PHASES)
-        tl.store(counter_ptr + 1, 0)
-        tl.store(counter_ptr + 2, num_rows * num_cols if SPLIT > 1 else 0)
+    else:
+        done = tl.atomic_add(counter_ptr + 1, 1)
+        if done == grid - 1:
+            tl.store(counter_ptr, (phase + 1) % PHASES)
+            tl.store(counter_ptr + 1, 0)
 
 
 def launch(
@@ -264,18 +261,16 @@ def launch(
     world: int,
     max_programs: int,
     two_shot: bool = False,
-    split: int = 1,
 ) -> None:
     """Rows of `x` [T, N] summed over the ranks into `out`, or, given `residual` and `weight`:
     `residual_out = residual + sum` (contiguous) and `out = rms_norm(residual_out)`. Every rank
-    calls it alike (the same `two_shot` and `split`: programs per row, one-shot only)."""
+    calls it alike."""
     rows, cols = x.shape
     block = next_pow2(cols)
     fuse = residual is not None
     wide16 = x.element_size() == 2
     use_pdl = pdl.enabled(x.device)
-    assert split == 1 or (not two_shot and split & (split - 1) == 0 and split <= block), split
-    _peer_all_reduce_kernel[(min(rows * split, max_programs),)](
+    _peer_all_reduce_kernel[(min(rows, max_programs),)](
         x,
         x.stride(0),
         residual if fuse else x,
@@ -296,8 +291,8 @@ def launch(
         BLOCK_N=block,
         FUSE_NORM=fuse,
         TWO_SHOT=two_shot,
-        SPLIT=split,
-        CHUNK=block // split if split > 1 else block,
+        EACH_SLOT=EACH_SLOT,
+        WORLD_P2=next_pow2(world),
         TRAP=not is_interpreted(x.device),
         SPIN_LIMIT=SPIN_LIMIT,
         PHASES=PHASES,
