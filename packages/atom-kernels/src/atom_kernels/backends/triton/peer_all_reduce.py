@@ -1,11 +1,14 @@
 """One-shot all-reduce pushed into buffers every rank can write, fused with residual + RMSNorm.
 
 Every rank's staging buffer is mapped into every other rank's address space (CUDA IPC,
-`atom_kernels.collectives`). A call pushes each row to every rank and reads only its own memory:
+`atom_kernels.collectives`). A call pushes each row to every peer and reads only its own memory:
 
-    store my row into slot `rank` of every rank's buffer (NVLink stores, never waited on)
-    ->  poll my buffer's W slots until no element is the empty mark  ->  sum them in rank order
-    (every rank gets the same bits)  ->  mark the slots empty again  ->  [+ residual, RMSNorm]
+    store my row into slot `rank` of every peer's buffer (NVLink stores, never waited on)
+    ->  poll my buffer's W - 1 peer slots, one after the other, until no element is the empty
+    mark  ->  sum them and my own row (from x) in rank order (every rank gets the same bits)
+    ->  mark the slots empty again  ->  [+ residual, RMSNorm]
+
+(`EACH_SLOT`, the first form, kept to time against: my own row goes through my slot too.)
 
 No flags and no barrier: the data is its own flag (as TensorRT-LLM's "Lamport" all-reduce). A
 slot is empty when every element holds the mark, negative zero's bits (0x8000 in 16 bits; 32-bit
@@ -24,7 +27,8 @@ instead of W - 1 of it. The slots a call uses are disjoint (slot s holds s's row
 or s's sums of its own rows) and empty again when it ends, so the phases work as above.
 
 At most one program per SM (all resident at once: a program polling for a peer's push never
-keeps a program of its own rank from running), each over rows p, p + G, ...
+keeps a program of its own rank from running), each over rows p, p + G, ...; the last to finish
+moves the phase on (counted with an atomic; a call of one program, batch-1 decode, needs none).
 
 With PDL (`pdl.py`) the kernel may launch during the kernel before it and waits for it before
 anything else; that kernel waited for its own predecessor the same way, so the previous call of
@@ -46,8 +50,8 @@ from atom_kernels.backends.triton.common import is_interpreted, next_pow2, row_n
 # engine with it) instead of waiting forever on a peer that never comes: about 30 s.
 SPIN_LIMIT = 1 << 26
 PHASES = 3
-# One-shot calls poll the peers' slots one after the other, each through its own slot (the first
-# form; benchmarks/allreduce.py times it against the default, all at once: `peer+norm/each`).
+# One-shot calls take their own row through their own slot too (the first form; benchmarks/
+# allreduce.py times it against the default, which reads it from x: `peer+norm/each`).
 EACH_SLOT = False
 # The empty mark: a 16-bit element's bits, and a 32-bit element's (two 16-bit marks).
 EMPTY16 = -(1 << 15)  # 0x8000
@@ -123,7 +127,6 @@ def _peer_all_reduce_kernel(
     FUSE_NORM: tl.constexpr,
     TWO_SHOT: tl.constexpr,
     EACH_SLOT: tl.constexpr,
-    WORLD_P2: tl.constexpr,
     TRAP: tl.constexpr,
     SPIN_LIMIT: tl.constexpr,
     PHASES: tl.constexpr,
@@ -184,7 +187,7 @@ def _peer_all_reduce_kernel(
                               empty, BITS_TY, MARK, TRAP, SPIN_LIMIT)  # fmt: skip
                 _finish(total, row, cols, mask, num_cols, residual_ptr, stride_r, residual_out_ptr,
                         weight_ptr, out_ptr, stride_o, eps, FUSE_NORM)  # fmt: skip
-    elif EACH_SLOT:  # the first form (A/B): every rank's row through its slot, one slot at a time
+    elif EACH_SLOT:  # the first form (A/B): every rank's row through its slot, its own too
         for row in range(pid, num_rows, grid):
             x = _sendable(tl.load(x_ptr + row * stride_x + cols, mask=mask), BITS_TY, MARK,
                           SEND_AS)  # fmt: skip
@@ -199,45 +202,27 @@ def _peer_all_reduce_kernel(
             _finish(acc.to(dtype), row, cols, mask, num_cols, residual_ptr, stride_r,
                     residual_out_ptr, weight_ptr, out_ptr, stride_o, eps, FUSE_NORM)  # fmt: skip
     else:
-        # The row goes to the peers only (its own part is read from x), and all the peers' slots
-        # are polled at once: one round trip a poll, not one a peer.
+        # The row goes to the peers only: its own part is read from x, not through its slot.
         for row in range(pid, num_rows, grid):
             x = _sendable(tl.load(x_ptr + row * stride_x + cols, mask=mask), BITS_TY, MARK,
                           SEND_AS)  # fmt: skip
             for r in tl.static_range(WORLD):
                 if r != rank:
                     tl.store(buffers[r] + mine + row * num_cols + cols, x, mask=mask)
-        ranks = tl.arange(0, WORLD_P2)
-        peers = mask[None, :] & (ranks != rank)[:, None] & (ranks < WORLD)[:, None]
-        empties = tl.full([WORLD_P2, BLOCK_N], MARK, BITS_TY).to(dtype, bitcast=True)
         for row in range(pid, num_rows, grid):
-            slots = own_ptr + base + ranks[:, None] * slot_elems + row * num_cols + cols[None, :]
-            v = tl.load(slots, mask=peers, other=0.0, volatile=True)
-            polls = 0
-            while tl.sum(tl.sum((v.to(BITS_TY, bitcast=True) == MARK).to(tl.int32), 1), 0) > 0:
-                v = tl.load(slots, mask=peers, other=0.0, volatile=True)
-                polls += 1
-                if TRAP:
-                    if polls > SPIN_LIMIT:
-                        tl.inline_asm_elementwise(
-                            "trap;", "=r,r", [polls], dtype=tl.int32, is_pure=False, pack=1
-                        )
-            tl.store(slots, empties, mask=peers)
-            x = _sendable(tl.load(x_ptr + row * stride_x + cols, mask=mask), BITS_TY, MARK,
-                          SEND_AS)  # fmt: skip
-            vf = v.to(tl.float32)
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             for r in tl.static_range(WORLD):  # in rank order: the same bits on every rank
                 if r == rank:
-                    acc += x.to(tl.float32)
+                    v = _sendable(tl.load(x_ptr + row * stride_x + cols, mask=mask), BITS_TY,
+                                  MARK, SEND_AS)  # fmt: skip
                 else:
-                    acc += tl.sum(tl.where((ranks == r)[:, None], vf, 0.0), 0)
+                    v = _take(own_ptr + base + r * slot_elems + row * num_cols + cols, mask,
+                              empty, BITS_TY, MARK, TRAP, SPIN_LIMIT)  # fmt: skip
+                acc += v.to(tl.float32)
             # The sum rounds to the input dtype, as NCCL's all-reduce result does.
             _finish(acc.to(dtype), row, cols, mask, num_cols, residual_ptr, stride_r,
                     residual_out_ptr, weight_ptr, out_ptr, stride_o, eps, FUSE_NORM)  # fmt: skip
 
-    # The last program of this rank to finish moves its phase on (the next call reads it only
-    # once this kernel has ended: stream order, or its PDL wait).
     if grid == 1:  # no other program to wait for
         tl.store(counter_ptr, (phase + 1) % PHASES)
     else:
@@ -292,7 +277,6 @@ def launch(
         FUSE_NORM=fuse,
         TWO_SHOT=two_shot,
         EACH_SLOT=EACH_SLOT,
-        WORLD_P2=next_pow2(world),
         TRAP=not is_interpreted(x.device),
         SPIN_LIMIT=SPIN_LIMIT,
         PHASES=PHASES,
