@@ -61,6 +61,10 @@ TABLE: tuple[Switch, ...] = (
         "128-byte weight lines prefetched into L2 before the PDL wait",
     ),
     Switch(
+        "ATOM_TRITON_ROUTING", False, _is_one,
+        "the Triton MoE routing kernels (`1`: on; off until measured on a GPU: the torch ops)",
+    ),
+    Switch(
         "ATOM_SKINNY_SPLIT_K", "auto", _same,
         "split-K skinny GEMM: `auto` follows PDL, `1` on, anything else off",
     ),

@@ -32,6 +32,7 @@ from atom_kernels.backends.triton import (
     norm,
     rotary,
     rotary_cache,
+    routing,
     sampling,
     sampling_filter,
     sampling_filter_split,
@@ -83,6 +84,65 @@ def fused_add_rms_norm(x, residual, weight, eps):
 @fused_add_rms_norm.register_fake
 def _(x, residual, weight, eps):
     return _new_like(x), _new_like(x)
+
+
+# --- MoE routing ------------------------------------------------------------------------------
+
+
+def _routing_like(router_logits, top_k):
+    tokens, device = router_logits.shape[0], router_logits.device
+    return (
+        torch.empty(tokens, top_k, dtype=torch.float32, device=device),
+        torch.empty(tokens, top_k, dtype=torch.int32, device=device),
+    )
+
+
+@torch.library.custom_op(
+    "atom::triton_topk_softmax",
+    mutates_args=(),
+    schema="(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)",
+)
+def topk_softmax(router_logits, top_k, renormalize):
+    return routing.topk_softmax(router_logits, top_k, renormalize)
+
+
+@topk_softmax.register_fake
+def _(router_logits, top_k, renormalize):
+    return _routing_like(router_logits, top_k)
+
+
+@torch.library.custom_op(
+    "atom::triton_topk_then_softmax",
+    mutates_args=(),
+    schema="(Tensor router_logits, int top_k) -> (Tensor, Tensor)",
+)
+def topk_then_softmax(router_logits, top_k):
+    return routing.topk_then_softmax(router_logits, top_k)
+
+
+@topk_then_softmax.register_fake
+def _(router_logits, top_k):
+    return _routing_like(router_logits, top_k)
+
+
+@torch.library.custom_op(
+    "atom::triton_grouped_topk",
+    mutates_args=(),
+    schema="(Tensor router_logits, int top_k, int num_expert_group, int topk_group, "
+    "str scoring_func, Tensor? e_score_correction_bias, bool renormalize, "
+    "float routed_scaling_factor) -> (Tensor, Tensor)",
+)
+def grouped_topk(router_logits, top_k, num_expert_group, topk_group, scoring_func,
+                 e_score_correction_bias, renormalize, routed_scaling_factor):  # fmt: skip
+    return routing.grouped_topk(
+        router_logits, top_k, num_expert_group, topk_group, scoring_func,
+        e_score_correction_bias, renormalize, routed_scaling_factor,
+    )  # fmt: skip
+
+
+@grouped_topk.register_fake
+def _(router_logits, top_k, *rest):
+    return _routing_like(router_logits, top_k)
 
 
 # --- rotary -----------------------------------------------------------------------------------
@@ -561,6 +621,9 @@ ENTRIES = {
             mla_custom_ops.mla_paged_attention_direct,
         ),
         "fused_moe": (fused_moe, moe.fused_moe),
+        "topk_softmax": (topk_softmax, routing.topk_softmax),
+        "topk_then_softmax": (topk_then_softmax, routing.topk_then_softmax),
+        "grouped_topk": (grouped_topk, routing.grouped_topk),
         "linear": (linear_op, _linear_router(linear.skinny_linear)),
         "linear_silu_and_mul": (
             linear_silu_and_mul_op,
