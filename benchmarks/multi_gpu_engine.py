@@ -142,7 +142,29 @@ def collective_kernels(prof, steps: int, cuda: bool) -> dict:
     if cuda:
         out["gpu_kernels_us_per_step"] = gpu_total / steps
         out.update(all_reduce_calls(prof, steps))
+        out["top_kernels"] = top_kernels(prof, steps)
     return out
+
+
+def top_kernels(prof, steps: int, count: int = 30) -> list[dict]:
+    """Rank 0's kernels by time a step (issue 37's table of where a step goes): the name (cut to
+    120 characters), launches a step, microseconds a step."""
+    rows = []
+    for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        time_us = getattr(event, "device_time_total", None)
+        if time_us is None:
+            time_us = event.cuda_time_total
+        rows.append(
+            dict(
+                kernel=event.key[:120],
+                calls_per_step=event.count / steps,
+                us_per_step=time_us / steps,
+            )
+        )
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:count]
 
 
 def all_reduce_calls(prof, steps: int) -> dict:
@@ -251,7 +273,12 @@ def bench_decode(
                 if bandwidth
                 else ""
             )
-            + (f", profiled collectives {row['profiled']}" if profile else ""),
+            + (
+                ", profiled collectives "
+                + str({k: v for k, v in row["profiled"].items() if k != "top_kernels"})
+                if profile
+                else ""
+            ),
             flush=True,
         )
         results.append(row)
