@@ -250,6 +250,10 @@ def test_kimi_k2_config_and_mtp_layer_load(make_checkpoint, tmp_path):
     model_bf16 = load_model(tmp_path, dtype=torch.bfloat16)
     assert model_bf16.mtp_layer().enorm.weight.dtype == torch.bfloat16
     assert model_bf16.mtp_layer().mlp.gate.e_score_correction_bias.dtype == torch.float32
+    # The router weight is held in fp32 (no cast a call) with the bf16 model's values, as HF's.
+    gate = model_bf16.mtp_layer().mlp.gate.weight
+    assert gate.dtype == torch.float32
+    assert torch.equal(gate, model.mtp_layer().mlp.gate.weight.to(torch.bfloat16).float())
 
     tokens = prompts(211, seed=6)[1]
     bind_kv_cache(model, 8, 4, torch.float32, "cpu")

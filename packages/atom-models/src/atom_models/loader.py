@@ -80,7 +80,9 @@ def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype
 
     Computed buffers (rotary caches) were built for real and only move to `device`, a buffer
     shared by several modules once (they share the moved one). A parameter
-    with a `fixed_dtype` attribute keeps that dtype (e.g. an fp32 router bias in a bf16 model).
+    with a `fixed_dtype` attribute keeps that dtype (e.g. an fp32 router bias in a bf16 model);
+    one that also has `values_dtype` gets the model's dtype there, for its loader to round the
+    checkpoint's values to (an fp32 router weight holding what the bf16 model would).
     """
     replaced: dict[int, nn.Parameter] = {}
     moved: dict[int, torch.Tensor] = {}  # a buffer shared by modules (the rotary caches): once
@@ -92,6 +94,8 @@ def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype
                 data = torch.empty(param.shape, dtype=param_dtype, device=device)
                 new = nn.Parameter(data, requires_grad=False)
                 new.__dict__.update(param.__dict__)  # weight_loader, shard_ids
+                if hasattr(param, "values_dtype"):  # held wider, valued as the model's dtype
+                    new.values_dtype = dtype
                 replaced[id(param)] = new
             setattr(module, name, new)
         for name, buf in list(module.named_buffers(recurse=False)):

@@ -108,6 +108,9 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         kind = getattr(param, "quant_kind", "weight")
+        values_dtype = getattr(param, "values_dtype", None)  # loader.materialize
+        if values_dtype is not None and loaded.is_floating_point():
+            loaded = loaded.to(values_dtype)
         if kind == "int":  # GPTQ, AWQ, compressed-tensors pack-quantized
             return load_int_linear(self, param, loaded, shard_id)
         what = "weight" if shard_id is None else f"shard {shard_id}"

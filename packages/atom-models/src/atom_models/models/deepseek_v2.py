@@ -22,7 +22,13 @@ TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
 class DeepseekV2Gate(ReplicatedLinear):
-    """Router logits in fp32, as transformers computes them."""
+    """Router logits in fp32, as transformers computes them, from a weight held in fp32 (the
+    checkpoint's values exactly; as Glm4MoeGate's)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, bias: bool = False) -> None:
+        super().__init__(hidden_size, num_experts, bias=bias)
+        self.weight.fixed_dtype = torch.float32
+        self.weight.values_dtype = None  # the model's dtype, set by loader.materialize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x.float(), self.weight.float())

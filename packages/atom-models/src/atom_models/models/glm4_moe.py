@@ -74,10 +74,14 @@ class Glm4MoeAttention(nn.Module):
 
 class Glm4MoeGate(ReplicatedLinear):
     """Router logits in fp32 (as HF computes them), and the per-expert score-correction bias
-    (kept in fp32 in every model dtype: it decides near-ties between experts)."""
+    (kept in fp32 in every model dtype: it decides near-ties between experts). The weight is
+    held in fp32 too (the checkpoint's values exactly): HF casts it on every call, a copy kernel
+    and twice the weight's bytes a MoE layer of a decode step."""
 
     def __init__(self, hidden_size: int, num_experts: int) -> None:
         super().__init__(hidden_size, num_experts, bias=False)
+        self.weight.fixed_dtype = torch.float32
+        self.weight.values_dtype = None  # the model's dtype, set by loader.materialize
         self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
         self.e_score_correction_bias.fixed_dtype = torch.float32
 
