@@ -128,6 +128,14 @@ class FusedMoE(nn.Module):
         self.total_num_experts = num_experts
         self.num_experts = divide(num_experts, ep_size, "number of experts")  # this rank's
         self.expert_start = ep_rank * self.num_experts
+        if ep_size > 1:
+            # Global expert id -> this rank's index of it, or -1 (another rank's): one gather a
+            # call instead of five elementwise kernels. Computed, not loaded: built on the CPU
+            # (the model may be built on `meta`) and moved with the model.
+            with torch.device("cpu"):
+                local = torch.arange(num_experts, dtype=torch.int32) - self.expert_start
+                local[(local < 0) | (local >= self.num_experts)] = -1
+            self.register_buffer("ep_local_ids", local, persistent=False)
         self.hidden_size = hidden_size
         self.total_intermediate_size = intermediate_size
         self.intermediate_size = divide(intermediate_size, self.tp_size, "expert intermediate size")
@@ -355,9 +363,10 @@ class FusedMoE(nn.Module):
         if self.ep_size > 1:
             # Experts of other ranks are -1 here: fused_moe skips them (no GEMM work, no weight
             # read) and the all-reduce below sums the EP group's parts.
-            local_ids = topk_ids - self.expert_start
-            owned = (local_ids >= 0) & (local_ids < self.num_experts)
-            topk_ids = torch.where(owned, local_ids, -1)
+            table = self.ep_local_ids
+            if table.device != topk_ids.device:  # a host that placed the model itself: once
+                self.ep_local_ids = table = table.to(topk_ids.device)
+            topk_ids = table[topk_ids]
         expert_weights = getattr(self.quant_method, "expert_weights", None)
         w13, w2 = expert_weights(self) if expert_weights else (self.w13_weight, self.w2_weight)
         out = atom_kernels.fused_moe(
