@@ -25,16 +25,17 @@ from atom_kernels.backends.triton import peer_all_reduce  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    ("dtype", "world", "fuse", "use_pdl", "two_shot"),
+    ("dtype", "world", "fuse", "use_pdl", "two_shot", "each_slot"),
     [
-        ("bf16", 2, True, True, False),
-        ("bf16", 4, False, True, False),
-        ("fp32", 8, True, False, False),
-        ("bf16", 4, True, True, True),
-        ("fp32", 2, False, False, True),
+        ("bf16", 2, True, True, False, False),
+        ("bf16", 4, False, True, False, False),
+        ("fp32", 8, True, False, False, False),
+        ("bf16", 4, True, True, True, False),
+        ("fp32", 2, False, False, True, False),
+        ("bf16", 4, True, True, False, True),
     ],
 )
-def test_peer_all_reduce_compiles_for_sm90(dtype, world, fuse, use_pdl, two_shot):
+def test_peer_all_reduce_compiles_for_sm90(dtype, world, fuse, use_pdl, two_shot, each_slot):
     kernel = peer_all_reduce._peer_all_reduce_kernel
     wide16 = dtype == "bf16"
     constexprs = dict(
@@ -42,6 +43,7 @@ def test_peer_all_reduce_compiles_for_sm90(dtype, world, fuse, use_pdl, two_shot
         BLOCK_N=4096,
         FUSE_NORM=fuse,
         TWO_SHOT=two_shot,
+        EACH_SLOT=each_slot,
         TRAP=True,
         SPIN_LIMIT=peer_all_reduce.SPIN_LIMIT,
         PHASES=peer_all_reduce.PHASES,

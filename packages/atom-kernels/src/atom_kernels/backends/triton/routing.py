@@ -130,8 +130,8 @@ def _grouped_topk_kernel(
         bias = tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
         choice = tl.where(valid, scores + bias, float("-inf"))
         first = tl.max(choice, 1)
-        at = tl.min(tl.where(choice == first[:, None], j, BLOCK_S), 1)
-        second = tl.max(tl.where(j == at[:, None], float("-inf"), choice), 1)
+        first_at = tl.min(tl.where(choice == first[:, None], j, BLOCK_S), 1)
+        second = tl.max(tl.where(j == first_at[:, None], float("-inf"), choice), 1)
         group_score = first + second
     else:
         choice = tl.where(valid, scores, float("-inf"))
