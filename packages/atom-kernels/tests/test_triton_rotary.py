@@ -89,3 +89,35 @@ def test_rotary_with_qk_norm(triton_backend, is_neox, dtype, case):
     assert_close(k_out, k_ref, atol=atol, rtol=rtol, name="k")
     plain_q, _ = reference.rotary_embedding(positions, q, k, cache, is_neox)
     assert (q_out.float() - plain_q.float()).abs().max() > 0.1, "the norm was not applied"
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_mla_views(triton_backend, is_neox):
+    """DeepSeek's MLA passes views, not copies: q_pe [T, H, R] of q [T, H, Dn + R] (a head
+    stride of Dn + R) and k_pe [T, 1, R] of the latent [T, L + R]; the latent's [T, L] part
+    goes to the RMSNorm the same way."""
+    device = triton_backend.device
+    g = torch.Generator().manual_seed(3)
+    tokens, heads, nope, rope, lora = 5, 3, 24, 16, 40
+    q = torch.randn(tokens, heads, nope + rope, generator=g).to(torch.bfloat16).to(device)
+    latent = torch.randn(tokens, lora + rope, generator=g).to(torch.bfloat16).to(device)
+    positions = torch.randint(0, 100, (tokens,), generator=g).to(device)
+    cache = ak.rope_cos_sin_cache(rope, 100, 10000.0).to(device)
+    q_pe, k_pe = q[:, :, nope:], latent[:, lora:].view(tokens, 1, rope)
+    rotary = triton_backend.custom_ops.rotary_embedding
+    got = rotary(positions, q_pe, k_pe, cache, is_neox)
+    copies = rotary(positions, q_pe.contiguous(), k_pe.contiguous(), cache, is_neox)
+    want = reference.rotary_embedding(
+        positions, q_pe.contiguous(), k_pe.contiguous(), cache, is_neox
+    )
+    atol, rtol = tolerances(torch.bfloat16)
+    for out, same, ref, name in zip(got, copies, want, ("q", "k"), strict=True):
+        assert_equal(out, same, name=f"{name} from views as from copies")
+        assert_close(out, ref, atol=atol, rtol=rtol, name=name)
+    weight = (torch.rand(lora, generator=g) + 0.5).to(torch.bfloat16).to(device)
+    kv_c = latent[:, :lora]
+    assert_equal(
+        triton_backend.norm.rms_norm(kv_c, weight, 1e-6),
+        triton_backend.norm.rms_norm(kv_c.contiguous(), weight, 1e-6),
+        name="normed latent",
+    )

@@ -97,8 +97,10 @@ class DeepseekV3Attention(nn.Module):
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_proj_with_mqa(hidden_states)  # [T, L + R]
         kv_c, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv_c = self.kv_a_layernorm(kv_c.contiguous())  # [T, L]
-        q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(), k_pe.contiguous())
+        # Strided views straight into the norm and the rotary kernels (both take row strides):
+        # no copy kernels a layer.
+        kv_c = self.kv_a_layernorm(kv_c)  # [T, L]
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
         q_pe = q_pe.view(num_tokens, self.num_heads, -1)  # [T, H, R]
         out = self.attn(q_nope, q_pe, kv_c, k_pe)  # [T, H * Dv]
         return self.o_proj(out)
