@@ -113,3 +113,29 @@ def test_no_tokens_and_the_registry(triton_backend, monkeypatch):
         )
     finally:
         registry._reset_for_tests()
+
+
+def test_nan_and_infinite_logits_give_distinct_real_experts(triton_backend):
+    """A NaN logit (every probability NaN after the softmax), a row of -inf, more picks than
+    finite logits, an expert count that is not a power of two: the ids stay distinct experts
+    of the row (an id past the last expert would index out of the experts, or into the padded
+    lanes), and the rows without them route as the reference."""
+    from atom_kernels.backends.triton import routing
+
+    device = triton_backend.device
+    logits = _logits(4, 6, torch.float32, seed=5)
+    logits[1, 2] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 1:] = float("-inf")  # one finite logit, three picks
+    for _weights, ids in (
+        routing.topk_softmax(logits.to(device), 3, True),
+        routing.topk_then_softmax(logits.to(device), 3),
+        routing.grouped_topk(logits.to(device), 3, 2, 2, "sigmoid", None, True, 1.0),
+    ):
+        for row in ids.cpu().tolist():
+            assert len(set(row)) == 3 and all(0 <= e < 6 for e in row), ids
+        assert ids[3, 0] == 0  # the only finite logit first
+    _check(
+        routing.topk_softmax(logits[:1].to(device), 3, True),
+        reference.topk_softmax(logits[:1], 3, True),
+    )

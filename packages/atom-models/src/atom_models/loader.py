@@ -164,6 +164,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
                 p.fill_(0.02)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+                if getattr(p, "values_dtype", None) is not None:  # an fp32 router weight
+                    p.copy_(p.to(p.values_dtype))  # valued as the model's dtype, as if loaded
     process_weights_after_loading(model)
 
 

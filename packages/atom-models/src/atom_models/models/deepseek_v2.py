@@ -23,7 +23,7 @@ TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 class DeepseekV2Gate(ReplicatedLinear):
     """Router logits in fp32, as transformers computes them, from a weight held in fp32 (the
-    checkpoint's values exactly; as Glm4MoeGate's)."""
+    checkpoint's values rounded to the model dtype; as Glm4MoeGate's)."""
 
     def __init__(self, hidden_size: int, num_experts: int, bias: bool = False) -> None:
         super().__init__(hidden_size, num_experts, bias=bias)

@@ -75,8 +75,8 @@ class Glm4MoeAttention(nn.Module):
 class Glm4MoeGate(ReplicatedLinear):
     """Router logits in fp32 (as HF computes them), and the per-expert score-correction bias
     (kept in fp32 in every model dtype: it decides near-ties between experts). The weight is
-    held in fp32 too (the checkpoint's values exactly): HF casts it on every call, a copy kernel
-    and twice the weight's bytes a MoE layer of a decode step."""
+    held in fp32 too (the checkpoint's values rounded to the model dtype, as HF holds them): HF
+    casts it on every call, a copy kernel and twice the weight's bytes a MoE layer of a step."""
 
     def __init__(self, hidden_size: int, num_experts: int) -> None:
         super().__init__(hidden_size, num_experts, bias=False)

@@ -5,7 +5,9 @@ launch of a few microseconds, 94 times a Qwen3-235B step.
 
 One program a token. Its E logits sit in registers (E <= MAX_EXPERTS); the top-k is k rounds of
 "the largest, the lowest index among equal ones, then mask it out", so the ids come largest
-first, as `torch.topk` gives them. Scores are computed in fp32 as the reference does.
+first, as `torch.topk` gives them (among equal values torch's order is open: a tie at the k-th
+place may pick another expert of the same weight). Scores are computed in fp32 as the reference
+does.
 
 - `topk_softmax`: softmax over the E logits, the k largest, optionally renormalized (Qwen3-MoE,
   Mixtral).
@@ -35,18 +37,21 @@ ENABLED = envs.ATOM_TRITON_ROUTING
 
 
 @triton.jit
-def _top_k(values, index, K: tl.constexpr, K_P2: tl.constexpr, BIG: tl.constexpr):
-    """The K largest of `values` ([N], -inf where not a candidate) and their `index` ([N]),
-    largest first, the lowest index first among equal values: ([K_P2], [K_P2])."""
+def _top_k(values, index, avail, K: tl.constexpr, K_P2: tl.constexpr, BIG: tl.constexpr):
+    """The K largest of `values` ([N]) among the `avail` lanes and their `index` ([N]), largest
+    first; among equal values the lowest index first (torch.topk leaves that order open). NaN
+    ranks above everything (as torch orders it), so the ids are always available lanes, each
+    once (K <= the available lanes: the public ops check it)."""
+    values = tl.where(values != values, float("inf"), values)
     ks = tl.arange(0, K_P2)
     top = tl.full([K_P2], float("-inf"), tl.float32)
     ids = tl.zeros([K_P2], tl.int32)
     for k in tl.static_range(K):
-        best = tl.max(values, 0)
-        at = tl.min(tl.where(values == best, index, BIG), 0)
+        best = tl.max(tl.where(avail, values, float("-inf")), 0)
+        at = tl.min(tl.where(avail & (values == best), index, BIG), 0)
         top = tl.where(ks == k, best, top)
         ids = tl.where(ks == k, at, ids)
-        values = tl.where(index == at, float("-inf"), values)
+        avail = avail & (index != at)
     return top, ids
 
 
@@ -81,11 +86,11 @@ def _topk_softmax_kernel(
     if SOFTMAX_FIRST:
         p = tl.exp(x - tl.max(x, 0))
         p = p / tl.sum(p, 0)
-        top, ids = _top_k(tl.where(valid, p, float("-inf")), e, K, K_P2, BLOCK_E)
+        top, ids = _top_k(p, e, valid, K, K_P2, BLOCK_E)
         if RENORMALIZE:
             top = top / tl.sum(tl.where(ks < K, top, 0.0), 0)
     else:
-        top, ids = _top_k(x, e, K, K_P2, BLOCK_E)
+        top, ids = _top_k(x, e, valid, K, K_P2, BLOCK_E)
         p = tl.where(ks < K, tl.exp(top - tl.max(top, 0)), 0.0)
         top = p / tl.sum(p, 0)
     _store(weights_ptr, ids_ptr, row, top, ids, K, K_P2)
@@ -143,9 +148,9 @@ def _grouped_topk_kernel(
         at = tl.min(tl.where(group_score == best, groups, BLOCK_G), 0)
         chosen = chosen | (groups == at)
         group_score = tl.where(groups == at, float("-inf"), group_score)
-    candidates = tl.reshape(tl.where(chosen[:, None] & valid, choice, float("-inf")), [FLAT])
+    candidates = tl.reshape(choice, [FLAT])
     experts = tl.reshape(e, [FLAT])
-    _, ids = _top_k(candidates, experts, K, K_P2, FLAT)
+    _, ids = _top_k(candidates, experts, tl.reshape(chosen[:, None] & valid, [FLAT]), K, K_P2, FLAT)
     # The weights are the uncorrected scores of the chosen experts.
     scores = tl.reshape(scores, [FLAT])
     ks = tl.arange(0, K_P2)
