@@ -11,9 +11,10 @@ what it measured):
 
 - ``gemm``: block-FP8 GEMM (``fp8_block_linear``: per-token-group activation quant + the w8a8
   Triton GEMM, 128 x 128 weight blocks; and the GEMM alone on pre-quantized activations) at the
-  DeepSeek-V3 projection shapes, M = 1, 16, 4096 tokens, against ``torch._scaled_mm`` per-tensor
-  FP8 (activations already FP8: the GEMM alone), ATOM's ``fp8_linear`` (per-token quant +
-  row-wise ``_scaled_mm``) and bf16 cuBLAS (``F.linear``) on the same shapes.
+  DeepSeek-V3 projection shapes, M = 1, 4, 16, 4096 tokens, against ``torch._scaled_mm``
+  per-tensor FP8 (activations already FP8: the GEMM alone), ATOM's ``fp8_linear`` (per-token
+  quant + row-wise ``_scaled_mm``) and bf16 cuBLAS (``F.linear``) on the same shapes; at M <= 8
+  also ``fp8_block_skinny``, the weight-only one-kernel GEMM ``ATOM_FP8_SKINNY=1`` routes to.
 - ``group_quant``: ``per_token_group_quant_fp8`` (group 128) alone, against the torch reference.
 - ``mla``: ``mla_paged_attention`` decode over the latent cache (L 512 + R 64, page 16), 128 heads
   (one rank) and 16 (TP 8), batch 1 / 32 / 128, context 1K / 4K, bf16 and fp8 cache.
@@ -84,7 +85,7 @@ GEMM_SHAPES = {  # DeepSeek-V3 projections, name: (N, K)
     "shared_gate_up": (4096, 7168),
     "shared_down": (7168, 2048),
 }
-GEMM_ROWS = (1, 16, 4096)
+GEMM_ROWS = (1, 4, 16, 4096)
 TILE_ROWS = (1, 16, 4096)  # gemm_tiles: the M each shape's candidates are swept at
 
 
@@ -400,7 +401,7 @@ def _gemm_cases(torch, x, w_bf16, w_fp8, w_block_s, w_chan_s) -> dict:
     """impl: (callable, the matmul rate it meets) for one x [M, K] and one weight [N, K]."""
     import torch.nn.functional as F
 
-    from atom_kernels.backends.triton import quant
+    from atom_kernels.backends.triton import fp8_skinny, quant
 
     x_q, x_s = quant.per_token_group_quant_fp8(x, BLOCK[1])
     x_t = x.to(torch.float8_e4m3fn)  # per-tensor, scale 1: the GEMM alone
@@ -408,7 +409,12 @@ def _gemm_cases(torch, x, w_bf16, w_fp8, w_block_s, w_chan_s) -> dict:
     one = torch.ones((), device=DEVICE)
     block_k = quant.block_k_for(BLOCK[1], DEVICE == "cpu")  # interpreted: 32
     bf16 = torch.bfloat16
+    skinny = {  # the weight-only kernel for a few rows (ATOM_FP8_SKINNY's), called directly
+        "fp8_block_skinny": (
+            lambda: fp8_skinny.fp8_block_skinny_linear(x, w_fp8, w_block_s, BLOCK, None), "fp8"),
+    } if x.shape[0] <= fp8_skinny.MAX_ROWS else {}  # fmt: skip
     return {
+        **skinny,
         "fp8_block_linear": (
             lambda: quant.fp8_block_linear(x, w_fp8, w_block_s, BLOCK, None), "fp8"),
         "fp8_block_gemm": (

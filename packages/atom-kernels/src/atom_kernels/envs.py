@@ -61,6 +61,10 @@ TABLE: tuple[Switch, ...] = (
         "128-byte weight lines prefetched into L2 before the PDL wait",
     ),
     Switch(
+        "ATOM_FP8_SKINNY", False, _is_one,
+        "weight-only block-FP8 GEMM at 1-8 rows (`1`: on; off until timed on a GPU: the w8a8 path)",
+    ),
+    Switch(
         "ATOM_TRITON_ROUTING", False, _is_one,
         "the Triton MoE routing kernels (`1`: on; off until measured on a GPU: the torch ops)",
     ),

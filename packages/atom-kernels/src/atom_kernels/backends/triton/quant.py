@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from atom_kernels.backends.torch import quant as reference
+from atom_kernels.backends.triton import fp8_skinny
 from atom_kernels.backends.triton.common import (
     as_rows,
     is_interpreted,
@@ -514,6 +515,8 @@ def fp8_block_linear(
     block_k = block_k_for(block[1], is_interpreted(x.device))
     if block_k is None or k == 0:
         return reference.fp8_block_linear(x, weight, scale, block, bias)
+    if fp8_skinny.takes(x, weight, block):  # opt-in: one weight-only kernel at 1-8 rows
+        return fp8_skinny.fp8_block_skinny_linear(x, weight, scale, block, bias)
     x2 = as_rows(x)
     x_q, x_s = per_token_group_quant_fp8(x2, block[1])
     out = w8a8_gemm(x_q, x_s, weight, scale, block[0], block[1], block_k, bias, x.dtype)
