@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-CALLS = 20
+sys.path.insert(0, str(Path(__file__).parent))
+from allreduce import CALLS, _graph, _time_us  # noqa: E402  (graphs of CALLS calls, timed)
+
 TOKENS = (1, 8, 64, 512)
 # name: (experts, op, op arguments after (logits, top_k), top_k)
 ROUTERS = {
@@ -59,37 +61,11 @@ def _check(torch_fn, triton_fn) -> str | None:
     return None if diff <= 1e-5 else f"weights differ by {diff:.2e}"
 
 
-def _graph(fn) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile and warm outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    return graph
-
-
-def _time_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * CALLS)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--smoke", action="store_true", help="CPU: check the kernels only")
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).parent))
     from atom_kernels.backends.triton import routing
 
     routing.ENABLED = True  # the kernels, whatever ATOM_TRITON_ROUTING says

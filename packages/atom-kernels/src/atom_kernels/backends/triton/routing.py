@@ -163,9 +163,13 @@ def _grouped_topk_kernel(
     _store(weights_ptr, ids_ptr, row, weights * scaling, ids, K, K_P2)
 
 
-def _outputs(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _outputs(router_logits: torch.Tensor, top_k: int):
+    """(logits with unit column stride, weights [T, K] fp32, ids [T, K] int32), both empty."""
     tokens, device = router_logits.shape[0], router_logits.device
+    if router_logits.stride(1) != 1:
+        router_logits = router_logits.contiguous()
     return (
+        router_logits,
         torch.empty(tokens, top_k, dtype=torch.float32, device=device),
         torch.empty(tokens, top_k, dtype=torch.int32, device=device),
     )
@@ -180,12 +184,10 @@ def _softmax_launch(router_logits, top_k: int, softmax_first: bool, renormalize:
         if softmax_first:
             return reference.topk_softmax(router_logits, top_k, renormalize)
         return reference.topk_then_softmax(router_logits, top_k)
-    weights, ids = _outputs(router_logits, top_k)
+    router_logits, weights, ids = _outputs(router_logits, top_k)
     tokens, num_experts = router_logits.shape
     if tokens == 0:
         return weights, ids
-    if router_logits.stride(1) != 1:
-        router_logits = router_logits.contiguous()
     block = next_pow2(num_experts)
     use_pdl = pdl.enabled(router_logits.device)
     _topk_softmax_kernel[(tokens,)](
@@ -240,12 +242,10 @@ def grouped_topk(
             router_logits, top_k, num_expert_group, topk_group, scoring_func,
             e_score_correction_bias, renormalize, routed_scaling_factor,
         )  # fmt: skip
-    weights, ids = _outputs(router_logits, top_k)
+    router_logits, weights, ids = _outputs(router_logits, top_k)
     tokens, num_experts = router_logits.shape
     if tokens == 0:
         return weights, ids
-    if router_logits.stride(1) != 1:
-        router_logits = router_logits.contiguous()
     group_size = num_experts // num_expert_group
     bias = e_score_correction_bias
     if bias is not None and bias.stride(0) != 1:
