@@ -111,6 +111,13 @@ def routed_experts(config) -> int:
     return 0
 
 
+def _device_us(event) -> float:
+    """A profiler event's total device time in microseconds (`cuda_time_total` before torch
+    renamed it)."""
+    time_us = getattr(event, "device_time_total", None)
+    return event.cuda_time_total if time_us is None else time_us
+
+
 def collective_kernels(prof, steps: int, cuda: bool) -> dict:
     """Microseconds per step of each collective in a torch.profiler trace of `steps` steps: on a
     GPU its NCCL kernels' time (and all kernels' time), on the CPU gloo's ops' time."""
@@ -126,9 +133,7 @@ def collective_kernels(prof, steps: int, cuda: bool) -> dict:
         if cuda:  # kernels only: a CPU op's device time repeats its kernels'
             if event.device_type != torch.autograd.DeviceType.CUDA:
                 continue
-            time_us = getattr(event, "device_time_total", None)
-            if time_us is None:  # torch before the rename
-                time_us = event.cuda_time_total
+            time_us = _device_us(event)
             gpu_total += time_us
             if "nccl" not in name and "peer_all_reduce" not in name:
                 continue
@@ -153,9 +158,7 @@ def top_kernels(prof, steps: int, count: int = 30) -> list[dict]:
     for event in prof.key_averages():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        time_us = getattr(event, "device_time_total", None)
-        if time_us is None:
-            time_us = event.cuda_time_total
+        time_us = _device_us(event)
         rows.append(
             dict(
                 kernel=event.key[:120],
