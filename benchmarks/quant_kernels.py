@@ -149,6 +149,16 @@ def _wna16_tile(bn, warps, stages, split=None, bm=16, bk=128) -> dict:
 # (BLOCK_N, warps, stages) of the one-row loop without a subtraction a weight (SMALL_MAGIC),
 # timed in ``int`` beside the default and swept in ``int_tiles``.
 SMALL_MAGIC_TILES = ((256, 4, 1), (256, 4, 2), (128, 2, 1), (128, 2, 2), (128, 4, 1))
+# (BLOCK_N, warps, stages, programs an SM) of the packed-unpack dots (PACKED_DOT,
+# int_quant_packed_dot; BLOCK_K 128), timed in ``int`` at every decode M beside the other loops.
+PACKED_DOT_TILES = (
+    (128, 4, 4, 2),
+    (128, 4, 4, 4),
+    (128, 4, 2, 2),
+    (256, 8, 3, 2),
+    (256, 8, 3, 4),
+    (64, 4, 4, 2),
+)
 # int_quant_small_magic's variants (SMALL_MAGIC_VARIANTS), timed in ``int`` at M = 1 beside the
 # default launch (BLOCK_N 256, 4 warps, 1 stage).
 SMALL_MAGIC_VARIANTS = (
@@ -741,6 +751,10 @@ def _w4a16_variants(rows: int) -> list:
         return [("w4a16_g128", None)]
     out = [("w4a16_g128 interleaved", {"PERMUTED_K": False}),
            ("w4a16_g128 permuted", {"PERMUTED_K": True, "BLOCK_K": 128})]  # fmt: skip
+    for block_n, warps, stages, per_sm in PACKED_DOT_TILES:
+        config = dict(_wna16_tile(block_n, warps, stages), per_sm=per_sm, PERMUTED_K=True,
+                      PACKED_DOT=True)  # fmt: skip
+        out.append((f"w4a16_g128 packed-dot {block_n} w{warps} s{stages} p{per_sm}", config))
     if rows == 1:
         fma = {"PERMUTED_K": True, "BLOCK_M": 1, "BLOCK_K": 128, "num_stages": 1}
         out.append(("w4a16_g128 permuted fma", dict(fma, SMALL_MAGIC=False, X_VECTOR=False)))

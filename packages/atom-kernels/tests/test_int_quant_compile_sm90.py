@@ -72,7 +72,8 @@ def _wna16(cfg: dict, bits: int, zeros: bool, g_idx: bool, dtype: str = "bf16", 
         BITS=bits, HAS_ZEROS=zeros, HAS_G_IDX=g_idx, SCALE_PER_TILE=per_tile,
         SCALE_LATER=per_tile and 1 < cfg["BLOCK_M"] <= int_quant.SKINNY_MAX_ROWS,
         HAS_BIAS=True, ONE_ROW=one_row, PERMUTED_K=cfg.get("PERMUTED_K", False),
-        SMALL_MAGIC=cfg.get("SMALL_MAGIC", False),
+        SMALL_MAGIC=cfg.get("SMALL_MAGIC", False), PACKED_DOT=cfg.get("PACKED_DOT", False),
+        ASM=cfg.get("PACKED_DOT", False),
         **{key: cfg.get(key, False) for key in int_quant.SMALL_MAGIC_VARIANTS},
         IEEE=dtype == "fp32", EVEN_K=True,
         SPLIT_K=cfg["SPLIT_K"] if split else 1, GROUP_M=cfg.get("GROUP_M", 1),
@@ -310,3 +311,32 @@ def test_small_magic_variants_sass(variant, most, most_registers):
         narrow = sum(1 for ins in body if re.match(r"(@\S+\s+)?LDG\.E\.U16\b", ins))
         barriers = sum(1 for ins in body if ins.startswith("BAR"))
         assert wide == 8 and narrow <= 2 and barriers <= 2, (wide, narrow, barriers)
+
+
+# (BLOCK_N, warps, stages) of the packed-unpack dots (PACKED_DOT, 16-row dots, BLOCK_K 128):
+# wna16_config's default and benchmarks/quant_kernels.py's PACKED_DOT_TILES.
+PACKED_DOT_SASS = [((128, 4, 4), 3.25), ((256, 8, 3), 3.0), ((64, 4, 4), 4.4)]
+
+
+@pytest.mark.parametrize(("tile", "most"), PACKED_DOT_SASS, ids=str)
+@pytest.mark.parametrize(("dtype", "zeros"), [("bf16", False), ("bf16", True), ("fp16", True)])
+def test_packed_dot_main_loop_sass(tile, most, dtype, zeros):
+    """The packed unpack compiles to what int_quant_packed_dot counts: per pair of words 4 byte
+    permutes, 4 shifts, 8 AND-ORs and 8 packed FMAs (HFMA2 / HADD2), no fp32 unpack, the words
+    streamed through cp.async into the MMA operand's layout (no register spills). Counts (Triton
+    3.9's ptxas, BLOCK_N 128, 4 warps): 3.07 a weight, of them 1.5 the unpack; most of the rest is
+    x's 8 [16, BLOCK_K / 8] tiles a K tile through shared memory (a barrier pair each)."""
+    block_n, warps, stages = tile
+    cfg = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=stages,
+               SPLIT_K=4, PERMUTED_K=True, PACKED_DOT=True)  # fmt: skip
+    kernel = _wna16(cfg, 4, zeros, False, dtype)
+    ptx = kernel.asm["ptx"]
+    assert "ld.local" not in ptx and "cp.async" in ptx and "prmt.b32" in ptx
+    assert ("fma.rn.bf16x2" if dtype == "bf16" else "fma.rn.f16x2") in ptx
+    assert kernel.metadata.shared <= H100_SHARED_BYTES
+    body = _main_loop_sass(kernel)
+    weights = block_n * 128 / (32 * warps)  # a thread's, a K tile
+    packed = sum(1 for ins in body if re.match(r"(@\S+\s+)?(HFMA2|HADD2)\b", ins))
+    assert 0.5 <= packed / weights < 0.6, (packed, weights)  # HFMA2.MMA moves too
+    assert not any(re.match(r"(@\S+\s+)?(I2F|F2F)", ins) for ins in body)
+    assert len(body) / weights < most, (len(body), weights)

@@ -142,8 +142,11 @@ def test_w4a16_variants(bench):
     assert one["w4a16_g128 interleaved"] == {"PERMUTED_K": False}
     assert one["w4a16_g128 permuted"] == {"PERMUTED_K": True, "BLOCK_K": 128}
     assert one["w4a16_g128 permuted fma"]["BLOCK_M"] == 1
+    packed = [f"w4a16_g128 packed-dot {n} w{w} s{s} p{p}" for n, w, s, p in bench.PACKED_DOT_TILES]
     assert [impl for impl, _ in bench._w4a16_variants(16)] == [
-        "w4a16_g128 interleaved", "w4a16_g128 permuted"]  # fmt: skip
+        "w4a16_g128 interleaved", "w4a16_g128 permuted", *packed]  # fmt: skip
+    for _, config in bench._w4a16_variants(16)[2:]:  # named explicitly, BLOCK_K 128
+        assert config["PACKED_DOT"] and config["BLOCK_M"] == 16 and config["BLOCK_K"] == 128
     assert bench._w4a16_variants(256) == [("w4a16_g128", None)]
 
 
@@ -171,11 +174,14 @@ def test_int_groups_smoke_on_the_interpreter(tmp_path, bench):
         + "+".join(k.lower().replace("_", "-") for k in variant)
         for variant in bench.SMALL_MAGIC_VARIANTS
     }
+    packed = {f"w4a16_g128 packed-dot {n} w{w} s{s} p{p}" for n, w, s, p in bench.PACKED_DOT_TILES}
     assert impls == {
         "bf16_linear", "w4a16_g128 interleaved", "w4a16_g128 permuted",
-        "w4a16_g128 permuted fma", "w8a8_linear", "w8a8_gemm", *small_magic,
+        "w4a16_g128 permuted fma", "w8a8_linear", "w8a8_gemm", *small_magic, *packed,
     }  # fmt: skip
     w4a16 = [r for r in rows if r["group"] == "int" and "w4a16" in r["impl"]]
     assert all(r["of_copy_bandwidth"] > 0 for r in w4a16), w4a16
-    exact = [r for r in rows if "w8a8" in r["impl"] or " M=1 " in r["shape"]]
+    # (the interpreter outside the tests' conftest multiplies bf16 dot operands as raw bits)
+    exact = [r for r in rows if "w8a8" in r["impl"]
+             or (" M=1 " in r["shape"] and "packed-dot" not in r["impl"])]  # fmt: skip
     assert exact and not [r for r in exact if r.get("bad")], exact

@@ -242,6 +242,76 @@ def test_wna16_linear_small_magic_refuses_other_launches(triton_backend, iq):
         iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(SMALL_MAGIC=False, X_VECTOR=True))
 
 
+# (rows, groups of K = 512, launch) of the packed-unpack dots (PACKED_DOT): one row, a few, 16;
+# group 128 and channel-wise; split K or not; 2 stages (a GPU's pipelining; the interpreter runs 1).
+PACKED_DOT_CASES = [
+    (1, 4, dict(BLOCK_K=128, SPLIT_K=3)), (3, 1, dict(BLOCK_K=128, SPLIT_K=1, num_stages=2)),
+    (16, 4, dict(BLOCK_K=128, SPLIT_K=2)), (1, 1, dict(BLOCK_K=256, SPLIT_K=2)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("rows", "groups", "launch"), PACKED_DOT_CASES)
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wna16_linear_packed_dot(triton_backend, iq, rows, groups, launch, zeros, dtype):
+    """The 16-row dots of q - zero from the packed unpack (PACKED_DOT; the interpreter takes its
+    shift-and-mask form, the same values) against the reference, and against the permuted dots
+    of the fp32 unpack (the same exact q - zero, the same sums: a rounding of the output apart)."""
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(40, 512, 4, groups, zeros, False, seed=80 + rows, device=device,
+                               dtype=dtype)  # fmt: skip
+    x = torch.randn(rows, 512, generator=_gen(81)).to(dtype).to(device)
+    bias = torch.randn(40, generator=_gen(82)).to(dtype).to(device)
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, bias)
+    config = dict(launch, BLOCK_M=16, BLOCK_N=16, PERMUTED_K=True, PACKED_DOT=True)
+    out = iq.wna16_linear(x, qw, s, z, g, 4, bias, config=config)
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(out, expected, atol=atol, rtol=rtol, name=f"wna16_linear {config} {dtype}")
+    permuted = iq.wna16_linear(x, qw, s, z, g, 4, bias, config=dict(config, PACKED_DOT=False))
+    assert_close(out.float(), permuted.float(), atol=atol / 4, rtol=rtol / 4, name="vs permuted")
+
+
+def test_wna16_linear_packed_dot_refuses_what_it_cannot_take(triton_backend, iq):
+    """PACKED_DOT asked for where it does not fit is a ValueError naming why; the default's
+    (ATOM_WNA16_PACKED_DOT, a GPU's) is dropped instead."""
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(16, 256, 4, 4, False, False, seed=83, device=device)
+    x = torch.randn(1, 256, generator=_gen(84)).to(device)
+    packed = dict(PACKED_DOT=True, BLOCK_M=16, BLOCK_K=64)
+    with pytest.raises(ValueError, match="bf16 / fp16 x"):  # fp32 x
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=packed)
+    xb = x.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="BLOCK_M 16"):
+        iq.wna16_linear(xb, qw, s, z, g, 4, None, config=dict(packed, BLOCK_M=1))
+    with pytest.raises(ValueError, match="dividing the group size"):  # group 64, BLOCK_K 128
+        iq.wna16_linear(xb, qw, s, z, g, 4, None, config=dict(packed, BLOCK_K=128))
+    with pytest.raises(ValueError, match="BLOCK_K >= 128"):  # dots 8 words deep
+        iq.wna16_linear(xb, qw, s, z, g, 4, None, config=packed)
+    packed["BLOCK_K"] = 128
+    gi = torch.zeros(256, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="no g_idx"):
+        iq.wna16_linear(xb, qw, s, z, gi, 4, None, config=packed)
+    qw8, s8, _, _ = wna16_weight(16, 256, 8, 2, False, False, seed=83, device=device)
+    with pytest.raises(ValueError, match="4-bit"):
+        iq.wna16_linear(xb, qw8, s8, None, None, 8, None, config=packed)
+
+
+def test_wna16_config_packed_dot_default():
+    """On a GPU the default takes the packed dots at 1..PACKED_DOT_MAX_ROWS rows where it fits
+    (4-bit, contiguous groups of a multiple of 128), the other loops elsewhere."""
+    from atom_kernels.backends.triton import int_quant
+
+    for rows in (1, 4, 16):
+        cfg = int_quant.wna16_config(rows, 6144, 4096, 128, True, 132, packed_dot=True)
+        assert cfg["PACKED_DOT"] and cfg["BLOCK_M"] == 16 and 128 % cfg["BLOCK_K"] == 0, cfg
+    for args, kw in [((1, 6144, 4096, 32, True, 132), {}), ((1, 6144, 4096, 128, False, 132), {}),
+                     ((1, 6144, 4096, 128, True, 132), dict(bits=8)),
+                     ((17, 6144, 4096, 128, True, 132), {}),
+                     ((1, 6144, 4096, 128, True, 132), dict(interpreted=True))]:  # fmt: skip
+        assert not int_quant.wna16_config(*args, packed_dot=True, **kw).get("PACKED_DOT"), args
+    assert not int_quant.wna16_config(1, 6144, 4096, 128, True, 132).get("PACKED_DOT")
+
+
 def test_wna16_linear_split_k_is_deterministic(triton_backend, iq):
     device = triton_backend.device
     qw, s, z, g = wna16_weight(16, 512, 4, 4, False, False, seed=8, device=device)
@@ -470,6 +540,38 @@ def test_wna16_linear_gpu_small_magic(triton_backend, iq, config, group, zeros, 
     assert_close(out, expected, atol=3e-2, rtol=2e-2, name=f"wna16_linear {config}")
     permuted = iq.wna16_linear(x, qw, s, z, g, 4, None, config=plain)
     assert_close(out.float(), permuted.float(), atol=1e-2, rtol=1e-2, name="vs permuted")
+
+
+# (tile (BLOCK_N, warps, stages), dtype, group (0: channel-wise), zeros) of the packed dots' GPU
+# test: the default tile in every form, the benchmark's other tiles in the default's.
+PACKED_DOT_GPU = [
+    ((128, 4, 4), torch.bfloat16, 128, False), ((128, 4, 4), torch.bfloat16, 128, True),
+    ((128, 4, 4), torch.float16, 128, True), ((128, 4, 4), torch.bfloat16, 0, False),
+    ((256, 8, 3), torch.bfloat16, 128, False), ((64, 4, 4), torch.bfloat16, 128, False),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("tile", "dtype", "group", "zeros"), PACKED_DOT_GPU, ids=str)
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize(("n", "k"), LLAMA3_8B)
+def test_wna16_linear_gpu_packed_dot(triton_backend, iq, tile, dtype, group, zeros, rows, n, k):
+    """The packed unpack's PTX (PACKED_DOT, ASM) at the Llama-3-8B sizes, channel-wise too (group
+    0: K): against the reference, and against the fp32-unpack permuted dots (the same exact
+    q - zero in the same dots: a rounding of the output apart)."""
+    group = group or k
+    qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=85, device="cuda",
+                               dtype=dtype)  # fmt: skip
+    x = torch.randn(rows, k, generator=_gen(86)).to(dtype).cuda()
+    block_n, warps, stages = tile
+    config = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=stages,
+                  PERMUTED_K=True, SPLIT_K=None, PACKED_DOT=True)  # fmt: skip
+    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(out, expected, atol=atol, rtol=rtol, name=f"packed dot {config}")
+    permuted = iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(config, PACKED_DOT=False))
+    assert_close(out.float(), permuted.float(), atol=atol / 4, rtol=rtol / 4, name="vs permuted")
 
 
 @pytest.mark.gpu

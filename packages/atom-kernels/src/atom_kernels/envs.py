@@ -65,6 +65,11 @@ TABLE: tuple[Switch, ...] = (
         "weight-only block-FP8 GEMM at 1-8 rows (`1`: on; off until timed on a GPU: the w8a8 path)",
     ),
     Switch(
+        "ATOM_WNA16_PACKED_DOT", True, _not_zero,
+        "W4A16 decode (1-16 rows, 16-bit x) on tensor cores with the packed bf16x2 / f16x2 unpack "
+        "(`0`: off: the one-row multiply-adds and the fp32-unpack dots)",
+    ),
+    Switch(
         "ATOM_TRITON_ROUTING", False, _is_one,
         "the Triton MoE routing kernels (`1`: on; off until measured on a GPU: the torch ops)",
     ),

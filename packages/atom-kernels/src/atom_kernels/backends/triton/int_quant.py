@@ -36,13 +36,20 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import envs
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
+from atom_kernels.backends.triton.int_quant_packed_dot import _packed_dot_k_loop
 from atom_kernels.backends.triton.int_quant_small_magic import (
     SMALL_MAGIC_VARIANTS,
     _small_magic_k_loop,
 )
 
 SKINNY_MAX_ROWS = 16
+# The packed-unpack dots (int_quant_packed_dot) up to this many rows (wna16_config says why);
+# ATOM_WNA16_PACKED_DOT=0 turns them off. Read at import (tests and benchmarks patch it).
+PACKED_DOT_ENABLED = envs.ATOM_WNA16_PACKED_DOT
+PACKED_DOT_MAX_ROWS = 16
+PACKED_DOT_DTYPES = (torch.bfloat16, torch.float16)
 # The most rows the permuted K loop takes by default (wna16_config says why).
 PERMUTED_MAX_ROWS = 4
 # The shallowest K of a tl.dot on a GPU (the interpreter takes any).
@@ -324,6 +331,8 @@ def _wna16_kernel(
     X_VECTOR: tl.constexpr = False,  # SMALL_MAGIC's variants (int_quant_small_magic)
     X_SPLIT: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    PACKED_DOT: tl.constexpr = False,  # 4-bit, 16-bit x, dots: _packed_dot_k_loop
+    ASM: tl.constexpr = False,  # PACKED_DOT's unpack in PTX (NVIDIA), else shifts and masks
 ):
     pid_m, pid_n = _tile_ids(M, N, GROUP_M, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -334,7 +343,13 @@ def _wna16_kernel(
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     k_lo = tl.program_id(1) * k_tiles_per_split * BLOCK_K
     k_hi = tl.minimum(K, k_lo + k_tiles_per_split * BLOCK_K)
-    if SMALL_MAGIC:
+    if PACKED_DOT:
+        acc = _packed_dot_k_loop(
+            x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, m_mask, k_lo, k_hi, K, group_size,
+            stride_xm, stride_qn, stride_sn, stride_zn, HAS_ZEROS, EVEN_K, ASM, BLOCK_M,
+            BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    elif SMALL_MAGIC:
         acc = _small_magic_k_loop(
             x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, m_mask, k_lo, k_hi, K, group_size,
             stride_xm, stride_qn, stride_sn, stride_zn, HAS_ZEROS, SCALE_PER_TILE, EVEN_K,
@@ -379,7 +394,8 @@ def _block_k(group_size: int, per_tile: bool, cap: int) -> int:
 
 
 def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool, sms: int,
-                 interpreted: bool = False, bits: int = 4) -> dict:  # fmt: skip
+                 interpreted: bool = False, bits: int = 4,
+                 packed_dot: bool = False) -> dict:  # fmt: skip
     """The launch of ``_wna16_kernel`` for an [num_rows, k] x [n, k]^T GEMM (``per_tile``: the
     groups are contiguous, no g_idx); ``PERMUTED_K``: the K loop without interleave.
 
@@ -409,7 +425,13 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     bf16 ``linear`` 14.45 / 10.39 / 56.54 / 32.09."""
     per_int = 32 // bits
     permuted = num_rows <= PERMUTED_MAX_ROWS and per_tile and group_size % per_int == 0
-    if interpreted:
+    packed_dot = (packed_dot and bits == 4 and per_tile and num_rows <= PACKED_DOT_MAX_ROWS
+                  and group_size % 128 == 0 and not interpreted)  # fmt: skip
+    if packed_dot:
+        cfg = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4, GROUP_M=1,
+                   per_sm=2, PACKED_DOT=True)  # fmt: skip
+        permuted = True
+    elif interpreted:
         cfg = dict(BLOCK_M=1 if num_rows == 1 else 16, BLOCK_N=16, BLOCK_K=32, num_warps=4,
                    num_stages=1, GROUP_M=1, per_sm=2)  # fmt: skip
     elif num_rows == 1 and permuted:
@@ -442,6 +464,32 @@ def _launch_split(device, tiles: int, k: int, cfg: dict):
     return splits, per_split, counters
 
 
+def _packed_dot_for(cfg: dict, override: dict, dtype: torch.dtype, bits: int, per_tile: bool,
+                    group_size: int) -> bool:  # fmt: skip
+    """Whether the launch takes ``_packed_dot_k_loop``: asked for (``PACKED_DOT``) and it fits
+    (4-bit weights, bf16 / fp16 x, 16-row dots, BLOCK_K dividing the group size, no g_idx, dots
+    at least MIN_DOT_K words deep); a default's that does not fit is dropped, an override's
+    raises."""
+    if not cfg.get("PACKED_DOT", False):
+        return False
+    block_k = cfg["BLOCK_K"]
+    why = []
+    if bits != 4 or dtype not in PACKED_DOT_DTYPES:
+        why.append(f"4-bit weights and bf16 / fp16 x (got {bits}-bit, {dtype})")
+    if cfg["BLOCK_M"] != 16:
+        why.append(f"BLOCK_M 16 (got {cfg['BLOCK_M']})")
+    if not per_tile or group_size % block_k:
+        why.append(f"no g_idx and BLOCK_K dividing the group size (BLOCK_K {block_k}, group "
+                   f"{group_size})")  # fmt: skip
+    if block_k // 8 < MIN_DOT_K:
+        why.append(f"BLOCK_K >= {MIN_DOT_K * 8} (got {block_k})")
+    if not why:
+        return True
+    if override.get("PACKED_DOT"):
+        raise ValueError("wna16_linear: PACKED_DOT needs " + "; ".join(why))
+    return False
+
+
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
@@ -472,7 +520,11 @@ def wna16_linear(
     group_size = k // scales.shape[1]
     per_tile = g_idx is None
     sms = num_sms(x.device)
-    cfg = wna16_config(num_rows, n, k, group_size, per_tile, sms, is_interpreted(x.device), bits)
+    # an override without PACKED_DOT starts from the other loops' default (what it varies)
+    packed = (PACKED_DOT_ENABLED and x.dtype in PACKED_DOT_DTYPES and not torch.version.hip
+              and (not config or "PACKED_DOT" in config))  # fmt: skip
+    cfg = wna16_config(num_rows, n, k, group_size, per_tile, sms, is_interpreted(x.device), bits,
+                       packed)  # fmt: skip
     cfg.update(config or {})
     block_k = cfg["BLOCK_K"]
     one_row = cfg["BLOCK_M"] == 1
@@ -502,6 +554,9 @@ def wna16_linear(
             f"needs BLOCK_M = 1, PERMUTED_K and 4-bit weights (got BLOCK_M {cfg['BLOCK_M']}, "
             f"PERMUTED_K {permuted}, {bits}-bit)"
         )
+    packed_dot = _packed_dot_for(cfg, config or {}, x.dtype, bits, per_tile, group_size)
+    if packed_dot:
+        small_magic = False
     variants = {key: bool(cfg.get(key, False)) for key in SMALL_MAGIC_VARIANTS}
     if not small_magic and not any((config or {}).get(key) for key in variants):
         variants = dict.fromkeys(variants, False)  # the default's, under another loop
@@ -533,6 +588,7 @@ def wna16_linear(
         HAS_BIAS=bias is not None,
         ONE_ROW=one_row, PERMUTED_K=permuted, SMALL_MAGIC=small_magic,
         IEEE=x.dtype == torch.float32,
+        PACKED_DOT=packed_dot, ASM=packed_dot and x.device.type == "cuda" and not torch.version.hip,
         EVEN_K=k % block_k == 0,
         SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, num_warps=cfg["num_warps"],
