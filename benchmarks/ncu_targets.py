@@ -35,6 +35,17 @@ GEMM_CASES = {  # case: (projection, M): the block-FP8 GEMM's worst small-M rows
     "fp8_gemm_q_a_m16": ("q_a_proj", 16),
     "fp8_gemm_o_m16": ("o_proj", 16),
 }
+# case: (INT_SHAPES projection, M, wna16_linear config): the W4A16 decode loops (issue 40), the
+# one-row multiply-adds (X_VECTOR, the one-row default) against the packed-unpack dots.
+WNA16_CASES = {
+    f"w4a16_{proj}_m1_{name}": (proj, 1, config)
+    for proj in ("o_proj", "gate_up_proj")
+    for name, config in (
+        ("x_vector", None),
+        ("packed_dot", dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4,
+                            SPLIT_K=None, PERMUTED_K=True, PACKED_DOT=True)),
+    )
+}  # fmt: skip
 MOE_CASES = {  # case: (MOE_SHAPES name, tokens)
     "moe_mxfp4_gptoss_t1": ("gpt-oss-120b", 1),
     "moe_mxfp4_gptoss_t16": ("gpt-oss-120b", 16),
@@ -102,6 +113,19 @@ def gemm_case(projection: str, rows: int) -> Callable[[], object]:
     )
 
 
+def wna16_case(projection: str, rows: int, config: dict | None) -> Callable[[], object]:
+    import torch
+    from quant_kernels import INT_SHAPES, _int_weights
+
+    from atom_kernels.backends.triton import int_quant
+
+    n, k = INT_SHAPES[projection]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qweight, scales, _, _ = _int_weights(torch, n, k, g)
+    x = torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16)
+    return lambda: int_quant.wna16_linear(x, qweight, scales, None, None, 4, None, config)
+
+
 def moe_case(shape: str, tokens: int) -> Callable[[], object]:
     import torch
     from quant_kernels import MOE_SHAPES, _moe_weights
@@ -130,6 +154,7 @@ def cases() -> dict[str, Callable[[], Callable[[], object]]]:
         "prefill_attention_4k": prefill_case,
     }
     out.update({name: (lambda a=a: gemm_case(*a)) for name, a in GEMM_CASES.items()})
+    out.update({name: (lambda a=a: wna16_case(*a)) for name, a in WNA16_CASES.items()})
     out.update({name: (lambda a=a: moe_case(*a)) for name, a in MOE_CASES.items()})
     return out
 

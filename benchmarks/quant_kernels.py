@@ -152,13 +152,12 @@ SMALL_MAGIC_TILES = ((256, 4, 1), (256, 4, 2), (128, 2, 1), (128, 2, 2), (128, 4
 # (BLOCK_N, warps, stages, programs an SM) of the packed-unpack dots (PACKED_DOT,
 # int_quant_packed_dot; BLOCK_K 128), timed in ``int`` at every decode M beside the other loops.
 PACKED_DOT_TILES = (
-    (128, 4, 4, 2),
-    (128, 4, 4, 4),
-    (128, 4, 2, 2),
-    (256, 8, 3, 2),
-    (256, 8, 3, 4),
-    (64, 4, 4, 2),
-)
+    (128, 4, 4, 2), (128, 4, 4, 4), (128, 4, 2, 2), (256, 8, 3, 2), (256, 8, 3, 4), (64, 4, 4, 2),
+    (256, 8, 4, 8), (512, 16, 3, 4), (128, 4, 4, 8),
+)  # fmt: skip
+# (BLOCK_N, warps, stages, programs an SM) of the one-row X_VECTOR loop (SMALL_MAGIC), timed in
+# ``int`` at M = 1: the split-K target (per_sm) beside the default's 2.
+X_VECTOR_TILES = ((256, 4, 1, 4), (256, 4, 1, 8), (128, 4, 1, 4), (128, 4, 1, 8), (128, 2, 1, 8))
 # int_quant_small_magic's variants (SMALL_MAGIC_VARIANTS), timed in ``int`` at M = 1 beside the
 # default launch (BLOCK_N 256, 4 warps, 1 stage).
 SMALL_MAGIC_VARIANTS = (
@@ -762,6 +761,11 @@ def _w4a16_variants(rows: int) -> list:
             config = _wna16_tile(block_n, warps, stages, bm=1)  # SPLIT_K None: chosen
             out.append((f"w4a16_g128 permuted fma small-magic {block_n} w{warps} s{stages}",
                         dict(config, PERMUTED_K=True, SMALL_MAGIC=True)))  # fmt: skip
+        for block_n, warps, stages, per_sm in X_VECTOR_TILES:
+            config = dict(_wna16_tile(block_n, warps, stages, bm=1), per_sm=per_sm,
+                          PERMUTED_K=True, SMALL_MAGIC=True, X_VECTOR=True)  # fmt: skip
+            out.append((f"w4a16_g128 permuted fma small-magic {block_n} w{warps} s{stages} "
+                        f"x-vector p{per_sm}", config))  # fmt: skip
         default = dict(_wna16_tile(256, 4, 1, bm=1), PERMUTED_K=True, SMALL_MAGIC=True)
         for variant in SMALL_MAGIC_VARIANTS:
             name = "+".join(k.lower().replace("_", "-") for k in variant)

@@ -167,13 +167,21 @@ def test_int_groups_smoke_on_the_interpreter(tmp_path, bench):
     rows = json.loads(out.read_text())["results"]
     assert not [r for r in rows if "error" in r], run.stdout[-3000:]
     impls = {r["impl"].removeprefix("BAD ") for r in rows if r["group"] == "int"}
-    small_magic = {
-        f"w4a16_g128 permuted fma small-magic {n} w{w} s{s}" for n, w, s in bench.SMALL_MAGIC_TILES
-    } | {
-        "w4a16_g128 permuted fma small-magic 256 w4 s1 "
-        + "+".join(k.lower().replace("_", "-") for k in variant)
-        for variant in bench.SMALL_MAGIC_VARIANTS
-    }
+    small_magic = (
+        {
+            f"w4a16_g128 permuted fma small-magic {n} w{w} s{s}"
+            for n, w, s in bench.SMALL_MAGIC_TILES
+        }
+        | {
+            f"w4a16_g128 permuted fma small-magic {n} w{w} s{s} x-vector p{p}"
+            for n, w, s, p in bench.X_VECTOR_TILES
+        }
+        | {
+            "w4a16_g128 permuted fma small-magic 256 w4 s1 "
+            + "+".join(k.lower().replace("_", "-") for k in variant)
+            for variant in bench.SMALL_MAGIC_VARIANTS
+        }
+    )
     packed = {f"w4a16_g128 packed-dot {n} w{w} s{s} p{p}" for n, w, s, p in bench.PACKED_DOT_TILES}
     assert impls == {
         "bf16_linear", "w4a16_g128 interleaved", "w4a16_g128 permuted",

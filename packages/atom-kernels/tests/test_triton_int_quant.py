@@ -297,16 +297,18 @@ def test_wna16_linear_packed_dot_refuses_what_it_cannot_take(triton_backend, iq)
 
 
 def test_wna16_config_packed_dot_default():
-    """On a GPU the default takes the packed dots at 1..PACKED_DOT_MAX_ROWS rows where it fits
-    (4-bit, contiguous groups of a multiple of 128), the other loops elsewhere."""
+    """On a GPU the default takes the packed dots at 2..PACKED_DOT_MAX_ROWS rows where it fits
+    (4-bit, contiguous groups of a multiple of 128), the other loops elsewhere (one row: the
+    multiply-adds)."""
     from atom_kernels.backends.triton import int_quant
 
-    for rows in (1, 4, 16):
+    for rows in (2, 4, 16):
         cfg = int_quant.wna16_config(rows, 6144, 4096, 128, True, 132, packed_dot=True)
         assert cfg["PACKED_DOT"] and cfg["BLOCK_M"] == 16 and 128 % cfg["BLOCK_K"] == 0, cfg
     for args, kw in [((1, 6144, 4096, 32, True, 132), {}), ((1, 6144, 4096, 128, False, 132), {}),
                      ((1, 6144, 4096, 128, True, 132), dict(bits=8)),
                      ((17, 6144, 4096, 128, True, 132), {}),
+                     ((1, 6144, 4096, 128, True, 132), {}),
                      ((1, 6144, 4096, 128, True, 132), dict(interpreted=True))]:  # fmt: skip
         assert not int_quant.wna16_config(*args, packed_dot=True, **kw).get("PACKED_DOT"), args
     assert not int_quant.wna16_config(1, 6144, 4096, 128, True, 132).get("PACKED_DOT")

@@ -10,7 +10,7 @@ from atom_kernels.testing import assert_close, assert_equal
 
 @pytest.fixture(autouse=True)
 def _enabled(monkeypatch):
-    """The kernels, whatever ATOM_TRITON_ROUTING says (off by default: the torch ops route)."""
+    """The kernels, whatever ATOM_TRITON_ROUTING says (on by default; `0`: the torch ops route)."""
     from atom_kernels.backends.triton import routing
 
     monkeypatch.setattr(routing, "ENABLED", True)

@@ -70,8 +70,8 @@ TABLE: tuple[Switch, ...] = (
         "(`0`: off: the one-row multiply-adds and the fp32-unpack dots)",
     ),
     Switch(
-        "ATOM_TRITON_ROUTING", False, _is_one,
-        "the Triton MoE routing kernels (`1`: on; off until measured on a GPU: the torch ops)",
+        "ATOM_TRITON_ROUTING", True, _not_zero,
+        "the Triton MoE routing kernels, one a token's routing (`0`: off: the torch ops)",
     ),
     Switch(
         "ATOM_SKINNY_SPLIT_K", "auto", _same,

@@ -45,9 +45,11 @@ from atom_kernels.backends.triton.int_quant_small_magic import (
 )
 
 SKINNY_MAX_ROWS = 16
-# The packed-unpack dots (int_quant_packed_dot) up to this many rows (wna16_config says why);
-# ATOM_WNA16_PACKED_DOT=0 turns them off. Read at import (tests and benchmarks patch it).
+# The packed-unpack dots (int_quant_packed_dot) from PACKED_DOT_MIN_ROWS to PACKED_DOT_MAX_ROWS
+# rows (wna16_config says why); ATOM_WNA16_PACKED_DOT=0 turns them off. Read at import (tests and
+# benchmarks patch it).
 PACKED_DOT_ENABLED = envs.ATOM_WNA16_PACKED_DOT
+PACKED_DOT_MIN_ROWS = 2
 PACKED_DOT_MAX_ROWS = 16
 PACKED_DOT_DTYPES = (torch.bfloat16, torch.float16)
 # The most rows the permuted K loop takes by default (wna16_config says why).
@@ -425,7 +427,8 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     bf16 ``linear`` 14.45 / 10.39 / 56.54 / 32.09."""
     per_int = 32 // bits
     permuted = num_rows <= PERMUTED_MAX_ROWS and per_tile and group_size % per_int == 0
-    packed_dot = (packed_dot and bits == 4 and per_tile and num_rows <= PACKED_DOT_MAX_ROWS
+    packed_dot = (packed_dot and bits == 4 and per_tile
+                  and PACKED_DOT_MIN_ROWS <= num_rows <= PACKED_DOT_MAX_ROWS
                   and group_size % 128 == 0 and not interpreted)  # fmt: skip
     if packed_dot:
         cfg = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4, GROUP_M=1,
