@@ -14,7 +14,8 @@ what it measured):
   DeepSeek-V3 projection shapes, M = 1, 4, 16, 4096 tokens, against ``torch._scaled_mm``
   per-tensor FP8 (activations already FP8: the GEMM alone), ATOM's ``fp8_linear`` (per-token
   quant + row-wise ``_scaled_mm``) and bf16 cuBLAS (``F.linear``) on the same shapes; at M <= 8
-  also ``fp8_block_skinny``, the weight-only one-kernel GEMM ``ATOM_FP8_SKINNY=1`` routes to.
+  also ``fp8_block_skinny``, the weight-only one-kernel GEMM ``ATOM_FP8_SKINNY`` routes to
+  (``fp8_block_linear`` is timed with it off: the w8a8 path).
 - ``group_quant``: ``per_token_group_quant_fp8`` (group 128) alone, against the torch reference.
 - ``mla``: ``mla_paged_attention`` decode over the latent cache (L 512 + R 64, page 16), 128 heads
   (one rank) and 16 (TP 8), batch 1 / 32 / 128, context 1K / 4K, bf16 and fp8 cache.
@@ -155,6 +156,14 @@ PACKED_DOT_TILES = (
     (128, 4, 4, 2), (128, 4, 4, 4), (128, 4, 2, 2), (256, 8, 3, 2), (256, 8, 3, 4), (64, 4, 4, 2),
     (256, 8, 4, 8), (512, 16, 3, 4), (128, 4, 4, 8),
 )  # fmt: skip
+# (BLOCK_N, warps, stages, programs an SM, maxnreg) of ``fill`` launches (split_for: K split
+# whatever the N tiles, to about per_sm programs an SM), timed in ``int`` at the decode M:
+# the packed dots, and at M = 1 the X_VECTOR loop (``fma``; maxnreg None: the compiler's).
+FILL_TILES = {
+    "packed-dot": ((128, 4, 4, 4, None), (128, 4, 4, 6, None), (128, 4, 4, 8, None),
+                   (64, 4, 4, 6, None), (64, 4, 3, 8, None), (128, 4, 3, 6, None)),
+    "fma": ((256, 4, 1, 3, None), (256, 4, 1, 4, 128), (128, 4, 1, 6, 128), (128, 4, 1, 4, None)),
+}  # fmt: skip
 # (BLOCK_N, warps, stages, programs an SM) of the one-row X_VECTOR loop (SMALL_MAGIC), timed in
 # ``int`` at M = 1: the split-K target (per_sm) beside the default's 2.
 X_VECTOR_TILES = ((256, 4, 1, 4), (256, 4, 1, 8), (128, 4, 1, 4), (128, 4, 1, 8), (128, 2, 1, 8))
@@ -437,6 +446,11 @@ def _gemm_cases(torch, x, w_bf16, w_fp8, w_block_s, w_chan_s) -> dict:
 
 
 def bench_gemm(torch, bench: Bench) -> None:
+    from atom_kernels.backends.triton import fp8_skinny
+
+    # fp8_block_linear's rows are the w8a8 path (quantize, then the GEMM); the weight-only kernel
+    # its default takes at one row (ATOM_FP8_SKINNY=auto) has its own row, fp8_block_skinny
+    fp8_skinny.MODE = "0"
     g = torch.Generator(device=DEVICE).manual_seed(0)
     for name, (n, k) in GEMM_SHAPES.items():
         w_bf16 = (torch.randn(n, k, generator=g, device=DEVICE) * k**-0.5).to(torch.bfloat16)
@@ -754,6 +768,10 @@ def _w4a16_variants(rows: int) -> list:
         config = dict(_wna16_tile(block_n, warps, stages), per_sm=per_sm, PERMUTED_K=True,
                       PACKED_DOT=True)  # fmt: skip
         out.append((f"w4a16_g128 packed-dot {block_n} w{warps} s{stages} p{per_sm}", config))
+    for block_n, warps, stages, per_sm, maxnreg in FILL_TILES["packed-dot"]:
+        config = dict(_wna16_tile(block_n, warps, stages), per_sm=per_sm, fill=True,
+                      maxnreg=maxnreg, PERMUTED_K=True, PACKED_DOT=True)  # fmt: skip
+        out.append((f"w4a16_g128 packed-dot {block_n} w{warps} s{stages} fill{per_sm}", config))
     if rows == 1:
         fma = {"PERMUTED_K": True, "BLOCK_M": 1, "BLOCK_K": 128, "num_stages": 1}
         out.append(("w4a16_g128 permuted fma", dict(fma, SMALL_MAGIC=False, X_VECTOR=False)))
@@ -766,6 +784,19 @@ def _w4a16_variants(rows: int) -> list:
                           PERMUTED_K=True, SMALL_MAGIC=True, X_VECTOR=True)  # fmt: skip
             out.append((f"w4a16_g128 permuted fma small-magic {block_n} w{warps} s{stages} "
                         f"x-vector p{per_sm}", config))  # fmt: skip
+        for block_n, warps, stages, per_sm, maxnreg in FILL_TILES["fma"]:
+            config = dict(
+                _wna16_tile(block_n, warps, stages, bm=1),
+                per_sm=per_sm,
+                fill=True,
+                maxnreg=maxnreg,
+                PERMUTED_K=True,
+                SMALL_MAGIC=True,
+                X_VECTOR=True,
+            )
+            name = f"fill{per_sm}" + (f" r{maxnreg}" if maxnreg else "")
+            out.append((f"w4a16_g128 permuted fma small-magic {block_n} w{warps} s{stages} "
+                        f"x-vector {name}", config))  # fmt: skip
         default = dict(_wna16_tile(256, 4, 1, bm=1), PERMUTED_K=True, SMALL_MAGIC=True)
         for variant in SMALL_MAGIC_VARIANTS:
             name = "+".join(k.lower().replace("_", "-") for k in variant)

@@ -143,6 +143,8 @@ def test_w4a16_variants(bench):
     assert one["w4a16_g128 permuted"] == {"PERMUTED_K": True, "BLOCK_K": 128}
     assert one["w4a16_g128 permuted fma"]["BLOCK_M"] == 1
     packed = [f"w4a16_g128 packed-dot {n} w{w} s{s} p{p}" for n, w, s, p in bench.PACKED_DOT_TILES]
+    packed += [f"w4a16_g128 packed-dot {n} w{w} s{s} fill{p}"
+               for n, w, s, p, _ in bench.FILL_TILES["packed-dot"]]  # fmt: skip
     assert [impl for impl, _ in bench._w4a16_variants(16)] == [
         "w4a16_g128 interleaved", "w4a16_g128 permuted", *packed]  # fmt: skip
     for _, config in bench._w4a16_variants(16)[2:]:  # named explicitly, BLOCK_K 128
@@ -183,6 +185,10 @@ def test_int_groups_smoke_on_the_interpreter(tmp_path, bench):
         }
     )
     packed = {f"w4a16_g128 packed-dot {n} w{w} s{s} p{p}" for n, w, s, p in bench.PACKED_DOT_TILES}
+    packed |= {f"w4a16_g128 packed-dot {n} w{w} s{s} fill{p}"
+               for n, w, s, p, _ in bench.FILL_TILES["packed-dot"]}  # fmt: skip
+    packed |= {f"w4a16_g128 permuted fma small-magic {n} w{w} s{s} x-vector fill{p}"
+               + (f" r{r}" if r else "") for n, w, s, p, r in bench.FILL_TILES["fma"]}  # fmt: skip
     assert impls == {
         "bf16_linear", "w4a16_g128 interleaved", "w4a16_g128 permuted",
         "w4a16_g128 permuted fma", "w8a8_linear", "w8a8_gemm", *small_magic, *packed,

@@ -118,7 +118,11 @@ LINEAR_CASES = [(5, 72, 80, (32, 64)), (1, 48, 96, (16, 32)), (17, 40, 200, (32,
 
 @pytest.mark.parametrize(("rows", "n", "k", "block"), LINEAR_CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fp8_block_linear(triton_backend, quant, rows, n, k, block, dtype):
+def test_fp8_block_linear(triton_backend, quant, rows, n, k, block, dtype, monkeypatch):
+    """The w8a8 path (the weight-only one-row kernel off: test_triton_fp8_skinny.py tests it)."""
+    from atom_kernels.backends.triton import fp8_skinny
+
+    monkeypatch.setattr(fp8_skinny, "MODE", "0")
     device = triton_backend.device
     w_float = _randn(n, k, seed=n + k, device=device, scale=k**-0.5)
     w, s = quantize_fp8_block(w_float, block)
@@ -423,7 +427,10 @@ def test_custom_ops_opcheck(triton_backend, quant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 300])
 @pytest.mark.parametrize(("n", "k"), [(576, 7168), (7168, 2048)])  # DeepSeek-V3 kv_a, o_proj
-def test_fp8_block_linear_gpu_real_sizes(triton_backend, quant, rows, n, k):
+def test_fp8_block_linear_gpu_real_sizes(triton_backend, quant, rows, n, k, monkeypatch):
+    from atom_kernels.backends.triton import fp8_skinny
+
+    monkeypatch.setattr(fp8_skinny, "MODE", "0")  # the w8a8 path (test_triton_fp8_skinny.py)
     w, s = quantize_fp8_block(_randn(n, k, seed=28, device="cuda", scale=k**-0.5), (128, 128))
     x = _randn(rows, k, seed=29, device="cuda").to(torch.bfloat16)
     out = quant[0].fp8_block_linear(x, w, s, (128, 128), None)

@@ -61,8 +61,9 @@ TABLE: tuple[Switch, ...] = (
         "128-byte weight lines prefetched into L2 before the PDL wait",
     ),
     Switch(
-        "ATOM_FP8_SKINNY", False, _is_one,
-        "weight-only block-FP8 GEMM at 1-8 rows (`1`: on; off until timed on a GPU: the w8a8 path)",
+        "ATOM_FP8_SKINNY", "auto", _lower,
+        "weight-only block-FP8 GEMM: `auto` one row of a weight of at most 2**25 elements (where "
+        "it measured faster), `1` 1-8 rows of any weight, `0` off (the w8a8 path)",
     ),
     Switch(
         "ATOM_WNA16_PACKED_DOT", True, _not_zero,

@@ -11,9 +11,14 @@ an fp32 multiply-add at one row or, at 2-8 rows, a dot of x with the tile dequan
 dtype (the reference's rounding). With PDL (`pdl.py`) the first weight lines are asked for
 before the wait on the previous kernel, as the bf16 skinny GEMM does.
 
-Off by default (`ATOM_FP8_SKINNY=1` turns it on): written and tested against the torch
-reference under the interpreter and compiled for sm_90, not yet timed against the w8a8 path on a
-GPU (benchmarks/quant_kernels.py's fp8 rows).
+`ATOM_FP8_SKINNY`: `auto` (the default) takes it at one row for weights of at most
+AUTO_MAX_WEIGHTS elements, `1` at 1-8 rows of any weight, `0` never.
+NOTE (one H200, 2026-12-01, benchmarks/results/int-quant/s25/gemm-skinny.json,
+`quant_kernels.py --only gemm`, cold-L2 graphs, each checked against the reference; us, this
+kernel against the w8a8 path `fp8_block_linear`): one row, DeepSeek-V3's q_a 11.7 / 14.3,
+kv_a 12.4 / 12.8, shared gate_up 18.6 / 20.3, shared down 13.6 / 14.8 (weights of 4-29 M
+elements), but q_b 34.5 / 22.0 and o_proj 57.3 / 44.6 (38 and 117 M); four rows slower at every
+shape (17-96 against 10-45 us).
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from atom_kernels import envs
 from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.common import as_rows, is_interpreted
 
-ENABLED = envs.ATOM_FP8_SKINNY  # read at import (tests and benchmarks set it)
+MODE = envs.ATOM_FP8_SKINNY  # read at import (tests and benchmarks set it)
 MAX_ROWS = 8
+AUTO_MAX_ROWS = 1
+AUTO_MAX_WEIGHTS = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -120,13 +127,20 @@ def default_config(num_rows: int, interpreted: bool) -> Fp8SkinnyConfig:
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
-    """Whether this kernel runs the block-FP8 GEMM: switched on, 1-8 rows of 16-bit x on a GPU, a
-    power-of-two scale group of at least 16 columns."""
+    """Whether this kernel runs the block-FP8 GEMM: 16-bit x on a GPU, a power-of-two scale group
+    of at least 16 columns, and the rows MODE takes (`auto`: one row of a weight of at most
+    AUTO_MAX_WEIGHTS elements; `1`: 1-8 rows; `0`: none)."""
     group_k = block[1]
+    rows = math.prod(x.shape[:-1])
+    if MODE == "1":
+        fits = 0 < rows <= MAX_ROWS
+    elif MODE == "auto":
+        fits = 0 < rows <= AUTO_MAX_ROWS and weight.numel() <= AUTO_MAX_WEIGHTS
+    else:
+        fits = False
     return (
-        ENABLED
+        fits
         and x.is_cuda
-        and 0 < math.prod(x.shape[:-1]) <= MAX_ROWS
         and x.dtype in (torch.bfloat16, torch.float16)
         and group_k >= 16
         and group_k & (group_k - 1) == 0

@@ -52,6 +52,8 @@ PACKED_DOT_ENABLED = envs.ATOM_WNA16_PACKED_DOT
 PACKED_DOT_MIN_ROWS = 2
 PACKED_DOT_MAX_ROWS = 16
 PACKED_DOT_DTYPES = (torch.bfloat16, torch.float16)
+# The fewest K tiles a split of a ``fill`` launch takes (split_for).
+FILL_MIN_K_TILES = 4
 # The most rows the permuted K loop takes by default (wna16_config says why).
 PERMUTED_MAX_ROWS = 4
 # The shallowest K of a tl.dot on a GPU (the interpreter takes any).
@@ -378,9 +380,13 @@ def _wna16_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def split_for(tiles: int, k_tiles: int, sms: int, per_sm: int) -> int:
+def split_for(tiles: int, k_tiles: int, sms: int, per_sm: int, fill: bool = False) -> int:
     """K splits that bring ``tiles`` output tiles to about ``per_sm`` programs an SM (1 when the
-    tiles alone fill the SMs), each split at least two K tiles."""
+    tiles alone fill the SMs), each split at least two K tiles. ``fill``: split whatever the
+    tiles (a program an SM is not enough to cover the memory latency), to the nearest
+    ``per_sm`` programs an SM, each split at least FILL_MIN_K_TILES K tiles."""
+    if fill:
+        return max(1, min(k_tiles // FILL_MIN_K_TILES, round(per_sm * sms / tiles)))
     if tiles >= sms:
         return 1
     return max(1, min(k_tiles // 2, triton.cdiv(per_sm * sms, tiles)))
@@ -424,7 +430,20 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     back to back, alternatives in one call; us for qkv / o / gate_up / down): the permuted
     multiply-adds above 9.41 / 7.58 / 36.30 / 17.68, SMALL_MAGIC 8.26 / 6.93 / 30.78 / 14.80,
     with X_VECTOR 7.58 / 6.49 / 29.37 / 13.57 (X_SPLIT, PREFETCH and both with X_VECTOR slower);
-    bf16 ``linear`` 14.45 / 10.39 / 56.54 / 32.09."""
+    bf16 ``linear`` 14.45 / 10.39 / 56.54 / 32.09.
+    2..16 rows, 4-bit, 16-bit x, groups of a multiple of 128 (``packed_dot``: the launcher's
+    ATOM_WNA16_PACKED_DOT, not on ROCm): the packed-unpack dots (``int_quant_packed_dot``), K split
+    to about 4 programs an SM whatever the N tiles (``fill``: one or two programs an SM leave the
+    memory latency uncovered: ncu on the one-row launches, 11-15% achieved occupancy, stalls
+    mostly long-scoreboard).
+    NOTE (one H200, 2026-12-01, benchmarks/results/int-quant/s25/, cold-L2 graphs, alternatives
+    in one call; us for qkv / o / gate_up / down): 4 rows, the permuted dots 21.0 / 15.3 / 56.8 /
+    41.5, the packed dots (128 x 128 tiles, 4 stages) 15.6 / 13.2 / 55.1 / 33.8, with ``fill``
+    15.3 / 13.1 / 47.6 / 30.0; 16 rows, the interleaved dots 23.8 / 16.1 / 76.1 / 42.9 (s25
+    int-packed-dot.json), packed with ``fill`` 20.8 / 17.2 / 68.2 / 40.8. One row keeps the
+    multiply-adds: the packed dots (best launch 14.6 / 12.1 / 40.5 / 27.4) lose to X_VECTOR
+    (11.4 / 9.4 / 36.2 / 22.2): x's eight [16, BLOCK_K / 8] tiles a K tile pass through shared
+    memory (a barrier pair each) where the multiply-adds read it from registers."""
     per_int = 32 // bits
     permuted = num_rows <= PERMUTED_MAX_ROWS and per_tile and group_size % per_int == 0
     packed_dot = (packed_dot and bits == 4 and per_tile
@@ -432,7 +451,7 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
                   and group_size % 128 == 0 and not interpreted)  # fmt: skip
     if packed_dot:
         cfg = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4, GROUP_M=1,
-                   per_sm=2, PACKED_DOT=True)  # fmt: skip
+                   per_sm=4, fill=True, PACKED_DOT=True)  # fmt: skip
         permuted = True
     elif interpreted:
         cfg = dict(BLOCK_M=1 if num_rows == 1 else 16, BLOCK_N=16, BLOCK_K=32, num_warps=4,
@@ -451,7 +470,8 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
                    num_warps=warps, num_stages=3, GROUP_M=8, per_sm=1)  # fmt: skip
     cfg["PERMUTED_K"] = permuted
     tiles = triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
-    cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, cfg["BLOCK_K"]), sms, cfg["per_sm"])
+    cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, cfg["BLOCK_K"]), sms, cfg["per_sm"],
+                               cfg.get("fill", False))  # fmt: skip
     return cfg
 
 
@@ -572,7 +592,8 @@ def wna16_linear(
         x2 = x2.clone()
     tiles = triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if cfg["SPLIT_K"] is None:  # an override's "choose"
-        cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, block_k), sms, cfg.get("per_sm", 2))
+        cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, block_k), sms, cfg.get("per_sm", 2),
+                                   cfg.get("fill", False))  # fmt: skip
     splits, per_split, counters = _launch_split(x.device, tiles, k, cfg)
     scale_per_tile = per_tile and group_size % block_k == 0
     # Decode tiles dot q - zero and scale each tile's result (no multiply a weight); prefill tiles
@@ -596,6 +617,7 @@ def wna16_linear(
         SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **variants,
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )  # fmt: skip
     return out
 
