@@ -164,6 +164,15 @@ FILL_TILES = {
                    (64, 4, 4, 6, None), (64, 4, 3, 8, None), (128, 4, 3, 6, None)),
     "fma": ((256, 4, 1, 3, None), (256, 4, 1, 4, 128), (128, 4, 1, 6, 128), (128, 4, 1, 4, None)),
 }  # fmt: skip
+# (BLOCK_N, warps, stages, programs an SM) of ``fill`` packed dots reading x as one
+# [16, BLOCK_K / 8, 8] load split in registers (X_SPLIT), timed in ``int`` at the decode M.
+PACKED_X_SPLIT_TILES = (
+    (128, 4, 4, 4),
+    (128, 4, 3, 4),
+    (64, 4, 4, 4),
+    (256, 8, 3, 4),
+    (128, 4, 4, 8),
+)
 # (BLOCK_N, warps, stages, programs an SM) of the one-row X_VECTOR loop (SMALL_MAGIC), timed in
 # ``int`` at M = 1: the split-K target (per_sm) beside the default's 2.
 X_VECTOR_TILES = ((256, 4, 1, 4), (256, 4, 1, 8), (128, 4, 1, 4), (128, 4, 1, 8), (128, 2, 1, 8))
@@ -772,6 +781,11 @@ def _w4a16_variants(rows: int) -> list:
         config = dict(_wna16_tile(block_n, warps, stages), per_sm=per_sm, fill=True,
                       maxnreg=maxnreg, PERMUTED_K=True, PACKED_DOT=True)  # fmt: skip
         out.append((f"w4a16_g128 packed-dot {block_n} w{warps} s{stages} fill{per_sm}", config))
+    for block_n, warps, stages, per_sm in PACKED_X_SPLIT_TILES:
+        config = dict(_wna16_tile(block_n, warps, stages), per_sm=per_sm, fill=True,
+                      PERMUTED_K=True, PACKED_DOT=True, X_SPLIT=True)  # fmt: skip
+        out.append((f"w4a16_g128 packed-dot {block_n} w{warps} s{stages} fill{per_sm} x-split",
+                    config))  # fmt: skip
     if rows == 1:
         fma = {"PERMUTED_K": True, "BLOCK_M": 1, "BLOCK_K": 128, "num_stages": 1}
         out.append(("w4a16_g128 permuted fma", dict(fma, SMALL_MAGIC=False, X_VECTOR=False)))

@@ -340,3 +340,21 @@ def test_packed_dot_main_loop_sass(tile, most, dtype, zeros):
     assert 0.5 <= packed / weights < 0.6, (packed, weights)  # HFMA2.MMA moves too
     assert not any(re.match(r"(@\S+\s+)?(I2F|F2F)", ins) for ins in body)
     assert len(body) / weights < most, (len(body), weights)
+
+
+@pytest.mark.parametrize(("dtype", "zeros"), [("bf16", False), ("fp16", True)])
+def test_packed_dot_x_split_main_loop_sass(dtype, zeros):
+    """X_SPLIT: x's [16, BLOCK_K / 8, 8] tile streams through cp.async with the words and reaches
+    the MMAs' layout from shared memory: the loop's only global loads and barriers are the tile's
+    [BLOCK_N] scales (and zeros) and their layout conversion (the default x load: 16 loads of x
+    and 4 barriers; Triton 3.9's ptxas: 2.85 instructions a weight, 141 registers)."""
+    cfg = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=4,
+               PERMUTED_K=True, PACKED_DOT=True, X_SPLIT=True)  # fmt: skip
+    kernel = _wna16(cfg, 4, zeros, False, dtype)
+    assert "ld.local" not in kernel.asm["ptx"]
+    body = _main_loop_sass(kernel)
+    weights = 128 * 128 / (32 * 4)
+    loads = [ins for ins in body if re.match(r"(@\S+\s+)?LDG\b", ins)]
+    barriers = [ins for ins in body if ins.startswith("BAR")]
+    assert len(loads) <= 1 + zeros and len(barriers) <= 2 + 2 * zeros, (loads, barriers)
+    assert len(body) / weights < 3.0, (len(body), weights)

@@ -145,6 +145,8 @@ def test_w4a16_variants(bench):
     packed = [f"w4a16_g128 packed-dot {n} w{w} s{s} p{p}" for n, w, s, p in bench.PACKED_DOT_TILES]
     packed += [f"w4a16_g128 packed-dot {n} w{w} s{s} fill{p}"
                for n, w, s, p, _ in bench.FILL_TILES["packed-dot"]]  # fmt: skip
+    packed += [f"w4a16_g128 packed-dot {n} w{w} s{s} fill{p} x-split"
+               for n, w, s, p in bench.PACKED_X_SPLIT_TILES]  # fmt: skip
     assert [impl for impl, _ in bench._w4a16_variants(16)] == [
         "w4a16_g128 interleaved", "w4a16_g128 permuted", *packed]  # fmt: skip
     for _, config in bench._w4a16_variants(16)[2:]:  # named explicitly, BLOCK_K 128
@@ -187,6 +189,8 @@ def test_int_groups_smoke_on_the_interpreter(tmp_path, bench):
     packed = {f"w4a16_g128 packed-dot {n} w{w} s{s} p{p}" for n, w, s, p in bench.PACKED_DOT_TILES}
     packed |= {f"w4a16_g128 packed-dot {n} w{w} s{s} fill{p}"
                for n, w, s, p, _ in bench.FILL_TILES["packed-dot"]}  # fmt: skip
+    packed |= {f"w4a16_g128 packed-dot {n} w{w} s{s} fill{p} x-split"
+               for n, w, s, p in bench.PACKED_X_SPLIT_TILES}  # fmt: skip
     packed |= {f"w4a16_g128 permuted fma small-magic {n} w{w} s{s} x-vector fill{p}"
                + (f" r{r}" if r else "") for n, w, s, p, r in bench.FILL_TILES["fma"]}  # fmt: skip
     assert impls == {

@@ -253,7 +253,8 @@ PACKED_DOT_CASES = [
 @pytest.mark.parametrize(("rows", "groups", "launch"), PACKED_DOT_CASES)
 @pytest.mark.parametrize("zeros", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_wna16_linear_packed_dot(triton_backend, iq, rows, groups, launch, zeros, dtype):
+@pytest.mark.parametrize("x_split", [False, True])
+def test_wna16_linear_packed_dot(triton_backend, iq, rows, groups, launch, zeros, dtype, x_split):
     """The 16-row dots of q - zero from the packed unpack (PACKED_DOT; the interpreter takes its
     shift-and-mask form, the same values) against the reference, and against the permuted dots
     of the fp32 unpack (the same exact q - zero, the same sums: a rounding of the output apart)."""
@@ -263,11 +264,13 @@ def test_wna16_linear_packed_dot(triton_backend, iq, rows, groups, launch, zeros
     x = torch.randn(rows, 512, generator=_gen(81)).to(dtype).to(device)
     bias = torch.randn(40, generator=_gen(82)).to(dtype).to(device)
     expected = reference.wna16_linear(x, qw, s, z, g, 4, bias)
-    config = dict(launch, BLOCK_M=16, BLOCK_N=16, PERMUTED_K=True, PACKED_DOT=True)
+    config = dict(launch, BLOCK_M=16, BLOCK_N=16, PERMUTED_K=True, PACKED_DOT=True,
+                  X_SPLIT=x_split)  # fmt: skip
     out = iq.wna16_linear(x, qw, s, z, g, 4, bias, config=config)
     atol, rtol = TOLERANCES[dtype]
     assert_close(out, expected, atol=atol, rtol=rtol, name=f"wna16_linear {config} {dtype}")
-    permuted = iq.wna16_linear(x, qw, s, z, g, 4, bias, config=dict(config, PACKED_DOT=False))
+    plain = dict(config, PACKED_DOT=False, X_SPLIT=False)
+    permuted = iq.wna16_linear(x, qw, s, z, g, 4, bias, config=plain)
     assert_close(out.float(), permuted.float(), atol=atol / 4, rtol=rtol / 4, name="vs permuted")
 
 
@@ -551,6 +554,11 @@ PACKED_DOT_GPU = [
     ((128, 4, 4), torch.float16, 128, True), ((128, 4, 4), torch.bfloat16, 0, False),
     ((256, 8, 3), torch.bfloat16, 128, False), ((64, 4, 4), torch.bfloat16, 128, False),
 ]  # fmt: skip
+# (tile, dtype, group, zeros) of the same with X_SPLIT (x as one [16, BLOCK_K / 8, 8] load)
+PACKED_DOT_X_SPLIT_GPU = [
+    ((128, 4, 4), torch.bfloat16, 128, False), ((128, 4, 4), torch.float16, 128, True),
+    ((128, 4, 3), torch.bfloat16, 0, True),
+]  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -561,18 +569,37 @@ def test_wna16_linear_gpu_packed_dot(triton_backend, iq, tile, dtype, group, zer
     """The packed unpack's PTX (PACKED_DOT, ASM) at the Llama-3-8B sizes, channel-wise too (group
     0: K): against the reference, and against the fp32-unpack permuted dots (the same exact
     q - zero in the same dots: a rounding of the output apart)."""
+    block_n, warps, stages = tile
+    config = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=stages,
+                  PERMUTED_K=True, SPLIT_K=None, PACKED_DOT=True)  # fmt: skip
+    _check_packed_dot_gpu(iq, config, dtype, group, zeros, rows, n, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("tile", "dtype", "group", "zeros"), PACKED_DOT_X_SPLIT_GPU, ids=str)
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize(("n", "k"), LLAMA3_8B)
+def test_wna16_linear_gpu_packed_dot_x_split(triton_backend, iq, tile, dtype, group, zeros, rows,
+                                             n, k):  # fmt: skip
+    """The same with x as one load split in registers (X_SPLIT), K split to fill the SMs."""
+    block_n, warps, stages = tile
+    config = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=stages,
+                  PERMUTED_K=True, SPLIT_K=None, PACKED_DOT=True, X_SPLIT=True, fill=True,
+                  per_sm=4)  # fmt: skip
+    _check_packed_dot_gpu(iq, config, dtype, group, zeros, rows, n, k)
+
+
+def _check_packed_dot_gpu(iq, config, dtype, group, zeros, rows, n, k):
     group = group or k
     qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=85, device="cuda",
                                dtype=dtype)  # fmt: skip
     x = torch.randn(rows, k, generator=_gen(86)).to(dtype).cuda()
-    block_n, warps, stages = tile
-    config = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=stages,
-                  PERMUTED_K=True, SPLIT_K=None, PACKED_DOT=True)  # fmt: skip
     out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
     expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
     atol, rtol = TOLERANCES[dtype]
     assert_close(out, expected, atol=atol, rtol=rtol, name=f"packed dot {config}")
-    permuted = iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(config, PACKED_DOT=False))
+    plain = dict(config, PACKED_DOT=False, X_SPLIT=False)
+    permuted = iq.wna16_linear(x, qw, s, z, g, 4, None, config=plain)
     assert_close(out.float(), permuted.float(), atol=atol / 4, rtol=rtol / 4, name="vs permuted")
 
 

@@ -51,6 +51,7 @@ SKINNY_MAX_ROWS = 16
 PACKED_DOT_ENABLED = envs.ATOM_WNA16_PACKED_DOT
 PACKED_DOT_MIN_ROWS = 2
 PACKED_DOT_MAX_ROWS = 16
+PACKED_DOT_X_SPLIT = False  # the default's x load (int_quant_packed_dot: X_SPLIT)
 PACKED_DOT_DTYPES = (torch.bfloat16, torch.float16)
 # The fewest K tiles a split of a ``fill`` launch takes (split_for).
 FILL_MIN_K_TILES = 4
@@ -351,7 +352,7 @@ def _wna16_kernel(
         acc = _packed_dot_k_loop(
             x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, m_mask, k_lo, k_hi, K, group_size,
             stride_xm, stride_qn, stride_sn, stride_zn, HAS_ZEROS, EVEN_K, ASM, BLOCK_M,
-            BLOCK_N, BLOCK_K,
+            BLOCK_N, BLOCK_K, X_SPLIT,
         )  # fmt: skip
     elif SMALL_MAGIC:
         acc = _small_magic_k_loop(
@@ -451,7 +452,7 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
                   and group_size % 128 == 0 and not interpreted)  # fmt: skip
     if packed_dot:
         cfg = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4, GROUP_M=1,
-                   per_sm=4, fill=True, PACKED_DOT=True)  # fmt: skip
+                   per_sm=4, fill=True, PACKED_DOT=True, X_SPLIT=PACKED_DOT_X_SPLIT)  # fmt: skip
         permuted = True
     elif interpreted:
         cfg = dict(BLOCK_M=1 if num_rows == 1 else 16, BLOCK_N=16, BLOCK_K=32, num_warps=4,
@@ -583,7 +584,9 @@ def wna16_linear(
     variants = {key: bool(cfg.get(key, False)) for key in SMALL_MAGIC_VARIANTS}
     if not small_magic and not any((config or {}).get(key) for key in variants):
         variants = dict.fromkeys(variants, False)  # the default's, under another loop
-    if any(variants.values()) and not small_magic:
+    if packed_dot:  # X_SPLIT is the packed dots' variant too (int_quant_packed_dot)
+        variants = dict.fromkeys(variants, False) | {"X_SPLIT": bool(cfg.get("X_SPLIT", False))}
+    elif any(variants.values()) and not small_magic:
         raise ValueError(
             f"wna16_linear: {', '.join(k for k, v in variants.items() if v)} are variants of "
             "SMALL_MAGIC's loop: they need SMALL_MAGIC"

@@ -99,6 +99,7 @@ def _packed_dot_k_loop(
     x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, m_mask, k_lo, k_hi, K, group_size, stride_xm,
     stride_qn, stride_sn, stride_zn, HAS_ZEROS: tl.constexpr, EVEN_K: tl.constexpr,
     ASM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X_SPLIT: tl.constexpr = False,
 ):  # fmt: skip
     """The [BLOCK_M, BLOCK_N] fp32 sums of k_lo <= k < k_hi, 4-bit weights, 16-bit x, permuted K
     (column w of a tile: k = k0 + 8 * w + j), BLOCK_K dividing the group size: 8 dots a tile of
@@ -108,6 +109,8 @@ def _packed_dot_k_loop(
     offs_kp = tl.arange(0, BLOCK_KP)
     q_ptrs = q_ptr + rows[:, None] * stride_qn + offs_kp[None, :]  # [BLOCK_N, BLOCK_KP]
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (offs_kp * 8)[None, :]
+    if X_SPLIT:  # [BLOCK_M, BLOCK_KP, 8]: a word column's 8 x contiguous (one vector load)
+        x3_ptrs = x_ptrs[:, :, None] + tl.arange(0, 8)[None, None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kp0 = k0 // 8
@@ -126,13 +129,32 @@ def _packed_dot_k_loop(
         else:
             nz = tl.full(words.shape, -(_magic_of(DTYPE) + 8), DTYPE)
         w0, w1, w2, w3, w4, w5, w6, w7 = _unpack(words, nz, DTYPE, ASM)
-        part = tl.dot(tl.load(x_ptrs + k0 + 0, mask=x_mask, other=0.0), tl.trans(w0))
-        part = tl.dot(tl.load(x_ptrs + k0 + 1, mask=x_mask, other=0.0), tl.trans(w1), part)
-        part = tl.dot(tl.load(x_ptrs + k0 + 2, mask=x_mask, other=0.0), tl.trans(w2), part)
-        part = tl.dot(tl.load(x_ptrs + k0 + 3, mask=x_mask, other=0.0), tl.trans(w3), part)
-        part = tl.dot(tl.load(x_ptrs + k0 + 4, mask=x_mask, other=0.0), tl.trans(w4), part)
-        part = tl.dot(tl.load(x_ptrs + k0 + 5, mask=x_mask, other=0.0), tl.trans(w5), part)
-        part = tl.dot(tl.load(x_ptrs + k0 + 6, mask=x_mask, other=0.0), tl.trans(w6), part)
-        part = tl.dot(tl.load(x_ptrs + k0 + 7, mask=x_mask, other=0.0), tl.trans(w7), part)
+        if X_SPLIT:  # the 8 values' x from one [BLOCK_M, BLOCK_KP, 8] load, split in registers
+            xv = tl.load(x3_ptrs + k0, mask=x_mask[:, :, None], other=0.0)
+            xv = tl.reshape(xv, [BLOCK_M, BLOCK_KP, 2, 2, 2])  # j = 4a + 2b + c
+            c0, c1 = tl.split(xv)
+            c0b0, c0b1 = tl.split(c0)
+            c1b0, c1b1 = tl.split(c1)
+            x0, x4 = tl.split(c0b0)
+            x2, x6 = tl.split(c0b1)
+            x1, x5 = tl.split(c1b0)
+            x3, x7 = tl.split(c1b1)
+        else:  # x of value j: a strided [BLOCK_M, BLOCK_KP] load each
+            x0 = tl.load(x_ptrs + k0 + 0, mask=x_mask, other=0.0)
+            x1 = tl.load(x_ptrs + k0 + 1, mask=x_mask, other=0.0)
+            x2 = tl.load(x_ptrs + k0 + 2, mask=x_mask, other=0.0)
+            x3 = tl.load(x_ptrs + k0 + 3, mask=x_mask, other=0.0)
+            x4 = tl.load(x_ptrs + k0 + 4, mask=x_mask, other=0.0)
+            x5 = tl.load(x_ptrs + k0 + 5, mask=x_mask, other=0.0)
+            x6 = tl.load(x_ptrs + k0 + 6, mask=x_mask, other=0.0)
+            x7 = tl.load(x_ptrs + k0 + 7, mask=x_mask, other=0.0)
+        part = tl.dot(x0, tl.trans(w0))
+        part = tl.dot(x1, tl.trans(w1), part)
+        part = tl.dot(x2, tl.trans(w2), part)
+        part = tl.dot(x3, tl.trans(w3), part)
+        part = tl.dot(x4, tl.trans(w4), part)
+        part = tl.dot(x5, tl.trans(w5), part)
+        part = tl.dot(x6, tl.trans(w6), part)
+        part = tl.dot(x7, tl.trans(w7), part)
         acc += part * s[None, :]
     return acc
