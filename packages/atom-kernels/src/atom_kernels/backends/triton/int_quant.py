@@ -51,7 +51,8 @@ SKINNY_MAX_ROWS = 16
 PACKED_DOT_ENABLED = envs.ATOM_WNA16_PACKED_DOT
 PACKED_DOT_MIN_ROWS = 2
 PACKED_DOT_MAX_ROWS = 16
-PACKED_DOT_X_SPLIT = False  # the default's x load (int_quant_packed_dot: X_SPLIT)
+# From this many rows the default's packed dots read x as one load split in registers (X_SPLIT)
+PACKED_DOT_X_SPLIT_FROM = 8
 PACKED_DOT_DTYPES = (torch.bfloat16, torch.float16)
 # The fewest K tiles a split of a ``fill`` launch takes (split_for).
 FILL_MIN_K_TILES = 4
@@ -436,7 +437,8 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     ATOM_WNA16_PACKED_DOT, not on ROCm): the packed-unpack dots (``int_quant_packed_dot``), K split
     to about 4 programs an SM whatever the N tiles (``fill``: one or two programs an SM leave the
     memory latency uncovered: ncu on the one-row launches, 11-15% achieved occupancy, stalls
-    mostly long-scoreboard).
+    mostly long-scoreboard), x as one split load (``X_SPLIT``) from PACKED_DOT_X_SPLIT_FROM rows
+    (int_quant_packed_dot's NOTE).
     NOTE (one H200, 2026-12-01, benchmarks/results/int-quant/s25/, cold-L2 graphs, alternatives
     in one call; us for qkv / o / gate_up / down): 4 rows, the permuted dots 21.0 / 15.3 / 56.8 /
     41.5, the packed dots (128 x 128 tiles, 4 stages) 15.6 / 13.2 / 55.1 / 33.8, with ``fill``
@@ -452,7 +454,8 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
                   and group_size % 128 == 0 and not interpreted)  # fmt: skip
     if packed_dot:
         cfg = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4, GROUP_M=1,
-                   per_sm=4, fill=True, PACKED_DOT=True, X_SPLIT=PACKED_DOT_X_SPLIT)  # fmt: skip
+                   per_sm=4, fill=True, PACKED_DOT=True,
+                   X_SPLIT=num_rows >= PACKED_DOT_X_SPLIT_FROM)  # fmt: skip
         permuted = True
     elif interpreted:
         cfg = dict(BLOCK_M=1 if num_rows == 1 else 16, BLOCK_N=16, BLOCK_K=32, num_warps=4,

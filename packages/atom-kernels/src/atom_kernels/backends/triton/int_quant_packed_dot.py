@@ -13,6 +13,19 @@ instructions a weight (the fp32 path: ~3 before its layout conversion); the mult
 in ``tl.dot`` (BLOCK_M = 16, rows past M are zero) and the tile's sum is scaled once a tile
 (BLOCK_K divides the group: one scale a column), as SCALE_LATER.
 
+x: the dots' A operands are x at k = k0 + 8 w + j, strided; loaded as 8 [BLOCK_M, BLOCK_KP]
+tiles they reach the MMAs' layout through shared memory (sm_90 SASS: 16 loads and 4 barriers a
+K tile); ``X_SPLIT`` loads them as one [BLOCK_M, BLOCK_KP, 8] tile (a word column's 8 x
+contiguous) split in registers, which Triton streams through cp.async with the words (no x
+load, store or barrier in the loop).
+NOTE (one H200, 2026-12-01, benchmarks/results/int-quant/s25/x-split/, cold-L2 graphs, one
+call; us for qkv / o / gate_up / down at 128 x 128 tiles, 4 stages, K split to fill the SMs):
+16 rows 20.2 / 16.5 / 70.6 / 39.9 plain, 16.6 / 12.4 / 44.0 / 30.2 X_SPLIT; 4 rows 14.5 / 13.4 /
+44.3 / 29.3 plain, 14.6 / 11.4 / 45.7 / 32.5 X_SPLIT; one row both lose to the multiply-adds
+(X_VECTOR 11.4 / 9.3 / 34.8 / 22.0 against X_SPLIT 14.3 / 11.6 / 40.8 / 26.0). Engine decode
+(Llama-3-8B shape, W4A16) with X_SPLIT at every row against the plain load: batch 4 3.94 /
+3.72 ms, 8 4.07 / 4.35, 16 4.16 / 5.65: the default takes it from 8 rows.
+
 The unpack is inline PTX (``tl.inline_asm_elementwise``, two int32 words an instance): NVIDIA
 only. Triton's interpreter and other GPUs take the same values from plain shifts and masks
 (``_unpack_plain``), so the interpreter tests this loop's arithmetic; the PTX itself is checked
