@@ -67,8 +67,8 @@ TABLE: tuple[Switch, ...] = (
     ),
     Switch(
         "ATOM_WNA16_PACKED_DOT", True, _not_zero,
-        "W4A16 decode (1-16 rows, 16-bit x) on tensor cores with the packed bf16x2 / f16x2 unpack "
-        "(`0`: off: the one-row multiply-adds and the fp32-unpack dots)",
+        "W4A16 decode (2-16 rows, 16-bit x) on tensor cores with the packed bf16x2 / f16x2 unpack "
+        "(`0`: off: the fp32-unpack dots)",
     ),
     Switch(
         "ATOM_TRITON_ROUTING", True, _not_zero,
