@@ -37,6 +37,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from atom_kernels.backends.triton.int_quant_small_magic import eight_values
+
 # Selectors of ``prmt.b32 d, a, b, sel`` (bytes 0-3: a's, 4-7: b's) placing byte i of a at byte 0
 # and byte i of b at byte 2 (bytes 1 and 3 repeat them: masked off).
 _PRMT = ("0x4400", "0x5511", "0x6622", "0x7733")
@@ -145,13 +147,7 @@ def _packed_dot_k_loop(
         if X_SPLIT:  # the 8 values' x from one [BLOCK_M, BLOCK_KP, 8] load, split in registers
             xv = tl.load(x3_ptrs + k0, mask=x_mask[:, :, None], other=0.0)
             xv = tl.reshape(xv, [BLOCK_M, BLOCK_KP, 2, 2, 2])  # j = 4a + 2b + c
-            c0, c1 = tl.split(xv)
-            c0b0, c0b1 = tl.split(c0)
-            c1b0, c1b1 = tl.split(c1)
-            x0, x4 = tl.split(c0b0)
-            x2, x6 = tl.split(c0b1)
-            x1, x5 = tl.split(c1b0)
-            x3, x7 = tl.split(c1b1)
+            x0, x1, x2, x3, x4, x5, x6, x7 = eight_values(xv)
         else:  # x of value j: a strided [BLOCK_M, BLOCK_KP] load each
             x0 = tl.load(x_ptrs + k0 + 0, mask=x_mask, other=0.0)
             x1 = tl.load(x_ptrs + k0 + 1, mask=x_mask, other=0.0)

@@ -98,6 +98,20 @@ def _x_of_words(xw_ptrs, k0, kp_mask, EVEN_K: tl.constexpr, X_BITS: tl.constexpr
 
 
 @triton.jit
+def eight_values(xv):
+    """x_0 .. x_7 of ``xv`` [..., 2, 2, 2] (value j = 4a + 2b + c at [..., a, b, c]), each
+    [...]: three rounds of tl.split, in registers."""
+    c0, c1 = tl.split(xv)
+    c0b0, c0b1 = tl.split(c0)
+    c1b0, c1b1 = tl.split(c1)
+    x0, x4 = tl.split(c0b0)
+    x2, x6 = tl.split(c0b1)
+    x1, x5 = tl.split(c1b0)
+    x3, x7 = tl.split(c1b1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
 def _x_of_values(xv_ptrs, k0, kp_mask, EVEN_K: tl.constexpr, BLOCK_KP: tl.constexpr):
     """x at k = k0 + 8 * w + j for j = 0..7, each [1, BLOCK_KP] in fp32, from one [BLOCK_KP, 8]
     load (a word column's 8 values contiguous: one vector load) split in registers."""
@@ -106,13 +120,7 @@ def _x_of_values(xv_ptrs, k0, kp_mask, EVEN_K: tl.constexpr, BLOCK_KP: tl.conste
     else:
         xv = tl.load(xv_ptrs + k0, mask=kp_mask[None, :, None], other=0.0)
     xv = tl.reshape(xv.to(tl.float32), [BLOCK_KP, 2, 2, 2])  # j = 4a + 2b + c
-    c0, c1 = tl.split(xv)
-    c0b0, c0b1 = tl.split(c0)
-    c1b0, c1b1 = tl.split(c1)
-    x0, x4 = tl.split(c0b0)
-    x2, x6 = tl.split(c0b1)
-    x1, x5 = tl.split(c1b0)
-    x3, x7 = tl.split(c1b1)
+    x0, x1, x2, x3, x4, x5, x6, x7 = eight_values(xv)
     return (
         tl.reshape(x0, [1, BLOCK_KP]), tl.reshape(x1, [1, BLOCK_KP]),
         tl.reshape(x2, [1, BLOCK_KP]), tl.reshape(x3, [1, BLOCK_KP]),
