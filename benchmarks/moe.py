@@ -33,6 +33,9 @@ experts, the other ranks' slots -1):
 
     python benchmarks/moe.py --int4 --ep-size 8 --no-reference --out $OUT/moe-int4-ep8.json
 
+``--int4-packed`` times each token count of 4 or more twice, the default then the GEMMs' packed
+unpack (``moe_wna16``'s PACKED, off by default until this says it wins), rows named by ``impl``.
+
 T = tokens, E = experts, K = top-k, H = hidden size, I = expert intermediate size.
 """
 
@@ -216,12 +219,12 @@ def bench_int4(
     tokens: tuple[int, ...] = INT4_TOKENS,
     ep_size: int = 1,
     ep_skip: str = "minus-one",
+    packed: bool = False,
 ) -> list[dict]:
-    """The W4A16 fused MoE (see the module docstring) against its floor."""
-    from triton.testing import do_bench, do_bench_cudagraph
-
-    from atom_kernels.backends.torch import moe as reference
-    from atom_kernels.backends.triton import custom_ops
+    """The W4A16 fused MoE (see the module docstring) against its floor; ``packed``: each token
+    count also with the GEMMs' PACKED unpack (``moe_wna16``; checked against the default
+    first), timed right after the default."""
+    from atom_kernels.backends.triton import custom_ops, moe_wna16
 
     num_experts, top_k, hidden, inter = shape
     num_local = num_experts // ep_size
@@ -242,46 +245,53 @@ def bench_int4(
         def triton_fn(args=args):
             return custom_ops.fused_moe(*args, **quant)
 
-        torch.cuda.synchronize()
-        ms_cold = cold_graph_ms(triton_fn)
-        ms_graph = float(do_bench_cudagraph(triton_fn, rep=100, return_mode="median"))
-        torch_ms = None
-        if with_reference:
-            torch_ms = float(
-                do_bench(lambda args=args: reference.fused_moe(*args, **quant), warmup=3, rep=20,
-                         return_mode="median")
-            )  # fmt: skip
+        impls = [("default", triton_fn)]
+        config = moe_wna16.wna16_configs(num_tokens, top_k, num_local, hidden, inter, 4, x.device)
+        if packed and not config["per_pair"]:  # one token: the register loop, nothing packed
+            config = dict(config, gemm1=dict(config["gemm1"], PACKED=True),
+                          gemm2=dict(config["gemm2"], PACKED=True))  # fmt: skip
+
+            def packed_fn(args=args, config=config):
+                return moe_wna16.fused_moe_wna16(*args, s13, s2, config=config)
+
+            error = float((packed_fn().float() - triton_fn().float()).abs().max())
+            print(f"T={num_tokens} packed against the default: max |diff| {error:.3g}", flush=True)
+            impls.append(("packed", packed_fn))
         hit = int(ids[owned].unique().numel())
-        floor_bytes = hit * wna16_expert_bytes(hidden, inter)
-        floor_us = floor_bytes / (roofline["copy_GBps"] * 1e9) * 1e6
-        gbps = floor_bytes / (ms_cold / 1e3) / 1e9
-        row = {
-            "shape": name,
-            "experts": num_experts,
-            "local_experts": num_local,
-            "top_k": top_k,
-            "hidden": hidden,
-            "intermediate": inter,
-            "quant": f"wna16 int4 group {INT4_GROUP} symmetric",
-            "tokens": num_tokens,
-            "ep_size": ep_size,
-            "ep_skip": ep_skip if ep_size > 1 else None,
-            "experts_hit": hit,
-            "weight_bytes": floor_bytes,
-            "floor_us": floor_us,
-            "us_cold": ms_cold * 1e3,
-            "ms_cold": ms_cold,
-            "ms_graph": ms_graph,
-            "torch_ms": torch_ms,
-            "weights_GBps": gbps,
-            "floor_fraction": floor_us / (ms_cold * 1e3),
-            "rate": gbps,
-            "rate_unit": "GB/s",
-            "roofline_fraction": floor_us / (ms_cold * 1e3),
-        }
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        for impl, fn in impls:
+            row = _int4_row(torch, fn, args, quant, with_reference and impl == "default")
+            row.update(shape=name, experts=num_experts, local_experts=num_local, top_k=top_k,
+                       hidden=hidden, intermediate=inter, tokens=num_tokens, impl=impl,
+                       quant=f"wna16 int4 group {INT4_GROUP} symmetric", ep_size=ep_size,
+                       ep_skip=ep_skip if ep_size > 1 else None, experts_hit=hit)  # fmt: skip
+            floor_bytes = hit * wna16_expert_bytes(hidden, inter)
+            floor_us = floor_bytes / (roofline["copy_GBps"] * 1e9) * 1e6
+            gbps = floor_bytes / (row["ms_cold"] / 1e3) / 1e9
+            row.update(weight_bytes=floor_bytes, floor_us=floor_us, weights_GBps=gbps,
+                       floor_fraction=floor_us / row["us_cold"], rate=gbps, rate_unit="GB/s",
+                       roofline_fraction=floor_us / row["us_cold"])  # fmt: skip
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     return rows
+
+
+def _int4_row(torch, fn, args, quant, with_reference: bool) -> dict:
+    """Times of one ``bench_int4`` launch: cold-L2 graph, graph replays, the torch reference."""
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from atom_kernels.backends.torch import moe as reference
+
+    torch.cuda.synchronize()
+    ms_cold = cold_graph_ms(fn)
+    ms_graph = float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    torch_ms = None
+    if with_reference:
+        torch_ms = float(
+            do_bench(lambda args=args: reference.fused_moe(*args, **quant), warmup=3, rep=20,
+                     return_mode="median")
+        )  # fmt: skip
+    return {"us_cold": ms_cold * 1e3, "ms_cold": ms_cold, "ms_graph": ms_graph,
+            "torch_ms": torch_ms}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--int4", action="store_true",
         help="the W4A16 experts on Kimi-K2's shape instead of the bf16 shapes",
+    )  # fmt: skip
+    parser.add_argument(
+        "--int4-packed", action="store_true",
+        help="--int4: each token count also with the PACKED unpack (moe_wna16), after the default",
     )  # fmt: skip
     parser.add_argument(
         "--ep-size", type=int, default=1, help="time one rank of this many expert-parallel ranks"
@@ -333,10 +347,13 @@ def main(argv: list[str] | None = None) -> int:
         "results": [],
     }
     rows = result["results"]
-    bench = bench_int4 if args.int4 else bench_shape
     for name, shape in shapes.items():
-        rows += bench(torch, name, shape, roofline, not args.no_reference, tokens, args.ep_size,
-                      args.ep_skip)  # fmt: skip
+        common = (torch, name, shape, roofline, not args.no_reference, tokens, args.ep_size,
+                  args.ep_skip)  # fmt: skip
+        if args.int4:
+            rows += bench_int4(*common, packed=args.int4_packed)
+        else:
+            rows += bench_shape(*common)
         torch.cuda.empty_cache()
         with open(args.out, "w") as f:  # after each shape: a cut-off run keeps what it measured
             json.dump(result, f, indent=2)

@@ -60,8 +60,10 @@ def compile_sm90(kernel, pointers: dict, constexprs: dict, cfg: dict):
         pytest.skip(f"no CUDA toolchain for an AOT compile: {exc}")
 
 
-def compile_gemms(shape, num_tokens, bits, group, zeros, dtype="bf16", monkeypatch=None):
-    """(GEMM 1, GEMM 2) compiled at the tiles ``wna16_configs`` picks on an H100."""
+def compile_gemms(shape, num_tokens, bits, group, zeros, dtype="bf16", monkeypatch=None,
+                  packed=False):  # fmt: skip
+    """(GEMM 1, GEMM 2) compiled at the tiles ``wna16_configs`` picks on an H100 (``packed``:
+    with PACKED, its unpack in PTX)."""
     num_experts, top_k, hidden, inter = shape
     monkeypatch.setattr(moe_wna16, "num_sms", lambda device: 132)  # an H100's, no GPU here
     config = moe_wna16.wna16_configs(num_tokens, top_k, num_experts, hidden, inter, bits,
@@ -70,7 +72,10 @@ def compile_gemms(shape, num_tokens, bits, group, zeros, dtype="bf16", monkeypat
     kernels = []
     for gemm, k in (("gemm1", hidden), ("gemm2", inter)):
         group_k = group or k
-        cfg, _, quant = moe_wna16._launch(config[gemm], 1, k, group_k, bits)
+        x = torch.empty(0, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
+        launch = dict(config[gemm], PACKED=True) if packed else config[gemm]
+        cfg, _, quant = moe_wna16._launch(launch, 1, k, group_k, bits, x=x)
+        quant["ASM"] = packed  # a GPU's launch (x here is on the CPU)
         common = dict(HAS_ZEROS=zeros, **quant, HAS_BIAS=False, PRECISION="tf32",
                       PER_PAIR=config["per_pair"], BLOCK_E=512)  # fmt: skip
         quant_ptrs = dict(w_ptr="*i32", s_ptr=f"*{dtype}", z_ptr=f"*{dtype}",
@@ -118,3 +123,17 @@ def test_wna16_decode_loads_packed_words_as_vectors(monkeypatch):
         copies = re.findall(r"cp\.async\.\w+\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)",
                             kernel.asm["ptx"])  # fmt: skip
         assert copies and set(copies) == {"0x10"}, copies
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize(("group", "zeros"), [(32, False), (128, True)])
+def test_wna16_moe_packed_compiles_for_sm90(monkeypatch, dtype, group, zeros):
+    """PACKED at Kimi-K2's 16-token decode tiles: the packed unpack's PTX (byte permutes and
+    packed FMAs: two of a pair's weights an instruction) in both GEMMs, no register spills."""
+    fma = "fma.rn.bf16x2" if dtype == "bf16" else "fma.rn.f16x2"
+    kernels = compile_gemms(KIMI, 16, 4, group, zeros, dtype, monkeypatch, packed=True)
+    for kernel, _, quant in kernels:
+        ptx = kernel.asm["ptx"]
+        assert quant["PACKED"] and quant["SPLIT"]
+        assert "prmt.b32" in ptx and fma in ptx and "ld.local" not in ptx
+        assert kernel.metadata.shared <= H100_SHARED_BYTES

@@ -176,6 +176,34 @@ def test_fused_moe_wna16_split_forced(triton_backend, split, bits, block_k, grou
     _check(x, experts, _routing(10, 2, 2, 50, device), config=config, name=f"SPLIT={split}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("asym", "group13", "group2"), [(False, 32, 32), (True, 128, 0)])
+def test_fused_moe_wna16_packed(triton_backend, dtype, asym, group13, group2):
+    """``PACKED`` (the split loop's packed unpack, ``int_quant_packed_dot.unpack_scaled``; the
+    interpreter takes its shift-and-mask form): the reference's dequantized experts, group 32
+    (scales gathered a word) and 128 / channel-wise (a scale vector a step), zero points."""
+    device, hidden, inter = triton_backend.device, 256, 128
+    g13, g2 = hidden // group13, (inter // group2 if group2 else 1)
+    experts = _experts(3, hidden, inter, 4, g13, g2, asym, dtype, device, seed=51)
+    x = _randn(6, hidden, seed=52, device=device).to(dtype)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, PACKED=True)
+    config = {"per_pair": False, "gemm1": cfg, "gemm2": cfg}
+    _check(x, experts, _routing(6, 3, 2, 53, device), config=config, name="PACKED")
+
+
+def test_fused_moe_wna16_packed_refused_where_impossible(triton_backend):
+    from atom_kernels.backends.triton import moe_wna16
+
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, PACKED=True)
+    with pytest.raises(ValueError, match="PACKED"):  # 8-bit
+        moe_wna16._launch(dict(cfg, BLOCK_K=256), 1, 256, 32, 8, x=x)
+    with pytest.raises(ValueError, match="PACKED"):  # fp32 activations
+        moe_wna16._launch(cfg, 1, 256, 32, 4, x=x.float())
+    with pytest.raises(ValueError, match="PACKED"):  # the tile loop
+        moe_wna16._launch(dict(cfg, SPLIT=False), 1, 256, 32, 4, x=x)
+
+
 def test_fused_moe_wna16_split_refused_where_impossible(triton_backend):
     from atom_kernels.backends.triton import moe_wna16
 
@@ -269,3 +297,23 @@ def test_fused_moe_wna16_gpu_real_sizes(triton_backend, num_tokens, shape, bits,
     x = _randn(num_tokens, hidden, seed=61, device="cuda").to(torch.bfloat16)
     routing = _routing(num_tokens, num_experts, top_k, 62, "cuda", drop=num_experts * 3 // 4)
     _check(x, experts, routing, atol=5e-2, name=f"int{bits} g{group}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [4, 16, 64])
+@pytest.mark.parametrize(("group", "asym"), [(32, False), (128, True)])
+def test_fused_moe_wna16_gpu_packed(triton_backend, num_tokens, group, asym):
+    """PACKED's PTX at Kimi-K2-Thinking's expert shape (32 of 384 experts, group 32) and a
+    group-128 asymmetric one, the decode tiles (``wna16_configs``) with the packed unpack."""
+    from atom_kernels.backends.triton import moe_wna16
+
+    num_experts, top_k, hidden, inter = 32, 8, 7168, 2048
+    experts = _experts(num_experts, hidden, inter, 4, hidden // group, inter // group, asym,
+                       torch.bfloat16, "cuda", seed=63)  # fmt: skip
+    x = _randn(num_tokens, hidden, seed=64, device="cuda").to(torch.bfloat16)
+    routing = _routing(num_tokens, num_experts, top_k, 65, "cuda")
+    config = moe_wna16.wna16_configs(num_tokens, top_k, num_experts, hidden, inter, 4,
+                                     torch.device("cuda"))  # fmt: skip
+    config = dict(config, gemm1=dict(config["gemm1"], PACKED=True),
+                  gemm2=dict(config["gemm2"], PACKED=True))  # fmt: skip
+    _check(x, experts, routing, config=config, atol=5e-2, name=f"PACKED g{group}")

@@ -44,13 +44,16 @@ from atom_kernels.backends.triton.int_quant_small_magic import eight_values
 _PRMT = ("0x4400", "0x5511", "0x6622", "0x7733")
 
 
-def _unpack_asm(magic: str) -> str:
+def _unpack_asm(magic: str, scaled: bool = False) -> str:
     """PTX for 8 packed outputs $0..$7 (value j of the words $8, $9 as two 16-bit floats minus
     zero) given $10 = -(magic + zero) as two 16-bit floats and ``magic`` the pair 0xMMMMMMMM of
-    the float whose mantissa takes a nibble (bf16 128.0: 0x43004300; fp16 1024.0: 0x64006400)."""
+    the float whose mantissa takes a nibble (bf16 128.0: 0x43004300; fp16 1024.0: 0x64006400);
+    ``scaled``: times $11, two 16-bit scales (one more packed FMA a pair: (q - zero) * scale
+    rounded once, the exact product's rounding, as the reference's fp32 product rounded)."""
     one = "0x3F803F80" if magic == "0x43004300" else "0x3C003C00"
     fma = "fma.rn.bf16x2" if magic == "0x43004300" else "fma.rn.f16x2"
-    lines = ["{", ".reg .b32 t, u, one;", f"mov.b32 one, {one};"]
+    lines = ["{", ".reg .b32 t, u, one, nzero;", f"mov.b32 one, {one};",
+             "mov.b32 nzero, 0x80008000;"]  # fmt: skip
     for i, sel in enumerate(_PRMT):
         lines += [
             f"prmt.b32 t, $8, $9, {sel};",
@@ -60,15 +63,20 @@ def _unpack_asm(magic: str) -> str:
             f"{fma} ${2 * i}, ${2 * i}, one, $10;",
             f"{fma} ${2 * i + 1}, ${2 * i + 1}, one, $10;",
         ]
+        if scaled:  # + -0.0: the product alone, rounded once (x * s + -0 is x * s, signs too)
+            lines += [f"{fma} ${2 * i}, ${2 * i}, $11, nzero;",
+                      f"{fma} ${2 * i + 1}, ${2 * i + 1}, $11, nzero;"]  # fmt: skip
     return "\n".join(lines + ["}"])
 
 
 _ASM_BF16 = tl.constexpr(_unpack_asm("0x43004300"))
 _ASM_FP16 = tl.constexpr(_unpack_asm("0x64006400"))
+_ASM_BF16_SCALED = tl.constexpr(_unpack_asm("0x43004300", scaled=True))
+_ASM_FP16_SCALED = tl.constexpr(_unpack_asm("0x64006400", scaled=True))
 
 
 @triton.jit
-def _magic_of(DTYPE: tl.constexpr):
+def magic_of(DTYPE: tl.constexpr):
     """The float whose mantissa takes a nibble in ``_unpack``: 128 (bf16), 1024 (fp16)."""
     return 128 if DTYPE == tl.bfloat16 else 1024
 
@@ -76,7 +84,7 @@ def _magic_of(DTYPE: tl.constexpr):
 @triton.jit
 def _unpack_plain(words, nz, DTYPE: tl.constexpr):
     """``_unpack`` by shifts and masks (the interpreter, other GPUs): the same values."""
-    bias = nz.to(tl.float32) + _magic_of(DTYPE)  # -zero
+    bias = nz.to(tl.float32) + magic_of(DTYPE)  # -zero
     w0 = (((words >> 0) & 0xF).to(tl.float32) + bias).to(DTYPE)
     w1 = (((words >> 4) & 0xF).to(tl.float32) + bias).to(DTYPE)
     w2 = (((words >> 8) & 0xF).to(tl.float32) + bias).to(DTYPE)
@@ -91,7 +99,7 @@ def _unpack_plain(words, nz, DTYPE: tl.constexpr):
 @triton.jit
 def _unpack(words, nz, DTYPE: tl.constexpr, ASM: tl.constexpr):
     """(value j - zero for j = 0..7), each [BLOCK_N, BLOCK_KP] in DTYPE, exact; ``nz`` is
-    -(magic + zero) in DTYPE, [BLOCK_N, BLOCK_KP] (``_magic_of``)."""
+    -(magic + zero) in DTYPE, [BLOCK_N, BLOCK_KP] (``magic_of``)."""
     if not ASM:
         w = _unpack_plain(words, nz, DTYPE)
     elif DTYPE == tl.bfloat16:
@@ -103,6 +111,38 @@ def _unpack(words, nz, DTYPE: tl.constexpr, ASM: tl.constexpr):
     else:
         w = tl.inline_asm_elementwise(
             _ASM_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", args=[words, nz],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16,
+                   tl.float16, tl.float16), is_pure=True, pack=2,
+        )  # fmt: skip
+    return w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]
+
+
+@triton.jit
+def unpack_scaled(words, nz, scale, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """((value j - zero) * scale rounded once to DTYPE, j = 0..7), each of ``words``' shape:
+    ``nz`` -(magic + zero) and ``scale`` in DTYPE of that shape (the fused MoE's weight tiles,
+    the reference's dequantized weights exactly)."""
+    if not ASM:
+        bias = nz.to(tl.float32) + magic_of(DTYPE)  # -zero
+        s = scale.to(tl.float32)
+        w0 = ((((words >> 0) & 0xF).to(tl.float32) + bias) * s).to(DTYPE)
+        w1 = ((((words >> 4) & 0xF).to(tl.float32) + bias) * s).to(DTYPE)
+        w2 = ((((words >> 8) & 0xF).to(tl.float32) + bias) * s).to(DTYPE)
+        w3 = ((((words >> 12) & 0xF).to(tl.float32) + bias) * s).to(DTYPE)
+        w4 = ((((words >> 16) & 0xF).to(tl.float32) + bias) * s).to(DTYPE)
+        w5 = ((((words >> 20) & 0xF).to(tl.float32) + bias) * s).to(DTYPE)
+        w6 = ((((words >> 24) & 0xF).to(tl.float32) + bias) * s).to(DTYPE)
+        w7 = ((((words >> 28) & 0xF).to(tl.float32) + bias) * s).to(DTYPE)
+        w = (w0, w1, w2, w3, w4, w5, w6, w7)
+    elif DTYPE == tl.bfloat16:
+        w = tl.inline_asm_elementwise(
+            _ASM_BF16_SCALED, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", args=[words, nz, scale],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+                   tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2,
+        )  # fmt: skip
+    else:
+        w = tl.inline_asm_elementwise(
+            _ASM_FP16_SCALED, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", args=[words, nz, scale],
             dtype=(tl.float16, tl.float16, tl.float16, tl.float16, tl.float16, tl.float16,
                    tl.float16, tl.float16), is_pure=True, pack=2,
         )  # fmt: skip
@@ -140,9 +180,9 @@ def _packed_dot_k_loop(
         s = tl.load(s_ptr + rows * stride_sn + group).to(tl.float32)
         if HAS_ZEROS:  # -(magic + zero): exact in DTYPE (integer zeros < 16)
             z = tl.load(z_ptr + rows * stride_zn + group).to(tl.float32)
-            nz = tl.broadcast_to((-(z + _magic_of(DTYPE))).to(DTYPE)[:, None], words.shape)
+            nz = tl.broadcast_to((-(z + magic_of(DTYPE))).to(DTYPE)[:, None], words.shape)
         else:
-            nz = tl.full(words.shape, -(_magic_of(DTYPE) + 8), DTYPE)
+            nz = tl.full(words.shape, -(magic_of(DTYPE) + 8), DTYPE)
         w0, w1, w2, w3, w4, w5, w6, w7 = _unpack(words, nz, DTYPE, ASM)
         if X_SPLIT:  # the 8 values' x from one [BLOCK_M, BLOCK_KP, 8] load, split in registers
             xv = tl.load(x3_ptrs + k0, mask=x_mask[:, :, None], other=0.0)

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from atom_kernels.backends.triton.common import is_interpreted, next_pow2, num_sms
 from atom_kernels.backends.triton.int_quant import value_minus_zero
+from atom_kernels.backends.triton.int_quant_packed_dot import magic_of, unpack_scaled
 from atom_kernels.backends.triton.moe import (
     _ACTIVATIONS,
     ALIGN_KERNEL_MAX_PAIRS,
@@ -85,12 +86,35 @@ def _group_params(
 
 
 @triton.jit
+def _packed_dots(acc, x_rows, x_mask, js, stride_xk, words, zero, scale, ASM: tl.constexpr):
+    """acc + the step's 8 dots, value i of every word met by x at k = 8 j + i, the weights
+    from ``unpack_scaled`` (``zero`` / ``scale`` float32, [1, N] or [J, N])."""
+    DTYPE: tl.constexpr = x_rows.dtype.element_ty
+    # [N, J]: the words of a column along the registers' fast dim, as the dense packed dots
+    # (int_quant_packed_dot) take them
+    nz = tl.trans((tl.zeros(words.shape, tl.float32) - (zero + magic_of(DTYPE))).to(DTYPE))
+    s = tl.trans(tl.broadcast_to(scale, words.shape).to(DTYPE))  # the scales' own values
+    words = tl.trans(words)
+    w0, w1, w2, w3, w4, w5, w6, w7 = unpack_scaled(words, nz, s, DTYPE, ASM)
+    x_ptrs = x_rows + (js * 8)[None, :] * stride_xk  # [M, J]
+    acc = tl.dot(tl.load(x_ptrs + 0 * stride_xk, mask=x_mask, other=0.0), tl.trans(w0), acc)
+    acc = tl.dot(tl.load(x_ptrs + 1 * stride_xk, mask=x_mask, other=0.0), tl.trans(w1), acc)
+    acc = tl.dot(tl.load(x_ptrs + 2 * stride_xk, mask=x_mask, other=0.0), tl.trans(w2), acc)
+    acc = tl.dot(tl.load(x_ptrs + 3 * stride_xk, mask=x_mask, other=0.0), tl.trans(w3), acc)
+    acc = tl.dot(tl.load(x_ptrs + 4 * stride_xk, mask=x_mask, other=0.0), tl.trans(w4), acc)
+    acc = tl.dot(tl.load(x_ptrs + 5 * stride_xk, mask=x_mask, other=0.0), tl.trans(w5), acc)
+    acc = tl.dot(tl.load(x_ptrs + 6 * stride_xk, mask=x_mask, other=0.0), tl.trans(w6), acc)
+    acc = tl.dot(tl.load(x_ptrs + 7 * stride_xk, mask=x_mask, other=0.0), tl.trans(w7), acc)
+    return acc
+
+
+@triton.jit
 def wna16_step(
     acc, acc2, x_rows, x_valid, stride_xk, w_rows, w2_rows, s_rows, s2_rows, z_rows, z2_rows,
     k0, num_k, col_valid, stride_wk, stride_sk, stride_zk,
     TWO: tl.constexpr, BITS: tl.constexpr, GROUP_K: tl.constexpr, HAS_ZEROS: tl.constexpr,
     SCALE_VEC: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PACKED: tl.constexpr = False, ASM: tl.constexpr = False,
 ):  # fmt: skip
     """(acc + x[:, k0 : k0 + BLOCK_K] @ W[k0 : k0 + BLOCK_K, cols], the same for acc2 and W2 when
     ``TWO``), the activations loaded once for both: ``x_rows`` [M, 1] pointers to the activation
@@ -101,7 +125,9 @@ def wna16_step(
     [BLOCK_K / PER, N] words are loaded once (contiguous along K: vector loads), then PER dots,
     dot i over the inputs k = PER * j + i (the i-th value of word j) against those values: a
     dot's sum does not care about the order of its K. Else one [BLOCK_K, N] tile in k order,
-    each word's address repeated PER times (the repeats hit L1)."""
+    each word's address repeated PER times (the repeats hit L1). PACKED (SPLIT, 4-bit, 16-bit
+    x): each word's 8 values as (q - zero) * scale by ``int_quant_packed_dot.unpack_scaled``
+    (packed bf16x2 / f16x2 arithmetic in PTX where ASM; the same numbers), ``_packed_dots``."""
     PER: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     if SPLIT:
@@ -121,15 +147,21 @@ def wna16_step(
             zero2, scale2 = _group_params(s2_rows, z2_rows, groups, mask, col_valid, stride_sk,
                                           stride_zk, BITS, HAS_ZEROS, SCALE_VEC)  # fmt: skip
         x_mask = x_valid[:, None] & j_valid[None, :]
-        for i in tl.static_range(0, PER):
-            x = tl.load(x_rows + (js * PER + i)[None, :] * stride_xk, mask=x_mask, other=0.0)
-            # (q - zero) * scale rounded once to x's dtype, as ``_weight``; value i masked in
-            # place (``value_minus_zero``: one LOP3 a value, no shift or bit-field extract)
-            w = (value_minus_zero(words, i, zero, BITS) * scale).to(x.dtype)  # [J, N]
-            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        if PACKED:
+            acc = _packed_dots(acc, x_rows, x_mask, js, stride_xk, words, zero, scale, ASM)
             if TWO:
-                w2 = (value_minus_zero(words2, i, zero2, BITS) * scale2).to(x.dtype)
-                acc2 = tl.dot(x, w2, acc2, input_precision=PRECISION)
+                acc2 = _packed_dots(acc2, x_rows, x_mask, js, stride_xk, words2, zero2, scale2,
+                                    ASM)  # fmt: skip
+        else:
+            for i in tl.static_range(0, PER):
+                x = tl.load(x_rows + (js * PER + i)[None, :] * stride_xk, mask=x_mask, other=0.0)
+                # (q - zero) * scale rounded once to x's dtype, as ``_weight``; value i masked
+                # in place (``value_minus_zero``: one LOP3 a value, no shift or extract)
+                w = (value_minus_zero(words, i, zero, BITS) * scale).to(x.dtype)  # [J, N]
+                acc = tl.dot(x, w, acc, input_precision=PRECISION)
+                if TWO:
+                    w2 = (value_minus_zero(words2, i, zero2, BITS) * scale2).to(x.dtype)
+                    acc2 = tl.dot(x, w2, acc2, input_precision=PRECISION)
     else:
         ks = k0 + tl.arange(0, BLOCK_K)
         k_valid = ks < num_k
@@ -226,7 +258,7 @@ def _wna16_gemm1_kernel(
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, ROW: tl.constexpr, ACTIVATION: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     PER_PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    BLOCK_E: tl.constexpr, PACKED: tl.constexpr = False, ASM: tl.constexpr = False,
 ):  # fmt: skip
     """out[rows, cols] = act(x[tokens] @ W13[expert, gate / up rows]^T + b13): x [T, H], w [E, 2I,
     H / PER] packed, out [P or N, I] in x's dtype."""
@@ -270,6 +302,7 @@ def _wna16_gemm1_kernel(
                 acc_g, acc_u, x_rows, row_valid, stride_xh, wg_rows, wu_rows, sg_rows, su_rows,
                 zg_rows, zu_rows, k0, hidden_size, col_valid, stride_wk, stride_sk, stride_zk,
                 True, BITS, GROUP_K, HAS_ZEROS, SCALE_VEC, SPLIT, EVEN_K, PRECISION, BLOCK_K,
+                PACKED, ASM,
             )  # fmt: skip
     if HAS_BIAS:
         b_base = bias_ptr + e * stride_be
@@ -301,6 +334,7 @@ def _wna16_gemm2_kernel(
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr, PER_PAIR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    PACKED: tl.constexpr = False, ASM: tl.constexpr = False,
 ):  # fmt: skip
     """out[pair, cols] = w_pair * (a[row] @ W2[expert, cols]^T + b2): a [P or N, I] (GEMM 1's
     rows), w [E, H, I / PER] packed, out [N, H] one row per pair (fp32 or x's dtype)."""
@@ -332,7 +366,7 @@ def _wna16_gemm2_kernel(
             acc, _ = wna16_step(
                 acc, acc, a_rows, row_valid, 1, w_rows, w_rows, s_rows, s_rows, z_rows, z_rows, k0,
                 inter_size, col_valid, stride_wk, stride_sk, stride_zk, False, BITS, GROUP_K,
-                HAS_ZEROS, SCALE_VEC, SPLIT, EVEN_K, PRECISION, BLOCK_K,
+                HAS_ZEROS, SCALE_VEC, SPLIT, EVEN_K, PRECISION, BLOCK_K, PACKED, ASM,
             )  # fmt: skip
     if HAS_BIAS:
         bias = tl.load(bias_ptr + e * stride_be + cols * stride_bn, mask=col_valid, other=0.0)
@@ -408,12 +442,20 @@ def _widest(num_blocks: int, width: int, sms: int) -> int:
 
 
 def _launch(
-    cfg: dict, num_row_blocks: int, num_k: int, group_k: int, bits: int, row_fma: bool = False
+    cfg: dict,
+    num_row_blocks: int,
+    num_k: int,
+    group_k: int,
+    bits: int,
+    row_fma: bool = False,
+    x: torch.Tensor | None = None,
 ) -> tuple[dict, int, dict]:
-    """(launch config without GROUP_M and SPLIT, group_m, the dequantization constexprs) of one
-    GEMM; ``row_fma``: the per-pair path's register loop (``wna16_row``) where the groups allow.
-    The MMA loop is split (no interleave: ``wna16_step``) wherever it can be, unless the GEMM's
-    config says ``SPLIT=False`` (benchmarks: the tile loop at the same tile)."""
+    """(launch config without GROUP_M, SPLIT and PACKED, group_m, the dequantization constexprs)
+    of one GEMM; ``row_fma``: the per-pair path's register loop (``wna16_row``) where the groups
+    allow. The MMA loop is split (no interleave: ``wna16_step``) wherever it can be, unless the
+    GEMM's config says ``SPLIT=False`` (benchmarks: the tile loop at the same tile); ``PACKED``
+    (off unless asked: not yet timed on a GPU): the split loop's packed unpack, 4-bit weights
+    and 16-bit ``x`` only."""
     cfg = dict(cfg)
     group_m = cfg.pop("GROUP_M", 0)
     per_int = 32 // bits
@@ -424,13 +466,23 @@ def _launch(
             f"fused_moe wna16: SPLIT needs BLOCK_K * {bits} / 32 >= 16 and whole words in a "
             f"group (BLOCK_K {cfg['BLOCK_K']}, group {group_k})"
         )
+    packed = bool(cfg.pop("PACKED", False))
+    split = can_split if split is None else bool(split)
+    if packed and not (split and bits == 4 and x is not None
+                       and x.dtype in (torch.bfloat16, torch.float16)):  # fmt: skip
+        raise ValueError(
+            "fused_moe wna16: PACKED needs the split loop, 4-bit weights and bf16 / fp16 "
+            f"activations (split {split}, {bits}-bit, {None if x is None else x.dtype})"
+        )
     quant = dict(
         BITS=bits,
         GROUP_K=group_k,
         SCALE_VEC=group_k % cfg["BLOCK_K"] == 0,
-        SPLIT=can_split if split is None else bool(split),
+        SPLIT=split,
         EVEN_K=num_k % cfg["BLOCK_K"] == 0,
         ROW=row_fma and group_k % per_int == 0,
+        PACKED=packed,
+        ASM=packed and x.device.type == "cuda" and not torch.version.hip,
     )
     return cfg, group_m if group_m > 0 else max(1, num_row_blocks), quant
 
@@ -503,7 +555,7 @@ def fused_moe_wna16(
         activated = torch.empty((num_row_blocks * block_m, inter_size), dtype=dtype, device=device)
 
     gemm1, group1, quant1 = _launch(
-        config["gemm1"], num_row_blocks, hidden_size, group13, bits, row_fma
+        config["gemm1"], num_row_blocks, hidden_size, group13, bits, row_fma, hidden_states
     )
     strides13, z13 = _quant_args(w13, w13_scale, w13_zeros)
     b13 = w13 if w13_bias is None else w13_bias
@@ -524,7 +576,7 @@ def fused_moe_wna16(
     rows_dtype = torch.float32 if num_pairs <= FP32_ROWS_MAX_PAIRS else dtype
     dest = torch.empty((num_pairs, hidden_size), dtype=rows_dtype, device=device)  # [N, H]
     gemm2, group2_m, quant2 = _launch(
-        config["gemm2"], num_row_blocks, inter_size, group2, bits, row_fma
+        config["gemm2"], num_row_blocks, inter_size, group2, bits, row_fma, hidden_states
     )
     strides2, z2 = _quant_args(w2, w2_scale, w2_zeros)
     b2 = w2 if w2_bias is None else w2_bias
