@@ -445,8 +445,9 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     15.3 / 13.1 / 47.6 / 30.0; 16 rows, the interleaved dots 23.8 / 16.1 / 76.1 / 42.9 (s25
     int-packed-dot.json), packed with ``fill`` 20.8 / 17.2 / 68.2 / 40.8. One row keeps the
     multiply-adds: the packed dots (best launch 14.6 / 12.1 / 40.5 / 27.4) lose to X_VECTOR
-    (11.4 / 9.4 / 36.2 / 22.2): x's eight [16, BLOCK_K / 8] tiles a K tile pass through shared
-    memory (a barrier pair each) where the multiply-adds read it from registers."""
+    (11.4 / 9.4 / 36.2 / 22.2), with X_SPLIT (no x barrier in the loop) too (14.3 / 11.6 / 40.8
+    / 26.0 against 11.4 / 9.3 / 34.8 / 22.0, x-split/int-x-split.json): at one row what bounds
+    both is the bytes in flight (ncu above), not the loop's instructions."""
     per_int = 32 // bits
     permuted = num_rows <= PERMUTED_MAX_ROWS and per_tile and group_size % per_int == 0
     packed_dot = (packed_dot and bits == 4 and per_tile
