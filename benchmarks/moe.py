@@ -122,9 +122,6 @@ def bench_shape(
     ep_size: int = 1,
     ep_skip: str = "minus-one",
 ) -> list[dict]:
-    from triton.testing import do_bench, do_bench_cudagraph
-
-    from atom_kernels.backends.torch import moe as reference
     from atom_kernels.backends.triton import custom_ops
 
     num_experts, top_k, hidden, inter = shape
@@ -150,15 +147,8 @@ def bench_shape(
         def triton_fn(args=args):
             return custom_ops.fused_moe(*args)
 
-        torch.cuda.synchronize()
-        ms_cold = cold_graph_ms(triton_fn)
-        ms_graph = float(do_bench_cudagraph(triton_fn, rep=100, return_mode="median"))
-        torch_ms = None
-        if with_reference:
-            torch_ms = float(
-                do_bench(lambda args=args: reference.fused_moe(*args), warmup=5, rep=50,
-                         return_mode="median")
-            )  # fmt: skip
+        times = _time_moe(torch, triton_fn, args, {}, with_reference, warmup=5, rep=50)
+        ms_cold, ms_graph, torch_ms = times["ms_cold"], times["ms_graph"], times["torch_ms"]
         hit = int(ids[owned].unique().numel())
         weight_bytes = hit * expert_bytes(hidden, inter)
         flops = moe_flops(int(owned.sum()), 1, hidden, inter)  # the rank's own pairs
@@ -259,7 +249,7 @@ def bench_int4(
             impls.append(("packed", packed_fn))
         hit = int(ids[owned].unique().numel())
         for impl, fn in impls:
-            row = _int4_row(torch, fn, args, quant, with_reference and impl == "default")
+            row = _time_moe(torch, fn, args, quant, with_reference and impl == "default")
             row.update(shape=name, experts=num_experts, local_experts=num_local, top_k=top_k,
                        hidden=hidden, intermediate=inter, tokens=num_tokens, impl=impl,
                        quant=f"wna16 int4 group {INT4_GROUP} symmetric", ep_size=ep_size,
@@ -275,8 +265,9 @@ def bench_int4(
     return rows
 
 
-def _int4_row(torch, fn, args, quant, with_reference: bool) -> dict:
-    """Times of one ``bench_int4`` launch: cold-L2 graph, graph replays, the torch reference."""
+def _time_moe(torch, fn, args, quant, with_reference: bool, warmup: int = 3, rep: int = 20) -> dict:
+    """Times of one fused-MoE launch: cold-L2 graph, graph replays, the torch reference (``quant``
+    its quantization arguments; ``warmup`` / ``rep`` its do_bench)."""
     from triton.testing import do_bench, do_bench_cudagraph
 
     from atom_kernels.backends.torch import moe as reference
@@ -287,8 +278,8 @@ def _int4_row(torch, fn, args, quant, with_reference: bool) -> dict:
     torch_ms = None
     if with_reference:
         torch_ms = float(
-            do_bench(lambda args=args: reference.fused_moe(*args, **quant), warmup=3, rep=20,
-                     return_mode="median")
+            do_bench(lambda args=args: reference.fused_moe(*args, **quant), warmup=warmup,
+                     rep=rep, return_mode="median")
         )  # fmt: skip
     return {"us_cold": ms_cold * 1e3, "ms_cold": ms_cold, "ms_graph": ms_graph,
             "torch_ms": torch_ms}  # fmt: skip
