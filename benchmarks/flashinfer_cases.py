@@ -34,7 +34,7 @@ class Sizes:
     decode_contexts: tuple = (512, 4096, 32768)
     prefill: tuple = ((4096, 0), (4096, 12288), (16384, 0), (16384, 16384))  # (new, prefix)
     prefill_heads: tuple = (32, 8)
-    mla_heads: int = 128
+    mla_heads: tuple = (128,)  # a rank's: DeepSeek-V3 / Kimi-K2 at TP 1 (or DP attention), TP 8: 16
     mla_dims: tuple = (512, 64)  # (L, R): DeepSeek-V3
     mla_batches: tuple = (1, 64, 256)
     mla_contexts: tuple = (4096, 32768)
@@ -49,7 +49,7 @@ class Sizes:
 FULL = Sizes()
 TINY = Sizes(
     decode_heads=((4, 2),), head_dim=32, decode_batches=(1, 3), decode_contexts=(20,),
-    prefill=((8, 0), (8, 12)), prefill_heads=(4, 2), mla_heads=4, mla_dims=(32, 16),
+    prefill=((8, 0), (8, 12)), prefill_heads=(4, 2), mla_heads=(4,), mla_dims=(32, 16),
     mla_batches=(2,), mla_contexts=(20,), tokens=(5,), hidden=64, intermediate=96,
     rope_tokens=(7,), sample_batches=(3,), vocabs=(1000,),
 )  # fmt: skip
@@ -194,42 +194,42 @@ def prefill_cases(s: Sizes, device, page_size: int, gen) -> Iterator[Case]:
 
 
 def mla_cases(s: Sizes, device, page_size: int, gen) -> Iterator[Case]:
-    heads, (lat, rope), dt = s.mla_heads, s.mla_dims, torch.bfloat16
+    (lat, rope), dt = s.mla_dims, torch.bfloat16
     scale = (128 + rope) ** -0.5  # DeepSeek-V3's qk_nope 128 + qk_rope 64
-    for batch in s.mla_batches:
-        for context in s.mla_contexts:
-            bt, sl, shape = _paged(batch, context, None, (lat + rope,), device, gen)
-            cache = torch.randn(shape, dtype=dt, device=device, generator=gen)
-            q = torch.randn(batch, heads, lat + rope, dtype=dt, device=device, generator=gen)
-            q_lat, q_pe = q[..., :lat].contiguous(), q[..., lat:].contiguous()
-            qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    shapes = [(h, b, c) for h in s.mla_heads for b in s.mla_batches for c in s.mla_contexts]
+    for heads, batch, context in shapes:
+        bt, sl, shape = _paged(batch, context, None, (lat + rope,), device, gen)
+        cache = torch.randn(shape, dtype=dt, device=device, generator=gen)
+        q = torch.randn(batch, heads, lat + rope, dtype=dt, device=device, generator=gen)
+        q_lat, q_pe = q[..., :lat].contiguous(), q[..., lat:].contiguous()
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
 
-            def atom(q_lat=q_lat, q_pe=q_pe, cache=cache, bt=bt, sl=sl, qsl=qsl):
-                return ak.mla_paged_attention(
-                    q_lat, q_pe, cache, bt, sl, qsl, scale, max_query_len=1
-                )
+        def atom(q_lat=q_lat, q_pe=q_pe, cache=cache, bt=bt, sl=sl, qsl=qsl):
+            return ak.mla_paged_attention(
+                q_lat, q_pe, cache, bt, sl, qsl, scale, max_query_len=1
+            )
 
-            def flashinfer(fi, q=q, cache=cache, bt=bt, sl=sl, qsl=qsl):
-                from flashinfer.mla._batch_mla import MLAPlanMetadata
+        def flashinfer(fi, q=q, cache=cache, bt=bt, sl=sl, qsl=qsl, heads=heads):
+            from flashinfer.mla._batch_mla import MLAPlanMetadata
 
-                m = fi_pages(bt, sl, page_size)
-                ws = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
-                w = fi.BatchMLAPagedAttentionWrapper(ws)
-                meta = MLAPlanMetadata.csr(qsl, m["indptr"], m["indices"], m["kv_lens"])
-                w.plan(
-                    metadata=meta, num_heads=heads, head_dim_ckv=lat, head_dim_kpe=rope,
-                    page_size=page_size, causal=False, sm_scale=scale, q_data_type=dt,
-                    kv_data_type=dt,
-                )  # fmt: skip
-                pages = _pages_view(cache, page_size)
-                return _planned(lambda: w.run(query=q, kv_cache=pages), w)
-
-            nbytes = 2 * (batch * context * (lat + rope) + batch * heads * (2 * lat + rope))
-            yield Case(
-                "mla_decode", f"H={heads} L={lat}+{rope} B={batch} ctx={context}",
-                atom, flashinfer, close, float(nbytes),
+            m = fi_pages(bt, sl, page_size)
+            ws = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
+            w = fi.BatchMLAPagedAttentionWrapper(ws)
+            meta = MLAPlanMetadata.csr(qsl, m["indptr"], m["indices"], m["kv_lens"])
+            w.plan(
+                metadata=meta, num_heads=heads, head_dim_ckv=lat, head_dim_kpe=rope,
+                page_size=page_size, causal=False, sm_scale=scale, q_data_type=dt,
+                kv_data_type=dt,
             )  # fmt: skip
-            del cache, atom, flashinfer
+            pages = _pages_view(cache, page_size)
+            return _planned(lambda: w.run(query=q, kv_cache=pages), w)
+
+        nbytes = 2 * (batch * context * (lat + rope) + batch * heads * (2 * lat + rope))
+        yield Case(
+            "mla_decode", f"H={heads} L={lat}+{rope} B={batch} ctx={context}",
+            atom, flashinfer, close, float(nbytes),
+        )  # fmt: skip
+        del cache, atom, flashinfer
 
 
 def norm_cases(s: Sizes, device, gen) -> Iterator[Case]:

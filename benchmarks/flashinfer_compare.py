@@ -40,6 +40,7 @@ a two-GPU run and is not in this script.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -229,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         help="FlashInfer's page size: 16 (vLLM's block size) or 1 (SGLang's)",
     )  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU or GPU)")
+    parser.add_argument("--mla-heads", type=int, nargs="+", help="MLA decode's heads (128)")
+    parser.add_argument("--mla-batches", type=int, nargs="+", help="MLA decode's batches")
     args = parser.parse_args(argv)
     groups = set(filter(None, args.only.split(","))) or set(GROUPS)
     if groups - set(GROUPS):
@@ -253,7 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         "roofline": roofline,
         "rows": rows,
     }
-    for case in cases(groups, TINY if args.tiny else FULL, device, args.fi_page_size):
+    sizes = TINY if args.tiny else FULL
+    if args.mla_heads:
+        sizes = dataclasses.replace(sizes, mla_heads=tuple(args.mla_heads))
+    if args.mla_batches:
+        sizes = dataclasses.replace(sizes, mla_batches=tuple(args.mla_batches))
+    for case in cases(groups, sizes, device, args.fi_page_size):
         try:
             rows.append(run_case(case, fi, fi_status, args.rounds, device, roofline))
         except Exception as e:  # noqa: BLE001 - timing raised after both warmed up: keep going

@@ -273,13 +273,19 @@ def test_default_config(triton_backend):
 
 def test_choose_splits(triton_backend):
     choose = triton_backend.mla_attention.choose_splits
-    # 128 heads in 64-head blocks on 132 SMs: batch 64 fills the GPU (no split); batch 8 takes
-    # 8 splits of 512 tokens, batch 1 as many as the table allows (at most MAX_SPLITS).
-    assert choose(64, 2, 4096, 132, 64) == (1, 4096)
-    assert choose(8, 2, 4096, 132, 64) == (8, 512)
-    assert choose(1, 2, 8192, 132, 64) == (16, 512)
-    assert choose(1, 2, 163840, 132, 64) == (triton_backend.attention.MAX_SPLITS, 512)
-    assert choose(4, 1, 300, 132, 32) == (1, 320)  # shorter than one split
+    max_splits = triton_backend.attention.MAX_SPLITS
+    # 128 heads in 64-head blocks (one program an SM) on 132 SMs: batch 64 fills the GPU (no
+    # split); batch 4 takes 132 // 8 = 16 splits, batch 1 as many as the table allows (at most
+    # MAX_SPLITS), splits of one tile at least.
+    assert choose(64, 2, 4096, 132, 64, 64) == (1, 4096)
+    assert choose(4, 2, 4096, 132, 64, 64) == (16, 64)
+    assert choose(1, 2, 163840, 132, 64, 64) == (max_splits, 64)
+    assert choose(1, 2, 1024, 132, 64, 64) == (16, 64)  # the table's 16 tiles
+    # 16 heads (TP 8): two programs an SM, so batch 64 still splits 4 ways and 256 does not.
+    assert choose(64, 1, 4096, 132, 64, 16) == (4, 64)
+    assert choose(128, 1, 4096, 132, 64, 16) == (2, 64)
+    assert choose(256, 1, 4096, 132, 64, 16) == (1, 4096)
+    assert choose(4, 1, 20, 132, 32, 16) == (1, 32)  # shorter than one tile
 
 
 # --- real sizes on a GPU ----------------------------------------------------------------------

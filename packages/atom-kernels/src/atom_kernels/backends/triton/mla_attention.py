@@ -27,10 +27,10 @@ from atom_kernels.backends.triton.mla_prefill import mla_prefill_kernel
 
 # Latent columns per program of the split reduce: [MAX_SPLITS, 64] fp32 partials a program.
 REDUCE_BLOCK_C = 64
-# Decode splits hold at least this many cache tokens. A split writes and the reduce reads
-# BLOCK_H x L fp32 partials (128 KB for 64 heads of 512), about what 128 tokens of the cache
-# (1152 bytes each) weigh, so MLA splits are longer than paged attention's (see choose_splits).
-MIN_SPLIT_TOKENS = 512
+# Decode programs a launch aims for, an SM: a program of 64 heads of L = 512 takes 221 KB of
+# shared memory (one an SM), smaller head blocks fit two (see choose_splits).
+PROGRAMS_PER_SM_WIDE = 1
+PROGRAMS_PER_SM = 2
 
 
 @dataclass(frozen=True)
@@ -83,30 +83,32 @@ def default_config(
 
 
 def choose_splits(
-    num_seqs: int, head_blocks: int, max_context: int, num_sms: int, block_n: int
+    num_seqs: int, head_blocks: int, max_context: int, num_sms: int, block_n: int, block_h: int
 ) -> tuple[int, int]:
     """(num_splits, min_split_len) of the decode grid (num_seqs, head_blocks, num_splits).
 
-    Splits only fill SMs the batch leaves idle (num_sms // programs, at most MAX_SPLITS), of at
-    least MIN_SPLIT_TOKENS each; a sequence of seq_len tokens takes
-    max(min_split_len, seq_len / num_splits) tokens a split (attention_decode._split_len).
-    ``max_context`` is what the block table can hold (shapes only: no host sync).
+    Splits cut each sequence until the grid holds about PROGRAMS_PER_SM programs an SM
+    (PROGRAMS_PER_SM_WIDE for 64-head blocks): num_splits = programs wanted // (num_seqs x
+    head_blocks), at most MAX_SPLITS and the table's tiles, splits of at least one tile. A
+    sequence of seq_len tokens takes max(block_n, seq_len / num_splits) tokens a split
+    (attention_decode._split_len). ``max_context`` is what the block table can hold (shapes only:
+    no host sync).
 
-    NOTE (one H100, bf16, 128 heads of L = 512 in 64-head blocks, 64-token tiles, do_bench,
-    2026-11-23, measured with the decode kernel before its unmasked-tile loop): batch 1 x 8192
-    tokens: 16 splits of 512 63 us, 32 of 256 96 us, 8 of 1024 107 us, none 780 us; batch 8 x
-    4096: 8 splits of 512 87 us, 16 of 256 99 us, none 391 us; batch 64 x 4096 (128 programs on
-    132 SMs): none 425 us, 2 splits of 2048 543 us, 8 of 512 628 us. With the current kernel,
-    batch 1 x 8192 (16 splits) takes 40 us in the decode kernel and 4.5 us in the reduce (torch
-    profiler, L2-warm); do_bench reports 70-160 us there, the launcher's host time included.
+    NOTE (one H200, triton 3.6, torch 2.11, bf16, L = 512, R = 64, page 16, cold-L2 CUDA graphs,
+    2026-12-01; benchmarks/mla_splits.py, results/mla/s26/mla-splits-h200.json): at 128, 32 and
+    16 heads, batches 1-256 and contexts 1K-32K, this count is the fastest of 1-64 splits or within
+    3% of it at every shape but one (batch 64 x 1K at 32 heads: 4 splits 88 us, unsplit 81 us). The
+    rule before it (num_sms // programs splits of at least 512 tokens) lost up to 2.9x: 16 heads,
+    batch 1 x 4K 34.4 us against 13.7 at 64 splits of 64 tokens; batch 64 x 32K 979 against 643
+    at 4 splits; 128 heads, batch 1 x 4K 51.8 against 22.6; batch 4 x 4K 61.6 against 46.1.
     """
     programs = max(1, num_seqs * head_blocks)
     context = max(max_context, 1)
-    split_len = triton.cdiv(MIN_SPLIT_TOKENS, block_n) * block_n
-    num_splits = min(num_sms // programs, triton.cdiv(context, split_len), MAX_SPLITS)
+    per_sm = PROGRAMS_PER_SM_WIDE if block_h >= 64 else PROGRAMS_PER_SM
+    num_splits = min(num_sms * per_sm // programs, triton.cdiv(context, block_n), MAX_SPLITS)
     if num_splits <= 1:
         return 1, triton.cdiv(context, block_n) * block_n
-    return num_splits, split_len
+    return num_splits, block_n
 
 
 def mla_paged_attention(
@@ -191,7 +193,7 @@ def mla_paged_attention(
     max_context = max(block_tables.shape[1] * block_size, 1)
     if num_splits is None:
         num_splits, min_split_len = choose_splits(
-            num_seqs, head_blocks, max_context, num_sms(q_latent.device), block_n
+            num_seqs, head_blocks, max_context, num_sms(q_latent.device), block_n, block_h
         )
     elif min_split_len is None:
         min_split_len = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
