@@ -33,8 +33,9 @@ experts, the other ranks' slots -1):
 
     python benchmarks/moe.py --int4 --ep-size 8 --no-reference --out $OUT/moe-int4-ep8.json
 
-``--int4-packed`` times each token count of 4 or more twice, the default then the GEMMs' packed
-unpack (``moe_wna16``'s PACKED, off by default until this says it wins), rows named by ``impl``.
+``--int4-packed`` times each token count of 4 or more twice, the default (the GEMMs' packed
+unpack, ``moe_wna16``'s PACKED, since session 26) then the loop without it (``PACKED=False``),
+rows named by ``impl`` (``default``, ``unpacked``).
 
 T = tokens, E = experts, K = top-k, H = hidden size, I = expert intermediate size.
 """
@@ -212,8 +213,8 @@ def bench_int4(
     packed: bool = False,
 ) -> list[dict]:
     """The W4A16 fused MoE (see the module docstring) against its floor; ``packed``: each token
-    count also with the GEMMs' PACKED unpack (``moe_wna16``; checked against the default
-    first), timed right after the default."""
+    count also without the GEMMs' PACKED unpack (``moe_wna16``'s default; checked against the
+    default first), timed right after the default."""
     from atom_kernels.backends.triton import custom_ops, moe_wna16
 
     num_experts, top_k, hidden, inter = shape
@@ -238,15 +239,16 @@ def bench_int4(
         impls = [("default", triton_fn)]
         config = moe_wna16.wna16_configs(num_tokens, top_k, num_local, hidden, inter, 4, x.device)
         if packed and not config["per_pair"]:  # one token: the register loop, nothing packed
-            config = dict(config, gemm1=dict(config["gemm1"], PACKED=True),
-                          gemm2=dict(config["gemm2"], PACKED=True))  # fmt: skip
+            config = dict(config, gemm1=dict(config["gemm1"], PACKED=False),
+                          gemm2=dict(config["gemm2"], PACKED=False))  # fmt: skip
 
-            def packed_fn(args=args, config=config):
+            def unpacked_fn(args=args, config=config):
                 return moe_wna16.fused_moe_wna16(*args, s13, s2, config=config)
 
-            error = float((packed_fn().float() - triton_fn().float()).abs().max())
-            print(f"T={num_tokens} packed against the default: max |diff| {error:.3g}", flush=True)
-            impls.append(("packed", packed_fn))
+            error = float((unpacked_fn().float() - triton_fn().float()).abs().max())
+            print(f"T={num_tokens} unpacked against the default: max |diff| {error:.3g}",
+                  flush=True)  # fmt: skip
+            impls.append(("unpacked", unpacked_fn))
         hit = int(ids[owned].unique().numel())
         for impl, fn in impls:
             row = _time_moe(torch, fn, args, quant, with_reference and impl == "default")
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument(
         "--int4-packed", action="store_true",
-        help="--int4: each token count also with the PACKED unpack (moe_wna16), after the default",
+        help="--int4: each token count also without the PACKED unpack (moe_wna16), after it",
     )  # fmt: skip
     parser.add_argument(
         "--ep-size", type=int, default=1, help="time one rank of this many expert-parallel ranks"
