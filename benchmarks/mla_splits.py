@@ -13,8 +13,7 @@ before it is timed (CUDA graph, L2 flushed before each call: ``kernels.cold_grap
 roofline: the larger of the cache bytes over the copy bandwidth and the FLOPs over the bf16
 matmul rate, both measured in the same run. ``--before`` times a frozen launch beside the default
 (the tiles and split rule before session 26's change, ``before_launch``); ``--ab N`` times only
-those two, alternated N times a shape; ``--transposed`` times the transposed decode loop
-(``MlaConfig.decode_transposed``) against the default tiles near the default's split count.
+those two, alternated N times a shape.
 """
 
 from __future__ import annotations
@@ -40,13 +39,6 @@ TILES = {
     128: ((64, 32, 8, 3),),
     32: ((32, 64, 8, 2), (32, 32, 8, 4)),
     16: ((16, 64, 8, 2), (16, 32, 4, 3)),
-}
-# (decode_block_h, decode_block_n, num_warps, num_stages) of the transposed loop (MlaConfig's
-# decode_transposed: tokens and latent columns as the MMAs' M dim), timed with --transposed.
-TRANSPOSED_TILES = {
-    128: ((64, 64, 8, 2),),
-    32: ((32, 64, 4, 2), (32, 32, 4, 3)),
-    16: ((16, 64, 4, 2), (16, 32, 4, 3)),
 }
 # The launch before session 26's change: MlaConfig decode tiles and the split rule
 # (num_splits = min(sms // programs, cdiv(table tokens, 512), 64), splits of >= 512 tokens).
@@ -85,36 +77,10 @@ def make_inputs(batch: int, context: int, heads: int, device: str, g: torch.Gene
 
 
 def candidates(
-    heads: int, batch: int, context: int, default, sms: int, before: bool, ab_rounds: int = 0,
-    transposed: bool = False,
-):  # fmt: skip
+    heads: int, batch: int, context: int, default, sms: int, before: bool, ab_rounds: int = 0
+):
     """(name, launch keyword arguments) of one shape: the default first. ``ab_rounds``: only the
-    default and BEFORE, alternated that many times. ``transposed``: the default, then the
-    TRANSPOSED_TILES at the split counts within 2x of the default's (and each count's default
-    tiles beside them), alternated ``max(1, ab_rounds)`` times."""
-    if transposed:
-        from atom_kernels.backends.triton import mla_attention
-
-        heads_blocks = -(-heads // default.decode_block_h)
-        rule = mla_attention.choose_splits(
-            batch, heads_blocks, context, sms, default.decode_block_n, default.decode_block_h
-        )[0]
-        out = [("default", {})]
-        for splits in sorted({max(1, rule // 2), rule, min(64, rule * 2)}):
-            for tile in (None, *TRANSPOSED_TILES.get(heads, ())):
-                config = default
-                if tile is not None:
-                    config = dataclasses.replace(
-                        default, decode_block_h=tile[0], decode_block_n=tile[1],
-                        decode_num_warps=tile[2], decode_num_stages=tile[3],
-                        decode_transposed=True,
-                    )  # fmt: skip
-                if (context + splits - 1) // splits < config.decode_block_n:
-                    continue
-                name = f"{'default tiles' if tile is None else 'T' + str(list(tile))} x{splits}"
-                out.append((name, dict(config=dataclasses.asdict(config), num_splits=splits,
-                                       min_split_len=config.decode_block_n)))  # fmt: skip
-        return out * max(1, ab_rounds)
+    default and BEFORE, alternated that many times."""
     if ab_rounds:
         pair = [("default", {}), ("before", before_launch(heads, batch, context, sms))]
         return pair * ab_rounds
@@ -173,7 +139,7 @@ def run(args) -> dict:
                 flops = mla_flops(batch * context, heads)
                 expected = None
                 for name, launch in candidates(
-                    heads, batch, context, default, sms, args.before, args.ab, args.transposed
+                    heads, batch, context, default, sms, args.before, args.ab
                 ):
                     kwargs = dict(launch)
                     if "config" in kwargs:
@@ -240,10 +206,6 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ROUNDS",
         help="only the default and BEFORE, alternated ROUNDS times a shape",
     )
-    parser.add_argument(
-        "--transposed", action="store_true",
-        help="the transposed decode loop's tiles against the default (alternated --ab times)",
-    )  # fmt: skip
     parser.add_argument("--heads", type=int, nargs="*")
     parser.add_argument("--batches", type=int, nargs="*")
     parser.add_argument("--contexts", type=int, nargs="*")

@@ -157,37 +157,6 @@ def test_decode_split_merge_fused_and_separate(triton_backend, monkeypatch):
     assert_close(outs[True], outs[False], atol=1e-2, rtol=1e-2, name="fused vs separate")
 
 
-# (shape, dtype, num_splits, block_n): the transposed decode loop (tokens as the dots' M dim):
-# L and R not powers of two, page sizes that tile, straddle and hold the tile, two head blocks,
-# split and unsplit, fp32 and 16-bit.
-TRANSPOSED_CASES = [
-    (ODD, torch.float32, 1, 16),
-    (ODD, torch.bfloat16, 3, 16),
-    (ODD_PAGE, torch.float32, 2, 16),
-    (TWO_HEAD_BLOCKS, torch.float16, 4, 32),
-    ((4, 40, 8, 32), torch.bfloat16, 1, 16),
-]
-
-
-@pytest.mark.parametrize(
-    ("shape", "dtype", "num_splits", "block_n"),
-    TRANSPOSED_CASES,
-    ids=[f"h{s[0]}l{s[1]}p{s[3]}-{str(d)[6:]}-{n}split-n{b}" for s, d, n, b in TRANSPOSED_CASES],
-)
-def test_decode_transposed(triton_backend, shape, dtype, num_splits, block_n):
-    """``decode_transposed``: the decode rows of a mixed batch (the prefill rows take the prefill
-    kernel as before) against the reference, with sequences ending mid-tile and mid-page."""
-    mla_attention = triton_backend.mla_attention
-    seqs = [(5, 1), (40, 1), (100, 1), (16, 1), (33, 4), (64, 1)]
-    batch = MlaBatch(seqs, shape, dtype, triton_backend.device, pad_rows=1, seed=21)
-    config = replace(
-        mla_attention.default_config(shape[1], dtype, interpreted=True),
-        decode_block_n=block_n,
-        decode_transposed=True,
-    )
-    _check(triton_backend, batch, TOLERANCES[dtype], num_splits=num_splits, config=config)
-
-
 # (block_m, block_n, block_size, heavy_first): tiles of several pages, a tile inside one page,
 # pages straddling tiles, both tile orders; H = 5 pairs cut rows across tiles.
 PREFILL_TILES = [(32, 32, 4, True), (16, 16, 32, False), (32, 16, 5, True)]
@@ -341,22 +310,6 @@ def test_gpu_decode(triton_backend, num_seqs):
     lens = torch.linspace(512, 8192, num_seqs).long().tolist() if num_seqs > 1 else [8192]
     batch = MlaBatch([(n, 1) for n in lens], DEEPSEEK_TP1, torch.bfloat16, "cuda", pad_rows=0)
     _check(triton_backend, batch, TOLERANCES[torch.bfloat16], max_query_len=1)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", [16, 32, 128])
-@pytest.mark.parametrize("num_seqs", [1, 8, 64])
-def test_gpu_decode_transposed(triton_backend, heads, num_seqs):
-    """``decode_transposed`` at DeepSeek-V3's dims (warpgroup MMAs at every head count)."""
-    mla_attention = triton_backend.mla_attention
-    lens = torch.linspace(512, 8192, num_seqs).long().tolist() if num_seqs > 1 else [8192]
-    batch = MlaBatch(
-        [(n, 1) for n in lens], (heads, 512, 64, 16), torch.bfloat16, "cuda", pad_rows=0
-    )
-    config = replace(
-        mla_attention.default_config(512, torch.bfloat16, False, heads), decode_transposed=True
-    )
-    _check(triton_backend, batch, TOLERANCES[torch.bfloat16], max_query_len=1, config=config)
 
 
 @pytest.mark.gpu

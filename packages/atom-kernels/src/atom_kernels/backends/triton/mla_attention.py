@@ -48,7 +48,6 @@ class MlaConfig:
     decode_num_warps: int
     decode_num_stages: int
     prefill_heavy_first: bool = True
-    decode_transposed: bool = False
 
 
 def default_config(
@@ -240,7 +239,6 @@ def mla_paged_attention(
         SINGLE_SPLIT=num_splits == 1,
         FUSED_REDUCE=counters is not None,
         PRECISION=precision,
-        TRANSPOSED=config.decode_transposed,
         BLOCK_SIZE=block_size,
         BLOCK_H=block_h,
         BLOCK_N=block_n,

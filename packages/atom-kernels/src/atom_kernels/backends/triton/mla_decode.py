@@ -17,6 +17,12 @@ partial (max, sum, acc), and the split that finishes last for its (sequence, hea
 them (FUSED_REDUCE: a counter per (sequence, head block), as paged attention's decode). Without
 counters ``mla_decode_reduce_kernel`` (grid (B, H, cdiv(L, BLOCK_C))) merges them, one chunk of
 the latent dim per program (a whole [splits, 512] fp32 tile would spill).
+
+NOTE (one H200, triton 3.6, 2026-12-01; commit 4a9f0cf, results/mla/s26/mla-transposed-h200.json):
+the dots transposed (tokens and latent columns as M: logits^T = c @ q^T, acc^T += c^T @ p^T, so
+16-32-head blocks take warpgroup MMAs) were slower than this kernel at 34 of 42 shapes (0.71x at
+worst; at most 1.07x faster, batch 1-16). With 64 heads and 8 warps Triton still computes the
+logits in both warpgroups either way (m64n32 MMAs over the whole [64, 64] tile a warpgroup).
 """
 
 import triton
@@ -24,77 +30,7 @@ import triton.language as tl
 
 from atom_kernels.backends.triton.attention_common import LOG2E, load_scale
 from atom_kernels.backends.triton.attention_decode import _split_len
-from atom_kernels.backends.triton.attention_prefill import _pages
 from atom_kernels.backends.triton.mla_prefill import attend_latent_tiles
-
-
-@triton.jit
-def attend_latent_tiles_t(
-    acc_t,
-    l_i,
-    m_i,
-    q,
-    q_pe,
-    tile_lo,
-    tile_hi,
-    kv_cache_ptr,
-    block_table_ptr,
-    seq_len,
-    qk_scale,
-    latent_dim,
-    rope_dim,
-    stride_kb,
-    stride_ks,
-    stride_kd,
-    MASKED: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """attend_latent_tiles with tokens as the dots' M dim (TRANSPOSED): logits^T [BLOCK_N, H] =
-    c @ q^T + k_pe @ q_pe^T, acc^T [BLOCK_L, H] += c^T @ p^T, the online softmax down the
-    columns. Both dots read the latent tile where its load put it (the heads are the N dim, so a
-    warpgroup's 64 rows are tokens or latent columns, never heads: no head block is too small for
-    Hopper's warpgroup MMA and no warpgroup recomputes another's logits). MASKED: tokens past
-    seq_len read as 0 and take no weight (one query row: it sees every earlier token)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_l = tl.arange(0, BLOCK_L)
-    offs_r = tl.arange(0, BLOCK_R)
-    l_mask = (offs_l < latent_dim)[None, :]
-    r_mask = (offs_r < rope_dim)[None, :]
-    q_t = tl.trans(q)  # [BLOCK_L, H]
-    q_pe_t = tl.trans(q_pe)  # [BLOCK_R, H]
-    for start in range(tile_lo, tile_hi, BLOCK_N):
-        tokens = start + offs_n
-        block = _pages(block_table_ptr, start, seq_len, BLOCK_SIZE, BLOCK_N)
-        rows = block * stride_kb + (tokens % BLOCK_SIZE).to(tl.int64) * stride_ks
-        c_ptrs = kv_cache_ptr + rows[:, None] + offs_l[None, :] * stride_kd
-        pe_ptrs = kv_cache_ptr + rows[:, None] + (latent_dim + offs_r)[None, :] * stride_kd
-        if MASKED:
-            token_mask = (tokens < seq_len)[:, None]
-            c = tl.load(c_ptrs, mask=token_mask & l_mask, other=0.0)
-            k_pe = tl.load(pe_ptrs, mask=token_mask & r_mask, other=0.0)
-        else:
-            c = tl.load(c_ptrs, mask=l_mask, other=0.0)
-            k_pe = tl.load(pe_ptrs, mask=r_mask, other=0.0)
-        c = c.to(q.dtype)
-        k_pe = k_pe.to(q.dtype)
-        s_t = tl.dot(c, q_t, input_precision=PRECISION)
-        s_t = tl.dot(k_pe, q_pe_t, s_t, input_precision=PRECISION)  # [BLOCK_N, H]
-        s_t = s_t * qk_scale
-        if MASKED:
-            s_t = tl.where((tokens < seq_len)[:, None], s_t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_t, 0))  # every tile holds a token: m_new is finite
-        alpha = tl.exp2(m_i - m_new)
-        p_t = tl.exp2(s_t - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p_t, 0)
-        acc_t = acc_t * alpha[None, :] + tl.dot(
-            tl.trans(c), p_t.to(c.dtype), input_precision=PRECISION
-        )
-        m_i = m_new
-    return acc_t, l_i, m_i
 
 
 # NOTE: split sizes and the block table's width follow the batch's shapes; not specialized on (a
@@ -137,7 +73,6 @@ def mla_decode_kernel(
     SINGLE_SPLIT: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
     PRECISION: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -181,35 +116,21 @@ def mla_decode_kernel(
 
     m_i = tl.zeros([BLOCK_H], tl.float32) + float("-inf")
     l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
     # Whole tiles without a mask (a split's end is tile-aligned unless it is the sequence's end),
     # then at most one masked tile at the end of the sequence.
     full_hi = kv_lo + (kv_hi - kv_lo) // BLOCK_N * BLOCK_N
-    if TRANSPOSED:
-        acc_t = tl.zeros([BLOCK_L, BLOCK_H], tl.float32)
-        acc_t, l_i, m_i = attend_latent_tiles_t(
-            acc_t, l_i, m_i, q, q_pe, kv_lo, full_hi, kv_cache_ptr, block_table_ptr, seq_len,
-            qk_scale, latent_dim, rope_dim, stride_kb, stride_ks, stride_kd, False, PRECISION,
-            BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R,
-        )  # fmt: skip
-        acc_t, l_i, m_i = attend_latent_tiles_t(
-            acc_t, l_i, m_i, q, q_pe, full_hi, kv_hi, kv_cache_ptr, block_table_ptr, seq_len,
-            qk_scale, latent_dim, rope_dim, stride_kb, stride_ks, stride_kd, True, PRECISION,
-            BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R,
-        )  # fmt: skip
-        acc = tl.trans(acc_t)
-    else:
-        acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-        q_pos = tl.zeros([BLOCK_H], tl.int32) + seq_len - 1
-        acc, l_i, m_i = attend_latent_tiles(
-            acc, l_i, m_i, q, q_pe, q_pos, kv_lo, full_hi, kv_cache_ptr, block_table_ptr, seq_len,
-            qk_scale, latent_dim, rope_dim, stride_kb, stride_ks, stride_kd, False, PRECISION,
-            BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R,
-        )  # fmt: skip
-        acc, l_i, m_i = attend_latent_tiles(
-            acc, l_i, m_i, q, q_pe, q_pos, full_hi, kv_hi, kv_cache_ptr, block_table_ptr, seq_len,
-            qk_scale, latent_dim, rope_dim, stride_kb, stride_ks, stride_kd, True, PRECISION,
-            BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R,
-        )  # fmt: skip
+    q_pos = tl.zeros([BLOCK_H], tl.int32) + seq_len - 1
+    acc, l_i, m_i = attend_latent_tiles(
+        acc, l_i, m_i, q, q_pe, q_pos, kv_lo, full_hi, kv_cache_ptr, block_table_ptr, seq_len,
+        qk_scale, latent_dim, rope_dim, stride_kb, stride_ks, stride_kd, False, PRECISION,
+        BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R,
+    )  # fmt: skip
+    acc, l_i, m_i = attend_latent_tiles(
+        acc, l_i, m_i, q, q_pe, q_pos, full_hi, kv_hi, kv_cache_ptr, block_table_ptr, seq_len,
+        qk_scale, latent_dim, rope_dim, stride_kb, stride_ks, stride_kd, True, PRECISION,
+        BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R,
+    )  # fmt: skip
 
     acc = acc * kv_scale  # the values' scale (linear: partials merge unchanged)
     l_mask = head_mask[:, None] & (offs_l < latent_dim)[None, :]
