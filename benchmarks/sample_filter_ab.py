@@ -8,7 +8,9 @@ Run on a GPU from the repo root:
 
 Each case runs each route, rotating their order each round: the torch reference (sort-based
 masking, exponential race), ``sampling_filter``'s kernel (one program a row) at each ``--ways``
-(pivots a pass) and ``sampling_filter_split``'s (a row over programs) at each ``--split-ways``.
+(pivots a pass) and ``--tops`` (the largest logits its first pass keeps; 0: every threshold
+searched, the kernel before session 26) and ``sampling_filter_split``'s (a row over programs) at
+each ``--split-ways``.
 (Session 21's results also have a third route, torch thresholds then the fused draw, since
 dropped on the GPU.) The reference syncs the host inside (the filters' checks), so a call is
 timed on the wall clock from a synced GPU to a synced GPU: median over ``--rounds`` of ``--calls``
@@ -40,8 +42,10 @@ def old_route(logits, temperature, top_k, top_p, min_p):
     return reference.sample(logits, temperature, top_k, top_p, min_p, None, 0)
 
 
-def kernel_route(logits, temperature, top_k, top_p, min_p, ways):
-    return sampling_filter.filtered_sample(logits, temperature, top_k, top_p, min_p, ways=ways)
+def kernel_route(logits, temperature, top_k, top_p, min_p, ways, top=None):
+    return sampling_filter.filtered_sample(
+        logits, temperature, top_k, top_p, min_p, ways=ways, top=top
+    )
 
 
 def split_route(logits, temperature, top_k, top_p, min_p, ways):
@@ -67,6 +71,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--ways", type=int, nargs="+", default=[4])
     parser.add_argument("--split-ways", type=int, nargs="+", default=[8, 16])
+    parser.add_argument(
+        "--tops", type=int, nargs="+", default=[sampling_filter.TOP],
+        help="the one-program kernel's kept top logits (0: every threshold searched)",
+    )  # fmt: skip
     parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
     result = {
@@ -89,8 +97,11 @@ def main() -> None:
                     fns = {
                         "sort_ms": lambda call=call: old_route(*call),
                         **{
-                            f"kernel_w{w}_ms": lambda call=call, w=w: kernel_route(*call, w)
+                            f"kernel_w{w}_t{t}_ms": lambda call=call, w=w, t=t: kernel_route(
+                                *call, w, t
+                            )
                             for w in args.ways
+                            for t in args.tops
                         },
                         **{
                             f"split_w{w}_ms": lambda call=call, w=w: split_route(*call, w)

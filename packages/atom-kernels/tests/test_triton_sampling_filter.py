@@ -51,6 +51,22 @@ def test_thresholds_keep_exactly_the_reference_tokens(triton_backend, split):
         assert bool(expected.gather(1, ids[:, None]).all()), "a draw outside the kept tokens"
 
 
+def test_thresholds_read_off_the_top_equal_the_searched_ones(triton_backend):
+    """The first pass's kept top (top-k <= TOP, top-p cuts above its last) gives the search's
+    thresholds: the same batch with ``top=0`` (every threshold searched) and ``top=16``."""
+    from atom_kernels.backends.triton import sampling_filter as sf
+
+    device = triton_backend.device
+    logits, temperature, top_k, top_p, min_p = _batch(24, 150, seed=4, device=device)
+    found = []
+    for top in (0, 16):
+        thresholds = torch.empty(24, dtype=torch.int64, device=device)
+        sf.filtered_sample(logits, temperature, top_k, top_p, min_p, block_v=64,
+                           thresholds=thresholds, top=top)  # fmt: skip
+        found.append(thresholds)
+    assert_equal(found[1], found[0], name="thresholds read off the top vs searched")
+
+
 def test_greedy_rows_top_k_1_and_top_p_0_are_the_argmax(triton_backend):
     from atom_kernels.backends.triton import sampling_filter as sf
 

@@ -7,9 +7,12 @@ bits flipped, order as int32 the way the floats do (``_key``), so ``t`` is found
 range, ``WAYS`` candidate keys a pass over the row:
 
 - top-k: the largest key with at least k logits at or above it, which is the k-th largest logit
-  (ties with it kept, as the reference keeps them): about 32 / log2(WAYS) passes;
+  (ties with it kept, as the reference keeps them): read off the row's TOP largest logits, kept
+  by the first pass, when k <= TOP; else about 32 / log2(WAYS) passes;
 - top-p (over the top-k set, tempered): the largest key whose tempered mass at or above it
-  reaches p times the top-k set's, one pass for that mass and as many again;
+  reaches p times the top-k set's, one pass for that mass, then read off the TOP largest when
+  the cut lies above the TOP-th (every logit at or above it is among them), else as many passes
+  again as top-k's search;
 - min-p: ``x / T >= max / T + log(min_p)``, closed form.
 
 The temperature never reorders the logits, so the keys are the raw logits' and only the masses
@@ -28,6 +31,13 @@ from atom_kernels.backends.triton.common import is_interpreted
 from atom_kernels.backends.triton.sampling import _argmax_merge, _finish, _lse_step
 
 WAYS = 4  # candidate keys a pass: ~16 passes per 32-bit search (measured below)
+# The largest logits the first pass keeps for a row with a top-k of at most TOP (``tl.topk`` of
+# each block merged into a running top): its top-k, and a top-p cut above the TOP-th largest
+# logit, are read off them with no search. Fewer under the interpreter, so that the tests take
+# both paths. Rows without such a top-k (top-p alone, min-p) search as before: keeping the top
+# costs about a search's passes (measured below).
+TOP = 64
+TOP_INTERPRETED = 16
 
 
 @triton.jit
@@ -94,6 +104,8 @@ def _filtered_sample_kernel(
     HAS_MIN_P: tl.constexpr,
     BLOCK_V: tl.constexpr,
     WAYS_: tl.constexpr,
+    TOP: tl.constexpr,
+    USE_TOP: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_lb
@@ -107,6 +119,12 @@ def _filtered_sample_kernel(
     run_sum = tl.zeros([], tl.float32)
     best_raw, best_raw_i = tl.full([], neg_inf, tl.float32), tl.zeros([], tl.int32)
     low = tl.full([], float("inf"), tl.float32)
+    k = tl.zeros([], tl.int64)
+    if HAS_K:
+        k = tl.load(top_k_ptr + row).to(tl.int64)
+    # A row with a top-k of at most TOP keeps its TOP largest logits (``top``) in this pass.
+    keep_top = (k > 0) & (k <= TOP) & (k < vocab_size)  # only read where USE_TOP and HAS_K
+    top = tl.full([TOP], neg_inf, tl.float32)
     for start in range(0, vocab_size, BLOCK_V):
         cols = start + offs
         valid = cols < vocab_size
@@ -114,14 +132,28 @@ def _filtered_sample_kernel(
         run_max, run_sum = _lse_step(run_max, run_sum, x)
         best_raw, best_raw_i = _argmax_merge(best_raw, best_raw_i, x, cols)
         low = tl.minimum(low, tl.min(tl.where(valid, x, float("inf")), axis=0))
+        if USE_TOP and HAS_K:
+            if keep_top:
+                top = tl.topk(tl.cat(top, tl.topk(x, TOP), can_reorder=True), TOP)
     low_key = _key(low)
     high_key = _key(run_max)
     threshold = low_key
+    if USE_TOP:  # (a sort of one value does not compile: TOP is 1 when off)
+        top = tl.sort(top, descending=True)
+        ranks = tl.arange(0, TOP)
+        # Every logit above the TOP-th largest is in ``top`` (those equal to it may not be).
+        bottom = tl.min(top, axis=0)
     if HAS_K:
-        k = tl.load(top_k_ptr + row).to(tl.int64)
         if (k > 0) & (k < vocab_size):
-            threshold = _search(row_ptr, vocab_size, low_key, high_key, k.to(tl.float32),
-                                run_max, inv_t, False, BLOCK_V, WAYS_)  # fmt: skip
+            if USE_TOP:
+                if keep_top:  # the k-th largest logit, read off the sorted top
+                    threshold = _key(tl.max(tl.where(ranks == k - 1, top, neg_inf), axis=0))
+                else:
+                    threshold = _search(row_ptr, vocab_size, low_key, high_key, k.to(tl.float32),
+                                        run_max, inv_t, False, BLOCK_V, WAYS_)  # fmt: skip
+            else:
+                threshold = _search(row_ptr, vocab_size, low_key, high_key, k.to(tl.float32),
+                                    run_max, inv_t, False, BLOCK_V, WAYS_)  # fmt: skip
     if HAS_P:
         p = tl.load(top_p_ptr + row).to(tl.float32)
         if p < 1.0:
@@ -133,8 +165,23 @@ def _filtered_sample_kernel(
                 keep = valid & (x >= _value(threshold))
                 scaled = (x - run_max) * inv_t * 1.4426950408889634
                 kept_mass += tl.sum(tl.where(keep, tl.exp2(scaled), 0.0), axis=0)
-            threshold = _search(row_ptr, vocab_size, threshold, high_key, p * kept_mass,
-                                run_max, inv_t, True, BLOCK_V, WAYS_)  # fmt: skip
+            need = p * kept_mass
+            found = False
+            if USE_TOP and HAS_K:
+                # The largest kept logit v above ``bottom`` whose mass at or above v reaches
+                # ``need`` (every logit >= v is in ``top``): the search's answer, when it is one.
+                cut = _value(threshold)
+                weight = tl.where(top >= cut, tl.exp2((top - run_max) * inv_t * 1.4426950408889634),
+                                  0.0)  # fmt: skip
+                above = tl.sum(tl.where(top[None, :] >= top[:, None], weight[None, :], 0.0), axis=1)
+                fits = keep_top & (top > bottom) & (top >= cut) & (above >= need)
+                best = tl.max(tl.where(fits, top, neg_inf), axis=0)
+                found = best > neg_inf
+                if found:
+                    threshold = _key(best)
+            if not found:
+                threshold = _search(row_ptr, vocab_size, threshold, high_key, need,
+                                    run_max, inv_t, True, BLOCK_V, WAYS_)  # fmt: skip
     if HAS_MIN_P:
         min_p = tl.load(min_p_ptr + row).to(tl.float32)
         if min_p > 0.0:
@@ -182,11 +229,14 @@ def filtered_sample(
     num_warps: int | None = None,
     thresholds: torch.Tensor | None = None,
     ways: int = WAYS,
+    top: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token_ids [B] int64, their raw log-probs [B] fp32): each row drawn from its tempered
     logits after top-k, then top-p, then min-p (any of the three None: off for every row).
     ``thresholds`` ([B] int64, tests): gets each row's threshold as a key (``values`` turns it
-    into the logit: each row keeps ``x >= value``); ``ways``: pivots a pass (benchmarks)."""
+    into the logit: each row keeps ``x >= value``); ``ways``: pivots a pass (benchmarks); ``top``:
+    the largest logits the first pass keeps (a power of two, at most the block; 0: none, every
+    threshold searched; default TOP, TOP_INTERPRETED under the interpreter)."""
     num_seqs, vocab_size = logits.shape
     device = logits.device
     token_ids = torch.empty(num_seqs, dtype=torch.int64, device=device)
@@ -199,6 +249,9 @@ def filtered_sample(
     if block_v is None:
         block_v = 64 if interpreted else 8192 // ways
     block_v = min(block_v, triton.next_power_of_2(vocab_size))
+    if top is None:
+        top = TOP_INTERPRETED if interpreted else TOP
+    top = min(top, block_v)
     dummy = temperature
     if thresholds is None:
         thresholds = torch.empty(num_seqs, dtype=torch.int64, device=device)
@@ -209,7 +262,7 @@ def filtered_sample(
         dummy if min_p is None else min_p.contiguous(),
         seed, token_ids, logprobs, thresholds, vocab_size, logits.stride(0),
         HAS_K=top_k is not None, HAS_P=top_p is not None, HAS_MIN_P=min_p is not None,
-        BLOCK_V=block_v, WAYS_=ways, num_warps=num_warps or 8,
+        BLOCK_V=block_v, WAYS_=ways, TOP=max(top, 1), USE_TOP=top > 0, num_warps=num_warps or 8,
     )  # fmt: skip
     return token_ids, logprobs
 
