@@ -216,7 +216,15 @@ def _filtered_sample_kernel(
 # (151,936 alike, ~18% more.) One program walks a row ~35 times at ~45 us a walk: latency, not
 # bandwidth, bounds it, so small batches take ``sampling_filter_split`` (a row over programs,
 # a launch a search step; its NOTE has the numbers); from ``SPLIT_BELOW`` rows, this kernel.
-SPLIT_BELOW = 128
+# NOTE (the same script with --tops 0 64, one H200, 2026-12-01, results/sampling/s26/
+# sample-filter-top.json; ms a call at vocab 128,256, searched / the top read off / the split
+# kernel): top-k 50 + top-p 0.9, batch 1: 1.62 / 0.65 / 0.61; 8: 1.66 / 0.64 / 0.56; 64: 1.68 /
+# 0.65 / 1.79; 256: 2.71 / 0.98 / 7.09 (151,936: 2.80x at 256). That call also kept the top for
+# top-p-only rows: 0.64x when the nucleus is wide (4 N(0, 1) logits, p 0.95: 1.66 -> 2.52 ms at
+# 256), 1.55-1.71x when it is narrow (8 N(0, 1)); such rows now search as before. At 64 rows
+# this kernel is ahead of the split one for top-k 50 + top-p 0.9 (2.8x) and top-p 0.95 (1.00
+# against 1.09 ms), behind for min-p 0.1 (0.19 against 0.15 ms): SPLIT_BELOW 64 (128 before).
+SPLIT_BELOW = 64
 
 
 def filtered_sample(
