@@ -217,13 +217,15 @@ def _filtered_sample_kernel(
 # bandwidth, bounds it, so small batches take ``sampling_filter_split`` (a row over programs,
 # a launch a search step; its NOTE has the numbers); from ``SPLIT_BELOW`` rows, this kernel.
 # NOTE (the same script with --tops 0 64, one H200, 2026-12-01, results/sampling/s26/
-# sample-filter-top.json; ms a call at vocab 128,256, searched / the top read off / the split
-# kernel): top-k 50 + top-p 0.9, batch 1: 1.62 / 0.65 / 0.61; 8: 1.66 / 0.64 / 0.56; 64: 1.68 /
-# 0.65 / 1.79; 256: 2.71 / 0.98 / 7.09 (151,936: 2.80x at 256). That call also kept the top for
-# top-p-only rows: 0.64x when the nucleus is wide (4 N(0, 1) logits, p 0.95: 1.66 -> 2.52 ms at
-# 256), 1.55-1.71x when it is narrow (8 N(0, 1)); such rows now search as before. At 64 rows
-# this kernel is ahead of the split one for top-k 50 + top-p 0.9 (2.8x) and top-p 0.95 (1.00
-# against 1.09 ms), behind for min-p 0.1 (0.19 against 0.15 ms): SPLIT_BELOW 64 (128 before).
+# sample-filter-top-final.json; ms a call at vocab 128,256, searched / the top read off / the
+# split kernel): top-k 50 + top-p 0.9, batch 1: 1.63 / 0.61 / 0.98; 8: 1.67 / 0.61 / 0.98; 64:
+# 1.68 / 0.61 / 1.82; 256: 2.71 / 0.96 / 7.09 (2.7-2.8x at every batch; 151,936 alike in the
+# first call, sample-filter-top.json); top-p 0.95 and min-p 0.1 alone unchanged (1.00-1.04x).
+# The first call also kept the top for top-p-only rows: 0.64x when the nucleus is wide (4 N(0, 1)
+# logits, p 0.95: 1.66 -> 2.52 ms at 256 rows), so such rows search as before. At 64 rows this
+# kernel is ahead of the split one for all three filters (0.61 / 1.01 / 0.20 ms against 1.82 /
+# 1.10 / 0.27; the first call had min-p 0.19 against 0.15); below 32 the split one wins top-p
+# alone (0.40-0.80 against 1.00 ms): SPLIT_BELOW 64 (128 before).
 SPLIT_BELOW = 64
 
 
