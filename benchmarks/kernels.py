@@ -150,6 +150,17 @@ def _bench(fn: Callable[[], object], graph: bool) -> tuple[float, float | None, 
     return eager, warm, cold_graph_ms(fn)
 
 
+def against_first(expected, result, tolerance: float, what: str):
+    """(expected, error): the first candidate's ``result`` becomes ``expected``; a later one
+    more than ``tolerance`` (max |difference|) from it raises AssertionError naming ``what``."""
+    if expected is None:
+        expected = result
+    err = (result - expected).abs().max().item()
+    if err > tolerance:
+        raise AssertionError(f"differs from {what} by {err}")
+    return expected, err
+
+
 def cold_graph_ms(
     fn: Callable[[], object], calls: int = 10, replays: int = 15, flush_l2: bool = True
 ) -> float:
