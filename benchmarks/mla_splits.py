@@ -26,9 +26,8 @@ import os
 import time
 
 import torch
+from tune_mla import LATENT, PAGE, ROPE, SCALE, mla_flops
 
-LATENT, ROPE, PAGE = 512, 64, 16
-SCALE = (128 + ROPE) ** -0.5  # DeepSeek-V3's qk_nope 128 + qk_rope 64
 HEADS = (128, 32, 16)
 BATCHES = (1, 4, 16, 64, 256)
 CONTEXTS = (1024, 4096, 32768)
@@ -45,23 +44,21 @@ TILES = {
 BEFORE_MIN_SPLIT = 512
 
 
-def before_launch(heads: int, batch: int, context: int, sms: int) -> dict:
+def before_launch(heads: int, batch: int, context: int, default, sms: int) -> dict:
     """The launch arguments the launcher chose before session 26 (see BEFORE_MIN_SPLIT)."""
     from atom_kernels.backends.triton.attention import MAX_SPLITS
 
     block_h = min(max(16, 1 << (heads - 1).bit_length()), 64)
     block_n = 64
-    config = dict(decode_block_h=block_h, decode_block_n=block_n,
-                  decode_num_warps=8 if block_h >= 64 else 4, decode_num_stages=2)  # fmt: skip
+    config = dataclasses.replace(
+        default, decode_block_h=block_h, decode_block_n=block_n,
+        decode_num_warps=8 if block_h >= 64 else 4, decode_num_stages=2,
+    )  # fmt: skip
     programs = batch * -(-heads // block_h)
     num_splits = min(sms // programs, -(-context // BEFORE_MIN_SPLIT), MAX_SPLITS)
     if num_splits <= 1:
         return dict(config=config, num_splits=1, min_split_len=-(-context // block_n) * block_n)
     return dict(config=config, num_splits=num_splits, min_split_len=BEFORE_MIN_SPLIT)
-
-
-def mla_flops(tokens: int, heads: int) -> float:
-    return 2.0 * tokens * heads * (2 * LATENT + ROPE)
 
 
 def make_inputs(batch: int, context: int, heads: int, device: str, g: torch.Generator):
@@ -82,11 +79,11 @@ def candidates(
     """(name, launch keyword arguments) of one shape: the default first. ``ab_rounds``: only the
     default and BEFORE, alternated that many times."""
     if ab_rounds:
-        pair = [("default", {}), ("before", before_launch(heads, batch, context, sms))]
+        pair = [("default", {}), ("before", before_launch(heads, batch, context, default, sms))]
         return pair * ab_rounds
     out = [("default", {})]
     if before:
-        out.append(("before", before_launch(heads, batch, context, sms)))
+        out.append(("before", before_launch(heads, batch, context, default, sms)))
     tiles = [None, *TILES.get(heads, ())]
     for tile in tiles:
         config = default
@@ -99,7 +96,7 @@ def candidates(
             if (context + splits - 1) // splits < config.decode_block_n:
                 continue  # shorter than one tile
             name = f"{'default tiles' if tile is None else list(tile)} x{splits}"
-            out.append((name, dict(config=dataclasses.asdict(config), num_splits=splits,
+            out.append((name, dict(config=config, num_splits=splits,
                                    min_split_len=config.decode_block_n)))  # fmt: skip
     return out
 
@@ -143,23 +140,18 @@ def run(args) -> dict:
                 for name, launch in candidates(
                     heads, batch, context, default, sms, args.before, args.ab
                 ):
-                    kwargs = dict(launch)
-                    if "config" in kwargs:
-                        kwargs["config"] = mla_attention.MlaConfig(
-                            **{**dataclasses.asdict(default), **kwargs["config"]}
-                        )
+                    config = launch.get("config")
                     out = torch.empty(batch, heads, LATENT, dtype=q.dtype, device=device)
                     fn = functools.partial(
                         mla_attention.mla_paged_attention,
                         *(q_latent, q_pe, cache, tables, lens, qsl, SCALE, out),
-                        max_query_len=1, **kwargs,
+                        max_query_len=1, **launch,
                     )  # fmt: skip
                     row = dict(heads=heads, batch=batch, context=context, candidate=name,
                                num_splits=launch.get("num_splits"),
-                               tile=None if "config" not in launch else [
-                                   kwargs["config"].decode_block_h, kwargs["config"].decode_block_n,
-                                   kwargs["config"].decode_num_warps,
-                                   kwargs["config"].decode_num_stages])  # fmt: skip
+                               tile=None if config is None else [
+                                   config.decode_block_h, config.decode_block_n,
+                                   config.decode_num_warps, config.decode_num_stages])  # fmt: skip
                     try:
                         expected, row["max_err_vs_default"] = against_first(
                             expected, fn().float(), 2e-2 if cuda else 1e-4, "the default launch"
