@@ -139,12 +139,26 @@ TABLE: tuple[Switch, ...] = (
         "programs per SM from which the large decode tiles apply (tuning knob)",
     ),
     Switch(
+        "ATOM_MLA_EXCHANGE", True, _not_zero,
+        "MLA decode's 64-head blocks compute the logits once, the probabilities passed to the "
+        "value dot through a scratch (`0`: off, A/B)",
+    ),
+    Switch(
         "ATOM_SAMPLE_KERNEL", "block", _same,
         "Triton sampling draw: `block` or `gumbel` (benchmarks/sample_ab.py times both)",
     ),
     Switch(
         "ATOM_SAMPLE_FILTER", True, _not_zero,
         "top-k / top-p / min-p rows drawn by the Triton filter kernels (`0`: the torch sort, A/B)",
+    ),
+    Switch(
+        "ATOM_SAMPLE_TOP", 64, int,
+        "largest logits the filter's first pass keeps for top-k rows (`0`: every threshold "
+        "searched, A/B)",
+    ),
+    Switch(
+        "ATOM_SAMPLE_SPLIT_BELOW", 64, int,
+        "batches below this many rows draw filtered rows with a row over programs (A/B)",
     ),
     Switch(
         "ATOM_FLASHINFER", "auto", _lower,

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import envs
 from atom_kernels.backends.triton.common import is_interpreted
 from atom_kernels.backends.triton.sampling import _argmax_merge, _finish, _lse_step
 
@@ -36,8 +37,9 @@ WAYS = 4  # candidate keys a pass: ~16 passes per 32-bit search (measured below)
 # logit, are read off them with no search. Fewer under the interpreter, so that the tests take
 # both paths. Rows without such a top-k (top-p alone, min-p) search as before: keeping the top
 # costs about a search's passes (measured below).
-TOP = 64
-TOP_INTERPRETED = 16
+# ATOM_SAMPLE_TOP (read at import): TOP for an A/B in the engine, 0: every threshold searched.
+TOP = envs.ATOM_SAMPLE_TOP
+TOP_INTERPRETED = 16 if TOP else 0
 
 
 @triton.jit
@@ -226,7 +228,7 @@ def _filtered_sample_kernel(
 # kernel is ahead of the split one for all three filters (0.61 / 1.01 / 0.20 ms against 1.82 /
 # 1.10 / 0.27; the first call had min-p 0.19 against 0.15); below 32 the split one wins top-p
 # alone (0.40-0.80 against 1.00 ms): SPLIT_BELOW 64 (128 before).
-SPLIT_BELOW = 64
+SPLIT_BELOW = envs.ATOM_SAMPLE_SPLIT_BELOW  # 64 unless set (ATOM_SAMPLE_SPLIT_BELOW: A/B)
 
 
 def filtered_sample(
