@@ -157,38 +157,6 @@ def test_decode_split_merge_fused_and_separate(triton_backend, monkeypatch):
     assert_close(outs[True], outs[False], atol=1e-2, rtol=1e-2, name="fused vs separate")
 
 
-# (shape, dtype, num_splits): DeepSeek-V3's dims (no column masks) and odd ones, one split and
-# several, fp32 and bf16
-EXCHANGE_CASES = [
-    (DEEPSEEK, torch.bfloat16, 1),
-    (DEEPSEEK, torch.float32, 3),
-    (ODD, torch.float32, 1),
-    (TWO_HEAD_BLOCKS, torch.bfloat16, 4),
-    (ODD_PAGE, torch.float32, 2),
-]
-
-
-@pytest.mark.parametrize(
-    ("shape", "dtype", "num_splits"),
-    EXCHANGE_CASES,
-    ids=[f"h{s[0]}l{s[1]}r{s[2]}p{s[3]}-{str(d)[6:]}-{n}split" for s, d, n in EXCHANGE_CASES],
-)
-def test_decode_exchanged_probabilities(triton_backend, shape, dtype, num_splits):
-    """The decode loop that passes its probabilities and rescales through the scratch slots
-    (mla_decode's EXCHANGE) gives the reference's rows: whole and masked tail tiles, sequences
-    shorter than a tile, several splits, decode rows beside a prefill."""
-    mla = triton_backend.mla_attention
-    device = triton_backend.device
-    seqs = [(40, 1), (65, 1), (3, 1), (17, 1), (33, 4)] if shape[1] < 512 else SMALL
-    batch = MlaBatch(seqs, shape, dtype, device, pad_rows=1, seed=20 + shape[0])
-    config = mla.default_config(shape[1], dtype, True, shape[0])
-    for exchange in (True, False):
-        _check(
-            triton_backend, batch, TOLERANCES[dtype], num_splits=num_splits,
-            config=replace(config, decode_exchange=exchange),
-        )  # fmt: skip
-
-
 # (block_m, block_n, block_size, heavy_first): tiles of several pages, a tile inside one page,
 # pages straddling tiles, both tile orders; H = 5 pairs cut rows across tiles.
 PREFILL_TILES = [(32, 32, 4, True), (16, 16, 32, False), (32, 16, 5, True)]
@@ -342,25 +310,6 @@ def test_gpu_decode(triton_backend, num_seqs):
     lens = torch.linspace(512, 8192, num_seqs).long().tolist() if num_seqs > 1 else [8192]
     batch = MlaBatch([(n, 1) for n in lens], DEEPSEEK_TP1, torch.bfloat16, "cuda", pad_rows=0)
     _check(triton_backend, batch, TOLERANCES[torch.bfloat16], max_query_len=1)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "both-warpgroups"])
-@pytest.mark.parametrize("num_seqs", [1, 16, 64])
-def test_gpu_decode_exchange(triton_backend, num_seqs, exchange):
-    """128 heads in 64-head blocks of 8 warps: the logits computed once, the probabilities
-    passed through the scratch (the default), and the loop without it (ATOM_MLA_EXCHANGE=0);
-    contexts not a multiple of the 64-token tile, one split and several."""
-    mla = triton_backend.mla_attention
-    lens = [int(n) + 13 for n in torch.linspace(64, 6000, num_seqs).tolist()]
-    batch = MlaBatch([(n, 1) for n in lens], DEEPSEEK_TP1, torch.bfloat16, "cuda", pad_rows=0)
-    config = mla.default_config(512, torch.bfloat16, False, 128)
-    assert (config.decode_block_h, config.decode_num_warps) == (64, 8)
-    for num_splits in (None, 4):
-        _check(
-            triton_backend, batch, TOLERANCES[torch.bfloat16], max_query_len=1,
-            num_splits=num_splits, config=replace(config, decode_exchange=exchange),
-        )  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -139,11 +139,6 @@ TABLE: tuple[Switch, ...] = (
         "programs per SM from which the large decode tiles apply (tuning knob)",
     ),
     Switch(
-        "ATOM_MLA_EXCHANGE", True, _not_zero,
-        "MLA decode's 64-head blocks compute the logits once, the probabilities passed to the "
-        "value dot through a scratch (`0`: off, A/B)",
-    ),
-    Switch(
         "ATOM_SAMPLE_KERNEL", "block", _same,
         "Triton sampling draw: `block` or `gumbel` (benchmarks/sample_ab.py times both)",
     ),

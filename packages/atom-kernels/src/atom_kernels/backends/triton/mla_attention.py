@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from atom_kernels import envs
 from atom_kernels.backends.triton.attention import MAX_SPLITS, fuse_decode_reduce
 from atom_kernels.backends.triton.common import (
     is_interpreted,
@@ -32,9 +31,6 @@ REDUCE_BLOCK_C = 64
 # shared memory (one an SM), smaller head blocks fit two (see choose_splits).
 PROGRAMS_PER_SM_WIDE = 1
 PROGRAMS_PER_SM = 2
-# 64-head decode blocks over two warpgroups compute the logits once (mla_decode's EXCHANGE; read
-# at import: ATOM_MLA_EXCHANGE=0 for an A/B).
-EXCHANGE = envs.ATOM_MLA_EXCHANGE
 
 
 @dataclass(frozen=True)
@@ -52,8 +48,6 @@ class MlaConfig:
     decode_num_warps: int
     decode_num_stages: int
     prefill_heavy_first: bool = True
-    # mla_decode's EXCHANGE: None takes it for 64-head blocks of 8 warps on NVIDIA (EXCHANGE on).
-    decode_exchange: bool | None = None
 
 
 def default_config(
@@ -216,17 +210,6 @@ def mla_paged_attention(
         )
     else:
         m_part = l_part = acc_part = out
-    exchange = config.decode_exchange
-    if exchange is None:
-        exchange = EXCHANGE and block_h >= 64 and config.decode_num_warps == 8
-    exchange = exchange and not torch.version.hip  # its barrier is PTX
-    programs = num_seqs * head_blocks * num_splits
-    if exchange:  # two slots a program: probabilities [block_h, block_n], rescales [block_h]
-        p_scratch = torch.empty(programs * 2 * block_h * block_n, dtype=q_latent.dtype,
-                                device=out.device)  # fmt: skip
-        a_scratch = torch.empty(programs * 2 * block_h, dtype=torch.float32, device=out.device)
-    else:
-        p_scratch = a_scratch = out
     # Eager: the last split of a (sequence, head block) merges the partials (see mla_decode).
     counters = None
     if num_splits > 1 and fuse_decode_reduce(q_latent.device):
@@ -240,8 +223,6 @@ def mla_paged_attention(
         l_part,
         acc_part,
         counters if counters is not None else seq_lens,
-        p_scratch,
-        a_scratch,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -263,9 +244,6 @@ def mla_paged_attention(
         BLOCK_N=block_n,
         BLOCK_L=block_l,
         BLOCK_R=block_r,
-        EXCHANGE=exchange,
-        EVEN_DIMS=latent_dim == block_l and rope_dim == block_r,
-        ASM=not interpreted,
         num_warps=config.decode_num_warps,
         num_stages=config.decode_num_stages,
     )

@@ -18,25 +18,23 @@ them (FUSED_REDUCE: a counter per (sequence, head block), as paged attention's d
 counters ``mla_decode_reduce_kernel`` (grid (B, H, cdiv(L, BLOCK_C))) merges them, one chunk of
 the latent dim per program (a whole [splits, 512] fp32 tile would spill).
 
-EXCHANGE (64-head blocks over two warpgroups, NVIDIA): the logits are computed once, half the
-tile's tokens a warpgroup, and the probabilities reach the value dot through a per-program
-scratch in global memory (L1 / L2; two slots used in turn) after a CTA barrier. Without it Triton
-gives the logits dot all eight warps along M (it sees the value dot in the logits' forward slice:
-a "chained dot", as in flash attention), so each warpgroup computes the whole [64, 64] logits
-tile: sm_90 SASS (Triton 3.6, 64-token tiles) 76 HGMMA a tile against 44 with the exchange, and
-twice the softmax. The scratch round trip breaks the chain for the probabilities and, stored
-with them, the rescale factors; the rope dot goes first, so only that small dot (K = 64) keeps
-the chained layout. The barrier is a named ``bar.sync`` in inline PTX whose result the loads'
-addresses depend on (``tl.debug_barrier`` would stop Triton's pipelining of the cache loads);
-its input is this tile's row maxima, so neither it nor the loads can be hoisted into an earlier
-pipeline stage. The interpreter runs the same loop without the PTX (it executes a program's
-ops in order).
-
 NOTE (one H200, triton 3.6, 2026-12-01; commit 4a9f0cf, results/mla/s26/mla-transposed-h200.json):
 the dots transposed (tokens and latent columns as M: logits^T = c @ q^T, acc^T += c^T @ p^T, so
 16-32-head blocks take warpgroup MMAs) were slower than this kernel at 34 of 42 shapes (0.71x at
 worst; at most 1.07x faster, batch 1-16). With 64 heads and 8 warps Triton still computes the
 logits in both warpgroups either way (m64n32 MMAs over the whole [64, 64] tile a warpgroup).
+
+NOTE (one H200, triton 3.6, 2026-12-02; commit 923e74f, results/mla/s27/mla-exchange-ab.json):
+why both warpgroups compute the logits: Triton gives a dot all its warps along M when another
+dot is in its forward slice (a "chained dot"); with 64 heads that is 8 warps over 64 rows, each
+warpgroup the whole tile. Passing the probabilities and the rescale factors to the value dot
+through a per-program global scratch (behind a PTX named barrier, which unlike
+tl.debug_barrier leaves the cache loads pipelined) and taking the rope dot first cut the sm_90
+SASS to 44 HGMMA a tile from 76, and the exp2s by half, but measured 0.99-1.14x this loop's time
+at 128 heads, batch 1-256, 1K-32K (slower from batch 4 x 4K: 352.7 against 309.2 us at 64 x
+4K): its 30 barriers a tile against 7 (the cross-warpgroup row max and sum, the scratch, the
+layout conversions) cost more than the MMAs saved. So the bound at 128 heads is not the MMA
+count but the loop's serialisation (one program an SM, softmax and MMAs in turn). Removed.
 """
 
 import triton
@@ -44,111 +42,7 @@ import triton.language as tl
 
 from atom_kernels.backends.triton.attention_common import LOG2E, load_scale
 from atom_kernels.backends.triton.attention_decode import _split_len
-from atom_kernels.backends.triton.attention_prefill import _pages
 from atom_kernels.backends.triton.mla_prefill import attend_latent_tiles
-
-
-@triton.jit
-def _cta_gate(value, ASM: tl.constexpr):
-    """0 (int32) once every thread of the program has arrived here: barrier 1 (Triton's own are
-    barrier 0) in PTX, every thread of the program taking part, its result depending on the
-    scalar ``value``. Under the interpreter (no PTX; a program's ops run in order) plain 0."""
-    bits = value.to(tl.int32, bitcast=True) & 0
-    if ASM:
-        bits = tl.inline_asm_elementwise(
-            "bar.sync 1;\n\tmov.u32 $0, $1;", "=r,r", [bits], dtype=tl.int32, is_pure=False,
-            pack=1,
-        )  # fmt: skip
-    return bits
-
-
-@triton.jit
-def attend_latent_tiles_exchanged(
-    acc,
-    l_i,
-    m_i,
-    q,
-    q_pe,
-    p_scratch,
-    a_scratch,
-    tile_lo,
-    tile_hi,
-    kv_cache_ptr,
-    block_table_ptr,
-    seq_len,
-    qk_scale,
-    latent_dim,
-    rope_dim,
-    stride_kb,
-    stride_ks,
-    stride_kd,
-    MASKED: tl.constexpr,
-    EVEN_DIMS: tl.constexpr,
-    ASM: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """attend_latent_tiles for one decode row per head (every head sees every token below
-    seq_len), the probabilities and rescale factors passed to the value dot through
-    ``p_scratch`` [2, BLOCK_H, BLOCK_N] / ``a_scratch`` [2, BLOCK_H] (see EXCHANGE above).
-    MASKED: tokens past seq_len read as 0 and score -inf. EVEN_DIMS: latent_dim == BLOCK_L and
-    rope_dim == BLOCK_R (no column masks). A split's tiles start below seq_len, so every row's
-    running max is finite after its first tile."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_l = tl.arange(0, BLOCK_L)
-    offs_r = tl.arange(0, BLOCK_R)
-    l_mask = (offs_l < latent_dim)[None, :]
-    r_mask = (offs_r < rope_dim)[None, :]
-    pe_cols = (BLOCK_L if EVEN_DIMS else latent_dim) + offs_r
-    p_offs = offs_h[:, None] * BLOCK_N + offs_n[None, :]
-    slot = 0
-    for start in range(tile_lo, tile_hi, BLOCK_N):
-        tokens = start + offs_n
-        block = _pages(block_table_ptr, start, seq_len, BLOCK_SIZE, BLOCK_N)
-        rows = block * stride_kb + (tokens % BLOCK_SIZE).to(tl.int64) * stride_ks
-        c_ptrs = kv_cache_ptr + rows[:, None] + offs_l[None, :] * stride_kd
-        pe_ptrs = kv_cache_ptr + rows[:, None] + pe_cols[None, :] * stride_kd
-        token_mask = (tokens < seq_len)[:, None]
-        if MASKED:
-            if EVEN_DIMS:
-                c = tl.load(c_ptrs, mask=token_mask, other=0.0)
-                k_pe = tl.load(pe_ptrs, mask=token_mask, other=0.0)
-            else:
-                c = tl.load(c_ptrs, mask=token_mask & l_mask, other=0.0)
-                k_pe = tl.load(pe_ptrs, mask=token_mask & r_mask, other=0.0)
-        elif EVEN_DIMS:
-            c = tl.load(c_ptrs)
-            k_pe = tl.load(pe_ptrs)
-        else:
-            c = tl.load(c_ptrs, mask=l_mask, other=0.0)
-            k_pe = tl.load(pe_ptrs, mask=r_mask, other=0.0)
-        c = c.to(q.dtype)
-        k_pe = k_pe.to(q.dtype)
-        # The rope dot first: the chained layout (see EXCHANGE) falls on it, not the latent one.
-        s = tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
-        s = tl.dot(q, tl.trans(c), s, input_precision=PRECISION) * qk_scale
-        if MASKED:
-            s = tl.where((tokens < seq_len)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p_ptrs = p_scratch + slot * (BLOCK_H * BLOCK_N) + p_offs
-        a_ptrs = a_scratch + slot * BLOCK_H + offs_h
-        tl.store(p_ptrs, p.to(q.dtype))
-        tl.store(a_ptrs, alpha)
-        gate = _cta_gate(tl.max(m_new, 0), ASM)
-        p = tl.load(p_ptrs + gate)
-        alpha = tl.load(a_ptrs + gate)
-        acc = acc * alpha[:, None] + tl.dot(p, c, input_precision=PRECISION)
-        m_i = m_new
-        slot = 1 - slot  # a fast thread's next store cannot reach the slot a slow one still reads
-    return acc, l_i, m_i
 
 
 # NOTE: split sizes and the block table's width follow the batch's shapes; not specialized on (a
@@ -163,8 +57,6 @@ def mla_decode_kernel(
     l_part_ptr,
     acc_part_ptr,
     count_ptr,
-    p_scratch_ptr,
-    a_scratch_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -198,9 +90,6 @@ def mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    EXCHANGE: tl.constexpr,
-    EVEN_DIMS: tl.constexpr,
-    ASM: tl.constexpr,
 ):
     # B = sequences, H = heads, L / R = latent / rope dims; partials [B, H, num_splits(, BLOCK_L)]
     seq = tl.program_id(0)
@@ -244,33 +133,16 @@ def mla_decode_kernel(
     # then at most one masked tile at the end of the sequence.
     full_hi = kv_lo + (kv_hi - kv_lo) // BLOCK_N * BLOCK_N
     q_pos = tl.zeros([BLOCK_H], tl.int32) + seq_len - 1
-    if EXCHANGE:  # this program's scratch slots (see EXCHANGE)
-        program = (seq * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + split
-        p_scratch = p_scratch_ptr + program.to(tl.int64) * (2 * BLOCK_H * BLOCK_N)
-        a_scratch = a_scratch_ptr + program.to(tl.int64) * (2 * BLOCK_H)
-        acc, l_i, m_i = attend_latent_tiles_exchanged(
-            acc, l_i, m_i, q, q_pe, p_scratch, a_scratch, kv_lo, full_hi, kv_cache_ptr,
-            block_table_ptr, seq_len, qk_scale, latent_dim, rope_dim, stride_kb, stride_ks,
-            stride_kd, False, EVEN_DIMS, ASM, PRECISION, BLOCK_SIZE, BLOCK_H, BLOCK_N,
-            BLOCK_L, BLOCK_R,
-        )  # fmt: skip
-        acc, l_i, m_i = attend_latent_tiles_exchanged(
-            acc, l_i, m_i, q, q_pe, p_scratch, a_scratch, full_hi, kv_hi, kv_cache_ptr,
-            block_table_ptr, seq_len, qk_scale, latent_dim, rope_dim, stride_kb, stride_ks,
-            stride_kd, True, EVEN_DIMS, ASM, PRECISION, BLOCK_SIZE, BLOCK_H, BLOCK_N,
-            BLOCK_L, BLOCK_R,
-        )  # fmt: skip
-    else:
-        acc, l_i, m_i = attend_latent_tiles(
-            acc, l_i, m_i, q, q_pe, q_pos, kv_lo, full_hi, kv_cache_ptr, block_table_ptr, seq_len,
-            qk_scale, latent_dim, rope_dim, stride_kb, stride_ks, stride_kd, False, PRECISION,
-            BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R,
-        )  # fmt: skip
-        acc, l_i, m_i = attend_latent_tiles(
-            acc, l_i, m_i, q, q_pe, q_pos, full_hi, kv_hi, kv_cache_ptr, block_table_ptr, seq_len,
-            qk_scale, latent_dim, rope_dim, stride_kb, stride_ks, stride_kd, True, PRECISION,
-            BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R,
-        )  # fmt: skip
+    acc, l_i, m_i = attend_latent_tiles(
+        acc, l_i, m_i, q, q_pe, q_pos, kv_lo, full_hi, kv_cache_ptr, block_table_ptr, seq_len,
+        qk_scale, latent_dim, rope_dim, stride_kb, stride_ks, stride_kd, False, PRECISION,
+        BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R,
+    )  # fmt: skip
+    acc, l_i, m_i = attend_latent_tiles(
+        acc, l_i, m_i, q, q_pe, q_pos, full_hi, kv_hi, kv_cache_ptr, block_table_ptr, seq_len,
+        qk_scale, latent_dim, rope_dim, stride_kb, stride_ks, stride_kd, True, PRECISION,
+        BLOCK_SIZE, BLOCK_N, BLOCK_L, BLOCK_R,
+    )  # fmt: skip
 
     acc = acc * kv_scale  # the values' scale (linear: partials merge unchanged)
     l_mask = head_mask[:, None] & (offs_l < latent_dim)[None, :]
