@@ -13,7 +13,9 @@ before it is timed (CUDA graph, L2 flushed before each call: ``kernels.cold_grap
 roofline: the larger of the cache bytes over the copy bandwidth and the FLOPs over the bf16
 matmul rate, both measured in the same run. ``--before`` times a frozen launch beside the default
 (the tiles and split rule before session 26's change, ``before_launch``); ``--ab N`` times only
-those two, alternated N times a shape.
+those two, alternated N times a shape; ``--against seqs-first`` makes that pair the default
+and the same launch with the grid's sequences first (a sequence's head blocks apart: the launch
+before session 27).
 """
 
 from __future__ import annotations
@@ -74,13 +76,19 @@ def make_inputs(batch: int, context: int, heads: int, device: str, g: torch.Gene
 
 
 def candidates(
-    heads: int, batch: int, context: int, default, sms: int, before: bool, ab_rounds: int = 0
-):
+    heads: int, batch: int, context: int, default, sms: int, before: bool, ab_rounds: int = 0,
+    against: str = "before",
+):  # fmt: skip
     """(name, launch keyword arguments) of one shape: the default first. ``ab_rounds``: only the
-    default and BEFORE, alternated that many times."""
+    default and ``against`` (BEFORE, or ``seqs-first``: the default with the grid's sequences
+    first), alternated that many times."""
     if ab_rounds:
-        pair = [("default", {}), ("before", before_launch(heads, batch, context, default, sms))]
-        return pair * ab_rounds
+        if against == "seqs-first":
+            off = dataclasses.replace(default, decode_head_blocks_first=False)
+            other = ("seqs first", dict(config=off))
+        else:
+            other = ("before", before_launch(heads, batch, context, default, sms))
+        return [("default", {}), other] * ab_rounds
     out = [("default", {})]
     if before:
         out.append(("before", before_launch(heads, batch, context, default, sms)))
@@ -138,7 +146,7 @@ def run(args) -> dict:
                 flops = mla_flops(batch * context, heads)
                 expected = None
                 for name, launch in candidates(
-                    heads, batch, context, default, sms, args.before, args.ab
+                    heads, batch, context, default, sms, args.before, args.ab, args.against
                 ):
                     config = launch.get("config")
                     out = torch.empty(batch, heads, LATENT, dtype=q.dtype, device=device)
@@ -151,7 +159,9 @@ def run(args) -> dict:
                                num_splits=launch.get("num_splits"),
                                tile=None if config is None else [
                                    config.decode_block_h, config.decode_block_n,
-                                   config.decode_num_warps, config.decode_num_stages])  # fmt: skip
+                                   config.decode_num_warps, config.decode_num_stages],
+                               head_blocks_first=None if config is None
+                               else config.decode_head_blocks_first)  # fmt: skip
                     try:
                         expected, row["max_err_vs_default"] = against_first(
                             expected, fn().float(), 2e-2 if cuda else 1e-4, "the default launch"
@@ -195,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="ROUNDS",
         help="only the default and BEFORE, alternated ROUNDS times a shape",
+    )
+    parser.add_argument(
+        "--against",
+        choices=("before", "seqs-first"),
+        default="before",
+        help="what --ab alternates with the default",
     )
     parser.add_argument("--heads", type=int, nargs="*")
     parser.add_argument("--batches", type=int, nargs="*")

@@ -9,8 +9,9 @@ Run on a GPU from the repo root:
 Each case runs each route, rotating their order each round: the torch reference (sort-based
 masking, exponential race), ``sampling_filter``'s kernel (one program a row) at each ``--ways``
 (pivots a pass) and ``--tops`` (the largest logits its first pass keeps; 0: every threshold
-searched, the kernel before session 26) and ``sampling_filter_split``'s (a row over programs) at
-each ``--split-ways``.
+searched, the kernel before session 26) and ``--prunes`` (1: the work a block cannot change
+skipped, 0: the kernel before session 27), and ``sampling_filter_split``'s (a row over programs)
+at each ``--split-ways``.
 (Session 21's results also have a third route, torch thresholds then the fused draw, since
 dropped on the GPU.) The reference syncs the host inside (the filters' checks), so a call is
 timed on the wall clock from a synced GPU to a synced GPU: median over ``--rounds`` of ``--calls``
@@ -42,9 +43,9 @@ def old_route(logits, temperature, top_k, top_p, min_p):
     return reference.sample(logits, temperature, top_k, top_p, min_p, None, 0)
 
 
-def kernel_route(logits, temperature, top_k, top_p, min_p, ways, top=None):
+def kernel_route(logits, temperature, top_k, top_p, min_p, ways, top=None, prune=None):
     return sampling_filter.filtered_sample(
-        logits, temperature, top_k, top_p, min_p, ways=ways, top=top
+        logits, temperature, top_k, top_p, min_p, ways=ways, top=top, prune=prune
     )
 
 
@@ -75,6 +76,11 @@ def main() -> None:
         "--tops", type=int, nargs="+", default=[sampling_filter.TOP],
         help="the one-program kernel's kept top logits (0: every threshold searched)",
     )  # fmt: skip
+    parser.add_argument(
+        "--prunes", type=int, nargs="+", default=[int(sampling_filter.PRUNE)],
+        help="the one-program kernel's PRUNE (1: on, 0: off)",
+    )  # fmt: skip
+    parser.add_argument("--filters", nargs="+", default=list(FILTERS), choices=list(FILTERS))
     parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
     result = {
@@ -88,7 +94,8 @@ def main() -> None:
             for spread, shape in ((4.0, "flat"), (8.0, "peaked")):
                 logits = spread * torch.randn(batch, vocab, device="cuda", generator=gen)
                 temperature = torch.full((batch,), 0.8, device="cuda")
-                for name, (k, p, m) in FILTERS.items():
+                for name in args.filters:
+                    k, p, m = FILTERS[name]
                     params = tuple(
                         None if v is None else torch.full((batch,), v, dtype=dt, device="cuda")
                         for v, dt in ((k, torch.int32), (p, torch.float32), (m, torch.float32))
@@ -97,11 +104,12 @@ def main() -> None:
                     fns = {
                         "sort_ms": lambda call=call: old_route(*call),
                         **{
-                            f"kernel_w{w}_t{t}_ms": lambda call=call, w=w, t=t: kernel_route(
-                                *call, w, t
+                            f"kernel_w{w}_t{t}_p{q}_ms": (
+                                lambda call=call, w=w, t=t, q=q: kernel_route(*call, w, t, bool(q))
                             )
                             for w in args.ways
                             for t in args.tops
+                            for q in args.prunes
                         },
                         **{
                             f"split_w{w}_ms": lambda call=call, w=w: split_route(*call, w)

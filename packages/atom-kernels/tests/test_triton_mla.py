@@ -157,6 +157,30 @@ def test_decode_split_merge_fused_and_separate(triton_backend, monkeypatch):
     assert_close(outs[True], outs[False], atol=1e-2, rtol=1e-2, name="fused vs separate")
 
 
+@pytest.mark.parametrize(
+    "head_blocks_first", [True, False], ids=["head-blocks-first", "seqs-first"]
+)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-merge", "reduce-kernel"])
+def test_decode_grid_orders(triton_backend, monkeypatch, head_blocks_first, fused):
+    """Both decode grid orders (a sequence's head blocks side by side, or the sequences first)
+    give the reference's rows with several head blocks and splits, the fused merge's counters
+    indexed by (sequence, head block) either way."""
+    from atom_kernels.backends.triton.common import zeroed_counters
+
+    mla = triton_backend.mla_attention
+    monkeypatch.setattr(triton_backend.attention, "FUSED_DECODE_REDUCE", fused)
+    seqs = [(5, 1), (40, 1), (100, 1), (16, 1), (190, 1), (30, 4)]
+    device = triton_backend.device
+    batch = MlaBatch(seqs, TWO_HEAD_BLOCKS, torch.bfloat16, device, pad_rows=1, seed=16)
+    config = mla.default_config(TWO_HEAD_BLOCKS[1], torch.bfloat16, True, TWO_HEAD_BLOCKS[0])
+    config = replace(config, decode_head_blocks_first=head_blocks_first)
+    _check(
+        triton_backend, batch, TOLERANCES[torch.bfloat16], num_splits=4, min_split_len=16,
+        config=config,
+    )  # fmt: skip
+    assert int(zeroed_counters(device, 64).abs().sum()) == 0
+
+
 # (block_m, block_n, block_size, heavy_first): tiles of several pages, a tile inside one page,
 # pages straddling tiles, both tile orders; H = 5 pairs cut rows across tiles.
 PREFILL_TILES = [(32, 32, 4, True), (16, 16, 32, False), (32, 16, 5, True)]
@@ -310,6 +334,26 @@ def test_gpu_decode(triton_backend, num_seqs):
     lens = torch.linspace(512, 8192, num_seqs).long().tolist() if num_seqs > 1 else [8192]
     batch = MlaBatch([(n, 1) for n in lens], DEEPSEEK_TP1, torch.bfloat16, "cuda", pad_rows=0)
     _check(triton_backend, batch, TOLERANCES[torch.bfloat16], max_query_len=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "head_blocks_first", [True, False], ids=["head-blocks-first", "seqs-first"]
+)
+@pytest.mark.parametrize("num_seqs", [16, 200])
+def test_gpu_decode_grid_orders(triton_backend, num_seqs, head_blocks_first):
+    """128 heads (two 64-head blocks) in both grid orders, more programs than SMs at 200
+    sequences; one split and several."""
+    mla = triton_backend.mla_attention
+    lens = [int(n) + 13 for n in torch.linspace(64, 3000, num_seqs).tolist()]
+    batch = MlaBatch([(n, 1) for n in lens], DEEPSEEK_TP1, torch.bfloat16, "cuda", pad_rows=0)
+    config = mla.default_config(512, torch.bfloat16, False, 128)
+    config = replace(config, decode_head_blocks_first=head_blocks_first)
+    for num_splits in (None, 3):
+        _check(
+            triton_backend, batch, TOLERANCES[torch.bfloat16], max_query_len=1,
+            num_splits=num_splits, config=config,
+        )  # fmt: skip
 
 
 @pytest.mark.gpu

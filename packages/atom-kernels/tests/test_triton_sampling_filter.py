@@ -67,6 +67,36 @@ def test_thresholds_read_off_the_top_equal_the_searched_ones(triton_backend):
     assert_equal(found[1], found[0], name="thresholds read off the top vs searched")
 
 
+@pytest.mark.parametrize("spread", [2.0, 8.0], ids=["flat", "peaked"])
+def test_pruned_blocks_change_no_threshold_and_no_draw(triton_backend, spread):
+    """PRUNE (a block's top merge, top-p's mass pass and a block's draw skipped where they cannot
+    change anything) against the kernel without it, the same seed: equal thresholds, tokens and
+    log-probs for every filter mix, with the reference's tokens kept; rows whose largest logits lie
+    in the first block leave the later blocks nothing to merge or draw."""
+    from atom_kernels.backends.triton import sampling_filter as sf
+
+    device = triton_backend.device
+    logits, temperature, top_k, top_p, min_p = _batch(12, 200, seed=9, device=device)
+    logits = logits * spread
+    logits[::2, :64] += 3 * spread  # rows whose largest logits all lie in the first block
+    top_k = top_k.clamp(max=16)  # within the interpreter's kept top (TOP_INTERPRETED)
+    for args in ((top_k, top_p, None), (None, top_p, min_p), (top_k, top_p, min_p)):
+        results = []
+        for prune in (False, True):
+            thresholds = torch.empty(12, dtype=torch.int64, device=device)
+            torch.manual_seed(3)  # the kernel's seed comes from torch's generator
+            ids, logprobs = sf.filtered_sample(logits, temperature, *args, block_v=64,
+                                               thresholds=thresholds, prune=prune)  # fmt: skip
+            results.append((thresholds, ids, logprobs))
+        (t0, i0, l0), (t1, i1, l1) = results
+        name = f"filters {[a is not None for a in args]}"
+        assert_equal(t1, t0, name=f"thresholds, {name}")
+        assert_equal(i1, i0, name=f"tokens, {name}")
+        assert_close(l1, l0, atol=0, rtol=0, name=f"log-probs, {name}")
+        masked = reference.apply_top_k_top_p_min_p(logits / temperature[:, None], *args)
+        assert_equal(logits >= sf.values(t1)[:, None], torch.isfinite(masked), name=name)
+
+
 def test_greedy_rows_top_k_1_and_top_p_0_are_the_argmax(triton_backend):
     from atom_kernels.backends.triton import sampling_filter as sf
 

@@ -152,6 +152,10 @@ TABLE: tuple[Switch, ...] = (
         "searched, A/B)",
     ),
     Switch(
+        "ATOM_SAMPLE_PRUNE", True, _not_zero,
+        "the filter kernel skips the work a block of logits cannot change (`0`: off, A/B)",
+    ),
+    Switch(
         "ATOM_SAMPLE_SPLIT_BELOW", 64, int,
         "batches below this many rows draw filtered rows with a row over programs (A/B)",
     ),

@@ -48,6 +48,8 @@ class MlaConfig:
     decode_num_warps: int
     decode_num_stages: int
     prefill_heavy_first: bool = True
+    # mla_decode's HEAD_BLOCKS_FIRST: a sequence's head blocks launched side by side.
+    decode_head_blocks_first: bool = True
 
 
 def default_config(
@@ -214,7 +216,11 @@ def mla_paged_attention(
     counters = None
     if num_splits > 1 and fuse_decode_reduce(q_latent.device):
         counters = zeroed_counters(q_latent.device, num_seqs * head_blocks)
-    mla_decode_kernel[(num_seqs, head_blocks, num_splits)](
+    if config.decode_head_blocks_first:
+        grid = (head_blocks, num_seqs, num_splits)
+    else:
+        grid = (num_seqs, head_blocks, num_splits)
+    mla_decode_kernel[grid](
         q_latent,
         q_pe,
         kv_cache,
@@ -244,6 +250,7 @@ def mla_paged_attention(
         BLOCK_N=block_n,
         BLOCK_L=block_l,
         BLOCK_R=block_r,
+        HEAD_BLOCKS_FIRST=config.decode_head_blocks_first,
         num_warps=config.decode_num_warps,
         num_stages=config.decode_num_stages,
     )

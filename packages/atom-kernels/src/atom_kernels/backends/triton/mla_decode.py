@@ -1,8 +1,10 @@
 """MLA decode (one query row per sequence): flash-decoding over the latent cache with several
 query heads per program.
 
-``mla_decode_kernel`` grid (B, cdiv(H, BLOCK_H), num_splits): one program takes one sequence,
-BLOCK_H query heads and one split of that sequence's context. Every head attends over the same
+``mla_decode_kernel`` grid (cdiv(H, BLOCK_H), B, num_splits) (HEAD_BLOCKS_FIRST; else (B,
+cdiv(H, BLOCK_H), num_splits)): one program takes one sequence, BLOCK_H query heads and one split
+of that sequence's context. The head blocks of a sequence read the same cache tiles: launched
+next to each other they run together and the second read hits L2. Every head attends over the same
 cache rows (the latent is one shared kv "head"), so the heads form the M dim of both dots:
 logits = q_latent [BLOCK_H, L] @ c^T + q_pe [BLOCK_H, R] @ k_pe^T, and each latent tile c
 [BLOCK_N, L] is read once for BLOCK_H heads and is also the value tile (acc [BLOCK_H, L] += P @ c);
@@ -90,9 +92,17 @@ def mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    HEAD_BLOCKS_FIRST: tl.constexpr,
 ):
     # B = sequences, H = heads, L / R = latent / rope dims; partials [B, H, num_splits(, BLOCK_L)]
-    seq = tl.program_id(0)
+    if HEAD_BLOCKS_FIRST:  # grid (head blocks, B, splits): a sequence's head blocks adjacent
+        head_block = tl.program_id(0)
+        seq = tl.program_id(1)
+        head_blocks = tl.num_programs(0)
+    else:  # grid (B, head blocks, splits)
+        seq = tl.program_id(0)
+        head_block = tl.program_id(1)
+        head_blocks = tl.num_programs(1)
     split = tl.program_id(2)
     q_row = tl.load(query_start_loc_ptr + seq).to(tl.int32)
     if tl.load(query_start_loc_ptr + seq + 1) - q_row != 1:
@@ -104,7 +114,7 @@ def mla_decode_kernel(
         return
     kv_hi = tl.minimum(kv_lo + split_len, seq_len)
 
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
@@ -157,7 +167,7 @@ def mla_decode_kernel(
         tl.store(acc_part_ptr + part[:, None] * BLOCK_L + offs_l[None, :], acc, mask=l_mask)
         if FUSED_REDUCE:
             tl.debug_barrier()  # every thread's partial stored before the release below
-            counter = count_ptr + seq * tl.num_programs(1) + tl.program_id(1)
+            counter = count_ptr + seq * head_blocks + head_block
             splits = tl.cdiv(seq_len, split_len)
             if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
                 m_max = tl.zeros([BLOCK_H], tl.float32) + float("-inf")

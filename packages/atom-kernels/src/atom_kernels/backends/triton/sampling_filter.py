@@ -40,6 +40,11 @@ WAYS = 4  # candidate keys a pass: ~16 passes per 32-bit search (measured below)
 # ATOM_SAMPLE_TOP (read at import): TOP for an A/B in the engine, 0: every threshold searched.
 TOP = envs.ATOM_SAMPLE_TOP
 TOP_INTERPRETED = 16 if TOP else 0
+# Work a block cannot change, skipped (exact: the same thresholds and draws): the top merge of a
+# block whose largest logit is not above the kept TOP-th; top-p's mass pass when the top-k set
+# lies in the kept top; the noise and draw of a block with no kept logit. ATOM_SAMPLE_PRUNE=0:
+# off (read at import, A/B).
+PRUNE = envs.ATOM_SAMPLE_PRUNE
 
 
 @triton.jit
@@ -108,6 +113,7 @@ def _filtered_sample_kernel(
     WAYS_: tl.constexpr,
     TOP: tl.constexpr,
     USE_TOP: tl.constexpr,
+    PRUNE: tl.constexpr,
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_lb
@@ -135,7 +141,10 @@ def _filtered_sample_kernel(
         best_raw, best_raw_i = _argmax_merge(best_raw, best_raw_i, x, cols)
         low = tl.minimum(low, tl.min(tl.where(valid, x, float("inf")), axis=0))
         if USE_TOP and HAS_K:
-            if keep_top:
+            merge = keep_top
+            if PRUNE:  # a block whose largest is not above the kept TOP-th changes nothing
+                merge = merge & (tl.max(x, axis=0) > tl.min(top, axis=0))
+            if merge:
                 top = tl.topk(tl.cat(top, tl.topk(x, TOP), can_reorder=True), TOP)
     low_key = _key(low)
     high_key = _key(run_max)
@@ -160,13 +169,21 @@ def _filtered_sample_kernel(
         p = tl.load(top_p_ptr + row).to(tl.float32)
         if p < 1.0:
             kept_mass = tl.zeros([], tl.float32)
-            for start in range(0, vocab_size, BLOCK_V):
-                cols = start + offs
-                valid = cols < vocab_size
-                x = tl.load(row_ptr + cols, mask=valid, other=neg_inf).to(tl.float32)
-                keep = valid & (x >= _value(threshold))
-                scaled = (x - run_max) * inv_t * 1.4426950408889634
-                kept_mass += tl.sum(tl.where(keep, tl.exp2(scaled), 0.0), axis=0)
+            in_top = False
+            if USE_TOP and HAS_K and PRUNE:
+                # The top-k set above the TOP-th largest lies in ``top``: its mass from there.
+                in_top = keep_top & (_value(threshold) > bottom)
+            if in_top:
+                scaled = (top - run_max) * inv_t * 1.4426950408889634
+                kept_mass = tl.sum(tl.where(top >= _value(threshold), tl.exp2(scaled), 0.0), 0)
+            else:
+                for start in range(0, vocab_size, BLOCK_V):
+                    cols = start + offs
+                    valid = cols < vocab_size
+                    x = tl.load(row_ptr + cols, mask=valid, other=neg_inf).to(tl.float32)
+                    keep = valid & (x >= _value(threshold))
+                    scaled = (x - run_max) * inv_t * 1.4426950408889634
+                    kept_mass += tl.sum(tl.where(keep, tl.exp2(scaled), 0.0), axis=0)
             need = p * kept_mass
             found = False
             if USE_TOP and HAS_K:
@@ -199,11 +216,15 @@ def _filtered_sample_kernel(
             cols = start + offs
             valid = cols < vocab_size
             x = tl.load(row_ptr + cols, mask=valid, other=neg_inf).to(tl.float32)
-            u = tl.rand(seed, row.to(tl.int64) * vocab_size + cols)
-            u = tl.maximum(u, 1e-20)  # tl.rand is in [0, 1): log(0) would make an infinite draw
-            keep = valid & (x >= cut) & (x > neg_inf)
-            draw = tl.where(keep, x * inv_t - tl.log(-tl.log(u)), neg_inf)
-            best_draw, best_draw_i = _argmax_merge(best_draw, best_draw_i, draw, cols)
+            draws = True
+            if PRUNE:  # a block with nothing kept draws nothing (no noise drawn for it)
+                draws = tl.max(x, axis=0) >= cut
+            if draws:
+                u = tl.rand(seed, row.to(tl.int64) * vocab_size + cols)
+                u = tl.maximum(u, 1e-20)  # tl.rand is in [0, 1): log(0): an infinite draw
+                keep = valid & (x >= cut) & (x > neg_inf)
+                draw = tl.where(keep, x * inv_t - tl.log(-tl.log(u)), neg_inf)
+                best_draw, best_draw_i = _argmax_merge(best_draw, best_draw_i, draw, cols)
     _finish(row_ptr, row, greedy, run_max, run_sum, best_raw_i, best_draw_i, token_ids_ptr,
             logprobs_ptr)  # fmt: skip
 
@@ -242,13 +263,15 @@ def filtered_sample(
     thresholds: torch.Tensor | None = None,
     ways: int = WAYS,
     top: int | None = None,
+    prune: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token_ids [B] int64, their raw log-probs [B] fp32): each row drawn from its tempered
     logits after top-k, then top-p, then min-p (any of the three None: off for every row).
     ``thresholds`` ([B] int64, tests): gets each row's threshold as a key (``values`` turns it
     into the logit: each row keeps ``x >= value``); ``ways``: pivots a pass (benchmarks); ``top``:
     the largest logits the first pass keeps (a power of two, at most the block; 0: none, every
-    threshold searched; default TOP, TOP_INTERPRETED under the interpreter)."""
+    threshold searched; default TOP, TOP_INTERPRETED under the interpreter); ``prune``: skip the
+    work a block cannot change (default PRUNE; off: the kernel before session 27)."""
     num_seqs, vocab_size = logits.shape
     device = logits.device
     token_ids = torch.empty(num_seqs, dtype=torch.int64, device=device)
@@ -274,7 +297,8 @@ def filtered_sample(
         dummy if min_p is None else min_p.contiguous(),
         seed, token_ids, logprobs, thresholds, vocab_size, logits.stride(0),
         HAS_K=top_k is not None, HAS_P=top_p is not None, HAS_MIN_P=min_p is not None,
-        BLOCK_V=block_v, WAYS_=ways, TOP=max(top, 1), USE_TOP=top > 0, num_warps=num_warps or 8,
+        BLOCK_V=block_v, WAYS_=ways, TOP=max(top, 1), USE_TOP=top > 0,
+        PRUNE=PRUNE if prune is None else prune, num_warps=num_warps or 8,
     )  # fmt: skip
     return token_ids, logprobs
 
