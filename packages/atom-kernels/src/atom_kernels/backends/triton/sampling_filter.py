@@ -44,6 +44,12 @@ TOP_INTERPRETED = 16 if TOP else 0
 # block whose largest logit is not above the kept TOP-th; top-p's mass pass when the top-k set
 # lies in the kept top; the noise and draw of a block with no kept logit. ATOM_SAMPLE_PRUNE=0:
 # off (read at import, A/B).
+# NOTE (benchmarks/sample_filter_ab.py --prunes 1 0, one H200, triton 3.6, 2026-12-02,
+# results/sampling/s27/sample-prune-ab.json; ms a call, vocab 128,256, pruned / not, flat and
+# peaked logits): top-k 50 + top-p 0.9, batch 1: 0.49 / 0.60, 0.45 / 0.60; 64: 0.51 / 0.60,
+# 0.47 / 0.59; 256: 0.74 / 0.94, 0.73 / 0.96; min-p 0.1 at 256: 0.21 / 0.31, 0.19 / 0.31
+# (1.2-1.65x); top-p 0.95 alone 1.00-1.10x. FlashInfer's top_k_top_p_sampling_from_logits
+# against the op at 256 rows, the same day: 0.506 against 0.751 ms (1.48x; 1.9x before).
 PRUNE = envs.ATOM_SAMPLE_PRUNE
 
 
