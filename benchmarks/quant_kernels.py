@@ -176,6 +176,12 @@ PACKED_X_SPLIT_TILES = (
 # (BLOCK_N, warps, stages, programs an SM) of the one-row X_VECTOR loop (SMALL_MAGIC), timed in
 # ``int`` at M = 1: the split-K target (per_sm) beside the default's 2.
 X_VECTOR_TILES = ((256, 4, 1, 4), (256, 4, 1, 8), (128, 4, 1, 4), (128, 4, 1, 8), (128, 2, 1, 8))
+# (BLOCK_N, warps, k_stages, programs an SM) of X_VECTOR ``fill`` launches whose loads are
+# pipelined k_stages - 1 tiles ahead (``k_stages``: cp.async into shared memory), timed at M = 1.
+K_STAGES_TILES = (
+    (256, 4, 3, 1), (256, 4, 3, 2), (256, 4, 4, 1), (256, 4, 2, 2), (128, 4, 3, 2),
+    (128, 4, 4, 2), (128, 4, 3, 4), (128, 2, 3, 4), (256, 8, 3, 1),
+)  # fmt: skip
 # int_quant_small_magic's variants (SMALL_MAGIC_VARIANTS), timed in ``int`` at M = 1 beside the
 # default launch (BLOCK_N 256, 4 warps, 1 stage).
 SMALL_MAGIC_VARIANTS = (
@@ -811,6 +817,12 @@ def _w4a16_variants(rows: int) -> list:
             name = f"fill{per_sm}" + (f" r{maxnreg}" if maxnreg else "")
             out.append((f"w4a16_g128 permuted fma small-magic {block_n} w{warps} s{stages} "
                         f"x-vector {name}", config))  # fmt: skip
+        for block_n, warps, k_stages, per_sm in K_STAGES_TILES:
+            config = dict(_wna16_tile(block_n, warps, 1, bm=1), per_sm=per_sm, fill=True,
+                          k_stages=k_stages, PERMUTED_K=True, SMALL_MAGIC=True,
+                          X_VECTOR=True)  # fmt: skip
+            out.append((f"w4a16_g128 permuted fma small-magic {block_n} w{warps} s1 "
+                        f"x-vector k{k_stages} fill{per_sm}", config))  # fmt: skip
         default = dict(_wna16_tile(256, 4, 1, bm=1), PERMUTED_K=True, SMALL_MAGIC=True)
         for variant in SMALL_MAGIC_VARIANTS:
             name = "+".join(k.lower().replace("_", "-") for k in variant)

@@ -75,7 +75,7 @@ def _wna16(cfg: dict, bits: int, zeros: bool, g_idx: bool, dtype: str = "bf16", 
         SMALL_MAGIC=cfg.get("SMALL_MAGIC", False), PACKED_DOT=cfg.get("PACKED_DOT", False),
         ASM=cfg.get("PACKED_DOT", False),
         **{key: cfg.get(key, False) for key in int_quant.SMALL_MAGIC_VARIANTS},
-        IEEE=dtype == "fp32", EVEN_K=True,
+        K_STAGES=cfg.get("k_stages", 1), IEEE=dtype == "fp32", EVEN_K=True,
         SPLIT_K=cfg["SPLIT_K"] if split else 1, GROUP_M=cfg.get("GROUP_M", 1),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
     )  # fmt: skip
@@ -358,3 +358,18 @@ def test_packed_dot_x_split_main_loop_sass(dtype, zeros):
     barriers = [ins for ins in body if ins.startswith("BAR")]
     assert len(loads) <= 1 + zeros and len(barriers) <= 2 + 2 * zeros, (loads, barriers)
     assert len(body) / weights < 3.0, (len(body), weights)
+
+
+def test_small_magic_k_stages_pipeline_the_loads():
+    """``k_stages`` 3 (tl.range's num_stages) at the one-row launch: the words and scales
+    reach the loop as cp.async copies into shared memory (none with a plain range, whatever the
+    launch's num_stages), two tiles of words ahead, and without spills."""
+    base = dict(BLOCK_M=1, BLOCK_N=256, BLOCK_K=128, num_warps=4, num_stages=1, SPLIT_K=4,
+                PERMUTED_K=True, SMALL_MAGIC=True, X_VECTOR=True)  # fmt: skip
+    plain = _cuobjdump(_wna16(dict(base, num_stages=3), 4, False, False), "-sass")
+    assert "LDGSTS" not in plain
+    kernel = _wna16(dict(base, k_stages=3), 4, False, False)
+    sass = _cuobjdump(kernel, "-sass")
+    assert sass.count("LDGSTS") >= 16, sass.count("LDGSTS")
+    assert "STL" not in sass and "LDL" not in sass
+    assert kernel.metadata.shared >= 2 * 256 * 16 * 4  # two [BLOCK_N, BLOCK_K / 8] int32 tiles

@@ -171,7 +171,7 @@ SMALL_MAGIC_LAUNCHES = [
 # all that combine.
 SMALL_MAGIC_VARIANTS = [
     {}, dict(X_VECTOR=True), dict(X_SPLIT=True), dict(PREFETCH=True),
-    dict(X_VECTOR=True, PREFETCH=True),
+    dict(X_VECTOR=True, PREFETCH=True), dict(X_VECTOR=True, k_stages=3),
 ]  # fmt: skip
 
 
@@ -642,3 +642,21 @@ def test_launch_policy(triton_backend, iq):
     for rows in (1, 16, 256):
         cfg = iq.int8_gemm_config(rows, 4096, 4096, 132)
         assert -(-rows // cfg["BLOCK_M"]) * -(-4096 // cfg["BLOCK_N"]) * cfg["SPLIT_K"] >= 132
+
+
+def test_one_row_override(monkeypatch):
+    """ATOM_WNA16_ONE_ROW's launch replaces the one-row 4-bit default (K split to about per_sm
+    programs an SM, loads pipelined) and nothing else; a malformed value fails naming the form."""
+    from atom_kernels.backends.triton import int_quant as iq
+
+    override = iq._one_row_override("128,4,3,2")
+    assert override == dict(BLOCK_N=128, num_warps=4, k_stages=3, per_sm=2, fill=True)
+    for bad in ("128,4,3", "128,4,0,2", "a,4,3,2"):
+        with pytest.raises(ValueError, match="block_n,num_warps,k_stages,per_sm"):
+            iq._one_row_override(bad)
+    assert iq._one_row_override("") is None
+    monkeypatch.setattr(iq, "ONE_ROW_OVERRIDE", override)
+    one_row = iq.wna16_config(1, 4096, 4096, 128, True, 132)
+    assert one_row["k_stages"] == 3 and one_row["BLOCK_N"] == 128 and one_row["X_VECTOR"]
+    assert "k_stages" not in iq.wna16_config(4, 4096, 4096, 128, True, 132)
+    assert "k_stages" not in iq.wna16_config(1, 4096, 4096, 128, True, 132, bits=8)

@@ -83,6 +83,11 @@ TABLE: tuple[Switch, ...] = (
         "`block_n,block_k,num_warps[,split_k[,prefetch]]`: one-row tile of the projections (A/B)",
     ),
     Switch(
+        "ATOM_WNA16_ONE_ROW", "", _same,
+        "`block_n,num_warps,k_stages,per_sm`: the one-row W4A16 launch, K split to about per_sm "
+        "programs an SM, loads pipelined k_stages - 1 tiles ahead (A/B)",
+    ),
+    Switch(
         "ATOM_FUSED_GATE_UP", True, _not_zero,
         "fused gate/up GEMM + SiLU-and-mul (`0`: off, A/B)",
     ),

@@ -337,6 +337,7 @@ def _wna16_kernel(
     X_VECTOR: tl.constexpr = False,  # SMALL_MAGIC's variants (int_quant_small_magic)
     X_SPLIT: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    K_STAGES: tl.constexpr = 1,  # SMALL_MAGIC's loads pipelined (config key ``k_stages``)
     PACKED_DOT: tl.constexpr = False,  # 4-bit, 16-bit x, dots: _packed_dot_k_loop
     ASM: tl.constexpr = False,  # PACKED_DOT's unpack in PTX (NVIDIA), else shifts and masks
 ):
@@ -359,7 +360,7 @@ def _wna16_kernel(
         acc = _small_magic_k_loop(
             x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, m_mask, k_lo, k_hi, K, group_size,
             stride_xm, stride_qn, stride_sn, stride_zn, HAS_ZEROS, SCALE_PER_TILE, EVEN_K,
-            BLOCK_M, BLOCK_N, BLOCK_K, X_VECTOR, X_SPLIT, PREFETCH,
+            BLOCK_M, BLOCK_N, BLOCK_K, X_VECTOR, X_SPLIT, PREFETCH, K_STAGES,
         )  # fmt: skip
     elif PERMUTED_K:
         acc = _permuted_k_loop(
@@ -401,6 +402,27 @@ def _block_k(group_size: int, per_tile: bool, cap: int) -> int:
     while per_tile and block > 32 and group_size % block:
         block //= 2
     return block
+
+
+def _one_row_override(spec: str) -> dict | None:
+    """ATOM_WNA16_ONE_ROW="block_n,num_warps,k_stages,per_sm": the one-row 4-bit launch (X_VECTOR
+    multiply-adds, K split to about per_sm programs an SM whatever the N tiles, loads pipelined
+    k_stages - 1 tiles ahead), for an A/B in the engine."""
+    if not spec:
+        return None
+    try:
+        block_n, num_warps, k_stages, per_sm = (int(f) for f in spec.split(","))
+        if min(block_n, num_warps, k_stages, per_sm) < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"ATOM_WNA16_ONE_ROW={spec!r}: expected 'block_n,num_warps,k_stages,per_sm' "
+            "(positive integers)"
+        ) from None
+    return dict(BLOCK_N=block_n, num_warps=num_warps, k_stages=k_stages, per_sm=per_sm, fill=True)
+
+
+ONE_ROW_OVERRIDE = _one_row_override(envs.ATOM_WNA16_ONE_ROW)
 
 
 def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool, sms: int,
@@ -464,6 +486,8 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     elif num_rows == 1 and permuted:
         cfg = dict(BLOCK_M=1, BLOCK_N=256, BLOCK_K=128, num_warps=4, num_stages=1, GROUP_M=1,
                    per_sm=2, SMALL_MAGIC=bits == 4, X_VECTOR=bits == 4)  # fmt: skip
+        if ONE_ROW_OVERRIDE and bits == 4:
+            cfg.update(ONE_ROW_OVERRIDE)
     elif num_rows <= SKINNY_MAX_ROWS:
         block_k = 128 if permuted else _block_k(group_size, per_tile, 128)
         cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4, GROUP_M=1,
@@ -623,7 +647,8 @@ def wna16_linear(
         EVEN_K=k % block_k == 0,
         SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **variants,
+        num_stages=cfg["num_stages"], K_STAGES=cfg.get("k_stages", 1) if small_magic else 1,
+        **variants,
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )  # fmt: skip
     return out

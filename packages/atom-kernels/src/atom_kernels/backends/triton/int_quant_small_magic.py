@@ -135,12 +135,15 @@ def _small_magic_k_loop(
     stride_qn, stride_sn, stride_zn, HAS_ZEROS: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     X_VECTOR: tl.constexpr = False, X_SPLIT: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, K_STAGES: tl.constexpr = 1,
 ):  # fmt: skip
     """The [1, BLOCK_N] fp32 sums of k_lo <= k < k_hi of one row, 4-bit weights, permuted K
     (column w of a tile: k = k0 + 8 * w + j), each word's values as 2**(23 - p) + q with the
     magics and zeros taken off by a per-column correction (module docstring). Without
-    SCALE_PER_TILE the scales and zeros are gathered per word (a word lies in one group)."""
+    SCALE_PER_TILE the scales and zeros are gathered per word (a word lies in one group).
+    K_STAGES > 1: the loop's loads pipelined K_STAGES - 1 tiles ahead (``tl.range``'s
+    num_stages: cp.async copies into shared memory, no registers held for them; a plain
+    ``range`` leaves loads no dot reads unpipelined)."""
     BLOCK_KP: tl.constexpr = BLOCK_K // 8
     # The mantissa bits a value lands on: one shift places two adjacent values, at 15 and 19.
     LOW_BIT: tl.constexpr = 15
@@ -174,7 +177,7 @@ def _small_magic_k_loop(
                 q_ptrs + k_lo // 8, mask=((k_lo // 8 + offs_kp) * 8 < K)[None, :], other=0
             )
     acc2 = tl.zeros([BLOCK_N, BLOCK_KP], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=K_STAGES):
         kp0 = k0 // 8
         if EVEN_K:
             kp_mask = tl.full([BLOCK_KP], 1, tl.int1)
