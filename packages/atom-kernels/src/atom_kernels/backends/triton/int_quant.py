@@ -469,7 +469,15 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     multiply-adds: the packed dots (best launch 14.6 / 12.1 / 40.5 / 27.4) lose to X_VECTOR
     (11.4 / 9.4 / 36.2 / 22.2), with X_SPLIT (no x barrier in the loop) too (14.3 / 11.6 / 40.8
     / 26.0 against 11.4 / 9.3 / 34.8 / 22.0, x-split/int-x-split.json): at one row what bounds
-    both is the bytes in flight (ncu above), not the loop's instructions."""
+    both is the bytes in flight (ncu above), not the loop's instructions.
+    NOTE (one H200, 2026-12-02, benchmarks/results/int-quant/s27/int-k-stages.json, cold L2, us
+    for qkv / o / gate_up / down): the loads pipelined into shared memory (``k_stages`` 2-4,
+    cp.async: bytes in flight without registers) at 9 launches, best 11.0 / 9.2 / 34.2 / 19.8,
+    against the default's 11.7 / 9.0 / 34.9 / 22.2 and the X_VECTOR 128-wide tiles' 10.7 / 8.8 /
+    48.7 / 20.1: no shape gains past the other launches (at most 2-8%, within the spread of the
+    candidates); the engine's decode step (Llama-3-8B W4A16, batch 1) 2.79 ms by default, 2.98 /
+    2.86 ms with ATOM_WNA16_ONE_ROW=256,4,3,1 / 128,4,3,2. Kept as a launch option, not the
+    default."""
     per_int = 32 // bits
     permuted = num_rows <= PERMUTED_MAX_ROWS and per_tile and group_size % per_int == 0
     packed_dot = (packed_dot and bits == 4 and per_tile
