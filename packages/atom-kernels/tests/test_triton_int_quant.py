@@ -651,7 +651,7 @@ def test_one_row_override(monkeypatch):
 
     override = iq._one_row_override("128,4,3,2")
     assert override == dict(BLOCK_N=128, num_warps=4, k_stages=3, per_sm=2, fill=True)
-    for bad in ("128,4,3", "128,4,0,2", "a,4,3,2"):
+    for bad in ("128,4,3", "128,4,0,2", "a,4,3,2", "100,4,3,2", "128,3,3,2"):
         with pytest.raises(ValueError, match="block_n,num_warps,k_stages,per_sm"):
             iq._one_row_override(bad)
     assert iq._one_row_override("") is None
@@ -660,3 +660,33 @@ def test_one_row_override(monkeypatch):
     assert one_row["k_stages"] == 3 and one_row["BLOCK_N"] == 128 and one_row["X_VECTOR"]
     assert "k_stages" not in iq.wna16_config(4, 4096, 4096, 128, True, 132)
     assert "k_stages" not in iq.wna16_config(1, 4096, 4096, 128, True, 132, bits=8)
+    assert "k_stages" not in iq.wna16_config(1, 4096, 4096, 128, True, 132, override=False)
+
+
+def test_k_stages_reach_the_kernel(triton_backend, iq, monkeypatch):
+    """wna16_linear passes a config's ``k_stages`` to the kernel as K_STAGES (1 without it), and
+    an explicit config takes none of ATOM_WNA16_ONE_ROW's keys; the real kernel runs (a spy on
+    its launch), against the reference."""
+    launches = []
+    kernel = iq._wna16_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs)
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(iq, "_wna16_kernel", Spy())
+    monkeypatch.setattr(iq, "ONE_ROW_OVERRIDE", dict(BLOCK_N=32, k_stages=4, per_sm=1, fill=True))
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(24, 256, 4, 2, False, False, seed=70, device=device)
+    x = torch.randn(1, 256, generator=_gen(71)).to(device)
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
+    config = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=32, PERMUTED_K=True, SMALL_MAGIC=True,
+                  X_VECTOR=True)  # fmt: skip
+    for extra, stages in (({"k_stages": 3}, 3), ({}, 1)):
+        out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(config, **extra))
+        assert launches[-1]["K_STAGES"] == stages and launches[-1]["BLOCK_N"] == 16
+        assert_close(out, expected, atol=1e-4, rtol=1e-4, name=f"k_stages {stages}")

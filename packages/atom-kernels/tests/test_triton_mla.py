@@ -181,6 +181,16 @@ def test_decode_grid_orders(triton_backend, monkeypatch, head_blocks_first, fuse
     assert int(zeroed_counters(device, 64).abs().sum()) == 0
 
 
+def test_decode_grid_order_falls_back_past_the_grid_limit(triton_backend, monkeypatch):
+    """More sequences than a grid's second dim holds (MAX_GRID_Y, lowered here): the launcher
+    puts the sequences first and the rows still match the reference."""
+    mla = triton_backend.mla_attention
+    monkeypatch.setattr(mla, "MAX_GRID_Y", 3)
+    seqs = [(40, 1), (65, 1), (3, 1), (17, 1), (90, 1)]
+    batch = MlaBatch(seqs, TWO_HEAD_BLOCKS, torch.float32, triton_backend.device, pad_rows=0)
+    _check(triton_backend, batch, TOLERANCES[torch.float32], max_query_len=1, num_splits=2)
+
+
 # (block_m, block_n, block_size, heavy_first): tiles of several pages, a tile inside one page,
 # pages straddling tiles, both tile orders; H = 5 pairs cut rows across tiles.
 PREFILL_TILES = [(32, 32, 4, True), (16, 16, 32, False), (32, 16, 5, True)]
@@ -337,14 +347,18 @@ def test_gpu_decode(triton_backend, num_seqs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-merge", "reduce-kernel"])
 @pytest.mark.parametrize(
     "head_blocks_first", [True, False], ids=["head-blocks-first", "seqs-first"]
 )
 @pytest.mark.parametrize("num_seqs", [16, 200])
-def test_gpu_decode_grid_orders(triton_backend, num_seqs, head_blocks_first):
+def test_gpu_decode_grid_orders(triton_backend, monkeypatch, num_seqs, head_blocks_first, fused):
     """128 heads (two 64-head blocks) in both grid orders, more programs than SMs at 200
-    sequences; one split and several."""
+    sequences; one split and several, merged by the last split (counters per (sequence, head
+    block), programs running together: what the interpreter's one-at-a-time programs cannot
+    show) or by the reduce kernel."""
     mla = triton_backend.mla_attention
+    monkeypatch.setattr(triton_backend.attention, "FUSED_DECODE_REDUCE", fused)
     lens = [int(n) + 13 for n in torch.linspace(64, 3000, num_seqs).tolist()]
     batch = MlaBatch([(n, 1) for n in lens], DEEPSEEK_TP1, torch.bfloat16, "cuda", pad_rows=0)
     config = mla.default_config(512, torch.bfloat16, False, 128)

@@ -71,19 +71,30 @@ def test_thresholds_read_off_the_top_equal_the_searched_ones(triton_backend):
 def test_pruned_blocks_change_no_threshold_and_no_draw(triton_backend, spread):
     """PRUNE (a block's top merge, top-p's mass pass and a block's draw skipped where they cannot
     change anything) against the kernel without it, the same seed: equal thresholds, tokens and
-    log-probs for every filter mix, with the reference's tokens kept; rows whose largest logits lie
-    in the first block leave the later blocks nothing to merge or draw."""
+    log-probs for every filter mix, with the reference's tokens kept. Rows whose largest logits
+    lie in the first block leave the later blocks nothing to merge or draw; rows of whole-number
+    logits tie at the k-th and the kept TOP-th; a row has -inf logits, one is greedy, one has a
+    top-k past the vocabulary."""
     from atom_kernels.backends.triton import sampling_filter as sf
 
     device = triton_backend.device
-    logits, temperature, top_k, top_p, min_p = _batch(12, 200, seed=9, device=device)
+    rows, vocab = 12, 200
+    logits, temperature, top_k, top_p, min_p = _batch(rows, vocab, seed=9, device=device)
     logits = logits * spread
     logits[::2, :64] += 3 * spread  # rows whose largest logits all lie in the first block
-    top_k = top_k.clamp(max=16)  # within the interpreter's kept top (TOP_INTERPRETED)
+    tied = torch.zeros(rows, dtype=torch.bool, device=device)
+    tied[1::3] = True
+    logits[tied] = torch.round(logits[tied])  # ties, among them at the k-th and the TOP-th
+    logits[3, 100:150] = float("-inf")
+    temperature[6] = 0.0  # greedy
+    # within the interpreter's kept top (TOP_INTERPRETED), but row 1's top-k past the vocabulary
+    top_k = torch.where(top_k > vocab, top_k, top_k.clamp(max=16))
+    checked = ~tied
+    checked[6] = False  # the reference divides by the temperature
     for args in ((top_k, top_p, None), (None, top_p, min_p), (top_k, top_p, min_p)):
         results = []
         for prune in (False, True):
-            thresholds = torch.empty(12, dtype=torch.int64, device=device)
+            thresholds = torch.empty(rows, dtype=torch.int64, device=device)
             torch.manual_seed(3)  # the kernel's seed comes from torch's generator
             ids, logprobs = sf.filtered_sample(logits, temperature, *args, block_v=64,
                                                thresholds=thresholds, prune=prune)  # fmt: skip
@@ -94,7 +105,40 @@ def test_pruned_blocks_change_no_threshold_and_no_draw(triton_backend, spread):
         assert_equal(i1, i0, name=f"tokens, {name}")
         assert_close(l1, l0, atol=0, rtol=0, name=f"log-probs, {name}")
         masked = reference.apply_top_k_top_p_min_p(logits / temperature[:, None], *args)
-        assert_equal(logits >= sf.values(t1)[:, None], torch.isfinite(masked), name=name)
+        kept = logits >= sf.values(t1)[:, None]
+        assert_equal(kept[checked], torch.isfinite(masked)[checked], name=name)
+
+
+def test_pruning_at_the_edges_of_the_kept_top(triton_backend):
+    """The two cases PRUNE must leave alone (the interpreter keeps the top 16): a tie group at
+    the k-th logit running past the kept top (top-p's mass then needs the whole group: cut at 2
+    keeping all 31, not at 5 keeping 1) and a later block whose largest is just above the kept
+    16th (it must enter the top: the 16th largest is 5.5, not 5). With and without PRUNE the
+    same kept tokens, the threshold reference's (ties with the cut kept: the sort's reference
+    keeps 6 of row 0's, as its sort orders them)."""
+    from atom_kernels.backends.torch import sampling_threshold
+    from atom_kernels.backends.triton import sampling_filter as sf
+
+    device = triton_backend.device
+    vocab = 200
+    logits = torch.full((2, vocab), -5.0)
+    logits[0, 0] = 5.0
+    logits[0, 10:40] = 2.0  # 30 tied at the 16th largest
+    logits[1, :16] = 20.0 - torch.arange(16.0)  # 20 .. 5 in the first block
+    logits[1, 150] = 5.5  # in the third block, 0.5 above the kept 16th
+    logits = logits.to(device)
+    temperature = torch.ones(2, device=device)
+    top_k = torch.full((2,), 16, dtype=torch.int32, device=device)
+    top_p = torch.tensor([0.5, 1.0], device=device)
+    masked = sampling_threshold.apply_top_k_top_p_min_p(logits, top_k, top_p, None)
+    expected = torch.isfinite(masked)
+    assert expected.sum(dim=1).tolist() == [31, 16]
+    for prune in (False, True):
+        thresholds = torch.empty(2, dtype=torch.int64, device=device)
+        sf.filtered_sample(logits, temperature, top_k, top_p, None, block_v=64,
+                           thresholds=thresholds, prune=prune)  # fmt: skip
+        kept = logits >= sf.values(thresholds)[:, None]
+        assert_equal(kept, expected, name=f"kept tokens, prune {prune}")
 
 
 def test_greedy_rows_top_k_1_and_top_p_0_are_the_argmax(triton_backend):

@@ -412,12 +412,14 @@ def _one_row_override(spec: str) -> dict | None:
         return None
     try:
         block_n, num_warps, k_stages, per_sm = (int(f) for f in spec.split(","))
-        if min(block_n, num_warps, k_stages, per_sm) < 1:
+        if min(block_n, num_warps, k_stages, per_sm) < 1 or any(
+            v & (v - 1) for v in (block_n, num_warps)
+        ):
             raise ValueError
     except ValueError:
         raise ValueError(
             f"ATOM_WNA16_ONE_ROW={spec!r}: expected 'block_n,num_warps,k_stages,per_sm' "
-            "(positive integers)"
+            "(positive integers, block_n and num_warps powers of two)"
         ) from None
     return dict(BLOCK_N=block_n, num_warps=num_warps, k_stages=k_stages, per_sm=per_sm, fill=True)
 
@@ -426,8 +428,8 @@ ONE_ROW_OVERRIDE = _one_row_override(envs.ATOM_WNA16_ONE_ROW)
 
 
 def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool, sms: int,
-                 interpreted: bool = False, bits: int = 4,
-                 packed_dot: bool = False) -> dict:  # fmt: skip
+                 interpreted: bool = False, bits: int = 4, packed_dot: bool = False,
+                 override: bool = True) -> dict:  # fmt: skip
     """The launch of ``_wna16_kernel`` for an [num_rows, k] x [n, k]^T GEMM (``per_tile``: the
     groups are contiguous, no g_idx); ``PERMUTED_K``: the K loop without interleave.
 
@@ -494,7 +496,7 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     elif num_rows == 1 and permuted:
         cfg = dict(BLOCK_M=1, BLOCK_N=256, BLOCK_K=128, num_warps=4, num_stages=1, GROUP_M=1,
                    per_sm=2, SMALL_MAGIC=bits == 4, X_VECTOR=bits == 4)  # fmt: skip
-        if ONE_ROW_OVERRIDE and bits == 4:
+        if override and ONE_ROW_OVERRIDE and bits == 4:  # not under an explicit config
             cfg.update(ONE_ROW_OVERRIDE)
     elif num_rows <= SKINNY_MAX_ROWS:
         block_k = 128 if permuted else _block_k(group_size, per_tile, 128)
@@ -584,7 +586,7 @@ def wna16_linear(
     packed = (PACKED_DOT_ENABLED and x.dtype in PACKED_DOT_DTYPES and not torch.version.hip
               and (not config or "PACKED_DOT" in config))  # fmt: skip
     cfg = wna16_config(num_rows, n, k, group_size, per_tile, sms, is_interpreted(x.device), bits,
-                       packed)  # fmt: skip
+                       packed, override=not config)  # fmt: skip
     cfg.update(config or {})
     block_k = cfg["BLOCK_K"]
     one_row = cfg["BLOCK_M"] == 1

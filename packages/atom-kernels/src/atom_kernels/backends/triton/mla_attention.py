@@ -31,6 +31,7 @@ REDUCE_BLOCK_C = 64
 # shared memory (one an SM), smaller head blocks fit two (see choose_splits).
 PROGRAMS_PER_SM_WIDE = 1
 PROGRAMS_PER_SM = 2
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dim
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def default_config(
 def choose_splits(
     num_seqs: int, head_blocks: int, max_context: int, num_sms: int, block_n: int, block_h: int
 ) -> tuple[int, int]:
-    """(num_splits, min_split_len) of the decode grid (num_seqs, head_blocks, num_splits).
+    """(num_splits, min_split_len) of the decode grid (head_blocks, num_seqs, num_splits).
 
     Splits cut each sequence until the grid holds about PROGRAMS_PER_SM programs an SM
     (PROGRAMS_PER_SM_WIDE for 64-head blocks): num_splits = programs wanted // (num_seqs x
@@ -216,7 +217,9 @@ def mla_paged_attention(
     counters = None
     if num_splits > 1 and fuse_decode_reduce(q_latent.device):
         counters = zeroed_counters(q_latent.device, num_seqs * head_blocks)
-    if config.decode_head_blocks_first:
+    # A grid's second dim holds at most 65,535 programs: more sequences go first (grid x).
+    head_blocks_first = config.decode_head_blocks_first and num_seqs <= MAX_GRID_Y
+    if head_blocks_first:
         grid = (head_blocks, num_seqs, num_splits)
     else:
         grid = (num_seqs, head_blocks, num_splits)
@@ -250,7 +253,7 @@ def mla_paged_attention(
         BLOCK_N=block_n,
         BLOCK_L=block_l,
         BLOCK_R=block_r,
-        HEAD_BLOCKS_FIRST=config.decode_head_blocks_first,
+        HEAD_BLOCKS_FIRST=head_blocks_first,
         num_warps=config.decode_num_warps,
         num_stages=config.decode_num_stages,
     )

@@ -39,11 +39,15 @@ WAYS = 4  # candidate keys a pass: ~16 passes per 32-bit search (measured below)
 # costs about a search's passes (measured below).
 # ATOM_SAMPLE_TOP (read at import): TOP for an A/B in the engine, 0: every threshold searched.
 TOP = envs.ATOM_SAMPLE_TOP
+if TOP < 0 or TOP & (TOP - 1):  # tl.topk / tl.sort take powers of two
+    raise ValueError(f"ATOM_SAMPLE_TOP={TOP}: expected 0 or a power of two (64 by default)")
 TOP_INTERPRETED = 16 if TOP else 0
-# Work a block cannot change, skipped (exact: the same thresholds and draws): the top merge of a
-# block whose largest logit is not above the kept TOP-th; top-p's mass pass when the top-k set
-# lies in the kept top; the noise and draw of a block with no kept logit. ATOM_SAMPLE_PRUNE=0:
-# off (read at import, A/B).
+# Work a block cannot change, skipped: the top merge of a block whose largest logit is not above
+# the kept TOP-th, and the noise and draw of a block with no kept logit (both exact: the same
+# top, the same draws); top-p's mass pass when the top-k set lies in the kept top, its mass then
+# summed over the top (the same terms in another order: fp32 rounding apart, so a cut that falls
+# within a rounding of p can land one logit over). ATOM_SAMPLE_PRUNE=0: off (read at import,
+# A/B).
 # NOTE (benchmarks/sample_filter_ab.py --prunes 1 0, one H200, triton 3.6, 2026-12-02,
 # results/sampling/s27/sample-prune-ab.json; ms a call, vocab 128,256, pruned / not, flat and
 # peaked logits): top-k 50 + top-p 0.9, batch 1: 0.49 / 0.60, 0.45 / 0.60; 64: 0.51 / 0.60,
