@@ -44,6 +44,12 @@ WNA16_CASES = {
         ("x_vector", None),
         ("packed_dot", dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4,
                             SPLIT_K=None, PERMUTED_K=True, PACKED_DOT=True)),
+        ("quad_mma", dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1,
+                          k_stages=3, per_sm=4, fill=True, SPLIT_K=None, PERMUTED_K=True,
+                          QUAD_MMA=True)),
+        ("quad_step4", dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1,
+                            k_stages=2, per_sm=8, fill=True, SPLIT_K=None, PERMUTED_K=True,
+                            QUAD_MMA=True, QUAD_STEP=4)),
     )
 }  # fmt: skip
 MOE_CASES = {  # case: (MOE_SHAPES name, tokens)
@@ -189,6 +195,7 @@ KEEP = {
     "launch__shared_mem_per_block_dynamic": "dynamic_smem",
     "smsp__average_warp_latency_per_inst_issued.ratio": "cycles_per_issued_inst",
     "sm__inst_executed.avg.per_cycle_active": "ipc",
+    "lts__t_sector_hit_rate.pct": "l2_hit_pct",
 }
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 PIPE = re.compile(

@@ -182,6 +182,21 @@ K_STAGES_TILES = (
     (256, 4, 3, 1), (256, 4, 3, 2), (256, 4, 4, 1), (256, 4, 2, 2), (128, 4, 3, 2),
     (128, 4, 4, 2), (128, 4, 3, 4), (128, 2, 3, 4), (256, 8, 3, 1),
 )  # fmt: skip
+# (BLOCK_N, warps, k_stages, programs an SM) of the one-row quads' MMAs (QUAD_MMA,
+# int_quant_quad_mma), ``fill`` launches timed at M = 1.
+QUAD_TILES = (
+    (64, 4, 1, 4), (64, 4, 1, 8), (64, 4, 2, 8), (64, 4, 3, 4), (128, 4, 1, 4), (128, 4, 2, 4),
+    (128, 4, 3, 2), (128, 8, 1, 4), (256, 8, 1, 2), (256, 8, 2, 2), (32, 4, 1, 8), (64, 2, 3, 8),
+)  # fmt: skip
+# (BLOCK_N, warps, k_stages, programs an SM, K tiles a step) of the same with adjacent K tiles
+# a step (QUAD_STEP: 64 * step contiguous bytes of a row at once).
+QUAD_STEP_TILES = (
+    (64, 4, 2, 8, 2), (64, 4, 3, 4, 2), (64, 4, 2, 4, 4), (64, 4, 2, 8, 4), (64, 4, 1, 8, 4),
+    (64, 4, 2, 8, 8), (32, 4, 2, 8, 4), (128, 4, 2, 4, 4), (64, 4, 3, 8, 4), (64, 2, 2, 8, 4),
+)  # fmt: skip
+# (BLOCK_N, BLOCK_K, warps, programs an SM) of X_VECTOR launches with deeper K tiles (more
+# contiguous bytes of a row a step; group 128: scales gathered a word), ``fill``, at M = 1.
+X_VECTOR_DEEP_TILES = ((128, 256, 4, 2), (128, 256, 4, 4), (64, 512, 4, 2), (64, 256, 4, 4))
 # int_quant_small_magic's variants (SMALL_MAGIC_VARIANTS), timed in ``int`` at M = 1 beside the
 # default launch (BLOCK_N 256, 4 warps, 1 stage).
 SMALL_MAGIC_VARIANTS = (
@@ -823,6 +838,22 @@ def _w4a16_variants(rows: int) -> list:
                           X_VECTOR=True)  # fmt: skip
             out.append((f"w4a16_g128 permuted fma small-magic {block_n} w{warps} s1 "
                         f"x-vector k{k_stages} fill{per_sm}", config))  # fmt: skip
+        for block_n, warps, k_stages, per_sm in QUAD_TILES:
+            config = dict(_wna16_tile(block_n, warps, 1, bm=1), per_sm=per_sm, fill=True,
+                          k_stages=k_stages, PERMUTED_K=True, QUAD_MMA=True)  # fmt: skip
+            out.append((f"w4a16_g128 quad-mma {block_n} w{warps} k{k_stages} fill{per_sm}",
+                        config))  # fmt: skip
+        for block_n, warps, k_stages, per_sm, step in QUAD_STEP_TILES:
+            config = dict(_wna16_tile(block_n, warps, 1, bm=1), per_sm=per_sm, fill=True,
+                          k_stages=k_stages, PERMUTED_K=True, QUAD_MMA=True,
+                          QUAD_STEP=step)  # fmt: skip
+            out.append((f"w4a16_g128 quad-mma {block_n} w{warps} k{k_stages} fill{per_sm} "
+                        f"step{step}", config))  # fmt: skip
+        for block_n, block_k, warps, per_sm in X_VECTOR_DEEP_TILES:
+            config = dict(_wna16_tile(block_n, warps, 1, bm=1, bk=block_k), per_sm=per_sm,
+                          fill=True, PERMUTED_K=True, SMALL_MAGIC=True, X_VECTOR=True)  # fmt: skip
+            out.append((f"w4a16_g128 permuted fma small-magic {block_n} w{warps} s1 x-vector "
+                        f"bk{block_k} fill{per_sm}", config))  # fmt: skip
         default = dict(_wna16_tile(256, 4, 1, bm=1), PERMUTED_K=True, SMALL_MAGIC=True)
         for variant in SMALL_MAGIC_VARIANTS:
             name = "+".join(k.lower().replace("_", "-") for k in variant)

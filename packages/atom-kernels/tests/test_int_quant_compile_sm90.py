@@ -73,7 +73,9 @@ def _wna16(cfg: dict, bits: int, zeros: bool, g_idx: bool, dtype: str = "bf16", 
         SCALE_LATER=per_tile and 1 < cfg["BLOCK_M"] <= int_quant.SKINNY_MAX_ROWS,
         HAS_BIAS=True, ONE_ROW=one_row, PERMUTED_K=cfg.get("PERMUTED_K", False),
         SMALL_MAGIC=cfg.get("SMALL_MAGIC", False), PACKED_DOT=cfg.get("PACKED_DOT", False),
-        ASM=cfg.get("PACKED_DOT", False),
+        ASM=cfg.get("PACKED_DOT", False) or cfg.get("QUAD_MMA", False),
+        QUAD_MMA=cfg.get("QUAD_MMA", False),
+        GROUP_TILES=int_quant._group_tiles(group) if cfg.get("QUAD_MMA") else 0,
         **{key: cfg.get(key, False) for key in int_quant.SMALL_MAGIC_VARIANTS},
         K_STAGES=cfg.get("k_stages", 1), IEEE=dtype == "fp32", EVEN_K=True,
         SPLIT_K=cfg["SPLIT_K"] if split else 1, GROUP_M=cfg.get("GROUP_M", 1),
@@ -105,6 +107,10 @@ def _wna16_launches() -> dict:
                            num_stages=stages, SPLIT_K=4, PERMUTED_K=True,
                            SMALL_MAGIC=True)  # fmt: skip
         out[f"one-row small magic {block_n} w{warps} s{stages}, split"] = small_magic
+    for block_n, warps, k_stages in ((64, 4, 1), (128, 4, 2), (256, 8, 1), (64, 2, 3)):
+        quad = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=1,
+                    k_stages=k_stages, SPLIT_K=4, PERMUTED_K=True, QUAD_MMA=True)  # fmt: skip
+        out[f"one-row quad mma {block_n} w{warps} k{k_stages}, split"] = quad
     for variant in int_quant.SMALL_MAGIC_VARIANTS:  # int_quant_small_magic's variants
         small_magic = dict(BLOCK_M=1, BLOCK_N=256, BLOCK_K=128, num_warps=4, num_stages=1,
                            SPLIT_K=4, PERMUTED_K=True, SMALL_MAGIC=True)  # fmt: skip
@@ -373,3 +379,40 @@ def test_small_magic_k_stages_pipeline_the_loads():
     assert sass.count("LDGSTS") >= 16, sass.count("LDGSTS")
     assert "STL" not in sass and "LDL" not in sass
     assert kernel.metadata.shared >= 2 * 256 * 16 * 4  # two [BLOCK_N, BLOCK_K / 8] int32 tiles
+
+
+# (BLOCK_N, warps, zeros, dtype, instructions a word at most) of QUAD_MMA's main loop (Triton
+# 3.9's ptxas; counts, not times): 13 a word in the PTX (4 AND-ORs, 3 shifts, 4 packed FMAs, 2
+# MMAs), x's pairs and the scales' shuffles shared by a thread's rows.
+QUAD_MMA_SASS = [
+    (64, 4, False, "bf16", 24), (64, 4, True, "bf16", 25), (128, 4, False, "bf16", 21),
+    (128, 4, True, "fp16", 22), (256, 8, False, "bf16", 21),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("block_n", "warps", "zeros", "dtype", "most"), QUAD_MMA_SASS)
+def test_quad_mma_layout_and_main_loop_sass(block_n, warps, zeros, dtype, most):
+    """QUAD_MMA's PTX takes the words in the layout it was written for (each thread 4 adjacent
+    words of one row, a quad one row: int_quant_quad_mma.QUAD_LAYOUT), which its inline
+    assembly's operands keep; its main loop has 2 MMAs a word, no shared memory, no barrier,
+    no register spills, and stays within its instruction count."""
+    from atom_kernels.backends.triton import int_quant_quad_mma
+
+    cfg = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=1,
+               SPLIT_K=4, PERMUTED_K=True, QUAD_MMA=True)  # fmt: skip
+    kernel = _wna16(cfg, 4, zeros, False, dtype=dtype)
+    ttgir = kernel.asm["ttgir"]
+    layouts = dict(re.findall(r"(#blocked\d*) = #ttg.blocked<\{([^}]*)\}>", ttgir))
+    asm_ops = [line for line in ttgir.splitlines() if "elementwise_inline_asm" in line]
+    assert asm_ops, "no inline assembly in the kernel"
+    for line in asm_ops:
+        for encoding in set(re.findall(r"tensor<[^>]*?(#blocked\d*)>", line)):
+            assert layouts[encoding].startswith(int_quant_quad_mma.QUAD_LAYOUT), line
+            assert f"warpsPerCTA = [{warps}, 1]" in layouts[encoding], layouts[encoding]
+    assert "ld.local" not in kernel.asm["ptx"]
+    body = _main_loop_sass(kernel)
+    words = block_n * 16 / (32 * warps)  # a thread's, a K tile
+    mmas = sum(1 for ins in body if re.match(r"(@\S+\s+)?HMMA\b", ins))
+    assert mmas == 2 * words, (mmas, words)
+    assert not [ins for ins in body if re.match(r"(@\S+\s+)?(LDS|STS|BAR|LDSM)\b", ins)]
+    assert len(body) / words <= most, (len(body), words)

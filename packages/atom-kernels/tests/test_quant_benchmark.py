@@ -195,6 +195,12 @@ def test_int_groups_smoke_on_the_interpreter(tmp_path, bench):
                + (f" r{r}" if r else "") for n, w, s, p, r in bench.FILL_TILES["fma"]}  # fmt: skip
     packed |= {f"w4a16_g128 permuted fma small-magic {n} w{w} s1 x-vector k{k} fill{p}"
                for n, w, k, p in bench.K_STAGES_TILES}  # fmt: skip
+    packed |= {f"w4a16_g128 quad-mma {n} w{w} k{k} fill{p}"
+               for n, w, k, p in bench.QUAD_TILES}  # fmt: skip
+    packed |= {f"w4a16_g128 quad-mma {n} w{w} k{k} fill{p} step{t}"
+               for n, w, k, p, t in bench.QUAD_STEP_TILES}  # fmt: skip
+    packed |= {f"w4a16_g128 permuted fma small-magic {n} w{w} s1 x-vector bk{k} fill{p}"
+               for n, k, w, p in bench.X_VECTOR_DEEP_TILES}  # fmt: skip
     assert impls == {
         "bf16_linear", "w4a16_g128 interleaved", "w4a16_g128 permuted",
         "w4a16_g128 permuted fma", "w8a8_linear", "w8a8_gemm", *small_magic, *packed,

@@ -227,6 +227,80 @@ def test_wna16_linear_small_magic_x_vector_unaligned(triton_backend, iq, dtype):
     assert_close(out, iq.wna16_linear(x, qw, s, z, g, 4, None, config=config), atol=0, rtol=0)
 
 
+# (zeros, group (0: channel-wise), dtype, N, K, SPLIT_K, BLOCK_N, warps) of the quads' MMAs
+# (QUAD_MMA) under the interpreter: symmetric and asymmetric, bf16 and fp16, group 128, 256 and
+# channel-wise, N not a multiple of the tile (rows past N read row N - 1, not stored), K split.
+QUAD_MMA_CASES = [
+    (False, 128, torch.bfloat16, 48, 384, 1, 16, 2),
+    (True, 128, torch.float16, 40, 384, 3, 16, 2),
+    (True, 256, torch.bfloat16, 72, 512, 2, 32, 4),
+    (False, 0, torch.float16, 24, 256, 1, 32, 2),
+    (True, 0, torch.bfloat16, 16, 384, 3, 16, 1),
+    (True, 128, torch.bfloat16, 40, 1024, 3, 16, 2, 2),  # QUAD_STEP 2: splits of 4, 4
+    (False, 256, torch.float16, 24, 512, 1, 16, 2, 2),
+    (True, 128, torch.bfloat16, 24, 1536, 2, 16, 2, 4),  # 2 splits of 8 tiles, 4 a step
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("zeros", "group", "dtype", "n", "k", "split", "block_n", "warps",
+                          "step"), [(*case, 1)[:9] for case in QUAD_MMA_CASES])  # fmt: skip
+def test_wna16_linear_quad_mma(triton_backend, iq, zeros, group, dtype, n, k, split, block_n,
+                               warps, step):  # fmt: skip
+    """The quads' MMAs' bookkeeping (QUAD_MMA; the interpreter runs ``_quad_plain``, each row's
+    dot placed where the MMAs place it, then read back per row) against the reference, with
+    outliers in x, and bias."""
+    device = triton_backend.device
+    group = group or k
+    qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=90 + n, device=device,
+                               dtype=dtype)  # fmt: skip
+    x = torch.randn(1, k, generator=_gen(91))
+    x[0, ::53] *= 20
+    x = x.to(dtype).to(device)
+    bias = torch.randn(n, generator=_gen(92)).to(dtype).to(device)
+    config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, PERMUTED_K=True,
+                  QUAD_MMA=True, SPLIT_K=split, QUAD_STEP=step)  # fmt: skip
+    out = iq.wna16_linear(x, qw, s, z, g, 4, bias, config=config)
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, bias)
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(out, expected, atol=atol * 20, rtol=rtol, name=f"quad mma {config}")
+    exact = reference.wna16_linear(x.double(), qw, s.double(), None if z is None else z.double(),
+                                   g, 4, bias.double())  # fmt: skip
+    # fp32 sums of exact products: the output's own rounding of the exact result, no more
+    ulp = exact.abs().clamp_min(1.0) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
+    assert ((out.double() - exact).abs() <= ulp).all(), (out.double() - exact).abs().max()
+
+
+def test_wna16_linear_quad_mma_refuses_what_it_cannot_take(triton_backend, iq):
+    """QUAD_MMA asked for outside what its layout takes fails naming the need; the default
+    path is untouched by it."""
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(16, 256, 4, 8, False, False, seed=93, device=device,
+                               dtype=torch.bfloat16)  # fmt: skip
+    quad = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, num_warps=2, PERMUTED_K=True, QUAD_MMA=True)
+    x = torch.randn(1, 256, generator=_gen(94)).to(torch.bfloat16).to(device)
+    with pytest.raises(ValueError, match="multiples of 128"):  # group 32
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=quad)
+    qw, s, z, g = wna16_weight(16, 256, 4, 2, False, False, seed=93, device=device,
+                               dtype=torch.bfloat16)  # fmt: skip
+    with pytest.raises(ValueError, match="bf16 / fp16 x"):
+        iq.wna16_linear(x.float(), qw, s.float(), z, g, 4, None, config=quad)
+    with pytest.raises(ValueError, match="multiple of 8 \\* num_warps"):
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(quad, num_warps=4))
+    with pytest.raises(ValueError, match="BLOCK_K 128"):
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(quad, BLOCK_K=64))
+    with pytest.raises(ValueError, match="one row"):
+        iq.wna16_linear(x.expand(2, -1), qw, s, z, g, 4, None, config=dict(quad, BLOCK_M=16))
+    unaligned = torch.empty(16 * 32 + 1, dtype=torch.int32, device=device)[1:].view(16, 32)
+    unaligned.copy_(qw)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        iq.wna16_linear(x, unaligned, s, z, g, 4, None, config=quad)
+    qw, s, z, g = wna16_weight(16, 384, 4, 3, False, False, seed=93, device=device,
+                               dtype=torch.bfloat16)  # fmt: skip
+    x = torch.randn(1, 384, generator=_gen(94)).to(torch.bfloat16).to(device)
+    with pytest.raises(ValueError, match="QUAD_STEP 2 needs 1, 2, 4 or 8 and K a multiple of 256"):
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(quad, QUAD_STEP=2))
+
+
 def test_wna16_linear_small_magic_refuses_other_launches(triton_backend, iq):
     device = triton_backend.device
     qw, s, z, g = wna16_weight(16, 128, 4, 1, False, False, seed=65, device=device)
@@ -547,6 +621,44 @@ def test_wna16_linear_gpu_small_magic(triton_backend, iq, config, group, zeros, 
     assert_close(out.float(), permuted.float(), atol=1e-2, rtol=1e-2, name="vs permuted")
 
 
+# (tile (BLOCK_N, warps, k_stages, programs an SM), dtype, group (0: channel-wise), zeros) of
+# the quads' MMAs' GPU test: the benchmark's tiles, each form of the PTX (bf16 / fp16, zeros).
+QUAD_MMA_GPU = [
+    ((64, 4, 1, 4), torch.bfloat16, 128, False), ((64, 4, 1, 4), torch.bfloat16, 128, True),
+    ((64, 4, 2, 8), torch.float16, 128, True), ((64, 4, 3, 4), torch.float16, 128, False),
+    ((128, 4, 2, 4), torch.bfloat16, 0, False), ((128, 8, 1, 4), torch.bfloat16, 256, True),
+    ((256, 8, 2, 2), torch.bfloat16, 128, False), ((32, 4, 1, 8), torch.bfloat16, 128, False),
+    ((64, 2, 3, 8), torch.bfloat16, 128, True), ((64, 4, 2, 4, 2), torch.bfloat16, 128, True),
+    ((128, 4, 2, 4, 2), torch.float16, 0, False), ((64, 4, 2, 8, 4), torch.bfloat16, 128, True),
+    ((64, 4, 2, 8, 8), torch.float16, 256, False),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("tile", "dtype", "group", "zeros"), QUAD_MMA_GPU, ids=str)
+@pytest.mark.parametrize(("n", "k"), [*LLAMA3_8B, (1000, 1280)])
+def test_wna16_linear_gpu_quad_mma(triton_backend, iq, tile, dtype, group, zeros, n, k):
+    """The quads' MMAs' PTX (QUAD_MMA, ASM: the register layout it relies on, the shuffles of
+    the scales) at the Llama-3-8B sizes and a ragged N: within the output's rounding of the
+    exact result (fp64), and against the reference."""
+    block_n, warps, k_stages, per_sm, step = (*tile, 1)[:5]
+    group = group or k
+    qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=95, device="cuda",
+                               dtype=dtype)  # fmt: skip
+    x = torch.randn(1, k, generator=_gen(96)).to(dtype).cuda()
+    config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=1,
+                  k_stages=k_stages, per_sm=per_sm, fill=True, SPLIT_K=None, PERMUTED_K=True,
+                  QUAD_MMA=True, QUAD_STEP=step)  # fmt: skip
+    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(out, expected, atol=atol, rtol=rtol, name=f"quad mma {config}")
+    exact = reference.wna16_linear(x.double(), qw, s.double(), None if z is None else z.double(),
+                                   g, 4, None)  # fmt: skip
+    ulp = exact.abs().clamp_min(1.0) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
+    assert ((out.double() - exact).abs() <= ulp).all(), (out.double() - exact).abs().max()
+
+
 # (tile (BLOCK_N, warps, stages), dtype, group (0: channel-wise), zeros) of the packed dots' GPU
 # test: the default tile in every form, the benchmark's other tiles in the default's.
 PACKED_DOT_GPU = [
@@ -651,8 +763,14 @@ def test_one_row_override(monkeypatch):
 
     override = iq._one_row_override("128,4,3,2")
     assert override == dict(BLOCK_N=128, num_warps=4, k_stages=3, per_sm=2, fill=True)
-    for bad in ("128,4,3", "128,4,0,2", "a,4,3,2", "100,4,3,2", "128,3,3,2"):
-        with pytest.raises(ValueError, match="block_n,num_warps,k_stages,per_sm"):
+    assert iq._one_row_override("64,4,2,8,quad") == dict(
+        BLOCK_N=64, num_warps=4, k_stages=2, per_sm=8, fill=True, QUAD_MMA=True, QUAD_STEP=1
+    )
+    assert iq._one_row_override("64,4,2,8,quad4")["QUAD_STEP"] == 4
+    bad_specs = ("128,4,3", "128,4,0,2", "a,4,3,2", "100,4,3,2", "128,3,3,2", "128,4,3,2,x",
+                 "128,4,3,2,quad3")  # fmt: skip
+    for bad in bad_specs:
+        with pytest.raises(ValueError, match=r"block_n,num_warps,k_stages,per_sm\[,quad\[N\]\]"):
             iq._one_row_override(bad)
     assert iq._one_row_override("") is None
     monkeypatch.setattr(iq, "ONE_ROW_OVERRIDE", override)
@@ -661,6 +779,35 @@ def test_one_row_override(monkeypatch):
     assert "k_stages" not in iq.wna16_config(4, 4096, 4096, 128, True, 132)
     assert "k_stages" not in iq.wna16_config(1, 4096, 4096, 128, True, 132, bits=8)
     assert "k_stages" not in iq.wna16_config(1, 4096, 4096, 128, True, 132, override=False)
+
+
+def test_quad_mma_default(monkeypatch):
+    """One row of 4-bit weights where the quads' MMAs can run (``quad``: 16-bit x on NVIDIA)
+    takes them by default, with groups of a multiple of 128 and K of 256; anything else keeps
+    the multiply-adds (X_VECTOR); ATOM_WNA16_ONE_ROW without ``quad`` keeps its own loop, with
+    it its tiles on the MMAs."""
+    from atom_kernels.backends.triton import int_quant as iq
+
+    monkeypatch.setattr(iq, "ONE_ROW_OVERRIDE", None)
+    cfg = iq.wna16_config(1, 4096, 4096, 128, True, 132, quad=True)
+    assert cfg["QUAD_MMA"] and cfg["QUAD_STEP"] == iq.QUAD_DEFAULT_STEP and cfg["BLOCK_K"] == 128
+    assert cfg["BLOCK_N"] % (8 * cfg["num_warps"]) == 0 and cfg["SPLIT_K"] >= 1
+    assert iq.wna16_config(1, 4096, 14336, 14336, True, 132, quad=True)["QUAD_MMA"]  # channel
+    for other in (
+        iq.wna16_config(1, 4096, 4096, 128, True, 132),  # no quad: not 16-bit x / not NVIDIA
+        iq.wna16_config(1, 4096, 4096, 32, True, 132, quad=True),  # group 32
+        iq.wna16_config(1, 4096, 4224, 128, True, 132, quad=True),  # K = 33 tiles: not 256
+        iq.wna16_config(1, 4096, 4096, 128, True, 132, bits=8, quad=True),
+        iq.wna16_config(1, 4096, 4096, 128, False, 132, quad=True),  # g_idx
+    ):
+        assert not other.get("QUAD_MMA")
+    assert not iq.wna16_config(2, 4096, 4096, 128, True, 132, quad=True).get("QUAD_MMA")
+    monkeypatch.setattr(iq, "ONE_ROW_OVERRIDE", iq._one_row_override("128,4,3,2"))
+    cfg = iq.wna16_config(1, 4096, 4096, 128, True, 132, quad=True)
+    assert not cfg.get("QUAD_MMA") and cfg["X_VECTOR"] and cfg["BLOCK_N"] == 128
+    monkeypatch.setattr(iq, "ONE_ROW_OVERRIDE", iq._one_row_override("32,4,3,4,quad4"))
+    cfg = iq.wna16_config(1, 4096, 4096, 128, True, 132, quad=True)
+    assert cfg["QUAD_MMA"] and cfg["QUAD_STEP"] == 4 and cfg["BLOCK_N"] == 32
 
 
 def test_k_stages_reach_the_kernel(triton_backend, iq, monkeypatch):

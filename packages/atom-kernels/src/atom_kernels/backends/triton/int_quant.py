@@ -32,6 +32,8 @@ the output equals the torch reference bit for bit.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import triton
 import triton.language as tl
@@ -39,6 +41,7 @@ import triton.language as tl
 from atom_kernels import envs
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
 from atom_kernels.backends.triton.int_quant_packed_dot import _packed_dot_k_loop
+from atom_kernels.backends.triton.int_quant_quad_mma import _quad_mma_k_loop
 from atom_kernels.backends.triton.int_quant_small_magic import (
     SMALL_MAGIC_VARIANTS,
     _small_magic_k_loop,
@@ -49,11 +52,18 @@ SKINNY_MAX_ROWS = 16
 # rows (wna16_config says why); ATOM_WNA16_PACKED_DOT=0 turns them off. Read at import (tests and
 # benchmarks patch it).
 PACKED_DOT_ENABLED = envs.ATOM_WNA16_PACKED_DOT
+# The one-row quads' MMAs (int_quant_quad_mma) by default where they fit (wna16_config says why);
+# ATOM_WNA16_QUAD=0 turns them off. Read at import (tests and benchmarks patch it).
+QUAD_ENABLED = envs.ATOM_WNA16_QUAD
 PACKED_DOT_MIN_ROWS = 2
 PACKED_DOT_MAX_ROWS = 16
 # From this many rows the default's packed dots read x as one load split in registers (X_SPLIT)
 PACKED_DOT_X_SPLIT_FROM = 8
 PACKED_DOT_DTYPES = (torch.bfloat16, torch.float16)
+# QUAD_MMA's K tile (int_quant_quad_mma: 16 words of a row, 128 4-bit values) and the default
+# launch's K tiles a step (QUAD_STEP).
+QUAD_BLOCK_K = 128
+QUAD_DEFAULT_STEP = 2
 # The fewest K tiles a split of a ``fill`` launch takes (split_for).
 FILL_MIN_K_TILES = 4
 # The most rows the permuted K loop takes by default (wna16_config says why).
@@ -339,7 +349,10 @@ def _wna16_kernel(
     PREFETCH: tl.constexpr = False,
     K_STAGES: tl.constexpr = 1,  # SMALL_MAGIC's loads pipelined (config key ``k_stages``)
     PACKED_DOT: tl.constexpr = False,  # 4-bit, 16-bit x, dots: _packed_dot_k_loop
-    ASM: tl.constexpr = False,  # PACKED_DOT's unpack in PTX (NVIDIA), else shifts and masks
+    ASM: tl.constexpr = False,  # PACKED_DOT's / QUAD_MMA's PTX (NVIDIA), else plain ops
+    QUAD_MMA: tl.constexpr = False,  # one row, 4-bit, 16-bit x: _quad_mma_k_loop
+    GROUP_TILES: tl.constexpr = 0,  # QUAD_MMA: K tiles a group where a small power of two
+    STEP_TILES: tl.constexpr = 1,  # QUAD_MMA: adjacent K tiles a step
 ):
     pid_m, pid_n = _tile_ids(M, N, GROUP_M, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -350,7 +363,13 @@ def _wna16_kernel(
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     k_lo = tl.program_id(1) * k_tiles_per_split * BLOCK_K
     k_hi = tl.minimum(K, k_lo + k_tiles_per_split * BLOCK_K)
-    if PACKED_DOT:
+    if QUAD_MMA:
+        acc = _quad_mma_k_loop(
+            x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, k_lo, k_hi, group_size, stride_xm,
+            stride_qn, stride_sn, stride_zn, HAS_ZEROS, ASM, BLOCK_M, BLOCK_N, K_STAGES,
+            GROUP_TILES, STEP_TILES,
+        )  # fmt: skip
+    elif PACKED_DOT:
         acc = _packed_dot_k_loop(
             x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, m_mask, k_lo, k_hi, K, group_size,
             stride_xm, stride_qn, stride_sn, stride_zn, HAS_ZEROS, EVEN_K, ASM, BLOCK_M,
@@ -405,23 +424,31 @@ def _block_k(group_size: int, per_tile: bool, cap: int) -> int:
 
 
 def _one_row_override(spec: str) -> dict | None:
-    """ATOM_WNA16_ONE_ROW="block_n,num_warps,k_stages,per_sm": the one-row 4-bit launch (X_VECTOR
-    multiply-adds, K split to about per_sm programs an SM whatever the N tiles, loads pipelined
-    k_stages - 1 tiles ahead), for an A/B in the engine."""
+    """ATOM_WNA16_ONE_ROW="block_n,num_warps,k_stages,per_sm[,quad[N]]": the one-row 4-bit
+    launch (X_VECTOR multiply-adds, or with ``quad`` the quads' MMAs where they fit: QUAD_MMA,
+    ``quadN`` N = 1, 2, 4, 8 K tiles a step: QUAD_STEP), K split
+    to about per_sm programs an SM whatever the N tiles, loads pipelined k_stages - 1 tiles
+    ahead, for an A/B in the engine."""
     if not spec:
         return None
+    fields = spec.split(",")
+    quad = len(fields) == 5 and re.fullmatch(r"quad[1248]?", fields[4]) is not None
+    step = int(fields[4][4:] or 1) if quad else 1
     try:
-        block_n, num_warps, k_stages, per_sm = (int(f) for f in spec.split(","))
+        if quad:
+            fields = fields[:4]
+        block_n, num_warps, k_stages, per_sm = (int(f) for f in fields)
         if min(block_n, num_warps, k_stages, per_sm) < 1 or any(
             v & (v - 1) for v in (block_n, num_warps)
         ):
             raise ValueError
     except ValueError:
         raise ValueError(
-            f"ATOM_WNA16_ONE_ROW={spec!r}: expected 'block_n,num_warps,k_stages,per_sm' "
+            f"ATOM_WNA16_ONE_ROW={spec!r}: expected 'block_n,num_warps,k_stages,per_sm[,quad[N]]' "
             "(positive integers, block_n and num_warps powers of two)"
         ) from None
-    return dict(BLOCK_N=block_n, num_warps=num_warps, k_stages=k_stages, per_sm=per_sm, fill=True)
+    out = dict(BLOCK_N=block_n, num_warps=num_warps, k_stages=k_stages, per_sm=per_sm, fill=True)
+    return dict(out, QUAD_MMA=True, QUAD_STEP=step) if quad else out
 
 
 ONE_ROW_OVERRIDE = _one_row_override(envs.ATOM_WNA16_ONE_ROW)
@@ -429,7 +456,7 @@ ONE_ROW_OVERRIDE = _one_row_override(envs.ATOM_WNA16_ONE_ROW)
 
 def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool, sms: int,
                  interpreted: bool = False, bits: int = 4, packed_dot: bool = False,
-                 override: bool = True) -> dict:  # fmt: skip
+                 override: bool = True, quad: bool = False) -> dict:  # fmt: skip
     """The launch of ``_wna16_kernel`` for an [num_rows, k] x [n, k]^T GEMM (``per_tile``: the
     groups are contiguous, no g_idx); ``PERMUTED_K``: the K loop without interleave.
 
@@ -479,7 +506,19 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     48.7 / 20.1: no shape gains past the other launches (at most 2-8%, within the spread of the
     candidates); the engine's decode step (Llama-3-8B W4A16, batch 1) 2.79 ms by default, 2.98 /
     2.86 ms with ATOM_WNA16_ONE_ROW=256,4,3,1 / 128,4,3,2. Kept as a launch option, not the
-    default."""
+    default.
+    One row, 4-bit, 16-bit x on NVIDIA (``quad``: the launcher's ATOM_WNA16_QUAD), groups of a
+    multiple of 128, K of 256: the quads' MMAs (``int_quant_quad_mma``), 64 rows a program, 4
+    warps, two adjacent K tiles a step (``QUAD_STEP``), loads one step ahead (``k_stages`` 2), K
+    split to about 8 programs an SM.
+    NOTE (one H200, 2026-12-02, benchmarks/results/int-quant/s28/, cold L2, us for qkv / o /
+    gate_up / down): one tile a step the MMAs alone gain little (best 11.1 / 8.8 / 35.7 / 19.6
+    against X_VECTOR's 11.5 / 9.4 / 36.4 / 22.1; ncu on gate_up: 40% of DRAM either way, 20%
+    occupancy): not the instructions; two tiles a step (128 contiguous bytes of each row
+    requested at once) 10.9 / 9.1 / 29.3 / 19.2; X_VECTOR with 256 / 512-deep tiles (more bytes
+    a row too, but scales gathered a word) 25.6-32.9 at down. bf16 ``linear`` 20.3 / 16.6 /
+    68.2 / 40.1. The engine's decode step (Llama-3-8B W4A16, batch 1, decode_ab, two rounds)
+    2.84 ms X_VECTOR, 2.67 ms with this launch (bf16 4.39 ms: 1.64x)."""
     per_int = 32 // bits
     permuted = num_rows <= PERMUTED_MAX_ROWS and per_tile and group_size % per_int == 0
     packed_dot = (packed_dot and bits == 4 and per_tile
@@ -493,6 +532,16 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     elif interpreted:
         cfg = dict(BLOCK_M=1 if num_rows == 1 else 16, BLOCK_N=16, BLOCK_K=32, num_warps=4,
                    num_stages=1, GROUP_M=1, per_sm=2)  # fmt: skip
+    elif (num_rows == 1 and quad and bits == 4 and per_tile and group_size % QUAD_BLOCK_K == 0
+          and k % (QUAD_DEFAULT_STEP * QUAD_BLOCK_K) == 0
+          and not (override and ONE_ROW_OVERRIDE
+                   and not ONE_ROW_OVERRIDE.get("QUAD_MMA"))):  # fmt: skip
+        cfg = dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=QUAD_BLOCK_K, num_warps=4, num_stages=1,
+                   GROUP_M=1, k_stages=2, per_sm=8, fill=True, QUAD_MMA=True,
+                   QUAD_STEP=QUAD_DEFAULT_STEP)  # fmt: skip
+        permuted = True
+        if override and ONE_ROW_OVERRIDE:  # not under an explicit config
+            cfg.update(ONE_ROW_OVERRIDE)
     elif num_rows == 1 and permuted:
         cfg = dict(BLOCK_M=1, BLOCK_N=256, BLOCK_K=128, num_warps=4, num_stages=1, GROUP_M=1,
                    per_sm=2, SMALL_MAGIC=bits == 4, X_VECTOR=bits == 4)  # fmt: skip
@@ -514,11 +563,12 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     return cfg
 
 
-def _launch_split(device, tiles: int, k: int, cfg: dict):
-    """(splits, K tiles a split, counters or None): as linear.py, no split (counters None) when
-    the counters would have to grow inside a graph capture."""
+def _launch_split(device, tiles: int, k: int, cfg: dict, multiple: int = 1):
+    """(splits, K tiles a split (a multiple of ``multiple``), counters or None): as linear.py,
+    no split (counters None) when the counters would have to grow inside a graph capture."""
     k_tiles = max(1, triton.cdiv(k, cfg["BLOCK_K"]))
     per_split = triton.cdiv(k_tiles, max(1, cfg["SPLIT_K"]))
+    per_split = triton.cdiv(per_split, multiple) * multiple
     splits = triton.cdiv(k_tiles, per_split)
     counters = zeroed_counters(device, tiles) if splits > 1 else None
     if counters is None:
@@ -550,6 +600,41 @@ def _packed_dot_for(cfg: dict, override: dict, dtype: torch.dtype, bits: int, pe
     if override.get("PACKED_DOT"):
         raise ValueError("wna16_linear: PACKED_DOT needs " + "; ".join(why))
     return False
+
+
+def _quad_mma_for(cfg: dict, override: dict, x2: torch.Tensor, qweight: torch.Tensor, bits: int,
+                  per_tile: bool, group_size: int, k: int) -> bool:  # fmt: skip
+    """Whether the launch takes ``_quad_mma_k_loop``: asked for (``QUAD_MMA``) and it fits (one
+    row, 4-bit weights, bf16 / fp16 x, no g_idx, K and the group size multiples of 128, BLOCK_K
+    128, BLOCK_N a multiple of 8 * num_warps, the words 16-byte aligned: the layout its PTX
+    relies on); a default's that does not fit is dropped, an override's raises."""
+    if not cfg.get("QUAD_MMA", False):
+        return False
+    why = []
+    if x2.shape[0] != 1 or cfg["BLOCK_M"] != 1:
+        why.append(f"one row and BLOCK_M 1 (got {x2.shape[0]} rows, BLOCK_M {cfg['BLOCK_M']})")
+    if bits != 4 or x2.dtype not in PACKED_DOT_DTYPES:
+        why.append(f"4-bit weights and bf16 / fp16 x (got {bits}-bit, {x2.dtype})")
+    if not per_tile or group_size % QUAD_BLOCK_K or k % QUAD_BLOCK_K:
+        why.append(f"no g_idx, K and the group size multiples of {QUAD_BLOCK_K} (K {k}, group "
+                   f"{group_size})")  # fmt: skip
+    if cfg["BLOCK_K"] != QUAD_BLOCK_K or cfg["BLOCK_N"] % (8 * cfg["num_warps"]):
+        why.append(f"BLOCK_K {QUAD_BLOCK_K} and BLOCK_N a multiple of 8 * num_warps (got "
+                   f"{cfg['BLOCK_K']}, {cfg['BLOCK_N']}, {cfg['num_warps']} warps)")  # fmt: skip
+    if qweight.data_ptr() % 16:
+        why.append("16-byte aligned words")
+    if not why:
+        return True
+    if override.get("QUAD_MMA"):
+        raise ValueError("wna16_linear: QUAD_MMA needs " + "; ".join(why))
+    return False
+
+
+def _group_tiles(group_size: int) -> int:
+    """QUAD_MMA's K tiles a group as a constant divisor (1, 2, 4 or 8), else 0 (divided at run
+    time: channel-wise scales, large groups)."""
+    tiles = group_size // QUAD_BLOCK_K
+    return tiles if tiles in (1, 2, 4, 8) else 0
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -585,8 +670,12 @@ def wna16_linear(
     # an override without PACKED_DOT starts from the other loops' default (what it varies)
     packed = (PACKED_DOT_ENABLED and x.dtype in PACKED_DOT_DTYPES and not torch.version.hip
               and (not config or "PACKED_DOT" in config))  # fmt: skip
+    # the quads' MMAs by default where they can run, not under an explicit config without them
+    quad = (QUAD_ENABLED and num_rows == 1 and x.dtype in PACKED_DOT_DTYPES
+            and x.device.type == "cuda" and not torch.version.hip
+            and qweight.data_ptr() % 16 == 0 and (not config or "QUAD_MMA" in config))  # fmt: skip
     cfg = wna16_config(num_rows, n, k, group_size, per_tile, sms, is_interpreted(x.device), bits,
-                       packed, override=not config)  # fmt: skip
+                       packed, override=not config, quad=quad)  # fmt: skip
     cfg.update(config or {})
     block_k = cfg["BLOCK_K"]
     one_row = cfg["BLOCK_M"] == 1
@@ -629,13 +718,23 @@ def wna16_linear(
             f"wna16_linear: {', '.join(k for k, v in variants.items() if v)} are variants of "
             "SMALL_MAGIC's loop: they need SMALL_MAGIC"
         )
-    if variants["X_VECTOR"] and x2.data_ptr() % 16:  # it reads x as 64-bit words: one row
+    quad = _quad_mma_for(cfg, config or {}, x2, qweight, bits, per_tile, group_size, k)
+    if quad:
+        small_magic = packed_dot = False
+        variants = dict.fromkeys(variants, False)
+    if (variants["X_VECTOR"] or quad) and x2.data_ptr() % 16:  # x read as 64-bit words
         x2 = x2.clone()
     tiles = triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if cfg["SPLIT_K"] is None:  # an override's "choose"
         cfg["SPLIT_K"] = split_for(tiles, triton.cdiv(k, block_k), sms, cfg.get("per_sm", 2),
                                    cfg.get("fill", False))  # fmt: skip
-    splits, per_split, counters = _launch_split(x.device, tiles, k, cfg)
+    step = int(cfg.get("QUAD_STEP", 1)) if quad else 1
+    if step not in (1, 2, 4, 8) or k % (step * QUAD_BLOCK_K):
+        if (config or {}).get("QUAD_STEP", 1) != 1:
+            raise ValueError(f"wna16_linear: QUAD_STEP {step} needs 1, 2, 4 or 8 and K a "
+                             f"multiple of {step * QUAD_BLOCK_K} (got {k})")  # fmt: skip
+        step = 1
+    splits, per_split, counters = _launch_split(x.device, tiles, k, cfg, step)
     scale_per_tile = per_tile and group_size % block_k == 0
     # Decode tiles dot q - zero and scale each tile's result (no multiply a weight); prefill tiles
     # scale the weight instead, so the MMAs chain on one accumulator (Hopper's async wgmma).
@@ -653,11 +752,14 @@ def wna16_linear(
         HAS_BIAS=bias is not None,
         ONE_ROW=one_row, PERMUTED_K=permuted, SMALL_MAGIC=small_magic,
         IEEE=x.dtype == torch.float32,
-        PACKED_DOT=packed_dot, ASM=packed_dot and x.device.type == "cuda" and not torch.version.hip,
+        PACKED_DOT=packed_dot, QUAD_MMA=quad, GROUP_TILES=_group_tiles(group_size) if quad else 0,
+        STEP_TILES=step,
+        ASM=(packed_dot or quad) and x.device.type == "cuda" and not torch.version.hip,
         EVEN_K=k % block_k == 0,
         SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], K_STAGES=cfg.get("k_stages", 1) if small_magic else 1,
+        num_stages=cfg["num_stages"],
+        K_STAGES=cfg.get("k_stages", 1) if small_magic or quad else 1,
         **variants,
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )  # fmt: skip
