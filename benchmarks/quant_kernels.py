@@ -194,6 +194,12 @@ QUAD_STEP_TILES = (
     (64, 4, 2, 8, 2), (64, 4, 3, 4, 2), (64, 4, 2, 4, 4), (64, 4, 2, 8, 4), (64, 4, 1, 8, 4),
     (64, 4, 2, 8, 8), (32, 4, 2, 8, 4), (128, 4, 2, 4, 4), (64, 4, 3, 8, 4), (64, 2, 2, 8, 4),
 )  # fmt: skip
+# (BLOCK_N, warps, k_stages, programs an SM) of the one-row MMAs a warp a row (ROW_MMA,
+# int_quant_row_mma: 512 contiguous bytes of a row a load), ``fill``, at M = 1.
+ROW_TILES = (
+    (8, 4, 1, 8), (8, 4, 2, 8), (8, 4, 3, 8), (16, 4, 2, 8), (16, 8, 2, 8), (32, 8, 1, 4),
+    (32, 8, 2, 4), (4, 4, 2, 16), (8, 8, 2, 8), (16, 4, 3, 4), (8, 4, 2, 16), (16, 8, 1, 8),
+)  # fmt: skip
 # (BLOCK_N, BLOCK_K, warps, programs an SM) of X_VECTOR launches with deeper K tiles (more
 # contiguous bytes of a row a step; group 128: scales gathered a word), ``fill``, at M = 1.
 X_VECTOR_DEEP_TILES = ((128, 256, 4, 2), (128, 256, 4, 4), (64, 512, 4, 2), (64, 256, 4, 4))
@@ -838,9 +844,10 @@ def _w4a16_variants(rows: int) -> list:
                           X_VECTOR=True)  # fmt: skip
             out.append((f"w4a16_g128 permuted fma small-magic {block_n} w{warps} s1 "
                         f"x-vector k{k_stages} fill{per_sm}", config))  # fmt: skip
-        for block_n, warps, k_stages, per_sm in QUAD_TILES:
+        for block_n, warps, k_stages, per_sm in QUAD_TILES:  # one K tile a step, explicitly
             config = dict(_wna16_tile(block_n, warps, 1, bm=1), per_sm=per_sm, fill=True,
-                          k_stages=k_stages, PERMUTED_K=True, QUAD_MMA=True)  # fmt: skip
+                          k_stages=k_stages, PERMUTED_K=True, QUAD_MMA=True,
+                          QUAD_STEP=1)  # fmt: skip
             out.append((f"w4a16_g128 quad-mma {block_n} w{warps} k{k_stages} fill{per_sm}",
                         config))  # fmt: skip
         for block_n, warps, k_stages, per_sm, step in QUAD_STEP_TILES:
@@ -849,6 +856,11 @@ def _w4a16_variants(rows: int) -> list:
                           QUAD_STEP=step)  # fmt: skip
             out.append((f"w4a16_g128 quad-mma {block_n} w{warps} k{k_stages} fill{per_sm} "
                         f"step{step}", config))  # fmt: skip
+        for block_n, warps, k_stages, per_sm in ROW_TILES:
+            config = dict(_wna16_tile(block_n, warps, 1, bm=1, bk=1024), per_sm=per_sm,
+                          fill=True, k_stages=k_stages, PERMUTED_K=True, ROW_MMA=True)  # fmt: skip
+            out.append((f"w4a16_g128 row-mma {block_n} w{warps} k{k_stages} fill{per_sm}",
+                        config))  # fmt: skip
         for block_n, block_k, warps, per_sm in X_VECTOR_DEEP_TILES:
             config = dict(_wna16_tile(block_n, warps, 1, bm=1, bk=block_k), per_sm=per_sm,
                           fill=True, PERMUTED_K=True, SMALL_MAGIC=True, X_VECTOR=True)  # fmt: skip
@@ -872,6 +884,8 @@ def _int_cases(torch, x, rows, weights) -> list:
     cases = [("bf16_linear", lambda: F.linear(x, w_bf16), "bf16")]
     if rows in W4A16_ROWS:
         for impl, config in _w4a16_variants(rows):
+            if config and config.get("ROW_MMA") and x.shape[1] % 1024:
+                continue  # its K tile is 1024 deep (--smoke-cpu's K is 256)
             cases.append((impl, lambda config=config: int_quant.wna16_linear(
                 x, qweight, scales, None, None, 4, None, config), "bf16"))  # fmt: skip
     if rows in W8A8_ROWS:

@@ -73,9 +73,11 @@ def _wna16(cfg: dict, bits: int, zeros: bool, g_idx: bool, dtype: str = "bf16", 
         SCALE_LATER=per_tile and 1 < cfg["BLOCK_M"] <= int_quant.SKINNY_MAX_ROWS,
         HAS_BIAS=True, ONE_ROW=one_row, PERMUTED_K=cfg.get("PERMUTED_K", False),
         SMALL_MAGIC=cfg.get("SMALL_MAGIC", False), PACKED_DOT=cfg.get("PACKED_DOT", False),
-        ASM=cfg.get("PACKED_DOT", False) or cfg.get("QUAD_MMA", False),
+        ASM=cfg.get("PACKED_DOT", False) or cfg.get("QUAD_MMA", False) or cfg.get("ROW_MMA", False),
         QUAD_MMA=cfg.get("QUAD_MMA", False),
         GROUP_TILES=int_quant._group_tiles(group) if cfg.get("QUAD_MMA") else 0,
+        STEP_TILES=cfg.get("QUAD_STEP", 1), ROW_MMA=cfg.get("ROW_MMA", False),
+        GROUP_WORDS=group // 8 if cfg.get("ROW_MMA") else 4,
         **{key: cfg.get(key, False) for key in int_quant.SMALL_MAGIC_VARIANTS},
         K_STAGES=cfg.get("k_stages", 1), IEEE=dtype == "fp32", EVEN_K=True,
         SPLIT_K=cfg["SPLIT_K"] if split else 1, GROUP_M=cfg.get("GROUP_M", 1),
@@ -111,6 +113,14 @@ def _wna16_launches() -> dict:
         quad = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=1,
                     k_stages=k_stages, SPLIT_K=4, PERMUTED_K=True, QUAD_MMA=True)  # fmt: skip
         out[f"one-row quad mma {block_n} w{warps} k{k_stages}, split"] = quad
+    for block_n, warps, k_stages in ((8, 4, 2), (32, 8, 1), (4, 4, 3)):
+        row = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, num_stages=1,
+                   k_stages=k_stages, SPLIT_K=4, PERMUTED_K=True, ROW_MMA=True)  # fmt: skip
+        out[f"one-row row mma {block_n} w{warps} k{k_stages}, split"] = row
+    out["one-row quad mma 64 w4 k2 step2, split"] = dict(
+        BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, k_stages=2, SPLIT_K=4,
+        PERMUTED_K=True, QUAD_MMA=True, QUAD_STEP=2,
+    )  # fmt: skip
     for variant in int_quant.SMALL_MAGIC_VARIANTS:  # int_quant_small_magic's variants
         small_magic = dict(BLOCK_M=1, BLOCK_N=256, BLOCK_K=128, num_warps=4, num_stages=1,
                            SPLIT_K=4, PERMUTED_K=True, SMALL_MAGIC=True)  # fmt: skip
@@ -412,6 +422,42 @@ def test_quad_mma_layout_and_main_loop_sass(block_n, warps, zeros, dtype, most):
     assert "ld.local" not in kernel.asm["ptx"]
     body = _main_loop_sass(kernel)
     words = block_n * 16 / (32 * warps)  # a thread's, a K tile
+    mmas = sum(1 for ins in body if re.match(r"(@\S+\s+)?HMMA\b", ins))
+    assert mmas == 2 * words, (mmas, words)
+    assert not [ins for ins in body if re.match(r"(@\S+\s+)?(LDS|STS|BAR|LDSM)\b", ins)]
+    assert len(body) / words <= most, (len(body), words)
+
+
+# (BLOCK_N, warps, zeros, dtype, group, instructions a word at most) of ROW_MMA's main loop
+# (Triton 3.9's ptxas): 21 a word in the PTX (4 AND-ORs, 3 shifts, 8 packed FMAs, 2 MMAs, 4
+# byte permutes of x), a lane's x and scale loads shared by its rows.
+ROW_MMA_SASS = [
+    (8, 4, False, "bf16", 128, 26), (16, 4, True, "bf16", 32, 26), (32, 8, False, "fp16", 128, 24),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("block_n", "warps", "zeros", "dtype", "group", "most"), ROW_MMA_SASS)
+def test_row_mma_layout_and_main_loop_sass(block_n, warps, zeros, dtype, group, most):
+    """ROW_MMA's PTX takes the words in the layout it was written for (lane l words 4l .. 4l + 3
+    of its warp's row: int_quant_row_mma.ROW_LAYOUT), which all its inline assembly's operands
+    keep (x and the scales loaded by PTX too); its main loop has 2 MMAs a word, no shared
+    memory, no barrier, no register spills, and stays within its instruction count."""
+    from atom_kernels.backends.triton import int_quant_row_mma
+
+    cfg = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, num_stages=1,
+               SPLIT_K=4, PERMUTED_K=True, ROW_MMA=True)  # fmt: skip
+    kernel = _wna16(cfg, 4, zeros, False, dtype=dtype, group=group)
+    ttgir = kernel.asm["ttgir"]
+    layouts = dict(re.findall(r"(#blocked\d*) = #ttg.blocked<\{([^}]*)\}>", ttgir))
+    asm_ops = [line for line in ttgir.splitlines() if "elementwise_inline_asm" in line]
+    assert len(asm_ops) >= 3, asm_ops  # the MMAs, x, the scales
+    for line in asm_ops:
+        for encoding in set(re.findall(r"tensor<[^>]*?(#blocked\d*)>", line)):
+            assert layouts[encoding].startswith(int_quant_row_mma.ROW_LAYOUT), line
+            assert f"warpsPerCTA = [{warps}, 1]" in layouts[encoding], layouts[encoding]
+    assert "ld.local" not in kernel.asm["ptx"]
+    body = _main_loop_sass(kernel)
+    words = block_n * 128 / (32 * warps)  # a lane's, a K tile
     mmas = sum(1 for ins in body if re.match(r"(@\S+\s+)?HMMA\b", ins))
     assert mmas == 2 * words, (mmas, words)
     assert not [ins for ins in body if re.match(r"(@\S+\s+)?(LDS|STS|BAR|LDSM)\b", ins)]

@@ -301,6 +301,63 @@ def test_wna16_linear_quad_mma_refuses_what_it_cannot_take(triton_backend, iq):
         iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(quad, QUAD_STEP=2))
 
 
+# (zeros, group (0: channel-wise), dtype, N, K, SPLIT_K, BLOCK_N, warps) of the MMAs a warp a
+# row (ROW_MMA) under the interpreter: groups 32, 128 and channel-wise, symmetric and
+# asymmetric, bf16 and fp16, N not a multiple of the tile, K split.
+ROW_MMA_CASES = [
+    (False, 128, torch.bfloat16, 10, 1024, 1, 4, 2),
+    (True, 32, torch.float16, 12, 2048, 2, 8, 4),
+    (True, 0, torch.bfloat16, 6, 3072, 3, 2, 2),
+    (False, 64, torch.float16, 8, 2048, 1, 8, 8),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("zeros", "group", "dtype", "n", "k", "split", "block_n", "warps"),
+                         ROW_MMA_CASES)  # fmt: skip
+def test_wna16_linear_row_mma(triton_backend, iq, zeros, group, dtype, n, k, split, block_n,
+                              warps):  # fmt: skip
+    """The MMAs a warp a row's bookkeeping (ROW_MMA; the interpreter runs ``_row_plain``, each
+    lane's dot at its first element) against the reference: the weights rounded to x's dtype
+    as the reference rounds them, so only the sum's order differs."""
+    device = triton_backend.device
+    group = group or k
+    qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=97 + n, device=device,
+                               dtype=dtype)  # fmt: skip
+    x = torch.randn(1, k, generator=_gen(98))
+    x[0, ::71] *= 20
+    x = x.to(dtype).to(device)
+    bias = torch.randn(n, generator=_gen(99)).to(dtype).to(device)
+    config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, PERMUTED_K=True,
+                  ROW_MMA=True, SPLIT_K=split)  # fmt: skip
+    out = iq.wna16_linear(x, qw, s, z, g, 4, bias, config=config)
+    weight = reference.dequantize_wna16(qw, s, z, g, 4, dtype).double()  # rounded to dtype
+    exact = (x.double() @ weight.T + bias.double()).to(dtype)
+    ulp = exact.double().abs().clamp_min(1.0) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
+    assert ((out.double() - exact.double()).abs() <= ulp).all()
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, bias)
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(out, expected, atol=atol * 20, rtol=rtol, name=f"row mma {config}")
+
+
+def test_wna16_linear_row_mma_refuses_what_it_cannot_take(triton_backend, iq):
+    """ROW_MMA asked for outside what its layout takes fails naming the need."""
+    device = triton_backend.device
+    row = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=2, PERMUTED_K=True, ROW_MMA=True)
+    qw, s, z, g = wna16_weight(8, 1024, 4, 8, False, False, seed=93, device=device,
+                               dtype=torch.bfloat16)  # fmt: skip
+    x = torch.randn(1, 1024, generator=_gen(94)).to(torch.bfloat16).to(device)
+    with pytest.raises(ValueError, match="scales of its dtype"):
+        iq.wna16_linear(x, qw, s.float(), z, g, 4, None, config=row)
+    with pytest.raises(ValueError, match="multiple of num_warps"):
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(row, num_warps=8))
+    with pytest.raises(ValueError, match="BLOCK_K 1024"):
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(row, BLOCK_K=128))
+    qw, s, z, g = wna16_weight(8, 1536, 4, 12, False, False, seed=93, device=device,
+                               dtype=torch.bfloat16)  # fmt: skip
+    with pytest.raises(ValueError, match="K a multiple of 1024"):
+        iq.wna16_linear(x.new_ones(1, 1536), qw, s, z, g, 4, None, config=row)
+
+
 def test_wna16_linear_small_magic_refuses_other_launches(triton_backend, iq):
     device = triton_backend.device
     qw, s, z, g = wna16_weight(16, 128, 4, 1, False, False, seed=65, device=device)
@@ -579,7 +636,7 @@ def test_wna16_linear_gpu_variants(triton_backend, iq, rows, bits, zeros, g_idx)
     ("rows", "config"),
     [(1, dict(PERMUTED_K=True, BLOCK_M=1, num_stages=1)),
      (1, dict(PERMUTED_K=True, BLOCK_M=1, BLOCK_N=256, num_stages=1)),
-     (1, dict(PERMUTED_K=True)), (16, dict(PERMUTED_K=True, BLOCK_N=128)),
+     (1, dict(PERMUTED_K=True)), (16, dict(PERMUTED_K=True, BLOCK_N=128, BLOCK_K=128)),
      (4, dict(PERMUTED_K=False))],
 )  # fmt: skip
 @pytest.mark.parametrize(
@@ -636,7 +693,7 @@ QUAD_MMA_GPU = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("tile", "dtype", "group", "zeros"), QUAD_MMA_GPU, ids=str)
-@pytest.mark.parametrize(("n", "k"), [*LLAMA3_8B, (1000, 1280)])
+@pytest.mark.parametrize(("n", "k"), [*LLAMA3_8B, (1000, 2048)])
 def test_wna16_linear_gpu_quad_mma(triton_backend, iq, tile, dtype, group, zeros, n, k):
     """The quads' MMAs' PTX (QUAD_MMA, ASM: the register layout it relies on, the shuffles of
     the scales) at the Llama-3-8B sizes and a ragged N: within the output's rounding of the
@@ -655,6 +712,41 @@ def test_wna16_linear_gpu_quad_mma(triton_backend, iq, tile, dtype, group, zeros
     assert_close(out, expected, atol=atol, rtol=rtol, name=f"quad mma {config}")
     exact = reference.wna16_linear(x.double(), qw, s.double(), None if z is None else z.double(),
                                    g, 4, None)  # fmt: skip
+    ulp = exact.abs().clamp_min(1.0) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
+    assert ((out.double() - exact).abs() <= ulp).all(), (out.double() - exact).abs().max()
+
+
+# (tile (BLOCK_N, warps, k_stages, programs an SM), dtype, group (0: channel-wise), zeros) of
+# the MMAs a warp a row's GPU test: the benchmark's tiles, each form of the PTX, group 32.
+ROW_MMA_GPU = [
+    ((8, 4, 1, 8), torch.bfloat16, 128, False), ((8, 4, 2, 8), torch.bfloat16, 128, True),
+    ((16, 4, 3, 4), torch.float16, 32, True), ((32, 8, 2, 4), torch.float16, 128, False),
+    ((4, 4, 2, 16), torch.bfloat16, 0, False), ((16, 8, 2, 8), torch.bfloat16, 32, False),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("tile", "dtype", "group", "zeros"), ROW_MMA_GPU, ids=str)
+@pytest.mark.parametrize(("n", "k"), [*LLAMA3_8B, (1000, 2048)])
+def test_wna16_linear_gpu_row_mma(triton_backend, iq, tile, dtype, group, zeros, n, k):
+    """The MMAs a warp a row's PTX (ROW_MMA, ASM: the layout it relies on, the diagonal pick,
+    x and the scales loaded in the words' layout) at the Llama-3-8B sizes and a ragged N:
+    within the output's rounding of the exact product of x and the reference's rounded
+    weights, and against the reference."""
+    block_n, warps, k_stages, per_sm = tile
+    group = group or k
+    qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=101, device="cuda",
+                               dtype=dtype)  # fmt: skip
+    x = torch.randn(1, k, generator=_gen(102)).to(dtype).cuda()
+    config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, num_stages=1,
+                  k_stages=k_stages, per_sm=per_sm, fill=True, SPLIT_K=None, PERMUTED_K=True,
+                  ROW_MMA=True)  # fmt: skip
+    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(out, expected, atol=atol, rtol=rtol, name=f"row mma {config}")
+    weight = reference.dequantize_wna16(qw, s, z, g, 4, dtype).double()
+    exact = x.double() @ weight.T
     ulp = exact.abs().clamp_min(1.0) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
     assert ((out.double() - exact).abs() <= ulp).all(), (out.double() - exact).abs().max()
 
@@ -767,10 +859,13 @@ def test_one_row_override(monkeypatch):
         BLOCK_N=64, num_warps=4, k_stages=2, per_sm=8, fill=True, QUAD_MMA=True, QUAD_STEP=1
     )
     assert iq._one_row_override("64,4,2,8,quad4")["QUAD_STEP"] == 4
+    assert iq._one_row_override("8,4,2,8,row") == dict(
+        BLOCK_N=8, num_warps=4, k_stages=2, per_sm=8, fill=True, ROW_MMA=True, BLOCK_K=1024
+    )
     bad_specs = ("128,4,3", "128,4,0,2", "a,4,3,2", "100,4,3,2", "128,3,3,2", "128,4,3,2,x",
                  "128,4,3,2,quad3")  # fmt: skip
     for bad in bad_specs:
-        with pytest.raises(ValueError, match=r"block_n,num_warps,k_stages,per_sm\[,quad\[N\]\]"):
+        with pytest.raises(ValueError, match=r"k_stages,per_sm\[,mode\]"):
             iq._one_row_override(bad)
     assert iq._one_row_override("") is None
     monkeypatch.setattr(iq, "ONE_ROW_OVERRIDE", override)
@@ -790,12 +885,18 @@ def test_quad_mma_default(monkeypatch):
 
     monkeypatch.setattr(iq, "ONE_ROW_OVERRIDE", None)
     cfg = iq.wna16_config(1, 4096, 4096, 128, True, 132, quad=True)
-    assert cfg["QUAD_MMA"] and cfg["QUAD_STEP"] == iq.QUAD_DEFAULT_STEP and cfg["BLOCK_K"] == 128
-    assert cfg["BLOCK_N"] % (8 * cfg["num_warps"]) == 0 and cfg["SPLIT_K"] >= 1
-    assert iq.wna16_config(1, 4096, 14336, 14336, True, 132, quad=True)["QUAD_MMA"]  # channel
+    assert cfg["ROW_MMA"] and cfg["BLOCK_K"] == 1024 and cfg["BLOCK_N"] % cfg["num_warps"] == 0
+    assert iq.wna16_config(1, 4096, 14336, 14336, True, 132, quad=True)["ROW_MMA"]  # channel
+    assert iq.wna16_config(1, 4096, 4096, 32, True, 132, quad=True)["ROW_MMA"]  # group 32
+    # K of 256, not 1024, or scales of another dtype: the quads'
+    for cfg in (iq.wna16_config(1, 4096, 4352, 128, True, 132, quad=True),
+                iq.wna16_config(1, 4096, 4096, 128, True, 132, quad=True, row_scales=False)):
+        assert cfg["QUAD_MMA"] and not cfg.get("ROW_MMA") and cfg["BLOCK_K"] == 128
+        assert cfg["QUAD_STEP"] == iq.QUAD_DEFAULT_STEP and cfg["SPLIT_K"] >= 1
+        assert cfg["BLOCK_N"] % (8 * cfg["num_warps"]) == 0
     for other in (
         iq.wna16_config(1, 4096, 4096, 128, True, 132),  # no quad: not 16-bit x / not NVIDIA
-        iq.wna16_config(1, 4096, 4096, 32, True, 132, quad=True),  # group 32
+        iq.wna16_config(1, 4096, 4096, 32, True, 132, quad=True, row_scales=False),  # group 32
         iq.wna16_config(1, 4096, 4224, 128, True, 132, quad=True),  # K = 33 tiles: not 256
         iq.wna16_config(1, 4096, 4096, 128, True, 132, bits=8, quad=True),
         iq.wna16_config(1, 4096, 4096, 128, False, 132, quad=True),  # g_idx
@@ -804,10 +905,15 @@ def test_quad_mma_default(monkeypatch):
     assert not iq.wna16_config(2, 4096, 4096, 128, True, 132, quad=True).get("QUAD_MMA")
     monkeypatch.setattr(iq, "ONE_ROW_OVERRIDE", iq._one_row_override("128,4,3,2"))
     cfg = iq.wna16_config(1, 4096, 4096, 128, True, 132, quad=True)
-    assert not cfg.get("QUAD_MMA") and cfg["X_VECTOR"] and cfg["BLOCK_N"] == 128
+    assert not cfg.get("QUAD_MMA") and not cfg.get("ROW_MMA") and cfg["X_VECTOR"]
+    assert cfg["BLOCK_N"] == 128
     monkeypatch.setattr(iq, "ONE_ROW_OVERRIDE", iq._one_row_override("32,4,3,4,quad4"))
     cfg = iq.wna16_config(1, 4096, 4096, 128, True, 132, quad=True)
     assert cfg["QUAD_MMA"] and cfg["QUAD_STEP"] == 4 and cfg["BLOCK_N"] == 32
+    assert not cfg.get("ROW_MMA")
+    monkeypatch.setattr(iq, "ONE_ROW_OVERRIDE", iq._one_row_override("16,8,2,4,row"))
+    cfg = iq.wna16_config(1, 4096, 4096, 128, True, 132, quad=True)
+    assert cfg["ROW_MMA"] and cfg["BLOCK_N"] == 16 and cfg["k_stages"] == 2
 
 
 def test_k_stages_reach_the_kernel(triton_backend, iq, monkeypatch):

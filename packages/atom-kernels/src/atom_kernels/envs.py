@@ -84,14 +84,16 @@ TABLE: tuple[Switch, ...] = (
     ),
     Switch(
         "ATOM_WNA16_ONE_ROW", "", _same,
-        "`block_n,num_warps,k_stages,per_sm[,quad[N]]`: the one-row W4A16 launch (`quad`: the "
-        "quads' MMAs, `int_quant_quad_mma`; `quadN`: N = 1, 2, 4, 8 K tiles a step), K split to "
-        "about per_sm programs an SM, loads pipelined k_stages - 1 tiles ahead (A/B)",
+        "`block_n,num_warps,k_stages,per_sm[,mode]`: the one-row W4A16 launch (mode `quad`: the "
+        "quads' MMAs, `int_quant_quad_mma`; `quadN`: N = 1, 2, 4, 8 K tiles a step; `row`: a "
+        "warp a row, `int_quant_row_mma`; none: the multiply-adds), K split to about per_sm "
+        "programs an SM, loads pipelined k_stages - 1 tiles ahead (A/B)",
     ),
     Switch(
         "ATOM_WNA16_QUAD", True, _not_zero,
-        "one-row W4A16 decode (16-bit x, groups of a multiple of 128) on tensor cores, the quads' "
-        "MMAs (`int_quant_quad_mma`; `0`: off: the fp32 multiply-adds)",
+        "one-row W4A16 decode (16-bit x) on tensor cores: a warp a row (`int_quant_row_mma`; "
+        "K of 1024, groups of 32) or the quads' MMAs (`int_quant_quad_mma`; groups of 128) "
+        "(`0`: off: the fp32 multiply-adds)",
     ),
     Switch(
         "ATOM_FUSED_GATE_UP", True, _not_zero,

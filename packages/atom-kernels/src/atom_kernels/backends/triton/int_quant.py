@@ -42,6 +42,7 @@ from atom_kernels import envs
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
 from atom_kernels.backends.triton.int_quant_packed_dot import _packed_dot_k_loop
 from atom_kernels.backends.triton.int_quant_quad_mma import _quad_mma_k_loop
+from atom_kernels.backends.triton.int_quant_row_mma import _row_mma_k_loop
 from atom_kernels.backends.triton.int_quant_small_magic import (
     SMALL_MAGIC_VARIANTS,
     _small_magic_k_loop,
@@ -64,6 +65,8 @@ PACKED_DOT_DTYPES = (torch.bfloat16, torch.float16)
 # launch's K tiles a step (QUAD_STEP).
 QUAD_BLOCK_K = 128
 QUAD_DEFAULT_STEP = 2
+# ROW_MMA's K tile (int_quant_row_mma: 128 words of a row, 1024 4-bit values).
+ROW_BLOCK_K = 1024
 # The fewest K tiles a split of a ``fill`` launch takes (split_for).
 FILL_MIN_K_TILES = 4
 # The most rows the permuted K loop takes by default (wna16_config says why).
@@ -353,6 +356,8 @@ def _wna16_kernel(
     QUAD_MMA: tl.constexpr = False,  # one row, 4-bit, 16-bit x: _quad_mma_k_loop
     GROUP_TILES: tl.constexpr = 0,  # QUAD_MMA: K tiles a group where a small power of two
     STEP_TILES: tl.constexpr = 1,  # QUAD_MMA: adjacent K tiles a step
+    ROW_MMA: tl.constexpr = False,  # one row, 4-bit, 16-bit x: _row_mma_k_loop
+    GROUP_WORDS: tl.constexpr = 4,  # ROW_MMA: words a group
 ):
     pid_m, pid_n = _tile_ids(M, N, GROUP_M, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -363,7 +368,12 @@ def _wna16_kernel(
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     k_lo = tl.program_id(1) * k_tiles_per_split * BLOCK_K
     k_hi = tl.minimum(K, k_lo + k_tiles_per_split * BLOCK_K)
-    if QUAD_MMA:
+    if ROW_MMA:
+        acc = _row_mma_k_loop(
+            x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, k_lo, k_hi, stride_xm, stride_qn,
+            stride_sn, stride_zn, HAS_ZEROS, ASM, BLOCK_M, BLOCK_N, GROUP_WORDS, K_STAGES,
+        )  # fmt: skip
+    elif QUAD_MMA:
         acc = _quad_mma_k_loop(
             x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, k_lo, k_hi, group_size, stride_xm,
             stride_qn, stride_sn, stride_zn, HAS_ZEROS, ASM, BLOCK_M, BLOCK_N, K_STAGES,
@@ -424,9 +434,9 @@ def _block_k(group_size: int, per_tile: bool, cap: int) -> int:
 
 
 def _one_row_override(spec: str) -> dict | None:
-    """ATOM_WNA16_ONE_ROW="block_n,num_warps,k_stages,per_sm[,quad[N]]": the one-row 4-bit
+    """ATOM_WNA16_ONE_ROW="block_n,num_warps,k_stages,per_sm[,mode]": the one-row 4-bit
     launch (X_VECTOR multiply-adds, or with ``quad`` the quads' MMAs where they fit: QUAD_MMA,
-    ``quadN`` N = 1, 2, 4, 8 K tiles a step: QUAD_STEP), K split
+    ``quadN`` N = 1, 2, 4, 8 K tiles a step: QUAD_STEP; ``row`` a warp a row: ROW_MMA), K split
     to about per_sm programs an SM whatever the N tiles, loads pipelined k_stages - 1 tiles
     ahead, for an A/B in the engine."""
     if not spec:
@@ -434,8 +444,9 @@ def _one_row_override(spec: str) -> dict | None:
     fields = spec.split(",")
     quad = len(fields) == 5 and re.fullmatch(r"quad[1248]?", fields[4]) is not None
     step = int(fields[4][4:] or 1) if quad else 1
+    row = len(fields) == 5 and fields[4] == "row"
     try:
-        if quad:
+        if quad or row:
             fields = fields[:4]
         block_n, num_warps, k_stages, per_sm = (int(f) for f in fields)
         if min(block_n, num_warps, k_stages, per_sm) < 1 or any(
@@ -444,10 +455,13 @@ def _one_row_override(spec: str) -> dict | None:
             raise ValueError
     except ValueError:
         raise ValueError(
-            f"ATOM_WNA16_ONE_ROW={spec!r}: expected 'block_n,num_warps,k_stages,per_sm[,quad[N]]' "
-            "(positive integers, block_n and num_warps powers of two)"
+            f"ATOM_WNA16_ONE_ROW={spec!r}: expected "
+            "'block_n,num_warps,k_stages,per_sm[,mode]' (positive integers, block_n and num_warps "
+            "powers of two; mode quad, quad1, quad2, quad4, quad8 or row)"
         ) from None
     out = dict(BLOCK_N=block_n, num_warps=num_warps, k_stages=k_stages, per_sm=per_sm, fill=True)
+    if row:
+        return dict(out, ROW_MMA=True, BLOCK_K=ROW_BLOCK_K)
     return dict(out, QUAD_MMA=True, QUAD_STEP=step) if quad else out
 
 
@@ -456,7 +470,8 @@ ONE_ROW_OVERRIDE = _one_row_override(envs.ATOM_WNA16_ONE_ROW)
 
 def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool, sms: int,
                  interpreted: bool = False, bits: int = 4, packed_dot: bool = False,
-                 override: bool = True, quad: bool = False) -> dict:  # fmt: skip
+                 override: bool = True, quad: bool = False,
+                 row_scales: bool = True) -> dict:  # fmt: skip
     """The launch of ``_wna16_kernel`` for an [num_rows, k] x [n, k]^T GEMM (``per_tile``: the
     groups are contiguous, no g_idx); ``PERMUTED_K``: the K loop without interleave.
 
@@ -507,10 +522,12 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     candidates); the engine's decode step (Llama-3-8B W4A16, batch 1) 2.79 ms by default, 2.98 /
     2.86 ms with ATOM_WNA16_ONE_ROW=256,4,3,1 / 128,4,3,2. Kept as a launch option, not the
     default.
-    One row, 4-bit, 16-bit x on NVIDIA (``quad``: the launcher's ATOM_WNA16_QUAD), groups of a
-    multiple of 128, K of 256: the quads' MMAs (``int_quant_quad_mma``), 64 rows a program, 4
-    warps, two adjacent K tiles a step (``QUAD_STEP``), loads one step ahead (``k_stages`` 2), K
-    split to about 8 programs an SM.
+    One row, 4-bit, 16-bit x on NVIDIA (``quad``: the launcher's ATOM_WNA16_QUAD): with scales
+    of x's dtype (``row_scales``), groups of a multiple of 32 and K of 1024, the MMAs a warp a
+    row (``int_quant_row_mma``), 8 rows a program, 4 warps, K split to about 8 programs an SM;
+    else with groups of a multiple of 128 and K of 256 the quads' MMAs (``int_quant_quad_mma``),
+    64 rows a program, 4 warps, two adjacent K tiles a step (``QUAD_STEP``), loads one step
+    ahead (``k_stages`` 2), K split to about 8 programs an SM.
     NOTE (one H200, 2026-12-02, benchmarks/results/int-quant/s28/, cold L2, us for qkv / o /
     gate_up / down): one tile a step the MMAs alone gain little (best 11.1 / 8.8 / 35.7 / 19.6
     against X_VECTOR's 11.5 / 9.4 / 36.4 / 22.1; ncu on gate_up: 40% of DRAM either way, 20%
@@ -518,7 +535,13 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     requested at once) 10.9 / 9.1 / 29.3 / 19.2; X_VECTOR with 256 / 512-deep tiles (more bytes
     a row too, but scales gathered a word) 25.6-32.9 at down. bf16 ``linear`` 20.3 / 16.6 /
     68.2 / 40.1. The engine's decode step (Llama-3-8B W4A16, batch 1, decode_ab, two rounds)
-    2.84 ms X_VECTOR, 2.67 ms with this launch (bf16 4.39 ms: 1.64x)."""
+    2.84 ms X_VECTOR, 2.67 ms with this launch (bf16 4.39 ms: 1.64x).
+    NOTE (the same day, results/int-quant/s28/int-row.json, 12 launches of the MMAs a warp a row:
+    each warp load one row's 512 contiguous bytes): best (8 rows, 4 warps, no cp.async, fill 8)
+    8.8 / 7.7 / 29.7 / 17.5 against the quads' 10.7 / 8.9 / 29.4 / 18.5; loads pipelined
+    (k_stages 2, 3) slower at every shape (26-36% of the copy roofline at gate_up); the engine
+    step 2.56 ms against the quads' 2.67 (1.71x the bf16 step's 4.39 ms; the 2x target missed:
+    ncu on gate_up 35% of DRAM, 45% occupancy, stalls long- and short-scoreboard)."""
     per_int = 32 // bits
     permuted = num_rows <= PERMUTED_MAX_ROWS and per_tile and group_size % per_int == 0
     packed_dot = (packed_dot and bits == 4 and per_tile
@@ -532,6 +555,14 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     elif interpreted:
         cfg = dict(BLOCK_M=1 if num_rows == 1 else 16, BLOCK_N=16, BLOCK_K=32, num_warps=4,
                    num_stages=1, GROUP_M=1, per_sm=2)  # fmt: skip
+    elif (num_rows == 1 and quad and bits == 4 and per_tile and group_size % 32 == 0
+          and k % ROW_BLOCK_K == 0 and row_scales
+          and not (override and ONE_ROW_OVERRIDE and not ONE_ROW_OVERRIDE.get("ROW_MMA"))):
+        cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=ROW_BLOCK_K, num_warps=4, num_stages=1,
+                   GROUP_M=1, k_stages=1, per_sm=8, fill=True, ROW_MMA=True)  # fmt: skip
+        permuted = True
+        if override and ONE_ROW_OVERRIDE:  # not under an explicit config
+            cfg.update(ONE_ROW_OVERRIDE)
     elif (num_rows == 1 and quad and bits == 4 and per_tile and group_size % QUAD_BLOCK_K == 0
           and k % (QUAD_DEFAULT_STEP * QUAD_BLOCK_K) == 0
           and not (override and ONE_ROW_OVERRIDE
@@ -630,6 +661,37 @@ def _quad_mma_for(cfg: dict, override: dict, x2: torch.Tensor, qweight: torch.Te
     return False
 
 
+def _row_mma_for(cfg: dict, override: dict, x2: torch.Tensor, qweight: torch.Tensor,
+                 scales: torch.Tensor, bits: int, per_tile: bool, group_size: int,
+                 k: int) -> bool:  # fmt: skip
+    """Whether the launch takes ``_row_mma_k_loop``: asked for (``ROW_MMA``) and it fits (one
+    row, 4-bit weights, bf16 / fp16 x and scales of its dtype, no g_idx, K a multiple of 1024,
+    groups of a multiple of 32, BLOCK_K 1024, BLOCK_N a multiple of num_warps, the words 16-byte
+    aligned: the layout its PTX relies on); a default's that does not fit is dropped, an
+    override's raises."""
+    if not cfg.get("ROW_MMA", False):
+        return False
+    why = []
+    if x2.shape[0] != 1 or cfg["BLOCK_M"] != 1:
+        why.append(f"one row and BLOCK_M 1 (got {x2.shape[0]} rows, BLOCK_M {cfg['BLOCK_M']})")
+    if bits != 4 or x2.dtype not in PACKED_DOT_DTYPES or scales.dtype != x2.dtype:
+        why.append(f"4-bit weights, bf16 / fp16 x and scales of its dtype (got {bits}-bit, "
+                   f"{x2.dtype}, {scales.dtype} scales)")  # fmt: skip
+    if not per_tile or group_size % 32 or k % ROW_BLOCK_K:
+        why.append(f"no g_idx, K a multiple of {ROW_BLOCK_K} and groups of 32 (K {k}, group "
+                   f"{group_size})")  # fmt: skip
+    if cfg["BLOCK_K"] != ROW_BLOCK_K or cfg["BLOCK_N"] % cfg["num_warps"]:
+        why.append(f"BLOCK_K {ROW_BLOCK_K} and BLOCK_N a multiple of num_warps (got "
+                   f"{cfg['BLOCK_K']}, {cfg['BLOCK_N']}, {cfg['num_warps']} warps)")  # fmt: skip
+    if qweight.data_ptr() % 16:
+        why.append("16-byte aligned words")
+    if not why:
+        return True
+    if override.get("ROW_MMA"):
+        raise ValueError("wna16_linear: ROW_MMA needs " + "; ".join(why))
+    return False
+
+
 def _group_tiles(group_size: int) -> int:
     """QUAD_MMA's K tiles a group as a constant divisor (1, 2, 4 or 8), else 0 (divided at run
     time: channel-wise scales, large groups)."""
@@ -670,12 +732,14 @@ def wna16_linear(
     # an override without PACKED_DOT starts from the other loops' default (what it varies)
     packed = (PACKED_DOT_ENABLED and x.dtype in PACKED_DOT_DTYPES and not torch.version.hip
               and (not config or "PACKED_DOT" in config))  # fmt: skip
-    # the quads' MMAs by default where they can run, not under an explicit config without them
+    # the one-row MMAs by default where they can run, not under an explicit config without them
     quad = (QUAD_ENABLED and num_rows == 1 and x.dtype in PACKED_DOT_DTYPES
             and x.device.type == "cuda" and not torch.version.hip
-            and qweight.data_ptr() % 16 == 0 and (not config or "QUAD_MMA" in config))  # fmt: skip
+            and qweight.data_ptr() % 16 == 0
+            and (not config or "QUAD_MMA" in config or "ROW_MMA" in config))  # fmt: skip
     cfg = wna16_config(num_rows, n, k, group_size, per_tile, sms, is_interpreted(x.device), bits,
-                       packed, override=not config, quad=quad)  # fmt: skip
+                       packed, override=not config, quad=quad,
+                       row_scales=scales.dtype == x.dtype)  # fmt: skip
     cfg.update(config or {})
     block_k = cfg["BLOCK_K"]
     one_row = cfg["BLOCK_M"] == 1
@@ -718,11 +782,13 @@ def wna16_linear(
             f"wna16_linear: {', '.join(k for k, v in variants.items() if v)} are variants of "
             "SMALL_MAGIC's loop: they need SMALL_MAGIC"
         )
-    quad = _quad_mma_for(cfg, config or {}, x2, qweight, bits, per_tile, group_size, k)
-    if quad:
+    row = _row_mma_for(cfg, config or {}, x2, qweight, scales, bits, per_tile, group_size, k)
+    quad = not row and _quad_mma_for(cfg, config or {}, x2, qweight, bits, per_tile,
+                                     group_size, k)  # fmt: skip
+    if quad or row:
         small_magic = packed_dot = False
         variants = dict.fromkeys(variants, False)
-    if (variants["X_VECTOR"] or quad) and x2.data_ptr() % 16:  # x read as 64-bit words
+    if (variants["X_VECTOR"] or quad or row) and x2.data_ptr() % 16:  # x as 64-bit words
         x2 = x2.clone()
     tiles = triton.cdiv(num_rows, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if cfg["SPLIT_K"] is None:  # an override's "choose"
@@ -753,13 +819,13 @@ def wna16_linear(
         ONE_ROW=one_row, PERMUTED_K=permuted, SMALL_MAGIC=small_magic,
         IEEE=x.dtype == torch.float32,
         PACKED_DOT=packed_dot, QUAD_MMA=quad, GROUP_TILES=_group_tiles(group_size) if quad else 0,
-        STEP_TILES=step,
-        ASM=(packed_dot or quad) and x.device.type == "cuda" and not torch.version.hip,
+        STEP_TILES=step, ROW_MMA=row, GROUP_WORDS=group_size // 8 if row else 4,
+        ASM=(packed_dot or quad or row) and x.device.type == "cuda" and not torch.version.hip,
         EVEN_K=k % block_k == 0,
         SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        K_STAGES=cfg.get("k_stages", 1) if small_magic or quad else 1,
+        K_STAGES=cfg.get("k_stages", 1) if small_magic or quad or row else 1,
         **variants,
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )  # fmt: skip

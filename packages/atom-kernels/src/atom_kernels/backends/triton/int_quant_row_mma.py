@@ -1,0 +1,221 @@
+"""The one-row W4A16 K loop on tensor cores, a warp on one row (``ROW_MMA``, a variant of
+``int_quant_quad_mma``'s; ``int_quant.wna16_config`` says where it stands).
+
+``int_quant_quad_mma`` gives a warp 8 rows of 64 bytes each a K tile: each load instruction
+asks for 8 separate 64-byte pieces of memory (rows 2 KB apart at K = 4096). Here a warp's load is
+one row's 512 contiguous bytes (128 words = 1024 values): Triton's coalesced layout of a
+[BLOCK_N, 128] int32 tile gives lane l words 4l .. 4l + 3 of its warp's row (``ROW_LAYOUT``; the
+sm_90 compile test pins it), and a warp walks its rows' K in order. The MMA is the quads' one
+with its 8 columns now 8 chunks of the same row (chunk n: words 16n .. 16n + 15, held by lanes
+4n .. 4n + 3) and A's row g the x of chunk g (each lane passes the x of its own words, as there):
+D[g][n] = x_chunk_g . w_chunk_n, whose diagonal D[n][n] is chunk n's dot; lane 4n + n // 2 holds
+it (register n % 2), so each lane adds its diagonal element, if it holds one, to its first
+accumulator element, and the row's result is the sum over its elements (``tl.sum`` over the
+tile's columns, once at the end). The other 56 of D's 64 products a column are never read.
+
+Chunks are different K, hence different groups: the scale goes into the weight before the MMA,
+(q - zero) * scale rounded once to x's dtype (two packed FMAs a pair: the reference's dequantized
+weight exactly), so any group of a multiple of 32 values works (a lane's 4 words lie in one) and
+each MMA starts from zero. Per word: 3 shifts, 4 AND-ORs, 8 packed FMAs and 2 MMAs; a lane's 4
+words' x pairs and the diagonal pick once per 4 words.
+
+The MMAs are inline PTX (``tl.inline_asm_elementwise``, a lane's 4 words an instance; sm_80+):
+NVIDIA only. Triton's interpreter takes the same values from ``_row_plain`` (each lane's 4
+words' dot at its first element), so the interpreter tests the loop's bookkeeping; the PTX is
+checked against the reference on a GPU.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from atom_kernels.backends.triton.int_quant_packed_dot import magic_of
+from atom_kernels.backends.triton.int_quant_quad_mma import _half, _row_scalar, _x_pairs
+
+# The words tile's register layout the PTX relies on (Triton's coalesced layout of a
+# [BLOCK_N, 128] int32 load with 16-byte aligned rows, BLOCK_N a multiple of num_warps).
+ROW_LAYOUT = "sizePerThread = [1, 4], threadsPerWarp = [1, 32]"
+ROW_WORDS = tl.constexpr(128)  # words of a row in a K tile (BLOCK_K = 1024 at 4 bits)
+
+
+def _row_asm(bf16: bool, zeros: bool) -> str:
+    """PTX of one lane's 4 words: outputs $0..$3 the fp32 accumulator after them ($0 plus the
+    lane's diagonal element of D, if it holds one; $1..$3 as they were); inputs $4..$7 the
+    words, $8..$23 the x pairs (x_0, x_4), (x_1, x_5), (x_2, x_6), (x_3, x_7) of each word (4
+    registers each), $24, $25 the words' scale as two 16-bit floats, $26..$29 the accumulator
+    before; with ``zeros`` $30, $31 -(magic + zero) as two 16-bit floats (else the symmetric
+    zero 8, an immediate).
+
+    One A operand serves both MMAs of a word, as in ``int_quant_quad_mma._quad_asm``: rows g
+    meet values 0, 4, 1, 5 in the first (accumulator d), rows g + 8 values 2, 6, 3, 7 in the
+    second (e); chunk n's dot is d[n][n] + e[n + 8][n]."""
+    magic = "0x43004300" if bf16 else "0x64006400"
+    one = "0x3F803F80" if bf16 else "0x3C003C00"
+    nz = "$30" if zeros else ("0xC308C308" if bf16 else "0xE408E408")  # -(magic + 8)
+    kind = "bf16" if bf16 else "f16"
+    fma = f"fma.rn.{kind}x2"
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
+    lines = [
+        "{",
+        ".reg .b32 t0, t1, t2, t3, u, one, nz, sc, mz, lane, g, c2;",
+        ".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3, r;",
+        ".reg .pred p0, p1;",
+        f"mov.b32 one, {one};",
+        f"mov.b32 nz, {nz};",
+        "mov.b32 sc, $24;",
+        "mov.b32 mz, 0x80008000;",  # -0.0 twice: x * s + -0 is x * s, rounded once
+    ]
+    lines += [f"mov.f32 {r}, 0f00000000;" for r in ("d0", "d1", "d2", "d3", "e0", "e1", "e2", "e3")]
+    for i in range(4):
+        word = f"${4 + i}"
+        xa, xb, xc, xd = (f"${8 + 4 * p + i}" for p in range(4))
+        lines.append(f"lop3.b32 t0, {word}, 0x000F000F, {magic}, 0xEA;")  # (w & m) | magic
+        for j in (1, 2, 3):
+            lines += [f"shr.u32 u, {word}, {4 * j};",
+                      f"lop3.b32 t{j}, u, 0x000F000F, {magic}, 0xEA;"]  # fmt: skip
+        lines += [f"{fma} t{j}, t{j}, one, nz;" for j in range(4)]  # q - zero, exact
+        lines += [f"{fma} t{j}, t{j}, sc, mz;" for j in range(4)]  # (q - zero) * scale
+        lines += [
+            f"{mma} {{d0, d1, d2, d3}}, {{{xa}, {xc}, {xb}, {xd}}}, {{t0, t1}}, "
+            "{d0, d1, d2, d3};",
+            f"{mma} {{e0, e1, e2, e3}}, {{{xa}, {xc}, {xb}, {xd}}}, {{t2, t3}}, "
+            "{e0, e1, e2, e3};",
+        ]
+    lines += [
+        "add.f32 d0, d0, e2;",  # column 2c (rows g, g + 8)
+        "add.f32 d1, d1, e3;",  # column 2c + 1
+        "mov.u32 lane, %laneid;",
+        "shr.u32 g, lane, 2;",
+        "and.b32 c2, lane, 3;",
+        "shl.b32 c2, c2, 1;",
+        "setp.eq.u32 p0, g, c2;",  # this lane holds D[2c][2c] (register 0)
+        "add.u32 c2, c2, 1;",
+        "setp.eq.u32 p1, g, c2;",  # or D[2c + 1][2c + 1] (register 1)
+        "selp.f32 r, d1, 0f00000000, p1;",
+        "selp.f32 r, d0, r, p0;",
+        "add.f32 $0, $26, r;",
+        "mov.f32 $1, $27;",
+        "mov.f32 $2, $28;",
+        "mov.f32 $3, $29;",
+        "}",
+    ]
+    return "\n".join(lines)
+
+
+def _x_asm() -> str:
+    """PTX loading one lane's 4 words' x (16 bytes a word at $16..$19) as the MMAs' pairs:
+    outputs $0..$3 (x_0, x_4), $4..$7 (x_1, x_5), $8..$11 (x_2, x_6), $12..$15 (x_3, x_7), one
+    register a word (byte permutes of the two 32-bit words holding them)."""
+    lines = ["{", ".reg .b32 a, b, c, d;"]
+    for i in range(4):
+        lines += [
+            f"ld.global.nc.v4.b32 {{a, b, c, d}}, [${16 + i}];",  # x01, x23, x45, x67
+            f"prmt.b32 ${i}, a, c, 0x5410;",
+            f"prmt.b32 ${4 + i}, a, c, 0x7632;",
+            f"prmt.b32 ${8 + i}, b, d, 0x5410;",
+            f"prmt.b32 ${12 + i}, b, d, 0x7632;",
+        ]
+    return "\n".join(lines + ["}"])
+
+
+_X_ASM = tl.constexpr(_x_asm())
+_X_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 16 + ["l"] * 4))
+_ASM_BF16 = tl.constexpr(_row_asm(True, False))
+_ASM_BF16_ZEROS = tl.constexpr(_row_asm(True, True))
+_ASM_FP16 = tl.constexpr(_row_asm(False, False))
+_ASM_FP16_ZEROS = tl.constexpr(_row_asm(False, True))
+_CONSTRAINTS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 4))
+_CONSTRAINTS_ZEROS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 4 + ["r"] * 2))
+
+
+@triton.jit
+def _scaled_pair_dot(words, pair, j: tl.constexpr, minus_zero, s, DTYPE: tl.constexpr):
+    """w_j x_j + w_{j + 4} x_{j + 4} of each word in fp32, w = (q - zero) * scale rounded to
+    DTYPE (``pair``: the two x as ``_x_pairs`` makes them; ``s`` in DTYPE)."""
+    scale = s.to(tl.float32)
+    w_lo = ((((words >> (4 * j)) & 0xF).to(tl.float32) + minus_zero) * scale).to(DTYPE)
+    w_hi = ((((words >> (4 * j + 16)) & 0xF).to(tl.float32) + minus_zero) * scale).to(DTYPE)
+    return (w_lo.to(tl.float32) * _half(pair, False, DTYPE)
+            + w_hi.to(tl.float32) * _half(pair, True, DTYPE))  # fmt: skip
+
+
+@triton.jit
+def _row_plain(words, xa, xb, xc, xd, s, acc, nz, DTYPE: tl.constexpr):
+    """``_row_asm`` by plain ops (the interpreter): the dot of each lane's 4 words with their
+    scaled, rounded weights, added at the lane's first element (w % 4 == 0)."""
+    minus_zero = nz.to(tl.float32) + magic_of(DTYPE)  # -zero
+    part = _scaled_pair_dot(words, xa, 0, minus_zero, s, DTYPE)
+    part += _scaled_pair_dot(words, xb, 1, minus_zero, s, DTYPE)
+    part += _scaled_pair_dot(words, xc, 2, minus_zero, s, DTYPE)
+    part += _scaled_pair_dot(words, xd, 3, minus_zero, s, DTYPE)
+    BLOCK_N: tl.constexpr = words.shape[0]
+    lanes = tl.sum(tl.reshape(part, [BLOCK_N, ROW_WORDS // 4, 4]), axis=2)  # a lane's 4 words
+    first = (tl.arange(0, 4) == 0)[None, None, :]
+    placed = tl.where(first, lanes[:, :, None], 0.0)
+    return acc + tl.reshape(placed, [BLOCK_N, ROW_WORDS])
+
+
+@triton.jit
+def _row_x_pairs(x_ptrs, shape, ASM: tl.constexpr):
+    """``_x_pairs`` of the tile's words broadcast to the words' ``shape``; with ASM loaded by
+    PTX in the words' layout (Triton lays a [128] load out on its own at some tiles and converts
+    it through shared memory: BLOCK_N 16 at 4 warps), one load of a lane's x for all its rows
+    (the same pure PTX on the same addresses)."""
+    if not ASM:
+        xa, xb, xc, xd = _x_pairs(x_ptrs)
+        xa = tl.broadcast_to(xa[None, :], shape)
+        xb = tl.broadcast_to(xb[None, :], shape)
+        xc = tl.broadcast_to(xc[None, :], shape)
+        xd = tl.broadcast_to(xd[None, :], shape)
+        return xa, xb, xc, xd
+    addresses = tl.broadcast_to(x_ptrs.to(tl.int64)[None, :], shape)
+    pairs = tl.inline_asm_elementwise(
+        _X_ASM, _X_CONSTRAINTS, args=[addresses],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4,
+    )  # fmt: skip
+    return pairs[0], pairs[1], pairs[2], pairs[3]
+
+
+@triton.jit
+def _row_mma_k_loop(
+    x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, k_lo, k_hi, stride_xm, stride_qn, stride_sn,
+    stride_zn, HAS_ZEROS: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUP_WORDS: tl.constexpr, K_STAGES: tl.constexpr = 1,
+):  # fmt: skip
+    """The [1, BLOCK_N] fp32 sums of k_lo <= k < k_hi of one row (4-bit weights, 16-bit x, K a
+    multiple of 1024; ``GROUP_WORDS``: words a group, a multiple of 4): per 1024-deep tile a
+    warp's MMAs on each of its rows (module docstring). ``K_STAGES`` > 1: the words pipelined
+    that many tiles ahead (``tl.range``'s num_stages)."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    BLOCK_K: tl.constexpr = ROW_WORDS * 8
+    offs_w = tl.arange(0, ROW_WORDS)
+    q_ptrs = q_ptr + rows[:, None] * stride_qn + offs_w[None, :]  # [BLOCK_N, 128]
+    x_row = (x_ptr + tl.sum(offs_m).to(tl.int64) * stride_xm).to(tl.pointer_type(tl.int64))
+    x_ptrs = x_row + offs_w * 2  # [128]: each word's x_0 .. x_3 (x_4 .. x_7 the next)
+    acc = tl.zeros([BLOCK_N, ROW_WORDS], dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=K_STAGES):
+        words = tl.load(q_ptrs + k0 // 8)
+        groups = (k0 // 8 + offs_w) // GROUP_WORDS  # [128]: a word's group
+        s_ptrs = s_ptr + rows[:, None] * stride_sn + groups[None, :]
+        s = _row_scalar(s_ptrs, ASM).to(DTYPE)
+        if HAS_ZEROS:  # -(magic + zero): exact in DTYPE (integer zeros < 16)
+            z_ptrs = z_ptr + rows[:, None] * stride_zn + groups[None, :]
+            nz = (-(_row_scalar(z_ptrs, ASM).to(tl.float32) + magic_of(DTYPE))).to(DTYPE)
+        else:
+            nz = tl.full(words.shape, -(magic_of(DTYPE) + 8), DTYPE)
+        xa, xb, xc, xd = _row_x_pairs(x_ptrs + (k0 // 8) * 2, words.shape, ASM)
+        if not ASM:
+            acc = _row_plain(words, xa, xb, xc, xd, s, acc, nz, DTYPE)
+        elif HAS_ZEROS:
+            acc = tl.inline_asm_elementwise(
+                _ASM_BF16_ZEROS if DTYPE == tl.bfloat16 else _ASM_FP16_ZEROS,
+                _CONSTRAINTS_ZEROS, args=[words, xa, xb, xc, xd, s, acc, nz],
+                dtype=tl.float32, is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            acc = tl.inline_asm_elementwise(
+                _ASM_BF16 if DTYPE == tl.bfloat16 else _ASM_FP16, _CONSTRAINTS,
+                args=[words, xa, xb, xc, xd, s, acc], dtype=tl.float32, is_pure=True, pack=4,
+            )  # fmt: skip
+    return tl.reshape(tl.sum(acc, axis=1), [BLOCK_M, BLOCK_N])
