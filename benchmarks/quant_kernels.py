@@ -200,6 +200,12 @@ ROW_TILES = (
     (8, 4, 1, 8), (8, 4, 2, 8), (8, 4, 3, 8), (16, 4, 2, 8), (16, 8, 2, 8), (32, 8, 1, 4),
     (32, 8, 2, 4), (4, 4, 2, 16), (8, 8, 2, 8), (16, 4, 3, 4), (8, 4, 2, 16), (16, 8, 1, 8),
 )  # fmt: skip
+# (BLOCK_N, warps, programs an SM, K tiles a step at most) of the same, every load of a step
+# before its math (ROW_STEP), no cp.async.
+ROW_STEP_TILES = (
+    (8, 4, 8, 2), (8, 4, 8, 4), (16, 4, 8, 2), (16, 8, 8, 2), (8, 4, 16, 2), (8, 2, 8, 2),
+    (16, 4, 4, 4), (4, 4, 16, 4),
+)  # fmt: skip
 # (BLOCK_N, BLOCK_K, warps, programs an SM) of X_VECTOR launches with deeper K tiles (more
 # contiguous bytes of a row a step; group 128: scales gathered a word), ``fill``, at M = 1.
 X_VECTOR_DEEP_TILES = ((128, 256, 4, 2), (128, 256, 4, 4), (64, 512, 4, 2), (64, 256, 4, 4))
@@ -860,6 +866,12 @@ def _w4a16_variants(rows: int) -> list:
             config = dict(_wna16_tile(block_n, warps, 1, bm=1, bk=1024), per_sm=per_sm,
                           fill=True, k_stages=k_stages, PERMUTED_K=True, ROW_MMA=True)  # fmt: skip
             out.append((f"w4a16_g128 row-mma {block_n} w{warps} k{k_stages} fill{per_sm}",
+                        config))  # fmt: skip
+        for block_n, warps, per_sm, step in ROW_STEP_TILES:
+            config = dict(_wna16_tile(block_n, warps, 1, bm=1, bk=1024), per_sm=per_sm,
+                          fill=True, k_stages=1, PERMUTED_K=True, ROW_MMA=True,
+                          ROW_STEP=step)  # fmt: skip
+            out.append((f"w4a16_g128 row-mma {block_n} w{warps} k1 fill{per_sm} step{step}",
                         config))  # fmt: skip
         for block_n, block_k, warps, per_sm in X_VECTOR_DEEP_TILES:
             config = dict(_wna16_tile(block_n, warps, 1, bm=1, bk=block_k), per_sm=per_sm,

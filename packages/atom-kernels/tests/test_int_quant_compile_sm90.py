@@ -76,7 +76,7 @@ def _wna16(cfg: dict, bits: int, zeros: bool, g_idx: bool, dtype: str = "bf16", 
         ASM=cfg.get("PACKED_DOT", False) or cfg.get("QUAD_MMA", False) or cfg.get("ROW_MMA", False),
         QUAD_MMA=cfg.get("QUAD_MMA", False),
         GROUP_TILES=int_quant._group_tiles(group) if cfg.get("QUAD_MMA") else 0,
-        STEP_TILES=cfg.get("QUAD_STEP", 1), ROW_MMA=cfg.get("ROW_MMA", False),
+        STEP_TILES=cfg.get("QUAD_STEP", cfg.get("ROW_STEP", 1)), ROW_MMA=cfg.get("ROW_MMA", False),
         GROUP_WORDS=group // 8 if cfg.get("ROW_MMA") else 4,
         **{key: cfg.get(key, False) for key in int_quant.SMALL_MAGIC_VARIANTS},
         K_STAGES=cfg.get("k_stages", 1), IEEE=dtype == "fp32", EVEN_K=True,
@@ -113,10 +113,13 @@ def _wna16_launches() -> dict:
         quad = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, num_stages=1,
                     k_stages=k_stages, SPLIT_K=4, PERMUTED_K=True, QUAD_MMA=True)  # fmt: skip
         out[f"one-row quad mma {block_n} w{warps} k{k_stages}, split"] = quad
-    for block_n, warps, k_stages in ((8, 4, 2), (32, 8, 1), (4, 4, 3)):
+    row_tiles = ((8, 4, 2, 1), (32, 8, 1, 1), (4, 4, 3, 1), (8, 4, 1, 2), (8, 4, 1, 4),
+                 (16, 8, 1, 2))  # fmt: skip
+    for block_n, warps, k_stages, step in row_tiles:
         row = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, num_stages=1,
-                   k_stages=k_stages, SPLIT_K=4, PERMUTED_K=True, ROW_MMA=True)  # fmt: skip
-        out[f"one-row row mma {block_n} w{warps} k{k_stages}, split"] = row
+                   k_stages=k_stages, SPLIT_K=4, PERMUTED_K=True, ROW_MMA=True,
+                   ROW_STEP=step)  # fmt: skip
+        out[f"one-row row mma {block_n} w{warps} k{k_stages} step{step}, split"] = row
     out["one-row quad mma 64 w4 k2 step2, split"] = dict(
         BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, k_stages=2, SPLIT_K=4,
         PERMUTED_K=True, QUAD_MMA=True, QUAD_STEP=2,

@@ -309,13 +309,15 @@ ROW_MMA_CASES = [
     (True, 32, torch.float16, 12, 2048, 2, 8, 4),
     (True, 0, torch.bfloat16, 6, 3072, 3, 2, 2),
     (False, 64, torch.float16, 8, 2048, 1, 8, 8),
+    (True, 128, torch.bfloat16, 6, 4096, 2, 2, 2, 2),  # ROW_STEP 2: 2 splits of 2 tiles
+    (False, 32, torch.float16, 4, 4096, 1, 4, 4, 4),  # ROW_STEP 4: the 4 tiles in one step
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("zeros", "group", "dtype", "n", "k", "split", "block_n", "warps"),
-                         ROW_MMA_CASES)  # fmt: skip
+@pytest.mark.parametrize(("zeros", "group", "dtype", "n", "k", "split", "block_n", "warps",
+                          "step"), [(*case, 1)[:9] for case in ROW_MMA_CASES])  # fmt: skip
 def test_wna16_linear_row_mma(triton_backend, iq, zeros, group, dtype, n, k, split, block_n,
-                              warps):  # fmt: skip
+                              warps, step):  # fmt: skip
     """The MMAs a warp a row's bookkeeping (ROW_MMA; the interpreter runs ``_row_plain``, each
     lane's dot at its first element) against the reference: the weights rounded to x's dtype
     as the reference rounds them, so only the sum's order differs."""
@@ -329,6 +331,8 @@ def test_wna16_linear_row_mma(triton_backend, iq, zeros, group, dtype, n, k, spl
     bias = torch.randn(n, generator=_gen(99)).to(dtype).to(device)
     config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, PERMUTED_K=True,
                   ROW_MMA=True, SPLIT_K=split)  # fmt: skip
+    if step > 1:
+        config["ROW_STEP"] = step
     out = iq.wna16_linear(x, qw, s, z, g, 4, bias, config=config)
     weight = reference.dequantize_wna16(qw, s, z, g, 4, dtype).double()  # rounded to dtype
     exact = (x.double() @ weight.T + bias.double()).to(dtype)
@@ -356,6 +360,14 @@ def test_wna16_linear_row_mma_refuses_what_it_cannot_take(triton_backend, iq):
                                dtype=torch.bfloat16)  # fmt: skip
     with pytest.raises(ValueError, match="K a multiple of 1024"):
         iq.wna16_linear(x.new_ones(1, 1536), qw, s, z, g, 4, None, config=row)
+    qw, s, z, g = wna16_weight(8, 3072, 4, 24, False, False, seed=93, device=device,
+                               dtype=torch.bfloat16)  # fmt: skip
+    with pytest.raises(ValueError, match="ROW_STEP 3 needs 1, 2, 4 or 8"):
+        iq.wna16_linear(x.new_ones(1, 3072), qw, s, z, g, 4, None, config=dict(row, ROW_STEP=3))
+    # ROW_STEP is at most: 3 tiles take one a step, the same sums as ROW_STEP 1
+    x3 = torch.randn(1, 3072, generator=_gen(95)).to(torch.bfloat16).to(device)
+    out = iq.wna16_linear(x3, qw, s, z, g, 4, None, config=dict(row, ROW_STEP=4))
+    assert_equal(out, iq.wna16_linear(x3, qw, s, z, g, 4, None, config=row))
 
 
 def test_wna16_linear_small_magic_refuses_other_launches(triton_backend, iq):
@@ -722,6 +734,7 @@ ROW_MMA_GPU = [
     ((8, 4, 1, 8), torch.bfloat16, 128, False), ((8, 4, 2, 8), torch.bfloat16, 128, True),
     ((16, 4, 3, 4), torch.float16, 32, True), ((32, 8, 2, 4), torch.float16, 128, False),
     ((4, 4, 2, 16), torch.bfloat16, 0, False), ((16, 8, 2, 8), torch.bfloat16, 32, False),
+    ((8, 4, 1, 8, 2), torch.bfloat16, 128, True), ((8, 4, 1, 8, 4), torch.float16, 32, False),
 ]  # fmt: skip
 
 
@@ -733,14 +746,14 @@ def test_wna16_linear_gpu_row_mma(triton_backend, iq, tile, dtype, group, zeros,
     x and the scales loaded in the words' layout) at the Llama-3-8B sizes and a ragged N:
     within the output's rounding of the exact product of x and the reference's rounded
     weights, and against the reference."""
-    block_n, warps, k_stages, per_sm = tile
+    block_n, warps, k_stages, per_sm, step = (*tile, 1)[:5]
     group = group or k
     qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=101, device="cuda",
                                dtype=dtype)  # fmt: skip
     x = torch.randn(1, k, generator=_gen(102)).to(dtype).cuda()
     config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, num_stages=1,
                   k_stages=k_stages, per_sm=per_sm, fill=True, SPLIT_K=None, PERMUTED_K=True,
-                  ROW_MMA=True)  # fmt: skip
+                  ROW_MMA=True, ROW_STEP=step if k % (step * 1024) == 0 else 1)  # fmt: skip
     out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
     expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
     atol, rtol = TOLERANCES[dtype]
@@ -859,11 +872,12 @@ def test_one_row_override(monkeypatch):
         BLOCK_N=64, num_warps=4, k_stages=2, per_sm=8, fill=True, QUAD_MMA=True, QUAD_STEP=1
     )
     assert iq._one_row_override("64,4,2,8,quad4")["QUAD_STEP"] == 4
-    assert iq._one_row_override("8,4,2,8,row") == dict(
-        BLOCK_N=8, num_warps=4, k_stages=2, per_sm=8, fill=True, ROW_MMA=True, BLOCK_K=1024
-    )
+    row = dict(BLOCK_N=8, num_warps=4, k_stages=2, per_sm=8, fill=True, ROW_MMA=True,
+               BLOCK_K=1024, ROW_STEP=1)  # fmt: skip
+    assert iq._one_row_override("8,4,2,8,row") == row
+    assert iq._one_row_override("8,4,1,8,row4")["ROW_STEP"] == 4
     bad_specs = ("128,4,3", "128,4,0,2", "a,4,3,2", "100,4,3,2", "128,3,3,2", "128,4,3,2,x",
-                 "128,4,3,2,quad3")  # fmt: skip
+                 "128,4,3,2,quad3", "8,4,1,8,row3")  # fmt: skip
     for bad in bad_specs:
         with pytest.raises(ValueError, match=r"k_stages,per_sm\[,mode\]"):
             iq._one_row_override(bad)
@@ -889,8 +903,10 @@ def test_quad_mma_default(monkeypatch):
     assert iq.wna16_config(1, 4096, 14336, 14336, True, 132, quad=True)["ROW_MMA"]  # channel
     assert iq.wna16_config(1, 4096, 4096, 32, True, 132, quad=True)["ROW_MMA"]  # group 32
     # K of 256, not 1024, or scales of another dtype: the quads'
-    for cfg in (iq.wna16_config(1, 4096, 4352, 128, True, 132, quad=True),
-                iq.wna16_config(1, 4096, 4096, 128, True, 132, quad=True, row_scales=False)):
+    for cfg in (
+        iq.wna16_config(1, 4096, 4352, 128, True, 132, quad=True),
+        iq.wna16_config(1, 4096, 4096, 128, True, 132, quad=True, row_scales=False),
+    ):
         assert cfg["QUAD_MMA"] and not cfg.get("ROW_MMA") and cfg["BLOCK_K"] == 128
         assert cfg["QUAD_STEP"] == iq.QUAD_DEFAULT_STEP and cfg["SPLIT_K"] >= 1
         assert cfg["BLOCK_N"] % (8 * cfg["num_warps"]) == 0

@@ -16,9 +16,11 @@ BLOCK_K divides the group size), else gathered per element (odd group sizes, ``g
   g_idx), decode walks K permuted (``PERMUTED_K``, ``_permuted_k_loop``): value j of each word
   of the tile is a [BLOCK_N, BLOCK_K * bits / 32] slice met by x at the same k (a strided x
   load), one dot per j, with no unpacking reshape (the interleaved loop's layout conversions);
-- a launch with BLOCK_M = 1 (one row, benchmarks' alternative): fp32 multiply-adds into a
-  [BLOCK_N, BLOCK_K] accumulator ([BLOCK_N, BLOCK_K * bits / 32] when permuted), summed over K
-  once at the end;
+- a launch with BLOCK_M = 1 (one row): fp32 multiply-adds into a [BLOCK_N, BLOCK_K]
+  accumulator ([BLOCK_N, BLOCK_K * bits / 32] when permuted), summed over K once at the end;
+  with 4-bit weights and 16-bit x on NVIDIA (the default there) ``mma.sync`` in inline PTX on
+  the words as each thread loads them, no shared memory: a warp on one row
+  (``int_quant_row_mma``) or on 8 (``int_quant_quad_mma``);
 - more rows (prefill): the same with 64 / 128-row tiles and GROUP_M ordering (L2 reuse of W).
 ``config={"PERMUTED_K": False}`` forces the interleaved loop (benchmarks time both).
 Few output tiles split K (``split_for``): fp32 partials in a workspace, the tile's last program to
@@ -372,6 +374,7 @@ def _wna16_kernel(
         acc = _row_mma_k_loop(
             x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, k_lo, k_hi, stride_xm, stride_qn,
             stride_sn, stride_zn, HAS_ZEROS, ASM, BLOCK_M, BLOCK_N, GROUP_WORDS, K_STAGES,
+            STEP_TILES,
         )  # fmt: skip
     elif QUAD_MMA:
         acc = _quad_mma_k_loop(
@@ -436,7 +439,8 @@ def _block_k(group_size: int, per_tile: bool, cap: int) -> int:
 def _one_row_override(spec: str) -> dict | None:
     """ATOM_WNA16_ONE_ROW="block_n,num_warps,k_stages,per_sm[,mode]": the one-row 4-bit
     launch (X_VECTOR multiply-adds, or with ``quad`` the quads' MMAs where they fit: QUAD_MMA,
-    ``quadN`` N = 1, 2, 4, 8 K tiles a step: QUAD_STEP; ``row`` a warp a row: ROW_MMA), K split
+    ``quadN`` N = 1, 2, 4, 8 K tiles a step: QUAD_STEP; ``row`` a warp a row: ROW_MMA, ``rowN``
+    N tiles a step: ROW_STEP), K split
     to about per_sm programs an SM whatever the N tiles, loads pipelined k_stages - 1 tiles
     ahead, for an A/B in the engine."""
     if not spec:
@@ -444,7 +448,9 @@ def _one_row_override(spec: str) -> dict | None:
     fields = spec.split(",")
     quad = len(fields) == 5 and re.fullmatch(r"quad[1248]?", fields[4]) is not None
     step = int(fields[4][4:] or 1) if quad else 1
-    row = len(fields) == 5 and fields[4] == "row"
+    row = len(fields) == 5 and re.fullmatch(r"row[1248]?", fields[4]) is not None
+    if row:
+        step = int(fields[4][3:] or 1)
     try:
         if quad or row:
             fields = fields[:4]
@@ -457,11 +463,11 @@ def _one_row_override(spec: str) -> dict | None:
         raise ValueError(
             f"ATOM_WNA16_ONE_ROW={spec!r}: expected "
             "'block_n,num_warps,k_stages,per_sm[,mode]' (positive integers, block_n and num_warps "
-            "powers of two; mode quad, quad1, quad2, quad4, quad8 or row)"
+            "powers of two; mode quad or row, each optionally followed by 1, 2, 4 or 8)"
         ) from None
     out = dict(BLOCK_N=block_n, num_warps=num_warps, k_stages=k_stages, per_sm=per_sm, fill=True)
     if row:
-        return dict(out, ROW_MMA=True, BLOCK_K=ROW_BLOCK_K)
+        return dict(out, ROW_MMA=True, BLOCK_K=ROW_BLOCK_K, ROW_STEP=step)
     return dict(out, QUAD_MMA=True, QUAD_STEP=step) if quad else out
 
 
@@ -541,7 +547,11 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     8.8 / 7.7 / 29.7 / 17.5 against the quads' 10.7 / 8.9 / 29.4 / 18.5; loads pipelined
     (k_stages 2, 3) slower at every shape (26-36% of the copy roofline at gate_up); the engine
     step 2.56 ms against the quads' 2.67 (1.71x the bf16 step's 4.39 ms; the 2x target missed:
-    ncu on gate_up 35% of DRAM, 45% occupancy, stalls long- and short-scoreboard)."""
+    ncu on gate_up 35% of DRAM, 45% occupancy, stalls long- and short-scoreboard). Every load
+    of 2 or 4 tiles before their math (``ROW_STEP``, int-row-step-call6.json) slower at every
+    shape and tile (sum of the four 73.6-73.7 us against one tile a step's 64.3 us): kept an
+    option. The same call: this default 8.6 / 7.5 / 30.2 / 18.0 us, the engine step 2.56 ms
+    against 2.80 ms with ATOM_WNA16_QUAD=0."""
     per_int = 32 // bits
     permuted = num_rows <= PERMUTED_MAX_ROWS and per_tile and group_size % per_int == 0
     packed_dot = (packed_dot and bits == 4 and per_tile
@@ -557,7 +567,8 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
                    num_stages=1, GROUP_M=1, per_sm=2)  # fmt: skip
     elif (num_rows == 1 and quad and bits == 4 and per_tile and group_size % 32 == 0
           and k % ROW_BLOCK_K == 0 and row_scales
-          and not (override and ONE_ROW_OVERRIDE and not ONE_ROW_OVERRIDE.get("ROW_MMA"))):
+          and not (override and ONE_ROW_OVERRIDE
+                   and not ONE_ROW_OVERRIDE.get("ROW_MMA"))):  # fmt: skip
         cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=ROW_BLOCK_K, num_warps=4, num_stages=1,
                    GROUP_M=1, k_stages=1, per_sm=8, fill=True, ROW_MMA=True)  # fmt: skip
         permuted = True
@@ -800,6 +811,12 @@ def wna16_linear(
             raise ValueError(f"wna16_linear: QUAD_STEP {step} needs 1, 2, 4 or 8 and K a "
                              f"multiple of {step * QUAD_BLOCK_K} (got {k})")  # fmt: skip
         step = 1
+    if row:  # ROW_STEP: tiles a step at most (the largest power of two dividing K's tiles)
+        step = int(cfg.get("ROW_STEP", 1))
+        if step not in (1, 2, 4, 8):
+            raise ValueError(f"wna16_linear: ROW_STEP {step} needs 1, 2, 4 or 8")
+        while k % (step * ROW_BLOCK_K):
+            step //= 2
     splits, per_split, counters = _launch_split(x.device, tiles, k, cfg, step)
     scale_per_tile = per_tile and group_size % block_k == 0
     # Decode tiles dot q - zero and scale each tile's result (no multiply a weight); prefill tiles

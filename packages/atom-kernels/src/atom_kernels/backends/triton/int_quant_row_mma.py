@@ -178,15 +178,55 @@ def _row_x_pairs(x_ptrs, shape, ASM: tl.constexpr):
 
 
 @triton.jit
+def _row_tile_loads(q_ptrs, x_ptrs, s_ptr, z_ptr, rows, offs_w, k0, stride_sn, stride_zn,
+                    HAS_ZEROS: tl.constexpr, ASM: tl.constexpr, GROUP_WORDS: tl.constexpr,
+                    DTYPE: tl.constexpr):  # fmt: skip
+    """(words, scales, -(magic + zero), the 4 x pair tensors) of the K tile at k0."""
+    words = tl.load(q_ptrs + k0 // 8)
+    groups = (k0 // 8 + offs_w) // GROUP_WORDS  # [128]: a word's group
+    s_ptrs = s_ptr + rows[:, None] * stride_sn + groups[None, :]
+    s = _row_scalar(s_ptrs, ASM).to(DTYPE)
+    if HAS_ZEROS:  # -(magic + zero): exact in DTYPE (integer zeros < 16)
+        z_ptrs = z_ptr + rows[:, None] * stride_zn + groups[None, :]
+        nz = (-(_row_scalar(z_ptrs, ASM).to(tl.float32) + magic_of(DTYPE))).to(DTYPE)
+    else:
+        nz = tl.full(words.shape, -(magic_of(DTYPE) + 8), DTYPE)
+    xa, xb, xc, xd = _row_x_pairs(x_ptrs + (k0 // 8) * 2, words.shape, ASM)
+    return words, s, nz, xa, xb, xc, xd
+
+
+@triton.jit
+def _row_tile_math(words, xa, xb, xc, xd, s, acc, nz, HAS_ZEROS: tl.constexpr,
+                   ASM: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """``acc`` after one K tile's MMAs (``_row_asm``; ``_row_plain`` without ASM)."""
+    if not ASM:
+        return _row_plain(words, xa, xb, xc, xd, s, acc, nz, DTYPE)
+    elif HAS_ZEROS:
+        return tl.inline_asm_elementwise(
+            _ASM_BF16_ZEROS if DTYPE == tl.bfloat16 else _ASM_FP16_ZEROS, _CONSTRAINTS_ZEROS,
+            args=[words, xa, xb, xc, xd, s, acc, nz], dtype=tl.float32, is_pure=True, pack=4,
+        )  # fmt: skip
+    else:
+        return tl.inline_asm_elementwise(
+            _ASM_BF16 if DTYPE == tl.bfloat16 else _ASM_FP16, _CONSTRAINTS,
+            args=[words, xa, xb, xc, xd, s, acc], dtype=tl.float32, is_pure=True, pack=4,
+        )  # fmt: skip
+
+
+@triton.jit
 def _row_mma_k_loop(
     x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, k_lo, k_hi, stride_xm, stride_qn, stride_sn,
     stride_zn, HAS_ZEROS: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, GROUP_WORDS: tl.constexpr, K_STAGES: tl.constexpr = 1,
+    STEP_TILES: tl.constexpr = 1,
 ):  # fmt: skip
     """The [1, BLOCK_N] fp32 sums of k_lo <= k < k_hi of one row (4-bit weights, 16-bit x, K a
     multiple of 1024; ``GROUP_WORDS``: words a group, a multiple of 4): per 1024-deep tile a
     warp's MMAs on each of its rows (module docstring). ``K_STAGES`` > 1: the words pipelined
-    that many tiles ahead (``tl.range``'s num_stages)."""
+    that many tiles ahead (``tl.range``'s num_stages; the PTX loads of x and the scales are
+    not). ``STEP_TILES``: tiles a step, every load of the step (words, scales, x) issued
+    before its math: that many tiles' memory latency met at once (the split's K a multiple of
+    1024 * STEP_TILES)."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     BLOCK_K: tl.constexpr = ROW_WORDS * 8
     offs_w = tl.arange(0, ROW_WORDS)
@@ -194,28 +234,14 @@ def _row_mma_k_loop(
     x_row = (x_ptr + tl.sum(offs_m).to(tl.int64) * stride_xm).to(tl.pointer_type(tl.int64))
     x_ptrs = x_row + offs_w * 2  # [128]: each word's x_0 .. x_3 (x_4 .. x_7 the next)
     acc = tl.zeros([BLOCK_N, ROW_WORDS], dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=K_STAGES):
-        words = tl.load(q_ptrs + k0 // 8)
-        groups = (k0 // 8 + offs_w) // GROUP_WORDS  # [128]: a word's group
-        s_ptrs = s_ptr + rows[:, None] * stride_sn + groups[None, :]
-        s = _row_scalar(s_ptrs, ASM).to(DTYPE)
-        if HAS_ZEROS:  # -(magic + zero): exact in DTYPE (integer zeros < 16)
-            z_ptrs = z_ptr + rows[:, None] * stride_zn + groups[None, :]
-            nz = (-(_row_scalar(z_ptrs, ASM).to(tl.float32) + magic_of(DTYPE))).to(DTYPE)
-        else:
-            nz = tl.full(words.shape, -(magic_of(DTYPE) + 8), DTYPE)
-        xa, xb, xc, xd = _row_x_pairs(x_ptrs + (k0 // 8) * 2, words.shape, ASM)
-        if not ASM:
-            acc = _row_plain(words, xa, xb, xc, xd, s, acc, nz, DTYPE)
-        elif HAS_ZEROS:
-            acc = tl.inline_asm_elementwise(
-                _ASM_BF16_ZEROS if DTYPE == tl.bfloat16 else _ASM_FP16_ZEROS,
-                _CONSTRAINTS_ZEROS, args=[words, xa, xb, xc, xd, s, acc, nz],
-                dtype=tl.float32, is_pure=True, pack=4,
-            )  # fmt: skip
-        else:
-            acc = tl.inline_asm_elementwise(
-                _ASM_BF16 if DTYPE == tl.bfloat16 else _ASM_FP16, _CONSTRAINTS,
-                args=[words, xa, xb, xc, xd, s, acc], dtype=tl.float32, is_pure=True, pack=4,
-            )  # fmt: skip
+    for k0 in tl.range(k_lo, k_hi, STEP_TILES * BLOCK_K, num_stages=K_STAGES):
+        loaded = []
+        for t in tl.static_range(STEP_TILES):  # the step's loads, then its math
+            loaded = loaded + [_row_tile_loads(
+                q_ptrs, x_ptrs, s_ptr, z_ptr, rows, offs_w, k0 + t * BLOCK_K, stride_sn,
+                stride_zn, HAS_ZEROS, ASM, GROUP_WORDS, DTYPE,
+            )]  # fmt: skip
+        for t in tl.static_range(STEP_TILES):
+            words, s, nz, xa, xb, xc, xd = loaded[t]
+            acc = _row_tile_math(words, xa, xb, xc, xd, s, acc, nz, HAS_ZEROS, ASM, DTYPE)
     return tl.reshape(tl.sum(acc, axis=1), [BLOCK_M, BLOCK_N])
