@@ -41,7 +41,7 @@ WNA16_CASES = {
     f"w4a16_{proj}_m1_{name}": (proj, 1, config)
     for proj in ("o_proj", "gate_up_proj")
     for name, config in (
-        ("x_vector", None),
+        ("x_vector", dict(BLOCK_M=1, SMALL_MAGIC=True, X_VECTOR=True)),  # not the default
         ("packed_dot", dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4,
                             SPLIT_K=None, PERMUTED_K=True, PACKED_DOT=True)),
         ("quad_mma", dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1,

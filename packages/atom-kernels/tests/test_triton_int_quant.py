@@ -294,6 +294,10 @@ def test_wna16_linear_quad_mma_refuses_what_it_cannot_take(triton_backend, iq):
     unaligned.copy_(qw)
     with pytest.raises(ValueError, match="16-byte aligned"):
         iq.wna16_linear(x, unaligned, s, z, g, 4, None, config=quad)
+    padded = torch.zeros(16, 40, dtype=torch.int32, device=device)[:, :32]  # row stride 40
+    padded.copy_(qw)
+    with pytest.raises(ValueError, match="a row stride of a multiple of 16 words"):
+        iq.wna16_linear(x, padded, s, z, g, 4, None, config=quad)
     qw, s, z, g = wna16_weight(16, 384, 4, 3, False, False, seed=93, device=device,
                                dtype=torch.bfloat16)  # fmt: skip
     x = torch.randn(1, 384, generator=_gen(94)).to(torch.bfloat16).to(device)
@@ -356,6 +360,10 @@ def test_wna16_linear_row_mma_refuses_what_it_cannot_take(triton_backend, iq):
         iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(row, num_warps=8))
     with pytest.raises(ValueError, match="BLOCK_K 1024"):
         iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(row, BLOCK_K=128))
+    padded = torch.zeros(8, 136, dtype=torch.int32, device=device)[:, :128]  # row stride 136
+    padded.copy_(qw)
+    with pytest.raises(ValueError, match="a row stride of a multiple of 16 words"):
+        iq.wna16_linear(x, padded, s, z, g, 4, None, config=row)
     qw, s, z, g = wna16_weight(8, 1536, 4, 12, False, False, seed=93, device=device,
                                dtype=torch.bfloat16)  # fmt: skip
     with pytest.raises(ValueError, match="K a multiple of 1024"):
@@ -631,6 +639,25 @@ def test_wna16_linear_gpu_real_sizes(triton_backend, iq, rows, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wna16_linear_gpu_one_row_padded_and_offset(triton_backend, iq, dtype):
+    """The one-row default with words in rows not 16-byte aligned (a padded view: the MMA
+    loops' layout needs them, so the default falls back) and with x one element into a
+    buffer (copied aligned): the reference's results."""
+    n, k = 4096, 4096
+    qw, s, z, g = wna16_weight(n, k, 4, k // 128, True, False, seed=106, device="cuda",
+                               dtype=dtype)  # fmt: skip
+    padded = torch.zeros(n, k // 8 + 4, dtype=torch.int32, device="cuda")[:, : k // 8]
+    padded.copy_(qw)
+    x = torch.randn(1, k + 1, generator=_gen(107)).to(dtype).cuda()[:, 1:]
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
+    atol, rtol = TOLERANCES[dtype]
+    for weight in (qw, padded):
+        out = iq.wna16_linear(x, weight, s, z, g, 4, None)
+        assert_close(out, expected, atol=atol, rtol=rtol, name=f"stride {weight.stride(0)}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 300])
 @pytest.mark.parametrize(("bits", "zeros", "g_idx"), [(8, True, False), (4, True, True)])
 def test_wna16_linear_gpu_variants(triton_backend, iq, rows, bits, zeros, g_idx):
@@ -878,6 +905,9 @@ def test_one_row_override(monkeypatch):
     assert iq._one_row_override("8,4,1,8,row4")["ROW_STEP"] == 4
     bad_specs = ("128,4,3", "128,4,0,2", "a,4,3,2", "100,4,3,2", "128,3,3,2", "128,4,3,2,x",
                  "128,4,3,2,quad3", "8,4,1,8,row3")  # fmt: skip
+    for bad in ("16,4,1,8,quad", "4,8,1,8,row"):  # tiles the mode's layout cannot take
+        with pytest.raises(ValueError, match="block_n must be a multiple of"):
+            iq._one_row_override(bad)
     for bad in bad_specs:
         with pytest.raises(ValueError, match=r"k_stages,per_sm\[,mode\]"):
             iq._one_row_override(bad)
@@ -930,6 +960,50 @@ def test_quad_mma_default(monkeypatch):
     monkeypatch.setattr(iq, "ONE_ROW_OVERRIDE", iq._one_row_override("16,8,2,4,row"))
     cfg = iq.wna16_config(1, 4096, 4096, 128, True, 132, quad=True)
     assert cfg["ROW_MMA"] and cfg["BLOCK_N"] == 16 and cfg["k_stages"] == 2
+    # a mode's override where its loop does not fit: the default chain, none of its keys
+    cfg = iq.wna16_config(1, 4096, 4352, 128, True, 132, quad=True)  # K of 256, not 1024
+    assert cfg["QUAD_MMA"] and cfg["BLOCK_N"] == 64 and not cfg.get("ROW_MMA")
+    cfg = iq.wna16_config(1, 4096, 4096, 128, True, 132)  # no MMA here
+    assert cfg["X_VECTOR"] and cfg["BLOCK_N"] == 256 and cfg["BLOCK_K"] == 128
+    monkeypatch.setattr(iq, "ONE_ROW_OVERRIDE", iq._one_row_override("32,4,3,4,quad4"))
+    cfg = iq.wna16_config(1, 4096, 4096, 32, True, 132, quad=True)  # group 32: not the quads'
+    assert cfg["X_VECTOR"] and cfg["BLOCK_N"] == 256 and not cfg.get("QUAD_MMA")
+    # an explicit config's loop (mma): the one it names, whatever fits, none of the others' keys
+    monkeypatch.setattr(iq, "ONE_ROW_OVERRIDE", None)
+    cfg = iq.wna16_config(1, 4096, 4096, 128, True, 132, quad=True, mma="quad")
+    assert cfg["QUAD_MMA"] and not cfg.get("ROW_MMA") and cfg["BLOCK_K"] == 128
+    cfg = iq.wna16_config(1, 4096, 4096, 128, True, 132, quad=True, mma="")
+    assert cfg["X_VECTOR"] and not cfg.get("QUAD_MMA") and not cfg.get("ROW_MMA")
+    assert iq.wna16_config(1, 4096, 4352, 128, True, 132, quad=True, mma="row")["ROW_MMA"]
+
+
+def test_mma_loops_under_explicit_configs(triton_backend, iq, monkeypatch):
+    """wna16_linear passes an explicit config's loop to wna16_config (ROW_MMA, else QUAD_MMA,
+    else "": the multiply-adds, also for QUAD_MMA False), a real launch each (a spy on
+    wna16_config), against the reference."""
+    seen = []
+    config_fn = iq.wna16_config
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("mma"))
+        return config_fn(*args, **kwargs)
+
+    monkeypatch.setattr(iq, "wna16_config", spy)
+    device = triton_backend.device
+    qw, s, z, g = wna16_weight(16, 1024, 4, 8, False, False, seed=104, device=device,
+                               dtype=torch.bfloat16)  # fmt: skip
+    x = torch.randn(1, 1024, generator=_gen(105)).to(torch.bfloat16).to(device)
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
+    base = dict(BLOCK_M=1, BLOCK_N=16, num_warps=2, PERMUTED_K=True)
+    for extra, mma in (
+        (dict(ROW_MMA=True, BLOCK_K=1024), "row"), (dict(QUAD_MMA=True, BLOCK_K=128), "quad"),
+        (dict(QUAD_MMA=False, BLOCK_K=128), ""), (dict(BLOCK_K=128), ""),
+    ):  # fmt: skip
+        out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(base, **extra))
+        assert seen[-1] == mma, (extra, seen[-1])
+        assert_close(out, expected, atol=3e-2, rtol=2e-2, name=str(extra))
+    iq.wna16_linear(x, qw, s, z, g, 4, None)
+    assert seen[-1] is None  # no config: the default chain
 
 
 def test_k_stages_reach_the_kernel(triton_backend, iq, monkeypatch):

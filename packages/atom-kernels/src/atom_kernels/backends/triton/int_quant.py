@@ -465,6 +465,11 @@ def _one_row_override(spec: str) -> dict | None:
             "'block_n,num_warps,k_stages,per_sm[,mode]' (positive integers, block_n and num_warps "
             "powers of two; mode quad or row, each optionally followed by 1, 2, 4 or 8)"
         ) from None
+    if (quad and block_n % (8 * num_warps)) or (row and block_n % num_warps):
+        raise ValueError(
+            f"ATOM_WNA16_ONE_ROW={spec!r}: block_n must be a multiple of "
+            f"{'8 * ' if quad else ''}num_warps for mode {spec.split(',')[4]}"
+        )
     out = dict(BLOCK_N=block_n, num_warps=num_warps, k_stages=k_stages, per_sm=per_sm, fill=True)
     if row:
         return dict(out, ROW_MMA=True, BLOCK_K=ROW_BLOCK_K, ROW_STEP=step)
@@ -474,10 +479,43 @@ def _one_row_override(spec: str) -> dict | None:
 ONE_ROW_OVERRIDE = _one_row_override(envs.ATOM_WNA16_ONE_ROW)
 
 
+def _one_row_config(k: int, group_size: int, bits: int, quad: bool, row_scales: bool,
+                    mma: str | None, override: dict | None) -> dict:  # fmt: skip
+    """The one-row launch (``wna16_config``'s docstring): ``mma`` None takes the MMAs a warp a
+    row where they fit, else the quads' where they fit, else the multiply-adds; "row" / "quad"
+    only that loop (an explicit config naming it), "" the multiply-adds. ATOM_WNA16_ONE_ROW
+    (``override``, not under an explicit config) applies to the loop its mode names where that
+    loop is taken; where it is not (it does not fit), the default chain runs without it."""
+    mode = None
+    if override is not None:
+        mode = "row" if override.get("ROW_MMA") else "quad" if override.get("QUAD_MMA") else ""
+    wanted = mma if mma is not None else mode
+    fits_row = (quad and bits == 4 and group_size % 32 == 0 and k % ROW_BLOCK_K == 0
+                and row_scales)  # fmt: skip
+    fits_quad = (quad and bits == 4 and group_size % QUAD_BLOCK_K == 0
+                 and k % (QUAD_DEFAULT_STEP * QUAD_BLOCK_K) == 0)  # fmt: skip
+    if wanted in (None, "row") and (fits_row or mma == "row"):
+        cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=ROW_BLOCK_K, num_warps=4, num_stages=1,
+                   GROUP_M=1, k_stages=1, per_sm=8, fill=True, ROW_MMA=True)  # fmt: skip
+        taken = "row"
+    elif wanted in (None, "row", "quad") and mma != "" and (fits_quad or mma == "quad"):
+        cfg = dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=QUAD_BLOCK_K, num_warps=4, num_stages=1,
+                   GROUP_M=1, k_stages=2, per_sm=8, fill=True, QUAD_MMA=True,
+                   QUAD_STEP=QUAD_DEFAULT_STEP)  # fmt: skip
+        taken = "quad"
+    else:
+        cfg = dict(BLOCK_M=1, BLOCK_N=256, BLOCK_K=128, num_warps=4, num_stages=1, GROUP_M=1,
+                   per_sm=2, SMALL_MAGIC=bits == 4, X_VECTOR=bits == 4)  # fmt: skip
+        taken = "" if bits == 4 else None
+    if override is not None and mode == taken:
+        cfg.update(override)
+    return cfg
+
+
 def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool, sms: int,
                  interpreted: bool = False, bits: int = 4, packed_dot: bool = False,
-                 override: bool = True, quad: bool = False,
-                 row_scales: bool = True) -> dict:  # fmt: skip
+                 override: bool = True, quad: bool = False, row_scales: bool = True,
+                 mma: str | None = None) -> dict:  # fmt: skip
     """The launch of ``_wna16_kernel`` for an [num_rows, k] x [n, k]^T GEMM (``per_tile``: the
     groups are contiguous, no g_idx); ``PERMUTED_K``: the K loop without interleave.
 
@@ -565,30 +603,10 @@ def wna16_config(num_rows: int, n: int, k: int, group_size: int, per_tile: bool,
     elif interpreted:
         cfg = dict(BLOCK_M=1 if num_rows == 1 else 16, BLOCK_N=16, BLOCK_K=32, num_warps=4,
                    num_stages=1, GROUP_M=1, per_sm=2)  # fmt: skip
-    elif (num_rows == 1 and quad and bits == 4 and per_tile and group_size % 32 == 0
-          and k % ROW_BLOCK_K == 0 and row_scales
-          and not (override and ONE_ROW_OVERRIDE
-                   and not ONE_ROW_OVERRIDE.get("ROW_MMA"))):  # fmt: skip
-        cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=ROW_BLOCK_K, num_warps=4, num_stages=1,
-                   GROUP_M=1, k_stages=1, per_sm=8, fill=True, ROW_MMA=True)  # fmt: skip
-        permuted = True
-        if override and ONE_ROW_OVERRIDE:  # not under an explicit config
-            cfg.update(ONE_ROW_OVERRIDE)
-    elif (num_rows == 1 and quad and bits == 4 and per_tile and group_size % QUAD_BLOCK_K == 0
-          and k % (QUAD_DEFAULT_STEP * QUAD_BLOCK_K) == 0
-          and not (override and ONE_ROW_OVERRIDE
-                   and not ONE_ROW_OVERRIDE.get("QUAD_MMA"))):  # fmt: skip
-        cfg = dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=QUAD_BLOCK_K, num_warps=4, num_stages=1,
-                   GROUP_M=1, k_stages=2, per_sm=8, fill=True, QUAD_MMA=True,
-                   QUAD_STEP=QUAD_DEFAULT_STEP)  # fmt: skip
-        permuted = True
-        if override and ONE_ROW_OVERRIDE:  # not under an explicit config
-            cfg.update(ONE_ROW_OVERRIDE)
     elif num_rows == 1 and permuted:
-        cfg = dict(BLOCK_M=1, BLOCK_N=256, BLOCK_K=128, num_warps=4, num_stages=1, GROUP_M=1,
-                   per_sm=2, SMALL_MAGIC=bits == 4, X_VECTOR=bits == 4)  # fmt: skip
-        if override and ONE_ROW_OVERRIDE and bits == 4:  # not under an explicit config
-            cfg.update(ONE_ROW_OVERRIDE)
+        cfg = _one_row_config(k, group_size, bits, quad, row_scales, mma,
+                              ONE_ROW_OVERRIDE if override else None)  # fmt: skip
+        permuted = True
     elif num_rows <= SKINNY_MAX_ROWS:
         block_k = 128 if permuted else _block_k(group_size, per_tile, 128)
         cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=4, GROUP_M=1,
@@ -663,13 +681,29 @@ def _quad_mma_for(cfg: dict, override: dict, x2: torch.Tensor, qweight: torch.Te
     if cfg["BLOCK_K"] != QUAD_BLOCK_K or cfg["BLOCK_N"] % (8 * cfg["num_warps"]):
         why.append(f"BLOCK_K {QUAD_BLOCK_K} and BLOCK_N a multiple of 8 * num_warps (got "
                    f"{cfg['BLOCK_K']}, {cfg['BLOCK_N']}, {cfg['num_warps']} warps)")  # fmt: skip
-    if qweight.data_ptr() % 16:
-        why.append("16-byte aligned words")
+    if not _aligned_rows(qweight):
+        why.append("16-byte aligned words and rows (a row stride of a multiple of 16 words)")
+    if not _mma_device(x2):
+        why.append(f"an NVIDIA GPU or Triton's interpreter (got {x2.device})")
     if not why:
         return True
     if override.get("QUAD_MMA"):
         raise ValueError("wna16_linear: QUAD_MMA needs " + "; ".join(why))
     return False
+
+
+def _aligned_rows(qweight: torch.Tensor) -> bool:
+    """Whether Triton sees ``qweight``'s rows 16-byte aligned (its pointer and row stride
+    multiples of 16: the 16-byte loads the MMA loops' layouts come from)."""
+    return qweight.data_ptr() % 16 == 0 and qweight.stride(0) % 16 == 0
+
+
+def _mma_device(x: torch.Tensor) -> bool:
+    """Whether the MMA loops run here: their PTX on an NVIDIA GPU, their emulation under the
+    interpreter (another GPU would compile the emulation: untested, slow)."""
+    if is_interpreted(x.device):
+        return True
+    return x.device.type == "cuda" and not torch.version.hip
 
 
 def _row_mma_for(cfg: dict, override: dict, x2: torch.Tensor, qweight: torch.Tensor,
@@ -694,8 +728,10 @@ def _row_mma_for(cfg: dict, override: dict, x2: torch.Tensor, qweight: torch.Ten
     if cfg["BLOCK_K"] != ROW_BLOCK_K or cfg["BLOCK_N"] % cfg["num_warps"]:
         why.append(f"BLOCK_K {ROW_BLOCK_K} and BLOCK_N a multiple of num_warps (got "
                    f"{cfg['BLOCK_K']}, {cfg['BLOCK_N']}, {cfg['num_warps']} warps)")  # fmt: skip
-    if qweight.data_ptr() % 16:
-        why.append("16-byte aligned words")
+    if not _aligned_rows(qweight):
+        why.append("16-byte aligned words and rows (a row stride of a multiple of 16 words)")
+    if not _mma_device(x2):
+        why.append(f"an NVIDIA GPU or Triton's interpreter (got {x2.device})")
     if not why:
         return True
     if override.get("ROW_MMA"):
@@ -743,14 +779,17 @@ def wna16_linear(
     # an override without PACKED_DOT starts from the other loops' default (what it varies)
     packed = (PACKED_DOT_ENABLED and x.dtype in PACKED_DOT_DTYPES and not torch.version.hip
               and (not config or "PACKED_DOT" in config))  # fmt: skip
-    # the one-row MMAs by default where they can run, not under an explicit config without them
+    # The one-row MMAs by default where they can run (16-bit x on NVIDIA, the words in 16-byte
+    # aligned rows: the layout their PTX relies on); an explicit config takes the loop it names
+    # (ROW_MMA, else QUAD_MMA, else the multiply-adds) and none of the others' keys.
     quad = (QUAD_ENABLED and num_rows == 1 and x.dtype in PACKED_DOT_DTYPES
-            and x.device.type == "cuda" and not torch.version.hip
-            and qweight.data_ptr() % 16 == 0
-            and (not config or "QUAD_MMA" in config or "ROW_MMA" in config))  # fmt: skip
+            and _mma_device(x) and _aligned_rows(qweight))  # fmt: skip
+    mma = None
+    if config:
+        mma = "row" if config.get("ROW_MMA") else "quad" if config.get("QUAD_MMA") else ""
     cfg = wna16_config(num_rows, n, k, group_size, per_tile, sms, is_interpreted(x.device), bits,
                        packed, override=not config, quad=quad,
-                       row_scales=scales.dtype == x.dtype)  # fmt: skip
+                       row_scales=scales.dtype == x.dtype, mma=mma)  # fmt: skip
     cfg.update(config or {})
     block_k = cfg["BLOCK_K"]
     one_row = cfg["BLOCK_M"] == 1

@@ -132,6 +132,8 @@ def _row_scalar(ptrs, ASM: tl.constexpr):
     if not ASM:
         return tl.load(ptrs)
     DT: tl.constexpr = ptrs.dtype.element_ty
+    tl.static_assert(DT.primitive_bitwidth == 16 or DT.primitive_bitwidth == 32,
+                     "_row_scalar loads 16- or 32-bit values")  # fmt: skip
     addresses = ptrs.to(tl.int64)
     if DT.primitive_bitwidth == 16:
         raw = tl.inline_asm_elementwise(_LOAD16, "=r,=r,l,l,l,l", args=[addresses],
