@@ -465,3 +465,24 @@ def test_row_mma_layout_and_main_loop_sass(block_n, warps, zeros, dtype, group, 
     assert mmas == 2 * words, (mmas, words)
     assert not [ins for ins in body if re.match(r"(@\S+\s+)?(LDS|STS|BAR|LDSM)\b", ins)]
     assert len(body) / words <= most, (len(body), words)
+
+
+@pytest.mark.parametrize(("k", "loop"), [(4096, "ROW_MMA"), (4352, "QUAD_MMA")])
+def test_one_row_mma_defaults_keep_their_layouts(k, loop):
+    """The launches wna16_config picks at one row (a warp a row at K of 1024, else the quads':
+    k_stages, QUAD_STEP, the split) compile with every inline assembly operand in the layout
+    its PTX was written for."""
+    from atom_kernels.backends.triton import int_quant_quad_mma, int_quant_row_mma
+
+    cfg = int_quant.wna16_config(1, 4096, k, 128, True, H100_SMS, quad=True)
+    assert cfg.get(loop), cfg
+    want = int_quant_row_mma.ROW_LAYOUT if loop == "ROW_MMA" else int_quant_quad_mma.QUAD_LAYOUT
+    kernel = _wna16(cfg, 4, True, False)
+    ttgir = kernel.asm["ttgir"]
+    layouts = dict(re.findall(r"(#blocked\d*) = #ttg.blocked<\{([^}]*)\}>", ttgir))
+    asm_ops = [line for line in ttgir.splitlines() if "elementwise_inline_asm" in line]
+    assert asm_ops
+    for line in asm_ops:
+        for encoding in set(re.findall(r"tensor<[^>]*?(#blocked\d*)>", line)):
+            assert layouts[encoding].startswith(want), line
+    assert "ld.local" not in kernel.asm["ptx"]
