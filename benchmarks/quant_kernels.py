@@ -898,6 +898,8 @@ def _int_cases(torch, x, rows, weights) -> list:
         for impl, config in _w4a16_variants(rows):
             if config and config.get("ROW_MMA") and x.shape[1] % 1024:
                 continue  # its K tile is 1024 deep (--smoke-cpu's K is 256)
+            if config and config.get("QUAD_MMA") and x.shape[1] % (128 * config["QUAD_STEP"]):
+                continue  # its step is deeper than K
             cases.append((impl, lambda config=config: int_quant.wna16_linear(
                 x, qweight, scales, None, None, 4, None, config), "bf16"))  # fmt: skip
     if rows in W8A8_ROWS:
