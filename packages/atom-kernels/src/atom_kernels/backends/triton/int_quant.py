@@ -670,9 +670,7 @@ def _quad_mma_for(cfg: dict, override: dict, x2: torch.Tensor, qweight: torch.Te
     relies on); a default's that does not fit is dropped, an override's raises."""
     if not cfg.get("QUAD_MMA", False):
         return False
-    why = []
-    if x2.shape[0] != 1 or cfg["BLOCK_M"] != 1:
-        why.append(f"one row and BLOCK_M 1 (got {x2.shape[0]} rows, BLOCK_M {cfg['BLOCK_M']})")
+    why = _one_row_why(cfg, x2)
     if bits != 4 or x2.dtype not in PACKED_DOT_DTYPES:
         why.append(f"4-bit weights and bf16 / fp16 x (got {bits}-bit, {x2.dtype})")
     if not per_tile or group_size % QUAD_BLOCK_K or k % QUAD_BLOCK_K:
@@ -681,14 +679,33 @@ def _quad_mma_for(cfg: dict, override: dict, x2: torch.Tensor, qweight: torch.Te
     if cfg["BLOCK_K"] != QUAD_BLOCK_K or cfg["BLOCK_N"] % (8 * cfg["num_warps"]):
         why.append(f"BLOCK_K {QUAD_BLOCK_K} and BLOCK_N a multiple of 8 * num_warps (got "
                    f"{cfg['BLOCK_K']}, {cfg['BLOCK_N']}, {cfg['num_warps']} warps)")  # fmt: skip
+    return _mma_fits("QUAD_MMA", why + _layout_why(x2, qweight), override)
+
+
+def _one_row_why(cfg: dict, x2: torch.Tensor) -> list[str]:
+    """The MMA loops' first need, unmet: one row at BLOCK_M 1."""
+    if x2.shape[0] != 1 or cfg["BLOCK_M"] != 1:
+        return [f"one row and BLOCK_M 1 (got {x2.shape[0]} rows, BLOCK_M {cfg['BLOCK_M']})"]
+    return []
+
+
+def _layout_why(x2: torch.Tensor, qweight: torch.Tensor) -> list[str]:
+    """The MMA loops' last needs, unmet: the words' rows aligned, a device they run on."""
+    why = []
     if not _aligned_rows(qweight):
         why.append("16-byte aligned words and rows (a row stride of a multiple of 16 words)")
     if not _mma_device(x2):
         why.append(f"an NVIDIA GPU or Triton's interpreter (got {x2.device})")
+    return why
+
+
+def _mma_fits(key: str, why: list[str], override: dict) -> bool:
+    """True without unmet needs; else False for a default's loop, a ValueError naming them for
+    an explicit config's."""
     if not why:
         return True
-    if override.get("QUAD_MMA"):
-        raise ValueError("wna16_linear: QUAD_MMA needs " + "; ".join(why))
+    if override.get(key):
+        raise ValueError(f"wna16_linear: {key} needs " + "; ".join(why))
     return False
 
 
@@ -716,9 +733,7 @@ def _row_mma_for(cfg: dict, override: dict, x2: torch.Tensor, qweight: torch.Ten
     override's raises."""
     if not cfg.get("ROW_MMA", False):
         return False
-    why = []
-    if x2.shape[0] != 1 or cfg["BLOCK_M"] != 1:
-        why.append(f"one row and BLOCK_M 1 (got {x2.shape[0]} rows, BLOCK_M {cfg['BLOCK_M']})")
+    why = _one_row_why(cfg, x2)
     if bits != 4 or x2.dtype not in PACKED_DOT_DTYPES or scales.dtype != x2.dtype:
         why.append(f"4-bit weights, bf16 / fp16 x and scales of its dtype (got {bits}-bit, "
                    f"{x2.dtype}, {scales.dtype} scales)")  # fmt: skip
@@ -728,15 +743,7 @@ def _row_mma_for(cfg: dict, override: dict, x2: torch.Tensor, qweight: torch.Ten
     if cfg["BLOCK_K"] != ROW_BLOCK_K or cfg["BLOCK_N"] % cfg["num_warps"]:
         why.append(f"BLOCK_K {ROW_BLOCK_K} and BLOCK_N a multiple of num_warps (got "
                    f"{cfg['BLOCK_K']}, {cfg['BLOCK_N']}, {cfg['num_warps']} warps)")  # fmt: skip
-    if not _aligned_rows(qweight):
-        why.append("16-byte aligned words and rows (a row stride of a multiple of 16 words)")
-    if not _mma_device(x2):
-        why.append(f"an NVIDIA GPU or Triton's interpreter (got {x2.device})")
-    if not why:
-        return True
-    if override.get("ROW_MMA"):
-        raise ValueError("wna16_linear: ROW_MMA needs " + "; ".join(why))
-    return False
+    return _mma_fits("ROW_MMA", why + _layout_why(x2, qweight), override)
 
 
 def _group_tiles(group_size: int) -> int:
