@@ -4,6 +4,8 @@ of 512 in / 256 out, each against its roofline measured in the same run (issue 1
 
     python benchmarks/deepseek_engine.py --out x.json
     python benchmarks/deepseek_engine.py --smoke --out x.json     # tiny stand-in, CPU or GPU
+    ATOM_FLASHINFER=mla_decode python benchmarks/deepseek_engine.py --batches 1 16 64 \
+        --prompt-len 4096 --max-model-len 4200 --no-throughput --out x.json  # FlashInfer's MLA
 
 Decode floor: the bytes a step reads over the copy bandwidth: every weight but the routed experts
 and the input embedding, the routed experts a step reaches (E * (1 - (1 - k/E)^B) per MoE layer for
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -66,6 +69,12 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="also: top CUDA kernels of 4 decode steps per batch"
     )
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64], help="decode batches")
+    parser.add_argument("--prompt-len", type=int, help="decode prompts' tokens (512; smoke 32)")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument(
+        "--no-throughput", action="store_true", help="decode latency only (no offline run)"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -78,7 +87,7 @@ def main() -> None:
         EngineConfig(
             model=model, load_format="dummy", skip_tokenizer_init=True,
             dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu",
-            max_num_seqs=256, max_model_len=1024,
+            max_num_seqs=256, max_model_len=args.max_model_len,
         )
     )  # fmt: skip
     startup_s = time.perf_counter() - started
@@ -118,8 +127,10 @@ def main() -> None:
         },
         "decode": [],
     }
-    prompt_len = 512 if not args.smoke else 32
-    for batch in (1, 64):
+    prompt_len = args.prompt_len or (512 if not args.smoke else 32)
+    result["prompt_len"] = prompt_len
+    result["flashinfer"] = os.environ.get("ATOM_FLASHINFER", "auto")
+    for batch in args.batches:
         params = SamplingParams(temperature=0, max_tokens=args.steps + 16, ignore_eos=True)
         for i in range(batch):
             ids = [rng.randrange(vocab) for _ in range(prompt_len)]
@@ -154,6 +165,9 @@ def main() -> None:
         result["decode"].append(row)
         print(json.dumps(row), flush=True)
 
+    if args.no_throughput:
+        _finish(result, args.out, cuda)
+        return
     # Throughput: every request at once, 512 in / 256 out (scaled down in the smoke run).
     from engine_bench import StepRecorder
 
@@ -194,10 +208,14 @@ def main() -> None:
         "matmul_params_per_token": params_active,
     }
     print(json.dumps(result["throughput"]), flush=True)
+    _finish(result, args.out, cuda)
+
+
+def _finish(result: dict, out: str, cuda: bool) -> None:
     result["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     result["torch"] = torch.__version__
     result["date"] = time.strftime("%Y-%m-%d")
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    Path(out).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@
 #     wheels, 97 MB more) into one bundle, splits that into .fi_parts/partNN (PART_SIZE, 30M) with
 #     .fi_parts/manifest (the bundle's sha256, the number of parts), and fetches FlashInfer's one
 #     small dependency the GPU image lacks into .whl (../shared/device/fetch-wheels.sh).
+#   or, in one call: bash benchmarks/flashinfer_parts.sh pack [DIR_WITH_THE_WHEEL]
+#     installs the wheel here, drops the CUDA sources of kernel families ATOM never calls, and
+#     packs the rest as .fi_parts/site.tar.xz (~26 MB: xz's solid compression of the JIT
+#     sources); on the GPU `bash benchmarks/flashinfer_parts.sh unpack` extracts it to /tmp/site.
 #   on the GPU: bash benchmarks/flashinfer_parts.sh join
 #     copies each carried part into $FI_PARTS_DIR (default /tmp/fi-parts, outside the repo copy:
 #     it stays while the machine stays warm), and once all are there checks the sha256 and
@@ -101,8 +105,53 @@ join)
     echo "join: installed $(ls "$dir/wheels" | tr '\n' ' ')into $site (sha256 ok); export" \
         "PYTHONPATH=$site:\$PYTHONPATH FLASHINFER_NO_DOWNLOAD=1"
     ;;
+pack)
+    # One call instead of two: the wheel installed here and packed as one xz tarball (solid
+    # compression of its JIT sources: 62 MB of wheel -> ~26 MB), without the CUDA sources of
+    # kernel families ATOM never asks FlashInfer for (DROP_SOURCES). Carry .fi_parts and .whl.
+    shift
+    src=${1:-}
+    rm -rf "$parts" && mkdir -p "$parts"
+    tmp=$(mktemp -d)
+    if [ -n "$src" ] && [ -f "$src/$WHEEL" ]; then
+        cp "$src/$WHEEL" "$tmp/"
+    else
+        python3 -m pip download -q --no-deps "flashinfer-python==$VERSION" -d "$tmp"
+    fi
+    python3 -m pip install -q --no-deps --no-compile --target "$tmp/site" "$tmp/$WHEEL"
+    for d in ${DROP_SOURCES:-kda gdn cake_dsv4 blackwell_bf16_fp4 blackwell_msa \
+            cake_sage_block_sparse_attention cake_vsa_sm90 cake_trtllm_mla_blackwell \
+            cake_all_gather_matmul alphamoe_nvfp4_sm100.cu}; do
+        rm -rf "$tmp/site/flashinfer/data/csrc/$d"
+    done
+    rm -rf "$tmp/site/bin" "$tmp/site/b12x"
+    XZ_OPT=${XZ_OPT:--6 -T2} tar -cJf "$parts/site.tar.xz" -C "$tmp/site" .
+    rm -rf "$tmp"
+    sum=$(sha256sum "$parts/site.tar.xz" | cut -d' ' -f1)
+    printf 'sha256=%s\nform=site\n' "$sum" > "$parts/manifest"
+    ../shared/device/fetch-wheels.sh apache-tvm-ffi==0.1.15.post2 >/dev/null
+    ls -l "$parts"
+    echo "carry .fi_parts and .whl; on the GPU: bash benchmarks/flashinfer_parts.sh unpack"
+    ;;
+unpack)
+    site=${FI_SITE:-/tmp/site}
+    [ -f "$parts/site.tar.xz" ] || { echo "unpack: $parts/site.tar.xz was not carried" >&2; exit 1; }
+    sum=$(sed -n 's/^sha256=//p' "$parts/manifest")
+    if [ -f "$site/.fi-installed" ] && [ "$(cat "$site/.fi-installed")" = "$sum" ]; then
+        echo "unpack: FlashInfer already in $site"
+        exit 0
+    fi
+    if [ "$(sha256sum "$parts/site.tar.xz" | cut -d' ' -f1)" != "$sum" ]; then
+        echo "unpack: sha256 of site.tar.xz does not match the manifest" >&2
+        exit 1
+    fi
+    mkdir -p "$site" && tar -xJf "$parts/site.tar.xz" -C "$site"
+    echo "$sum" > "$site/.fi-installed"
+    echo "unpack: FlashInfer $VERSION in $site; export PYTHONPATH=$site:\$PYTHONPATH" \
+        "FLASHINFER_NO_DOWNLOAD=1"
+    ;;
 *)
-    echo "usage: $0 split [--cute-dsl] [DIR_WITH_THE_WHEEL] | join" >&2
+    echo "usage: $0 split [--cute-dsl] [DIR_WITH_THE_WHEEL] | join | pack [DIR] | unpack" >&2
     exit 2
     ;;
 esac

@@ -46,7 +46,12 @@ from atom_engine.step_inputs import OP_LAUNCH, OP_RUN, StepInputs, prepare_step
 from atom_engine.step_outputs import Launch, RunOutput
 from atom_engine.structured_output import apply_grammar_bitmasks
 from atom_models import load_model, set_forward_context
-from atom_models.native_host import NativeAttentionHost, PagedAttentionMetadata, PagedKVCache
+from atom_models.native_host import (
+    NativeAttentionHost,
+    PagedAttentionMetadata,
+    PagedKVCache,
+    flashinfer_mla_decode,
+)
 
 if TYPE_CHECKING:
     from atom_engine.parallel import EngineTPGroup
@@ -114,6 +119,8 @@ class ModelRunner:
         # Sampled ids of the last launch (device) and two pinned host mirrors (a launch writes one
         # while the previous launch's is read). In the graphs' token buffer when there are graphs.
         max_sampled = max(1, config.max_num_seqs)
+        # FlashInfer's MLA decode for eager decode steps, where asked for (ATOM_FLASHINFER).
+        self._mla_eager = flashinfer_mla_decode(self.model, self.block_size)
         self.graphs = None
         if uses_graphs(self.device, config.enforce_eager, config.cudagraph_mode):
             with self.startup.phase("graphs"):
@@ -232,6 +239,10 @@ class ModelRunner:
         md = PagedAttentionMetadata.build(
             inputs.seq_lens, inputs.query_lens, inputs.tables, self.block_size, self.device
         )
+        mla = self._mla_eager
+        if mla is not None and md.max_query_len == 1 and mla.faster_at(len(inputs.seq_lens)):
+            mla.plan(inputs.seq_lens, inputs.tables)
+            md.mla_decode = mla
         input_ids = to_device(inputs.ids, torch.long, self.device)
         if inputs.gathers:
             rows, src = zip(*inputs.gathers, strict=True)

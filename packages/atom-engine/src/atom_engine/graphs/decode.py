@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from atom_models import set_forward_context
-from atom_models.native_host import PagedAttentionMetadata
+from atom_models.native_host import PagedAttentionMetadata, flashinfer_mla_decode
 from atom_models.progress import progress_bar
 
 if TYPE_CHECKING:
@@ -80,6 +80,20 @@ class DecodeGraphs:
         # Per host mirror and table row: (the block table list it holds, entries written).
         self._written = [[(None, 0)] * max_bs for _ in "ab"]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # FlashInfer's MLA decode, per batch size where it is asked for and measured faster:
+        # planned before each replay from the step's host lengths and tables.
+        self.mla = {
+            bs: planned
+            for bs in self.sizes
+            if (
+                planned := flashinfer_mla_decode(
+                    runner.model, runner.block_size, graph_seqs=bs, max_blocks=self.max_blocks
+                )
+            )
+            is not None
+        }
+        if self.mla:
+            logger.info("MLA decode by FlashInfer in the graphs of batches %s", sorted(self.mla))
         self._capture()
 
     def _metadata(self, bs: int) -> PagedAttentionMetadata:
@@ -90,6 +104,7 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[: bs + 1],
             max_query_len=1,
             max_seq_len=self.max_seq_len,
+            mla_decode=self.mla.get(bs),
         )
 
     def _forward(self, bs: int) -> torch.Tensor:
@@ -108,6 +123,8 @@ class DecodeGraphs:
             unit="size",
         )
         for bs in sizes:  # largest first: smaller graphs reuse its memory pool
+            if bs in self.mla:  # what the graph's static buffers hold: one key of block 0
+                self.mla[bs].plan([1] * bs, np.zeros((bs, 1), dtype=np.int32))
             with set_forward_context(self._metadata(bs)):
                 self._forward(bs)  # warm-up (autotune, allocs)
                 torch.cuda.synchronize()
@@ -130,6 +147,7 @@ class DecodeGraphs:
         for graph in self.cuda_graphs():
             graph.reset()
         self.graphs.clear()
+        self.mla.clear()
         self.pool = None
         self.runner = None
 
@@ -202,6 +220,9 @@ class DecodeGraphs:
         self.tokens[self.num_sampled :].copy_(tokens_host, non_blocking=True)
         end = self._tables_at + size * self.max_blocks
         self.meta[:end].copy_(meta_host[:end], non_blocking=True)
+        planned = self.mla.get(size)
+        if planned is not None:
+            planned.plan(lens, rows)
         graph, out = self.graphs[size]
         graph.replay()
         return out[:bs]

@@ -13,7 +13,8 @@ attention is here, behind the names below.
                     bind/release, its fp8 scales), intercept_attention (the piecewise graphs' seam)
     attention.py    NativeAttention: the K/V cache write and paged attention, its custom op
                     (`atom::native_attention`) under torch.compile, the fused rotary + cache write
-    mla.py          NativeMLAAttention: the latent cache, absorbed / expanded; set_mla_mode
+    mla.py          NativeMLAAttention: the latent cache, absorbed / expanded; set_mla_mode;
+                    flashinfer_mla_decode (FlashInfer's planned decode, where asked for)
     metadata.py     PagedAttentionMetadata: a step's slots, block tables and lengths
     decode_step.py  the CPU's decode-only step plan, shared by a step's layers
     kv_cache.py     the model's whole cache: PagedKVCache (the runner's handle), and the same
@@ -48,7 +49,7 @@ from atom_models.native_host.kv_cache import (
     release_kv_cache,
 )
 from atom_models.native_host.metadata import PagedAttentionMetadata
-from atom_models.native_host.mla import NativeMLAAttention, set_mla_mode
+from atom_models.native_host.mla import NativeMLAAttention, flashinfer_mla_decode, set_mla_mode
 
 __all__ = [
     "KV_CACHE_FP8_DTYPES",
@@ -63,5 +64,6 @@ __all__ = [
     "intercept_attention",
     "kv_cache_bytes_per_token",
     "release_kv_cache",
+    "flashinfer_mla_decode",
     "set_mla_mode",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +27,9 @@ class PagedAttentionMetadata:
     seq_lens_cpu: list[int] | None = None
     # What the step's layers derive from it once (the CPU's `DecodeStep` plans), by the first
     memo: dict = field(default_factory=dict, repr=False, compare=False)
+    # A decode-only step's MLA by FlashInfer, planned for this step's sequences
+    # (`native_host.mla.flashinfer_mla_decode`); None: ATOM's kernel.
+    mla_decode: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
     def build(

@@ -122,17 +122,21 @@ class NativeMLAAttention(NativeCacheLayer):
     def _absorbed(self, q_nope, q_pe, md: PagedAttentionMetadata) -> torch.Tensor:
         w_uk, w_uv = self._up_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
-        out_latent = atom_kernels.mla_paged_attention(
-            q_latent.contiguous(),
-            q_pe.contiguous(),
-            self.kv_cache,
-            md.block_tables,
-            md.seq_lens,
-            md.query_start_loc,
-            self.spec.scale,
-            kv_scale=self.kv_scale,
-            max_query_len=md.max_query_len,
-        )  # [T, H, L]
+        planned = md.mla_decode
+        if planned is not None and md.max_query_len == 1 and planned.num_seqs == q_nope.shape[0]:
+            out_latent = planned(q_latent, q_pe, self.kv_cache, self.kv_scale)  # [T, H, L]
+        else:
+            out_latent = atom_kernels.mla_paged_attention(
+                q_latent.contiguous(),
+                q_pe.contiguous(),
+                self.kv_cache,
+                md.block_tables,
+                md.seq_lens,
+                md.query_start_loc,
+                self.spec.scale,
+                kv_scale=self.kv_scale,
+                max_query_len=md.max_query_len,
+            )  # [T, H, L]
         return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _expanded(self, q_nope, q_pe, md: PagedAttentionMetadata) -> torch.Tensor:
@@ -185,6 +189,49 @@ def _sub_metadata(md: PagedAttentionMetadata, seqs: list[int]) -> PagedAttention
         max_seq_len=max(seq_lens),
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
+    )
+
+
+def flashinfer_mla_decode(
+    model: nn.Module, block_size: int, *, graph_seqs: int | None = None, max_blocks: int = 0
+):
+    """FlashInfer's MLA decode (`atom_kernels.backends.flashinfer.mla.MlaDecode`) for `model`'s
+    bound latent caches, or None: no native MLA layer, `ATOM_FLASHINFER` does not name
+    `mla_decode` (or FlashInfer is not installed, or the cache is not on an NVIDIA GPU), the
+    kernel does not take the cache's dims or dtypes, or, for a graph of `graph_seqs` sequences
+    (`max_blocks` blocks each at most), ATOM's kernel measured faster at that batch. Eager
+    steps ask `MlaDecode.faster_at(num_seqs)` each step. Every MLA layer of a model has the same
+    heads, dims and scale, so one instance serves them all."""
+    layers = (m for m in model.modules() if isinstance(m, NativeMLAAttention))
+    layer = next((m for m in layers if m.kv_cache is not None), None)
+    if layer is None:
+        return None
+    from atom_kernels.backends import flashinfer
+
+    cache = layer.kv_cache
+    if not flashinfer.use("mla_decode", cache):
+        return None
+    from atom_kernels.backends.flashinfer import mla
+
+    spec, q_dtype = layer.spec, layer.kv_b_proj.weight.dtype
+    dims = spec.kv_lora_rank, spec.qk_rope_head_dim
+    if not mla.supports(*dims, q_dtype, cache.dtype, cache.device):
+        return None
+    if layer.kv_scale is not None and not isinstance(layer.kv_scale, (int, float)):
+        return None  # a tensor scale would be read on the host in every layer
+    if graph_seqs is not None and not mla.faster(spec.num_heads, graph_seqs):
+        return None
+    return mla.MlaDecode(
+        num_heads=spec.num_heads,
+        latent_dim=spec.kv_lora_rank,
+        rope_dim=spec.qk_rope_head_dim,
+        block_size=block_size,
+        scale=spec.scale,
+        q_dtype=q_dtype,
+        kv_dtype=cache.dtype,
+        device=cache.device,
+        graph_seqs=graph_seqs,
+        max_blocks=max_blocks,
     )
 
 
