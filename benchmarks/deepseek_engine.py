@@ -129,6 +129,9 @@ def main() -> None:
     }
     prompt_len = args.prompt_len or (512 if not args.smoke else 32)
     result["prompt_len"] = prompt_len
+    graphs = engine.runner.graphs
+    # The decode graphs' batches that run FlashInfer's MLA decode (ATOM_FLASHINFER=mla_decode).
+    result["flashinfer_mla_batches"] = sorted(graphs.decode.mla) if graphs is not None else []
     result["flashinfer"] = os.environ.get("ATOM_FLASHINFER", "auto")
     for batch in args.batches:
         params = SamplingParams(temperature=0, max_tokens=args.steps + 16, ignore_eos=True)

@@ -206,8 +206,9 @@ def test_gpu_greedy_matches_transformers(name, tmp_path, greedy_reference):
 def test_gpu_flashinfer_mla_decode_agrees_with_atoms(eager, tmp_path, monkeypatch):
     """`ATOM_FLASHINFER=mla_decode` (FlashInfer installed): the decode steps of 20 sequences take
     FlashInfer's planned MLA (DeepSeek-V3's latent 512 + rope 64, bf16), in the captured graphs
-    or eagerly, and generate what ATOM's kernel generates (bf16: 95% of the tokens, the rest
-    after a near-tie went another way)."""
+    or eagerly, and generate what ATOM's kernel generates. bf16 kernels round differently, so a
+    sequence may leave ATOM's tokens, but only at a near-tie: where it first differs, both tokens
+    are ATOM's top two, within 0.1 nats of each other."""
     pytest.importorskip("flashinfer")
     from atom_models.testing import save_random_checkpoint
 
@@ -216,8 +217,8 @@ def test_gpu_flashinfer_mla_decode_agrees_with_atoms(eager, tmp_path, monkeypatc
     save_random_checkpoint(config, tmp_path, seed=13)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in range(5, 105, 5)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    tokens = {}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    runs = {}
     for setting in ("0", "mla_decode"):
         monkeypatch.setenv("ATOM_FLASHINFER", setting)
         llm = LLM(
@@ -228,14 +229,20 @@ def test_gpu_flashinfer_mla_decode_agrees_with_atoms(eager, tmp_path, monkeypatc
         planned = runner._mla_eager if eager else (runner.graphs.decode.mla or {}).get(32)
         assert (planned is not None) == (setting == "mla_decode")
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        tokens[setting] = [o.outputs[0].token_ids for o in outs]
+        runs[setting] = [o.outputs[0] for o in outs]
         if planned is not None:
             assert planned.plans >= 15  # every decode step of the 20 sequences
         llm.shutdown()
-    runs = zip(tokens["0"], tokens["mla_decode"], strict=True)
-    pairs = [(a, b) for x, y in runs for a, b in zip(x, y, strict=True)]
-    assert [x[0] for x in tokens["0"]] == [x[0] for x in tokens["mla_decode"]]  # the prefills
-    assert sum(a == b for a, b in pairs) >= 0.95 * len(pairs)
+    for atom, fi in zip(runs["0"], runs["mla_decode"], strict=True):
+        assert atom.token_ids[0] == fi.token_ids[0]  # the prefill: the same kernels
+        pairs = enumerate(zip(atom.token_ids, fi.token_ids, strict=True))
+        differ = [j for j, (a, b) in pairs if a != b]
+        if differ:
+            j = differ[0]
+            top = atom.logprobs[j]
+            a, b = atom.token_ids[j], fi.token_ids[j]
+            assert b in top, f"step {j}: FlashInfer's token {b} is not among ATOM's top two"
+            assert top[a].logprob - top[b].logprob < 0.1, (j, top[a], top[b])
 
 
 # -- atom serve --------------------------------------------------------------------------------
