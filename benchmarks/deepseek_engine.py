@@ -168,6 +168,21 @@ def main() -> None:
         result["decode"].append(row)
         print(json.dumps(row), flush=True)
 
+    if graphs is not None and graphs.decode.mla:  # the host's cost of FlashInfer's plan
+        size = max(graphs.decode.mla)
+        planned = graphs.decode.mla[size]
+        lens = [prompt_len] * size
+        tables = [list(range(i * 300, i * 300 + -(-prompt_len // 16))) for i in range(size)]
+        t0 = time.perf_counter()
+        for _ in range(20):
+            planned.plan(lens, tables)
+        sync()
+        result["flashinfer_plan_ms"] = {
+            "batch": size,
+            "context": prompt_len,
+            "ms": 1e3 * (time.perf_counter() - t0) / 20,
+        }
+        print(json.dumps(result["flashinfer_plan_ms"]), flush=True)
     if args.no_throughput:
         _finish(result, args.out, cuda)
         return
