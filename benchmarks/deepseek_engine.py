@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -172,7 +173,9 @@ def main() -> None:
         size = max(graphs.decode.mla)
         planned = graphs.decode.mla[size]
         lens = [prompt_len] * size
-        tables = [list(range(i * 300, i * 300 + -(-prompt_len // 16))) for i in range(size)]
+        # The staged rows the decode graphs pass: [sequences, blocks], each row's blocks first.
+        width = -(-prompt_len // 16)
+        tables = (np.arange(size)[:, None] * 300 + np.arange(width)).astype(np.int32)
         t0 = time.perf_counter()
         for _ in range(20):
             planned.plan(lens, tables)

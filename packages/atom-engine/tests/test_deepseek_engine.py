@@ -206,10 +206,12 @@ def test_gpu_greedy_matches_transformers(name, tmp_path, greedy_reference):
 def test_gpu_flashinfer_mla_decode_agrees_with_atoms(eager, tmp_path, monkeypatch):
     """`ATOM_FLASHINFER=mla_decode` (FlashInfer installed): the decode steps of 20 sequences take
     FlashInfer's planned MLA (DeepSeek-V3's latent 512 + rope 64, bf16), in the captured graphs
-    or eagerly, and generate what ATOM's kernel generates. bf16 kernels round differently, so a
-    sequence may leave ATOM's tokens, but only at a near-tie: where it first differs, FlashInfer's
-    token is among ATOM's top 20, within 0.2 nats of ATOM's (this random model's logits are flat,
-    and bf16 logits of magnitude 4-8 step by 0.0625)."""
+    or eagerly, and give the log-probs ATOM's kernel gives. Three decode steps: the first reads
+    a cache both runs wrote alike (the prefill is ATOM's in both); later ones also read what the
+    earlier steps wrote, so bf16 differences add up (over ten steps this random model's flat
+    logits let a sequence take another token). Every log-prob both runs report (each run's top
+    20) within 0.15 nats (bf16 logits of magnitude 4-8 step by 0.0625), up to a sequence's first
+    differing token, where FlashInfer's is among ATOM's top 20."""
     pytest.importorskip("flashinfer")
     from atom_models.testing import save_random_checkpoint
 
@@ -218,7 +220,7 @@ def test_gpu_flashinfer_mla_decode_agrees_with_atoms(eager, tmp_path, monkeypatc
     save_random_checkpoint(config, tmp_path, seed=13)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in range(5, 105, 5)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=20)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=20)
     runs = {}
     for setting in ("0", "mla_decode"):
         monkeypatch.setenv("ATOM_FLASHINFER", setting)
@@ -232,18 +234,22 @@ def test_gpu_flashinfer_mla_decode_agrees_with_atoms(eager, tmp_path, monkeypatc
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs[setting] = [o.outputs[0] for o in outs]
         if planned is not None:
-            assert planned.plans >= 15  # every decode step of the 20 sequences
+            assert planned.plans >= 3  # every decode step of the 20 sequences
         llm.shutdown()
+    compared = 0
     for atom, fi in zip(runs["0"], runs["mla_decode"], strict=True):
         assert atom.token_ids[0] == fi.token_ids[0]  # the prefill: the same kernels
-        pairs = enumerate(zip(atom.token_ids, fi.token_ids, strict=True))
-        differ = [j for j, (a, b) in pairs if a != b]
-        if differ:
-            j = differ[0]
-            top = atom.logprobs[j]
+        for j in range(1, len(atom.token_ids)):
+            top_atom, top_fi = atom.logprobs[j], fi.logprobs[j]
+            for token in top_atom.keys() & top_fi.keys():
+                delta = abs(top_atom[token].logprob - top_fi[token].logprob)
+                assert delta < 0.15, (j, token, top_atom[token], top_fi[token])
+                compared += 1
             a, b = atom.token_ids[j], fi.token_ids[j]
-            assert b in top, f"step {j}: FlashInfer's token {b} is not among ATOM's top 20"
-            assert top[a].logprob - top[b].logprob < 0.2, (j, top[a], top[b])
+            if a != b:
+                assert b in top_atom, f"step {j}: FlashInfer's token {b} is not in ATOM's top 20"
+                break
+    assert compared >= 20 * 3 * 10
 
 
 # -- atom serve --------------------------------------------------------------------------------
