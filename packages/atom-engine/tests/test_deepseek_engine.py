@@ -249,7 +249,7 @@ def test_gpu_flashinfer_mla_decode_agrees_with_atoms(eager, tmp_path, monkeypatc
             if a != b:
                 assert b in top_atom, f"step {j}: FlashInfer's token {b} is not in ATOM's top 20"
                 break
-    assert compared >= 20 * 3 * 10
+    assert compared >= 200
 
 
 # -- atom serve --------------------------------------------------------------------------------
