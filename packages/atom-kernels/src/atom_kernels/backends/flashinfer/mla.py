@@ -67,22 +67,21 @@ def csr_pages(
     pages = -(-lens // block_size)
     indptr = np.zeros(len(lens) + 1, dtype=np.int32)
     np.cumsum(pages, out=indptr[1:])
-    if isinstance(tables, np.ndarray):
-        width = tables.shape[1] if tables.ndim == 2 else 0
-        if len(lens) and int(pages.max()) > width:
-            raise ValueError(f"a table of {width} blocks cannot hold {int(pages.max())} blocks")
-        # Row b's first pages[b] entries, in order: a mask over the table, read row by row.
-        mask = np.arange(width)[None, :] < pages[:, None]
-        indices = tables[: len(lens)][mask].astype(np.int32, copy=False)
-    else:
-        for n, table in zip(pages.tolist(), tables, strict=True):
+    if not isinstance(tables, np.ndarray):  # lists: their pages into one padded array
+        if len(tables) != len(lens):
+            raise ValueError(f"{len(tables)} block tables for {len(lens)} sequences")
+        rows = np.zeros((len(lens), int(pages.max()) if len(lens) else 0), dtype=np.int32)
+        for row, n, table in zip(rows, pages.tolist(), tables, strict=True):
             if n > len(table):
-                raise ValueError(f"a block table of {len(table)} blocks cannot hold {n} blocks")
-        indices = np.fromiter(
-            (b for n, table in zip(pages.tolist(), tables, strict=True) for b in table[:n]),
-            dtype=np.int32,
-            count=int(indptr[-1]),
-        )
+                raise ValueError(f"a table of {len(table)} blocks cannot hold {n} blocks")
+            row[:n] = table[:n]
+        tables = rows
+    width = tables.shape[1] if tables.ndim == 2 else 0
+    if len(lens) and int(pages.max()) > width:
+        raise ValueError(f"a table of {width} blocks cannot hold {int(pages.max())} blocks")
+    # Row b's first pages[b] entries, in order: a mask over the table, read row by row.
+    mask = np.arange(width)[None, :] < pages[:, None]
+    indices = tables[: len(lens)][mask].astype(np.int32, copy=False)
     return indptr, indices, lens
 
 
