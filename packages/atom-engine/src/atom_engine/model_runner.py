@@ -46,12 +46,8 @@ from atom_engine.step_inputs import OP_LAUNCH, OP_RUN, StepInputs, prepare_step
 from atom_engine.step_outputs import Launch, RunOutput
 from atom_engine.structured_output import apply_grammar_bitmasks
 from atom_models import load_model, set_forward_context
-from atom_models.native_host import (
-    NativeAttentionHost,
-    PagedAttentionMetadata,
-    PagedKVCache,
-    flashinfer_mla_decode,
-)
+from atom_models.native_host import NativeAttentionHost, PagedAttentionMetadata, PagedKVCache
+from atom_models.native_host.mla import flashinfer_mla_decode
 
 if TYPE_CHECKING:
     from atom_engine.parallel import EngineTPGroup
