@@ -31,7 +31,7 @@ logger = logging.getLogger("atom_kernels")
 # to 0.40x (8,060 against 20,291 output tok/s). Ask for it with ATOM_FLASHINFER=sample.
 # "mla_decode" (mla.py; the native host's MLA layer, not a Triton op, calls it) - the kernel is
 # 2.2-2.7x faster than ATOM's at 128 heads and 16-256 sequences, but DeepSeek-V3 cut to 4 layers
-# steps 0.97-1.04x ATOM's time at batch 16 / 64 and slower at batch 1 (session 29,
+# steps 0.95-1.02x ATOM's time at batch 16 / 64 and slower at batch 1 (session 29,
 # results/flashinfer/s29/): the attention is a few % of those steps and FlashInfer's plan costs
 # 3.1 ms of host time a step at 256 x 2K. Ask for it with ATOM_FLASHINFER=mla_decode.
 MEASURED_FASTER: dict[str, str] = {}
