@@ -14,9 +14,12 @@ Only imported where FlashInfer is installed (``backends.flashinfer.installed()``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
+
+if TYPE_CHECKING:  # numpy is imported where used: atom-kernels does not depend on it
+    import numpy as np
 
 # FlashInfer's float workspace (partial outputs of split sequences): one per device, shared by
 # every planned instance (their runs are ordered on one stream).
@@ -63,6 +66,8 @@ def csr_pages(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """FlashInfer's CSR page lists of a step: (kv_indptr [B + 1], kv_indices [pages], kv_lens
     [B]), int32; sequence b reads the first ceil(seq_lens[b] / block_size) blocks of its table."""
+    import numpy as np
+
     lens = np.array(seq_lens, dtype=np.int32)  # a copy: the plan may read it after the caller
     pages = -(-lens // block_size)
     indptr = np.zeros(len(lens) + 1, dtype=np.int32)
