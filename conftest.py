@@ -67,6 +67,15 @@ def smollm2_transformers():
     return transformers_gguf_model(smollm2_gguf_path())
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest test goes first: the Triton tests under the interpreter, one test that runs a
+    child pytest over every core (test_triton_interpreter.py; ~12 min on 2 cores). Under
+    pytest-xdist (the README's `-n 2 --dist loadfile`) its worker starts it at once and the other
+    worker takes the remaining files beside it, instead of the child running alone at the end."""
+    first = [item for item in items if item.name == "test_triton_backend_under_the_interpreter"]
+    items[:] = first + [item for item in items if item not in first]
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     missing = _missing_requirement(item)
     if missing is not None:

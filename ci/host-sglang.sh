@@ -11,6 +11,8 @@
 #
 #   ATOM_HOST_ENV_DIR     where the cached environments live (default: ~/.cache/atom-ci)
 #   ATOM_SGLANG_VERSION   the SGLang release to test against (default: 0.5.23)
+#   --prepare             only create the environment (when missing) and stop; .ci/run does this
+#                         in the background while the workspace's own tests run
 #   extra arguments       are passed to pytest (e.g. -k logits -x)
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
@@ -38,6 +40,9 @@ if [[ ! -f "$marker" ]]; then
     echo "host-sglang: environment ready in $((SECONDS - start)) s"
 else
     echo "host-sglang: reusing $env_dir"
+fi
+if [[ "${1:-}" == "--prepare" ]]; then
+    exit 0
 fi
 
 # Fresh ATOM wheels, built without workspace sources; installed without dependencies so the

@@ -8,6 +8,8 @@
 #
 #   ATOM_HOST_ENV_DIR   where the cached environments live (default: ~/.cache/atom-ci)
 #   ATOM_VLLM_VERSION   the vLLM CPU release to test against (default: 0.32.0)
+#   --prepare           only create the environment (when missing) and stop; .ci/run does this
+#                       in the background while the workspace's own tests run
 #   extra arguments     are passed to pytest (e.g. -k serve -x)
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
@@ -41,6 +43,9 @@ if [[ ! -f "$marker" ]]; then
     echo "host-vllm: environment ready in $((SECONDS - start)) s"
 else
     echo "host-vllm: reusing $env_dir"
+fi
+if [[ "${1:-}" == "--prepare" ]]; then
+    exit 0
 fi
 
 # Fresh ATOM wheels, built without workspace sources; installed without dependencies so the
