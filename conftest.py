@@ -72,8 +72,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     child pytest over every core (test_triton_interpreter.py; ~12 min on 2 cores). Under
     pytest-xdist (the README's `-n 2 --dist loadfile`) its worker starts it at once and the other
     worker takes the remaining files beside it, instead of the child running alone at the end."""
-    first = [item for item in items if item.name == "test_triton_backend_under_the_interpreter"]
-    items[:] = first + [item for item in items if item not in first]
+    items.sort(key=lambda item: item.name != "test_triton_backend_under_the_interpreter")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
