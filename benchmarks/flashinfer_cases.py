@@ -66,6 +66,7 @@ class Case:
     bytes: float
     flops: float = 0.0
     reset: Callable[[], None] | None = None  # restores what FlashInfer's call overwrites
+    atom_reset: Callable[[], None] | None = None  # restores what ATOM's (in-place) call overwrites
     extra: dict = field(default_factory=dict)
 
 
@@ -269,6 +270,20 @@ def norm_cases(s: Sizes, device, gen) -> Iterator[Case]:
             "fused_add_rms_norm", f"T={tokens} N={s.hidden}",
             lambda x=x, r=res, w=w: ak.fused_add_rms_norm(x, r, w, EPS),
             fi_fused, check_fused, 4.0 * nbytes, reset=reset,
+        )  # fmt: skip
+        x_at, res_at = x.clone(), res.clone()
+
+        def atom_reset(x=x, res=res, x_at=x_at, res_at=res_at):
+            x_at.copy_(x)
+            res_at.copy_(res)
+
+        def atom_in_place(x_at=x_at, res_at=res_at, w=w):
+            ak.fused_add_rms_norm_(x_at, res_at, w, EPS)
+            return x_at, res_at
+
+        yield Case(  # both in place: what each kernel reads, it overwrites
+            "fused_add_rms_norm_", f"T={tokens} N={s.hidden}", atom_in_place,
+            fi_fused, check_fused, 4.0 * nbytes, reset=reset, atom_reset=atom_reset,
         )  # fmt: skip
 
 

@@ -114,10 +114,10 @@ def time_alternating(fns: list, resets: list, rounds: int, device: str) -> list[
         for i in order if r % 2 == 0 else order[::-1]:
             if fns[i] is None:
                 continue
+            if resets[i] is not None:  # before the flush: what it writes is not left in L2
+                resets[i]()
             if flush is not None:
                 flush.zero_()
-            if resets[i] is not None:
-                resets[i]()
             if device == "cuda":
                 # the GPU spins (~0.5 ms) while the host enqueues the call: the events then
                 # bracket GPU work alone, whatever the host's launch work (checks, plan lookups)
@@ -144,6 +144,8 @@ def run_case(case: Case, fi, fi_status: str, rounds: int, device: str, roofline:
     atom_fn, fi_fn = case.atom, None
     try:
         for _ in range(WARMUP):
+            if case.atom_reset is not None:
+                case.atom_reset()
             atom_out = atom_fn()
         _sync(device)
     except Exception as e:  # noqa: BLE001 - one op must not kill the table
@@ -165,7 +167,9 @@ def run_case(case: Case, fi, fi_status: str, rounds: int, device: str, roofline:
             row["check"] = case.check(atom_out, fi_out if fi_fn is not None else None)
         except Exception as e:  # noqa: BLE001
             row["check"] = {"error": _error(e)}
-    atom_ms, fi_ms = time_alternating([atom_fn, fi_fn], [None, case.reset], rounds, device)
+    atom_ms, fi_ms = time_alternating(
+        [atom_fn, fi_fn], [case.atom_reset, case.reset], rounds, device
+    )
     row.update(atom_ms=atom_ms, flashinfer_ms=fi_ms, bytes=case.bytes, flops=case.flops)
     row["fi_speedup"] = atom_ms / fi_ms if atom_ms and fi_ms else None
     if roofline is not None:

@@ -49,6 +49,7 @@ def test_atom_half_runs_and_records_flashinfer_absent(bench, tmp_path):
         "mla_decode": len(tiny.mla_batches) * len(tiny.mla_contexts),
         "rms_norm": len(tiny.tokens),
         "fused_add_rms_norm": len(tiny.tokens),
+        "fused_add_rms_norm_": len(tiny.tokens),
         "silu_and_mul": len(tiny.tokens),
         "rotary_embedding": len(tiny.rope_tokens),
         "top_k_top_p_sampling": len(tiny.vocabs) * len(tiny.sample_batches),
@@ -72,7 +73,7 @@ def test_only_selects_groups_and_rejects_unknown(bench, tmp_path):
     out = tmp_path / "fi.json"
     assert compare.main(["--tiny", "--rounds", "1", "--only", "norm", "--out", str(out)]) == 0
     ops = {r["op"] for r in json.loads(out.read_text())["rows"]}
-    assert ops == {"rms_norm", "fused_add_rms_norm"}
+    assert ops == {"rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_"}
     with pytest.raises(SystemExit):
         compare.main(["--tiny", "--only", "norms", "--out", str(out)])
 

@@ -77,6 +77,25 @@ def test_fused_add_rms_norm(dtype, shape, strided):
     assert_equal(residual, residual_before, name="residual unchanged")
 
 
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_in_place(dtype, strided):
+    x, weight = _inputs((5, 123), dtype)
+    residual, _ = _inputs((5, 123), dtype, seed=7)
+    if strided:
+        x, residual = strided_copy(x), strided_copy(residual)
+    expected, expected_residual = ak.fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert ak.fused_add_rms_norm_(x, residual, weight, 1e-6) is None
+    assert_equal(residual, expected_residual, name="residual")
+    assert_equal(x, expected, name="x")
+
+
+def test_in_place_rejects_shared_memory():
+    x, weight = _inputs((4, 64), torch.float32)
+    with pytest.raises(ValueError, match="x and residual must not share memory"):
+        ak.fused_add_rms_norm_(x, x, weight, 1e-6)
+
+
 def test_bad_arguments_name_the_argument():
     x, weight = _inputs((4, 64), torch.float32)
     with pytest.raises(ValueError, match=r"rms_norm: weight has shape \(63,\), expected \(64,\)"):

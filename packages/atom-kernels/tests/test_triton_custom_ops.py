@@ -12,6 +12,7 @@ from atom_kernels import registry
 OPS = [
     "rms_norm",
     "fused_add_rms_norm",
+    "fused_add_rms_norm_",
     "rotary_embedding",
     "rotary_embedding_and_cache",
     "silu_and_mul",
@@ -101,6 +102,10 @@ def _cases(device):
     return {
         "rms_norm": (ops.triton_rms_norm, (x, weight, 1e-6)),
         "fused_add_rms_norm": (ops.triton_fused_add_rms_norm, (x, randn(3, 32), weight, 1e-6)),
+        "fused_add_rms_norm_": (
+            ops.triton_fused_add_rms_norm_,
+            (x.clone(), randn(3, 32), weight, 1e-6),
+        ),
         "rotary_embedding": (
             ops.triton_rotary_embedding,
             (positions, randn(3, 2, 16), randn(3, 1, 16), cache, True),

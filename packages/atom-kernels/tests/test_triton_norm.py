@@ -49,6 +49,24 @@ def test_fused_add_rms_norm(triton_backend, dtype, shape, strided):
     assert_equal(residual, residual_before, name="residual unchanged")
 
 
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_in_place(triton_backend, dtype, shape, strided):
+    # Contiguous rows: the kernel overwrites x and residual; strided ones: computed, copied back.
+    x, weight = _inputs(shape, dtype, triton_backend.device)
+    residual, _ = _inputs(shape, dtype, triton_backend.device, seed=7)
+    if strided:
+        x, residual = strided_copy(x), strided_copy(residual)
+    expected, expected_residual = reference.fused_add_rms_norm(x, residual, weight, 1e-6)
+    x_ptr, residual_ptr = x.data_ptr(), residual.data_ptr()
+    assert triton_backend.custom_ops.fused_add_rms_norm_(x, residual, weight, 1e-6) is None
+    assert (x.data_ptr(), residual.data_ptr()) == (x_ptr, residual_ptr)
+    assert_equal(residual, expected_residual, name="residual")
+    atol, rtol = tolerances(dtype)
+    assert_close(x, expected, atol=atol, rtol=rtol, name="x")
+
+
 @pytest.mark.parametrize(("rows", "num_warps"), [(2, 4), (4, 8)])
 @pytest.mark.parametrize("residual", [False, True])
 def test_several_rows_a_program(triton_backend, rows, num_warps, residual):

@@ -12,7 +12,7 @@ from atom_kernels.ops.linear import (
 )
 from atom_kernels.ops.mla import mla_cache_write, mla_paged_attention
 from atom_kernels.ops.moe import fused_moe, grouped_topk, topk_softmax, topk_then_softmax
-from atom_kernels.ops.norm import fused_add_rms_norm, rms_norm
+from atom_kernels.ops.norm import fused_add_rms_norm, fused_add_rms_norm_, rms_norm
 from atom_kernels.ops.quant import (
     dequantize_fp8_block,
     dequantize_mxfp4,
@@ -39,6 +39,7 @@ __all__ = [
     "fp8_block_linear",
     "fp8_linear",
     "fused_add_rms_norm",
+    "fused_add_rms_norm_",
     "fused_add_rms_norm_linear_silu_and_mul",
     "fused_moe",
     "gelu_and_mul",

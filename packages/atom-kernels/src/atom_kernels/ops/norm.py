@@ -51,3 +51,24 @@ def fused_add_rms_norm(
     check_same_device(op, "x", x, residual=residual)
     _check_weight(op, x, weight, eps)
     return get_op(op, x.device)(x, residual, weight, float(eps))
+
+
+def fused_add_rms_norm_(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """``fused_add_rms_norm`` in place (vLLM's ``fused_add_rms_norm`` convention): ``residual``
+    becomes ``x + residual`` and ``x`` its RMSNorm. Same arguments; returns None.
+
+    Writing where the inputs are saves the two new tensors' allocation and, on a GPU, the traffic
+    of writing them next to the inputs still in L2 (the form FlashInfer's kernel has).
+    """
+    op = "fused_add_rms_norm_"
+    check_tensor(op, "x", x, min_ndim=1, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "residual", residual, dtypes=FLOAT_DTYPES)
+    check_shape(op, "residual", residual, tuple(x.shape), "to match x")
+    check_same_dtype(op, "x", x, residual=residual)
+    check_same_device(op, "x", x, residual=residual)
+    _check_weight(op, x, weight, eps)
+    if x.data_ptr() == residual.data_ptr() and x.numel():
+        raise ValueError(f"{op}: x and residual must not share memory")
+    get_op(op, x.device)(x, residual, weight, float(eps))

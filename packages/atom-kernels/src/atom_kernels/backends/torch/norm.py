@@ -22,3 +22,12 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     new_residual = x + residual
     return rms_norm(new_residual, weight, eps), new_residual
+
+
+@register_op("fused_add_rms_norm_", "torch")
+def fused_add_rms_norm_(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    normed, new_residual = fused_add_rms_norm(x, residual, weight, eps)
+    residual.copy_(new_residual)
+    x.copy_(normed)

@@ -86,6 +86,20 @@ def _(x, residual, weight, eps):
     return _new_like(x), _new_like(x)
 
 
+@torch.library.custom_op(
+    "atom::triton_fused_add_rms_norm_",
+    mutates_args=("x", "residual"),
+    schema="(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()",
+)
+def fused_add_rms_norm_(x, residual, weight, eps):
+    norm.fused_add_rms_norm_(x, residual, weight, eps)
+
+
+@fused_add_rms_norm_.register_fake
+def _(x, residual, weight, eps):
+    return None
+
+
 # --- MoE routing ------------------------------------------------------------------------------
 
 
@@ -606,6 +620,7 @@ ENTRIES = {
     for name, (traced, direct) in {
         "rms_norm": (rms_norm, norm.rms_norm),
         "fused_add_rms_norm": (fused_add_rms_norm, norm.fused_add_rms_norm),
+        "fused_add_rms_norm_": (fused_add_rms_norm_, norm.fused_add_rms_norm_),
         "rotary_embedding": (rotary_embedding, rotary.rotary_embedding),
         "rotary_embedding_and_cache": (
             rotary_embedding_and_cache,

@@ -123,3 +123,17 @@ def fused_add_rms_norm(
     if x.shape[-1] > MAX_FUSED_SIZE:
         return reference.fused_add_rms_norm(x, residual, weight, eps)
     return _launch(x, residual, weight, eps)
+
+
+def fused_add_rms_norm_(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """fused_add_rms_norm in place: residual <- x + residual, x <- its norm. Contiguous rows are
+    written by the kernel where it read them (each program reads its row whole before storing);
+    other layouts are computed out of place and copied back."""
+    if x.shape[-1] > MAX_FUSED_SIZE or not (x.is_contiguous() and residual.is_contiguous()):
+        normed, new_residual = fused_add_rms_norm(x, residual, weight, eps)
+        residual.copy_(new_residual)
+        x.copy_(normed)
+        return
+    _launch(x, residual, weight, eps, {"INPLACE": True})
