@@ -160,6 +160,9 @@ def bench_decode(args) -> dict:
     }
 
 
+WORKLOADS = ["nanovllm", "512x256", "512x128", "4000x16", "8000x16"]
+
+
 def workload(name: str, n: int, seed: int = 0) -> list[tuple[int, int]]:
     rng = random.Random(seed)
     if name == "nanovllm":  # nano-vllm's bench.py: lengths uniform in [100, 1024]
@@ -168,6 +171,10 @@ def workload(name: str, n: int, seed: int = 0) -> list[tuple[int, int]]:
         return [(512, 256)] * n
     if name == "512x128":  # the device README's transformers reference row (batch 64)
         return [(512, 128)] * n
+    if name == "4000x16":  # prefill-bound: long prompts, a few tokens each (issue 42's prefill)
+        return [(4000, 16)] * n
+    if name == "8000x16":
+        return [(8000, 16)] * n
     raise ValueError(name)
 
 
@@ -375,7 +382,7 @@ def bench_throughput(args) -> dict:
         args.shape,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=4096,
+        max_model_len=max(4096, max(len(p) + o for p, o in zip(prompts, outs, strict=True))),
         cudagraph_mode=args.cudagraph_mode,
     )
     # Warm-up (Triton autotuning, allocator).
@@ -498,14 +505,14 @@ def main() -> None:
     )
     t = sub.add_parser("throughput")
     t.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    t.add_argument("--workload", choices=["nanovllm", "512x256", "512x128"], required=True)
+    t.add_argument("--workload", choices=WORKLOADS, required=True)
     t.add_argument("--num-prompts", type=int, default=256)
     t.add_argument("--max-num-seqs", type=int, default=256)
     t.add_argument("--max-num-batched-tokens", type=int, default=8192)
     t.add_argument("--cudagraph-mode", default="full")
     h = sub.add_parser("hf", help="transformers generate alone (throughput runs it in a child)")
     h.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    h.add_argument("--workload", choices=["nanovllm", "512x256", "512x128"], required=True)
+    h.add_argument("--workload", choices=WORKLOADS, required=True)
     h.add_argument("--num-prompts", type=int, default=256)
     for p in (t, h):
         p.add_argument(

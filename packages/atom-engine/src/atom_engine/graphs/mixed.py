@@ -32,6 +32,7 @@ from atom_models.native_host import (
     NativeAttention,
     PagedAttentionMetadata,
     cache_layers,
+    fi_prefill,
 )
 from atom_models.progress import progress_bar
 
@@ -45,9 +46,13 @@ MAX_SEQS = 512
 
 
 def supports_mixed_graphs(model: torch.nn.Module) -> bool:
-    """Whether every cache layer of `model` reads only device metadata (see the module doc)."""
+    """Whether every cache layer of `model` reads only device metadata (see the module doc): not
+    where FlashInfer's prefill takes them (`ATOM_FLASHINFER=prefill_attention`: it plans from the
+    host's lengths, so its steps keep attention eager between piecewise graphs)."""
     layers = cache_layers(model)
-    return bool(layers) and all(type(layer) is NativeAttention for layer in layers)
+    if not layers or any(type(layer) is not NativeAttention for layer in layers):
+        return False
+    return not fi_prefill.takes_any(layers)
 
 
 class MixedGraphs:

@@ -38,6 +38,7 @@ from atom_kernels.registry import get_op, has_own_op
 from atom_models.forward_context import get_forward_context
 from atom_models.native_host.cache_layer import KV_CACHE_FP8_DTYPES, NativeCacheLayer
 from atom_models.native_host.decode_step import build_decode_step, versions_of
+from atom_models.native_host.fi_prefill import planned_prefill
 from atom_models.native_host.metadata import PagedAttentionMetadata
 
 if TYPE_CHECKING:  # annotations only: atom_models.layers picks this host lazily
@@ -209,22 +210,26 @@ class NativeAttention(NativeCacheLayer):
                 atom_kernels.reshape_and_cache(
                     k, v, self.k_cache, self.v_cache, md.slot_mapping, self.k_scale, self.v_scale
                 )
-            out = atom_kernels.paged_attention(
-                q,
-                self.k_cache,
-                self.v_cache,
-                md.block_tables,
-                md.seq_lens,
-                md.query_start_loc,
-                spec.scale,
-                sliding_window=spec.sliding_window,
-                sinks=sinks,
-                soft_cap=spec.soft_cap,
-                k_scale=self.k_scale,
-                v_scale=self.v_scale,
-                max_query_len=md.max_query_len,
-                out=out,
-            )
+            planned = planned_prefill(self, md, q)
+            if planned is not None:  # FlashInfer's (where asked for and it computes the same)
+                out = planned(q, self.k_cache, self.v_cache, out)
+            else:
+                out = atom_kernels.paged_attention(
+                    q,
+                    self.k_cache,
+                    self.v_cache,
+                    md.block_tables,
+                    md.seq_lens,
+                    md.query_start_loc,
+                    spec.scale,
+                    sliding_window=spec.sliding_window,
+                    sinks=sinks,
+                    soft_cap=spec.soft_cap,
+                    k_scale=self.k_scale,
+                    v_scale=self.v_scale,
+                    max_query_len=md.max_query_len,
+                    out=out,
+                )
             # What the keys name by id is held, so the ids stay theirs.
             _checked_step.key, _checked_step.held = step_key, (md, *_step_tensors(md))
             self._checked, self._checked_caches = layer_key, (self.k_cache, self.v_cache)
@@ -245,6 +250,9 @@ class NativeAttention(NativeCacheLayer):
             get_op("reshape_and_cache", q.device)(
                 k, v, self.k_cache, self.v_cache, md.slot_mapping, self.k_scale, self.v_scale
             )
+        planned = planned_prefill(self, md, q)
+        if planned is not None:
+            return planned(q, self.k_cache, self.v_cache, out).reshape(num_tokens, -1)
         out = get_op("paged_attention", q.device)(
             q,
             self.k_cache,

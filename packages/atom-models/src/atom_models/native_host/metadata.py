@@ -25,6 +25,9 @@ class PagedAttentionMetadata:
     # a layer split a mixed step by sequence without reading the device.
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # The block tables on the host ([B, M] int32), when the builder has them: what a host-planned
+    # kernel (FlashInfer's prefill, `native_host.fi_prefill`) schedules from.
+    block_tables_cpu: np.ndarray | None = field(default=None, repr=False, compare=False)
     # What the step's layers derive from it once (the CPU's `DecodeStep` plans), by the first
     memo: dict = field(default_factory=dict, repr=False, compare=False)
     # A decode-only step's MLA by FlashInfer, planned for this step's sequences
@@ -77,4 +80,5 @@ class PagedAttentionMetadata:
             max_seq_len=max(seq_lens),
             query_lens_cpu=list(query_lens),
             seq_lens_cpu=list(seq_lens),
+            block_tables_cpu=tables,
         )
