@@ -48,5 +48,36 @@ engine)
         done
     done
     ;;
-*) echo "usage: $0 tests|engine" >&2; exit 2 ;;
+controls)
+    # Where the engine's time went: ATOM's kernel in the piecewise graphs FlashInfer's steps
+    # take (full_and_piecewise) beside the mixed graphs, 8,000-token prompts, then 4,000 again.
+    python3 -c "from atom_kernels.backends.flashinfer.prefill import PagedPrefill" 2>&1 | tail -2
+    run() {  # ATOM_FLASHINFER workload cudagraph_mode
+        ATOM_FLASHINFER=$1 python3 benchmarks/engine_bench.py throughput --shape llama3-8b \
+            --workload "$2" --num-prompts ${PROMPTS:-48} --cudagraph-mode "$3" \
+            --out "$OUT/tput-llama3-8b-$2-$1-$3.json" 2>&1 | grep -E "^ATOM|Error|error" | tail -3
+    }
+    run 0 8000x16 full; run 0 8000x16 full_and_piecewise; run prefill_attention 8000x16 full
+    run 0 4000x16 full_and_piecewise
+    ;;
+again)
+    # After the plan's page list stopped being a blocking copy: 4,000-token prompts both ways.
+    python3 - <<'PY' &
+import torch
+from atom_kernels.backends.flashinfer.prefill import PagedPrefill
+p = PagedPrefill(num_heads=8, num_kv_heads=2, head_dim=128, block_size=16, scale=0.1,
+                 dtype=torch.bfloat16, device="cuda")
+p.plan([20], [20], [[0, 1]])
+c = torch.zeros(4, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
+p(torch.zeros(20, 8, 128, dtype=torch.bfloat16, device="cuda"), c, c)
+torch.cuda.synchronize()
+PY
+    jit=$!
+    ATOM_FLASHINFER=0 python3 benchmarks/engine_bench.py throughput --shape llama3-8b \
+        --workload 4000x16 --num-prompts 48 --out "$OUT/tput-llama3-8b-4000x16-0-r3.json" 2>&1 | grep -E "^ATOM|Error"
+    wait $jit
+    ATOM_FLASHINFER=prefill_attention python3 benchmarks/engine_bench.py throughput --shape llama3-8b \
+        --workload 4000x16 --num-prompts 48 --out "$OUT/tput-llama3-8b-4000x16-prefill_attention-r3.json" 2>&1 | grep -E "^ATOM|Error"
+    ;;
+*) echo "usage: $0 tests|engine|controls|again" >&2; exit 2 ;;
 esac

@@ -34,6 +34,13 @@ logger = logging.getLogger("atom_kernels")
 # steps 0.95-1.02x ATOM's time at batch 16 / 64 and slower at batch 1 (session 29,
 # results/flashinfer/s29/): the attention is a few % of those steps and FlashInfer's plan costs
 # 3.1 ms of host time a step at 256 x 2K. Ask for it with ATOM_FLASHINFER=mla_decode.
+# "prefill_attention" (prefill.py; the native host's attention layer calls it, fi_prefill.py) -
+# the kernel is 1.10-1.33x faster than ATOM's at 4K-16K tokens (32/8 heads, d 128), but Llama-3-8B
+# offline with 48 prompts of 4,000 tokens took 5.22-5.23 s against ATOM's 5.08-5.11 s (three
+# alternated pairs), and 11.27 against 11.08-11.16 s at 8,000 tokens (session 31,
+# results/flashinfer/s31/): the attention is about a tenth of those prefill steps. ATOM's kernel in
+# the piecewise graphs FlashInfer's steps take (5.09 s) rules out the graph mode as the cause. Ask
+# for it with ATOM_FLASHINFER=prefill_attention.
 MEASURED_FASTER: dict[str, str] = {}
 
 _AVAILABLE: bool | None = None

@@ -109,7 +109,7 @@ class PagedPrefill:
         self._wrapper.plan(
             torch.from_numpy(qo_indptr),
             torch.from_numpy(indptr),
-            torch.from_numpy(indices).to(self.device, non_blocking=False),
+            torch.from_numpy(indices),  # copied on the stream by plan(): no wait for the GPU
             torch.from_numpy(last_page.astype(np.int32)),
             self.num_heads,
             self.num_kv_heads,
