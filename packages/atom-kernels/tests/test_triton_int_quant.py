@@ -639,6 +639,47 @@ def test_wna16_linear_gpu_real_sizes(triton_backend, iq, rows, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16])
+def test_wna16_linear_gpu_chained_in_a_graph(triton_backend, iq, rows):
+    """Each GEMM reads the one before it: three chained in a CUDA graph with the input copied in
+    first, replayed on new inputs, equal the reference's chain on each replay (the split-K
+    counters set back by each launch's last program, every replay's outputs its own inputs').
+    A launch that let a link start before the one before it ended (PDL without its wait) would
+    read the previous replay's values."""
+    k = 4096
+    weights = [
+        wna16_weight(
+            k, k, 4, k // 128, zeros, False, seed=140 + i, device="cuda", dtype=torch.bfloat16
+        )
+        for i, zeros in enumerate((False, True, False))
+    ]
+    staged = torch.zeros(rows, k, dtype=torch.bfloat16, device="cuda")
+    x = torch.zeros_like(staged)
+
+    def chain(h):
+        for qw, s, z, g in weights:
+            h = iq.wna16_linear(h, qw, s, z, g, 4, None)  # ~unit outputs (wna16_weight)
+        return h
+
+    def chain_from_staged():
+        x.copy_(staged)
+        return chain(x)
+
+    chain_from_staged()  # compiled outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain_from_staged()
+    for seed in range(3):
+        staged.copy_(torch.randn(rows, k, generator=_gen(150 + seed)).to(torch.bfloat16))
+        graph.replay()
+        expected = staged.clone()
+        for qw, s, z, g in weights:
+            expected = reference.wna16_linear(expected, qw, s, z, g, 4, None)
+        assert_close(out, expected, atol=6e-2, rtol=4e-2, name=f"replay {seed}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_wna16_linear_gpu_one_row_padded_and_offset(triton_backend, iq, dtype):
     """The one-row default with words in rows not 16-byte aligned (a padded view: the MMA
