@@ -3,7 +3,8 @@
 # prefetched into L2 before the wait on the kernel before) against the plain launch, in the
 # engine's Llama-3-8B W4A16 decode step, alternated; the bf16 step in the same call; the step's
 # kernels (profile_decode.py). Carry [".whl"]; results under $OUT.
-#   bash benchmarks/w4a16_pdl_call.sh
+#   bash benchmarks/w4a16_pdl_call.sh   (at commit 0f46255: the next commit took PDL out again,
+#   measured slower; ATOM_WNA16_PDL is gone since)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}

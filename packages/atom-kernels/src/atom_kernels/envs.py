@@ -96,11 +96,6 @@ TABLE: tuple[Switch, ...] = (
         "(`0`: off: the fp32 multiply-adds)",
     ),
     Switch(
-        "ATOM_WNA16_PDL", True, _not_zero,
-        "W4A16 / W8A16 GEMMs launch with PDL where ATOM_PDL allows it (weights prefetched into L2 "
-        "before the wait; `0`: a plain launch)",
-    ),
-    Switch(
         "ATOM_FUSED_GATE_UP", True, _not_zero,
         "fused gate/up GEMM + SiLU-and-mul (`0`: off, A/B)",
     ),

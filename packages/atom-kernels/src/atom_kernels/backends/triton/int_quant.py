@@ -41,7 +41,6 @@ import triton
 import triton.language as tl
 
 from atom_kernels import envs
-from atom_kernels.backends.triton import pdl
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
 from atom_kernels.backends.triton.int_quant_packed_dot import _packed_dot_k_loop
 from atom_kernels.backends.triton.int_quant_quad_mma import _quad_mma_k_loop
@@ -59,8 +58,6 @@ PACKED_DOT_ENABLED = envs.ATOM_WNA16_PACKED_DOT
 # The one-row quads' MMAs (int_quant_quad_mma) by default where they fit (wna16_config says why);
 # ATOM_WNA16_QUAD=0 turns them off. Read at import (tests and benchmarks patch it).
 QUAD_ENABLED = envs.ATOM_WNA16_QUAD
-# WNA16 launches take PDL where pdl.enabled says (ATOM_PDL); ATOM_WNA16_PDL=0: never.
-PDL_ENABLED = envs.ATOM_WNA16_PDL
 PACKED_DOT_MIN_ROWS = 2
 PACKED_DOT_MAX_ROWS = 16
 # From this many rows the default's packed dots read x as one load split in registers (X_SPLIT)
@@ -363,9 +360,6 @@ def _wna16_kernel(
     STEP_TILES: tl.constexpr = 1,  # QUAD_MMA: adjacent K tiles a step
     ROW_MMA: tl.constexpr = False,  # one row, 4-bit, 16-bit x: _row_mma_k_loop
     GROUP_WORDS: tl.constexpr = 4,  # ROW_MMA: words a group
-    USE_PDL: tl.constexpr = False,  # launched with PDL: prefetch, then wait (pdl.py)
-    LINE: tl.constexpr = 32,  # PDL: words in a 128-byte line
-    LINES: tl.constexpr = 8,  # PDL: lines of each row prefetched before the wait
 ):
     pid_m, pid_n = _tile_ids(M, N, GROUP_M, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -376,10 +370,6 @@ def _wna16_kernel(
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     k_lo = tl.program_id(1) * k_tiles_per_split * BLOCK_K
     k_hi = tl.minimum(K, k_lo + k_tiles_per_split * BLOCK_K)
-    if USE_PDL:  # the words' first lines into L2 while the kernel before ends (pdl.py)
-        pdl.prefetch_rows_then_wait(
-            q_ptr, rows, stride_qn, k_lo * BITS // 32, K * BITS // 32, LINE, LINES
-        )
     if ROW_MMA:
         acc = _row_mma_k_loop(
             x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, k_lo, k_hi, stride_xm, stride_qn,
@@ -880,7 +870,6 @@ def wna16_linear(
     scale_later = scale_per_tile and 1 < cfg["BLOCK_M"] <= SKINNY_MAX_ROWS
     out2 = out.view(-1, n)
     ws = x2.new_empty((splits, num_rows, n), dtype=torch.float32) if splits > 1 else out2
-    use_pdl = PDL_ENABLED and pdl.enabled(x.device)
     _wna16_kernel[(tiles, splits)](
         x2, qweight, scales, zeros if zeros is not None else scales,
         g_idx if g_idx is not None else qweight, bias if bias is not None else out2, out2, ws,
@@ -902,8 +891,6 @@ def wna16_linear(
         K_STAGES=cfg.get("k_stages", 1) if small_magic or quad or row else 1,
         **variants,
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
-        USE_PDL=use_pdl, LINE=pdl.line_elements(qweight), LINES=pdl.PREFETCH_LINES,
-        **({"launch_pdl": True} if use_pdl else {}),
     )  # fmt: skip
     return out
 
