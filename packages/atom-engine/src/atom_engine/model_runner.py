@@ -31,14 +31,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import atom_kernels
 from atom_engine.config import EngineConfig
 from atom_engine.cpu_compile import cpu_forward, pack_lm_head
 from atom_engine.cpu_linear import pack_linears
 from atom_engine.cpu_threads import set_cpu_threads
 from atom_engine.graphs import capture_step_graphs, uses_graphs
 from atom_engine.kv_cache import GiB, num_kv_blocks
-from atom_engine.sampler import Sampler, to_device
+from atom_engine.sampler import Sampler, to_device, warm_up_sampling
 from atom_engine.scheduler import ScheduledBatch
 from atom_engine.sequence import Sequence
 from atom_engine.startup import StartupTimes
@@ -134,7 +133,9 @@ class ModelRunner:
         self.step_rows: dict[int, tuple[int, int]] = {}  # seq_id -> (first row, first position)
         if self.device.type == "cuda":
             with self.startup.phase("warm-up"):
-                self._warm_up_sampling()
+                warm_up_sampling(
+                    self.model, self.hidden_size, self.dtype, self.device, config.max_num_seqs
+                )
         if pack_lm_head(self.model, self.device, config.tensor_parallel_size):
             logger.info("CPU: the LM head runs on packed weights (MKL: 1 row, oneDNN: 2-16)")
         pack_linears(self.model, self.device, config.tensor_parallel_size)
@@ -203,19 +204,6 @@ class ModelRunner:
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError(f"the model runner of rank {self.rank} was shut down")
-
-    @torch.no_grad()
-    def _warm_up_sampling(self) -> None:
-        """Run the LM head and the samplers once at one row and at several, so the kernels of
-        the step's tail (which kernel variant depends on the row count) compile at start-up, not
-        during the first requests (seconds of a step on a cold Triton cache)."""
-        for rows in (1, 2, max(1, self.config.max_num_seqs)):
-            hidden = torch.zeros(rows, self.hidden_size, dtype=self.dtype, device=self.device)
-            logits = self.model.compute_logits(hidden)
-            atom_kernels.greedy_argmax(logits)
-            temperature = torch.ones(rows, device=self.device)
-            atom_kernels.sample(logits, temperature, None, None, None)
-        torch.cuda.synchronize(self.device)
 
     # -- one step ------------------------------------------------------------------------------
 

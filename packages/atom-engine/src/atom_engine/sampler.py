@@ -345,3 +345,24 @@ def _forced_thinking_end(seq: Sequence, emitted: int, ahead: int = 0) -> int | N
 def _contains(ids: list[int], marker: list[int]) -> bool:
     first, size = marker[0], len(marker)
     return any(ids[i : i + size] == marker for i in range(len(ids) - size + 1) if ids[i] == first)
+
+
+@torch.no_grad()
+def warm_up_sampling(model, hidden_size: int, dtype, device, max_rows: int) -> None:
+    """Run the LM head and the samplers once at one row and at several, plain and filtered
+    (top-k / top-p, then min-p too), on the logits as both step paths pass them (the model's
+    dtype: `launch`; fp32: `run`) with the engine's parameter dtypes, so the kernels of the
+    step's tail (Triton specializes them on these dtypes and on the row count) compile or load
+    at start-up, not during the first requests (seconds of a step on a cold Triton cache;
+    FlashInfer's sampler module where it is used)."""
+    for rows in (1, 2, max(1, max_rows)):
+        logits = model.compute_logits(torch.zeros(rows, hidden_size, dtype=dtype, device=device))
+        atom_kernels.greedy_argmax(logits)
+        temperature = torch.ones(rows, device=device)
+        top_k = torch.full((rows,), 50, dtype=torch.int64, device=device)
+        top_p = torch.full((rows,), 0.9, device=device)
+        for passed in {logits.dtype: logits, torch.float32: logits.float()}.values():
+            for filters in ((None, None, None), (top_k, top_p, None), (top_k, top_p, top_p - 0.8)):
+                atom_kernels.sample(passed, temperature, *filters)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
