@@ -28,7 +28,9 @@ logger = logging.getLogger("atom_kernels")
 # vocabulary 128K / 152K, and ATOM's op with it inside takes 0.34-0.35x ATOM's own time at batch
 # 256, but 1.25-1.32x at batch 1; in the engine Llama-3-8B decode (top-k 50, top-p 0.9) is 1.01x /
 # 0.91x / 0.91x ATOM's step time at batch 1 / 64 / 256, while Qwen3-0.6B offline throughput falls
-# to 0.40x (8,060 against 20,291 output tok/s). Ask for it with ATOM_FLASHINFER=sample.
+# to 0.40x (8,060 against 20,291 output tok/s). After ATOM's filter kernels got 1.3-1.9x faster
+# (sessions 26-27), the same decode with it steps 1.01x / 1.01x / 1.02x ATOM's time at batch 1 /
+# 64 / 256 (session 32, results/flashinfer/s32/). Ask for it with ATOM_FLASHINFER=sample.
 # "mla_decode" (mla.py; the native host's MLA layer, not a Triton op, calls it) - the kernel is
 # 2.2-2.7x faster than ATOM's at 128 heads and 16-256 sequences, but DeepSeek-V3 cut to 4 layers
 # steps 0.95-1.02x ATOM's time at batch 16 / 64 and slower at batch 1 (session 29,
