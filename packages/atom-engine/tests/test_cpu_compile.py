@@ -39,6 +39,7 @@ def compiled_smollm2():
     llm.shutdown()
 
 
+@pytest.mark.slow  # the compiled engine: ~100 s to build on 2 cores, then ~16 s
 def test_bundled_smollm2_compiled_matches_transformers(
     compiled_smollm2, smollm2_hf, greedy_reference
 ):
@@ -58,6 +59,7 @@ def test_bundled_smollm2_compiled_matches_transformers(
     assert alone.outputs[0].token_ids == expected[0]
 
 
+@pytest.mark.slow  # its first compiled forward at a new step shape: ~120 s on 2 cores
 def test_compiled_forward_equals_eager_forward(compiled_smollm2):
     """The compiled graph against the same model run eagerly, on a mixed step (a prefill chunk
     over a cached prefix and two decodes): the same hidden states, within float32 reordering."""

@@ -217,6 +217,7 @@ def test_heads_that_do_not_split_are_padded_and_logged(heads, kv_heads, tp, mess
         assert len(padded) == 1 and message in padded[0], padded
 
 
+@pytest.mark.slow  # ~110 s on 2 cores; the padded split itself: test_tensor_parallel.py (models)
 def test_the_bundled_smollm2_over_two_ranks_matches_one(caplog):
     """The issue's case: SmolLM2-135M's 9 attention heads and 3 KV heads do not split over 2
     ranks, so they are padded to 12 / 4 with zero heads (each rank holds 6 / 2, and its KV cache

@@ -143,8 +143,16 @@ def triton_backend():
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Without a GPU and outside the interpreter child, the tests that take ``triton_backend``
-    run in the child (test_triton_interpreter.py): deselect them here instead of skipping each."""
-    if interpreter_child() or torch.cuda.is_available():
+    run in the child (test_triton_interpreter.py): deselect them here instead of skipping each.
+    In the child, a test marked ``interpreter_slow`` (statistical draws of many rows: minutes of
+    the interpreter's time, seconds compiled) is ``slow`` too, so the default child skips it and
+    the slow step's child (``--run-slow``) runs it; on a GPU it runs by default."""
+    if interpreter_child():
+        for item in items:
+            if item.get_closest_marker("interpreter_slow"):
+                item.add_marker(pytest.mark.slow)
+        return
+    if torch.cuda.is_available():
         return
     deselected = [item for item in items if "triton_backend" in getattr(item, "fixturenames", ())]
     if deselected:

@@ -33,6 +33,7 @@ def test_greedy_ids_and_logprobs(triton_backend, kernel, dtype, vocab):
     assert_close(logprobs.double(), raw, atol=2e-5, rtol=2e-5, name="logprobs")
 
 
+@pytest.mark.interpreter_slow
 def test_draws_follow_the_tempered_softmax(triton_backend, kernel="gumbel"):
     """The per-token kernel (the block kernel: test_triton_sampling_block.py)."""
     torch.manual_seed(0)

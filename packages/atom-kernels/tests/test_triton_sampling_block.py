@@ -67,6 +67,7 @@ _GPU = pytest.mark.gpu  # the parameters only a compiled run affords (many draws
     [(0.5, 2), pytest.param(1.0, 1, marks=_GPU), pytest.param(0.5, 1, marks=_GPU),
      pytest.param(1.7, 3, marks=_GPU), pytest.param(1.0, 4, marks=_GPU)],
 )  # fmt: skip
+@pytest.mark.interpreter_slow
 def test_draws_follow_the_tempered_softmax(triton_backend, temperature, num_splits):
     """20 tokens over blocks of 8 (two full, one tail of 4), the row's mass spread unevenly
     over the blocks: the block draw and the draw inside the block both show."""
@@ -90,6 +91,7 @@ def test_draws_follow_the_tempered_softmax(triton_backend, temperature, num_spli
         pytest.param(1.7, [1.0, -0.5, 0.3, 2.0], 0.5, marks=_GPU),
     ],
 )
+@pytest.mark.interpreter_slow
 def test_mass_between_two_blocks(triton_backend, temperature, first, last):
     """Tokens in the first block against one in the last (tail) block, the rest -inf: the block
     draw weighs each block by its whole tempered mass (not its max, not untempered)."""
@@ -123,6 +125,7 @@ def test_one_hot_rows_at_block_and_chunk_edges(triton_backend, block_v, num_spli
         assert_close(lp.cpu(), torch.zeros(len(cols)), atol=1e-6, rtol=0, name="log-prob 0")
 
 
+@pytest.mark.interpreter_slow
 def test_dominant_token_beside_small_ones(triton_backend):
     """One token 30 nats above the rest (a sharp distribution) is drawn every time at T = 1,
     from any block; at T = 20 the others show up."""
@@ -142,6 +145,7 @@ def test_dominant_token_beside_small_ones(triton_backend):
     assert_follows(ids, torch.softmax(rows[0].double() / 20, -1), "T=20")
 
 
+@pytest.mark.interpreter_slow
 def test_mixed_temperatures_and_batch(triton_backend):
     """Rows of different temperatures (greedy among them) in one batch, each drawn from its
     own tempered softmax: 3 distinct rows repeated, interleaved."""
@@ -209,6 +213,7 @@ def test_same_torch_seed_same_draws_across_splits(triton_backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.interpreter_slow
 def test_strided_low_precision_rows(triton_backend, dtype):
     """Rows with a stride (a view into a wider buffer) in 16-bit: the draws follow the softmax
     of the rounded logits."""

@@ -25,6 +25,7 @@ def _batch(rows, vocab, seed, device):
 
 
 @pytest.mark.parametrize("split", [False, True])
+@pytest.mark.interpreter_slow
 def test_thresholds_keep_exactly_the_reference_tokens(triton_backend, split):
     from atom_kernels.backends.triton import sampling_filter as sf
     from atom_kernels.backends.triton import sampling_filter_split
@@ -51,6 +52,7 @@ def test_thresholds_keep_exactly_the_reference_tokens(triton_backend, split):
         assert bool(expected.gather(1, ids[:, None]).all()), "a draw outside the kept tokens"
 
 
+@pytest.mark.interpreter_slow
 def test_thresholds_read_off_the_top_equal_the_searched_ones(triton_backend):
     """The first pass's kept top (top-k <= TOP, top-p cuts above its last) gives the search's
     thresholds: the same batch with ``top=0`` (every threshold searched) and ``top=16``."""
@@ -68,6 +70,7 @@ def test_thresholds_read_off_the_top_equal_the_searched_ones(triton_backend):
 
 
 @pytest.mark.parametrize("spread", [2.0, 8.0], ids=["flat", "peaked"])
+@pytest.mark.interpreter_slow
 def test_pruned_blocks_change_no_threshold_and_no_draw(triton_backend, spread):
     """PRUNE (a block's top merge, top-p's mass pass and a block's draw skipped where they cannot
     change anything) against the kernel without it, the same seed: equal thresholds, tokens and
@@ -178,6 +181,7 @@ def test_the_op_draws_filtered_rows_with_the_kernels(triton_backend):
                      atol=1e-5, rtol=1e-5, name="top log-probs")  # fmt: skip
 
 
+@pytest.mark.interpreter_slow
 def test_draws_cover_the_kept_tokens_and_bf16_ties_at_the_kth_are_kept(triton_backend):
     from atom_kernels.backends.triton import sampling_filter as sf
 
