@@ -20,14 +20,15 @@ HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
      ("rms_norm, sample", True)],
 )  # fmt: skip
 def test_the_switch_picks_the_measured_ops(monkeypatch, setting, expected):
-    """`auto` takes only MEASURED_FASTER (sampling lost in the engine: not in it); named ops are
-    taken when asked."""
+    """`auto` takes only MEASURED_FASTER (sampling lost in the engine: not in it; MLA decode
+    won there, at some shapes: test_flashinfer_mla.py); named ops are taken when asked."""
     if setting is None:
         monkeypatch.delenv("ATOM_FLASHINFER", raising=False)
     else:
         monkeypatch.setenv("ATOM_FLASHINFER", setting)
     assert flashinfer.wanted("sample") is expected
     assert not flashinfer.wanted("fused_moe") or setting not in (None, "auto")
+    assert flashinfer.wanted("mla_decode") is (setting in (None, "auto"))
 
 
 def test_cpu_tensors_never_take_flashinfer():

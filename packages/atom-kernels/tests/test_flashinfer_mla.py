@@ -44,9 +44,28 @@ def test_csr_pages_refuse_a_table_shorter_than_its_sequence():
 
 
 def test_the_measured_rule_keeps_atom_only_for_few_heads_and_sequences():
-    assert mla.faster(128, 1) and mla.faster(64, 1)
-    assert not mla.faster(16, 1) and not mla.faster(32, 8)
-    assert mla.faster(16, 16) and mla.faster(16, 256)
+    """Asked for by name: wherever the kernel alone measured faster."""
+    assert mla.faster(128, 1, True) and mla.faster(64, 1, True)
+    assert not mla.faster(16, 1, True) and not mla.faster(32, 8, True)
+    assert mla.faster(16, 16, True) and mla.faster(16, 256, True)
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [(None, False), ("auto", False), ("mla_decode", True), ("sample,mla_decode", True)],
+)
+def test_auto_takes_it_only_where_the_engine_step_measured_faster(monkeypatch, setting, named):
+    """``auto`` (the table's entry): 64 heads or more from 64 sequences, where DeepSeek-V3's
+    step won; named: the kernel's own rule."""
+    if setting is None:
+        monkeypatch.delenv("ATOM_FLASHINFER", raising=False)
+    else:
+        monkeypatch.setenv("ATOM_FLASHINFER", setting)
+    assert flashinfer.wanted("mla_decode")
+    assert flashinfer.named("mla_decode") is named
+    assert mla.faster(128, 64) and mla.faster(128, 256)
+    assert mla.faster(128, 16) is named and mla.faster(128, 1) is named
+    assert mla.faster(16, 64) is named and not mla.faster(16, 1)
 
 
 def test_the_switch_and_the_cpu_never_take_it(monkeypatch):

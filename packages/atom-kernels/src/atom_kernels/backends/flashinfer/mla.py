@@ -50,14 +50,28 @@ def supports(
     return kv_dtype == q_dtype
 
 
-def faster(num_heads: int, num_seqs: int) -> bool:
-    """Whether FlashInfer's decode measured faster than ATOM's at this shape.
+# Under ATOM_FLASHINFER=auto: only where the engine step measured faster (backends/flashinfer's
+# MEASURED_FASTER): 64 heads or more, from 64 sequences.
+AUTO_MIN_HEADS = 64
+AUTO_MIN_SEQS = 64
+
+
+def faster(num_heads: int, num_seqs: int, named: bool | None = None) -> bool:
+    """Whether FlashInfer's decode measured faster than ATOM's at this shape: in the engine step
+    (``auto``, AUTO_MIN_HEADS / AUTO_MIN_SEQS), or, where ``ATOM_FLASHINFER`` names
+    ``mla_decode`` (``named``; None: read it), the kernel alone.
 
     NOTE (one H200, FlashInfer 0.7.2.post1, triton 3.6, bf16, L 512 + R 64, page 16, 4K / 32K
     contexts, ATOM's time over FlashInfer's; benchmarks/results/mla/s26/fi-mla-h200.json and
     results/flashinfer/s27/): 128 heads 1.14-1.41x at batch 1, 2.2-2.7x at 16-256; 16 heads
     0.72 / 0.87x at batch 1 (ATOM faster), 1.11-1.30x at 16-64, 1.03x at 256.
     """
+    if named is None:
+        from atom_kernels.backends import flashinfer
+
+        named = flashinfer.named("mla_decode")
+    if not named:
+        return num_heads >= AUTO_MIN_HEADS and num_seqs >= AUTO_MIN_SEQS
     return num_heads >= 64 or num_seqs >= 16
 
 
