@@ -74,10 +74,7 @@ def _exit(proc: subprocess.Popen, log: Path, timeout: float) -> tuple[int, str]:
 
 
 def _addr() -> str:
-    port = free_port()
-    while port > 65000:  # PORT+1 is the step channel
-        port = free_port()
-    return f"127.0.0.1:{port}"
+    return f"127.0.0.1:{free_port(2)}"  # PORT + 1 is the step channel
 
 
 def test_a_split_the_nodes_cannot_take_fails_at_startup(checkpoint, tmp_path):

@@ -30,7 +30,7 @@ from atom_engine.testing import free_port
 
 
 def _config(**kwargs) -> EngineConfig:
-    values = dict(tensor_parallel_size=4, nnodes=2, dist_init_addr=f"127.0.0.1:{free_port()}")
+    values = dict(tensor_parallel_size=4, nnodes=2, dist_init_addr=f"127.0.0.1:{free_port(2)}")
     return EngineConfig(device="cpu", **{**values, **kwargs})
 
 

@@ -4,6 +4,7 @@ on the CPU, and the engine's live worker processes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -146,10 +147,23 @@ def workers_of(pid: int) -> list[int]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port(span: int = 1) -> int:
+    """A loopback port free now; with `span`, one whose next span - 1 ports are free too (the
+    multi-node rendezvous listens on PORT and PORT + 1): each checked by binding it on every
+    interface, all held until the last is bound."""
+    while True:
+        with contextlib.ExitStack() as held:
+            first = held.enter_context(socket.socket())
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            if port + span - 1 > 65535:
+                continue
+            try:
+                for n in range(1, span):
+                    held.enter_context(socket.socket()).bind(("", port + n))
+            except OSError:
+                continue
+            return port
 
 
 def health(url: str) -> int | None:
