@@ -347,6 +347,91 @@ def test_wna16_linear_row_mma(triton_backend, iq, zeros, group, dtype, n, k, spl
     assert_close(out, expected, atol=atol * 20, rtol=rtol, name=f"row mma {config}")
 
 
+# (zeros, group (0: channel-wise), dtype, N, K, SPLIT_K, BLOCK_N, warps, step) of ROW_MMA with the
+# scale after its MMAs (ROW_SCALE_AFTER): groups of 128 and 256 and channel-wise.
+ROW_SCALE_AFTER_CASES = [
+    (False, 128, torch.bfloat16, 10, 1024, 1, 4, 2, 1),
+    (True, 0, torch.bfloat16, 6, 3072, 3, 2, 2, 1),
+    (True, 256, torch.float16, 6, 4096, 2, 2, 2, 2),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("zeros", "group", "dtype", "n", "k", "split", "block_n", "warps",
+                          "step"), ROW_SCALE_AFTER_CASES)  # fmt: skip
+def test_wna16_linear_row_mma_scale_after(triton_backend, iq, zeros, group, dtype, n, k, split,
+                                          block_n, warps, step):  # fmt: skip
+    """ROW_MMA with the scale after the MMAs (the interpreter runs ``_row_plain``'s form of it):
+    within the output's rounding of the exact product of x and the unrounded weights
+    (q - zero) * scale, and against the reference."""
+    device = triton_backend.device
+    group = group or k
+    qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=191 + n, device=device,
+                               dtype=dtype)  # fmt: skip
+    x = torch.randn(1, k, generator=_gen(192))
+    x[0, ::53] *= 20
+    x = x.to(dtype).to(device)
+    config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, PERMUTED_K=True,
+                  ROW_MMA=True, SPLIT_K=split, ROW_STEP=step, ROW_SCALE_AFTER=True)  # fmt: skip
+    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
+    weight = reference.dequantize_wna16(qw, s, z, g, 4, torch.float64)  # not rounded
+    exact = x.double() @ weight.T
+    ulp = exact.abs().clamp_min(1.0) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
+    assert ((out.double() - exact).abs() <= ulp).all(), (out.double() - exact).abs().max()
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(out, expected, atol=atol * 20, rtol=rtol, name=f"row mma {config}")
+
+
+@pytest.mark.parametrize(("dtype", "scale", "rounded", "exact"), [
+    (torch.float16, 1 + 2**-10, -512.0, -512.5), (torch.bfloat16, 1 + 2**-7, -512.0, -516.0),
+])  # fmt: skip
+def test_wna16_linear_row_scale_after_skips_the_weights_rounding(
+    triton_backend, iq, monkeypatch, dtype, scale, rounded, exact
+):
+    """Half the weights 7 * scale (not a 16-bit float: rounded up by the reference), half -8 *
+    scale (one), x all ones: the reference's rounded weights sum to `rounded`, the unrounded
+    ones to `exact` (both 16-bit floats, every partial sum exact in fp32): ROW_MMA gives the
+    first, with the scale after its MMAs the second."""
+    device = triton_backend.device
+    qw = torch.full((8, 128), 0x0F0F0F0F, dtype=torch.int32, device=device)  # q 15, 0, 15, 0...
+    s = torch.full((8, 8), scale, dtype=dtype, device=device)  # groups of 128
+    x = torch.ones(1, 1024, dtype=dtype, device=device)
+    row = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=2, PERMUTED_K=True, ROW_MMA=True)
+    assert_equal(reference.wna16_linear(x, qw, s, None, None, 4, None), x.new_full((1, 8), rounded))
+    assert_equal(iq.wna16_linear(x, qw, s, None, None, 4, None, config=row),
+                 x.new_full((1, 8), rounded))  # fmt: skip
+    after = iq.wna16_linear(x, qw, s, None, None, 4, None, config=dict(row, ROW_SCALE_AFTER=True))
+    assert_equal(after, x.new_full((1, 8), exact))
+    # a GPU's default one-row launch (ROW_MMA; the interpreter's default is the multiply-adds)
+    # takes it from the switch (ATOM_WNA16_ROW_SCALE_AFTER)
+    default = iq.wna16_config(1, 8, 1024, 128, True, 132, False, 4, True, override=False,
+                              quad=True, row_scales=True)  # fmt: skip
+    assert default.get("ROW_MMA") and "ROW_SCALE_AFTER" not in default, default
+    assert_equal(iq.wna16_linear(x, qw, s, None, None, 4, None, config=default),
+                 x.new_full((1, 8), rounded))  # fmt: skip
+    monkeypatch.setattr(iq, "ROW_SCALE_AFTER_ENABLED", True)
+    assert_equal(iq.wna16_linear(x, qw, s, None, None, 4, None, config=default),
+                 x.new_full((1, 8), exact))  # fmt: skip
+
+
+def test_wna16_linear_row_scale_after_where_it_cannot(triton_backend, iq, monkeypatch):
+    """ROW_SCALE_AFTER asked for by a config where it cannot run fails naming the need; the
+    switch's (ATOM_WNA16_ROW_SCALE_AFTER) is dropped there: the launch as without it."""
+    device = triton_backend.device
+    row = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=2, PERMUTED_K=True, ROW_MMA=True)
+    qw, s, z, g = wna16_weight(8, 1024, 4, 16, False, False, seed=193, device=device,
+                               dtype=torch.bfloat16)  # fmt: skip
+    x = torch.randn(1, 1024, generator=_gen(194)).to(torch.bfloat16).to(device)
+    with pytest.raises(ValueError, match="ROW_SCALE_AFTER needs groups of a multiple of 128"):
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(row, ROW_SCALE_AFTER=True))
+    multiply_adds = dict(row, ROW_MMA=False, BLOCK_N=64, BLOCK_K=128)
+    with pytest.raises(ValueError, match="ROW_SCALE_AFTER needs ROW_MMA"):
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(multiply_adds, ROW_SCALE_AFTER=True))
+    before = iq.wna16_linear(x, qw, s, z, g, 4, None, config=row)
+    monkeypatch.setattr(iq, "ROW_SCALE_AFTER_ENABLED", True)
+    assert_equal(iq.wna16_linear(x, qw, s, z, g, 4, None, config=row), before)
+
+
 def test_wna16_linear_row_mma_refuses_what_it_cannot_take(triton_backend, iq):
     """ROW_MMA asked for outside what its layout takes fails naming the need."""
     device = triton_backend.device
@@ -828,6 +913,41 @@ def test_wna16_linear_gpu_row_mma(triton_backend, iq, tile, dtype, group, zeros,
     assert_close(out, expected, atol=atol, rtol=rtol, name=f"row mma {config}")
     weight = reference.dequantize_wna16(qw, s, z, g, 4, dtype).double()
     exact = x.double() @ weight.T
+    ulp = exact.abs().clamp_min(1.0) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
+    assert ((out.double() - exact).abs() <= ulp).all(), (out.double() - exact).abs().max()
+
+
+# (tile as ROW_MMA_GPU's, dtype, group (0: channel-wise), zeros) of ROW_MMA with the scale after
+# its MMAs on a GPU: the default tile in each PTX form, pipelined, 2 tiles a step, channel-wise.
+ROW_SCALE_AFTER_GPU = [
+    ((8, 4, 1, 8), torch.bfloat16, 128, False), ((8, 4, 1, 8), torch.bfloat16, 128, True),
+    ((8, 4, 1, 8), torch.float16, 128, False), ((8, 4, 1, 8), torch.float16, 128, True),
+    ((8, 4, 2, 8), torch.bfloat16, 256, True), ((4, 4, 2, 16), torch.bfloat16, 0, False),
+    ((8, 4, 1, 8, 2), torch.bfloat16, 128, True),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("tile", "dtype", "group", "zeros"), ROW_SCALE_AFTER_GPU, ids=str)
+@pytest.mark.parametrize(("n", "k"), [*LLAMA3_8B, (1000, 2048)])
+def test_wna16_linear_gpu_row_mma_scale_after(triton_backend, iq, tile, dtype, group, zeros, n,
+                                              k):  # fmt: skip
+    """ROW_MMA's PTX with the scale after the MMAs (ROW_SCALE_AFTER): within the output's
+    rounding of the exact product of x and the unrounded weights, and against the reference."""
+    block_n, warps, k_stages, per_sm, step = (*tile, 1)[:5]
+    group = group or k
+    qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=103, device="cuda",
+                               dtype=dtype)  # fmt: skip
+    x = torch.randn(1, k, generator=_gen(104)).to(dtype).cuda()
+    config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, num_stages=1,
+                  k_stages=k_stages, per_sm=per_sm, fill=True, SPLIT_K=None, PERMUTED_K=True,
+                  ROW_MMA=True, ROW_STEP=step if k % (step * 1024) == 0 else 1,
+                  ROW_SCALE_AFTER=True)  # fmt: skip
+    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(out, expected, atol=atol, rtol=rtol, name=f"row mma scale after {config}")
+    exact = x.double() @ reference.dequantize_wna16(qw, s, z, g, 4, torch.float64).T
     ulp = exact.abs().clamp_min(1.0) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
     assert ((out.double() - exact).abs() <= ulp).all(), (out.double() - exact).abs().max()
 

@@ -96,6 +96,12 @@ TABLE: tuple[Switch, ...] = (
         "(`0`: off: the fp32 multiply-adds)",
     ),
     Switch(
+        "ATOM_WNA16_ROW_SCALE_AFTER", False, _is_one,
+        "the one-row W4A16 MMAs a warp a row with the scale applied after the MMAs, in fp32, "
+        "where a group is a multiple of 128 values (`1`: on; off: each weight scaled and "
+        "rounded before them, as the reference rounds it) (A/B, not yet measured)",
+    ),
+    Switch(
         "ATOM_FUSED_GATE_UP", True, _not_zero,
         "fused gate/up GEMM + SiLU-and-mul (`0`: off, A/B)",
     ),

@@ -58,6 +58,9 @@ PACKED_DOT_ENABLED = envs.ATOM_WNA16_PACKED_DOT
 # The one-row quads' MMAs (int_quant_quad_mma) by default where they fit (wna16_config says why);
 # ATOM_WNA16_QUAD=0 turns them off. Read at import (tests and benchmarks patch it).
 QUAD_ENABLED = envs.ATOM_WNA16_QUAD
+# ROW_MMA with the scale after its MMAs where the groups allow (ROW_SCALE_AFTER: groups of a
+# multiple of 128 values); ATOM_WNA16_ROW_SCALE_AFTER=1 turns it on (an A/B, not measured yet).
+ROW_SCALE_AFTER_ENABLED = envs.ATOM_WNA16_ROW_SCALE_AFTER
 PACKED_DOT_MIN_ROWS = 2
 PACKED_DOT_MAX_ROWS = 16
 # From this many rows the default's packed dots read x as one load split in registers (X_SPLIT)
@@ -360,6 +363,7 @@ def _wna16_kernel(
     STEP_TILES: tl.constexpr = 1,  # QUAD_MMA: adjacent K tiles a step
     ROW_MMA: tl.constexpr = False,  # one row, 4-bit, 16-bit x: _row_mma_k_loop
     GROUP_WORDS: tl.constexpr = 4,  # ROW_MMA: words a group
+    ROW_SCALE_AFTER: tl.constexpr = False,  # ROW_MMA: the scale after the MMAs
 ):
     pid_m, pid_n = _tile_ids(M, N, GROUP_M, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -374,7 +378,7 @@ def _wna16_kernel(
         acc = _row_mma_k_loop(
             x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, k_lo, k_hi, stride_xm, stride_qn,
             stride_sn, stride_zn, HAS_ZEROS, ASM, BLOCK_M, BLOCK_N, GROUP_WORDS, K_STAGES,
-            STEP_TILES,
+            STEP_TILES, ROW_SCALE_AFTER,
         )  # fmt: skip
     elif QUAD_MMA:
         acc = _quad_mma_k_loop(
@@ -746,6 +750,20 @@ def _row_mma_for(cfg: dict, override: dict, x2: torch.Tensor, qweight: torch.Ten
     return _mma_fits("ROW_MMA", why + _layout_why(x2, qweight), override)
 
 
+def _row_scale_after(cfg: dict, override: dict, group_size: int, row: bool) -> bool:
+    """Whether ROW_MMA (``row``: the launch takes it) scales after its MMAs: asked for (the
+    config's ``ROW_SCALE_AFTER``, else ATOM_WNA16_ROW_SCALE_AFTER) and the groups multiples of
+    128 values (a chunk of the MMA one group); the switch's where it cannot is dropped, an
+    explicit config's raises."""
+    asked = bool(cfg.get("ROW_SCALE_AFTER", ROW_SCALE_AFTER_ENABLED))
+    why = [] if row else ["ROW_MMA"]
+    if group_size % 128:
+        why.append(f"groups of a multiple of 128 (got {group_size})")
+    if asked and why and override.get("ROW_SCALE_AFTER"):
+        raise ValueError(f"wna16_linear: ROW_SCALE_AFTER needs {' and '.join(why)}")
+    return asked and not why
+
+
 def _group_tiles(group_size: int) -> int:
     """QUAD_MMA's K tiles a group as a constant divisor (1, 2, 4 or 8), else 0 (divided at run
     time: channel-wise scales, large groups)."""
@@ -863,6 +881,7 @@ def wna16_linear(
             raise ValueError(f"wna16_linear: ROW_STEP {step} needs 1, 2, 4 or 8")
         while k % (step * ROW_BLOCK_K):
             step //= 2
+    scale_after = _row_scale_after(cfg, config or {}, group_size, row)
     splits, per_split, counters = _launch_split(x.device, tiles, k, cfg, step)
     scale_per_tile = per_tile and group_size % block_k == 0
     # Decode tiles dot q - zero and scale each tile's result (no multiply a weight); prefill tiles
@@ -883,6 +902,7 @@ def wna16_linear(
         IEEE=x.dtype == torch.float32,
         PACKED_DOT=packed_dot, QUAD_MMA=quad, GROUP_TILES=_group_tiles(group_size) if quad else 0,
         STEP_TILES=step, ROW_MMA=row, GROUP_WORDS=group_size // 8 if row else 4,
+        ROW_SCALE_AFTER=scale_after,
         ASM=(packed_dot or quad or row) and x.device.type == "cuda" and not torch.version.hip,
         EVEN_K=k % block_k == 0,
         SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),

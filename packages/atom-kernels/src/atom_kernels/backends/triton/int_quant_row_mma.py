@@ -19,6 +19,11 @@ weight exactly), so any group of a multiple of 32 values works (a lane's 4 words
 each MMA starts from zero. Per word: 3 shifts, 4 AND-ORs, 8 packed FMAs and 2 MMAs; a lane's 4
 words' x pairs and the diagonal pick once per 4 words.
 
+``SCALE_AFTER`` (groups of a multiple of 128 values: a chunk is one group) leaves the weights
+unscaled, q - zero exact in x's dtype, and multiplies the diagonal element by the chunk's scale
+in fp32 once per 4 words: 4 packed FMAs a word fewer, and the sum no longer carries the
+reference's rounding of each weight to x's dtype (a more exact sum, not the same one).
+
 The MMAs are inline PTX (``tl.inline_asm_elementwise``, a lane's 4 words an instance; sm_80+):
 NVIDIA only. Triton's interpreter takes the same values from ``_row_plain`` (each lane's 4
 words' dot at its first element), so the interpreter tests the loop's bookkeeping; the PTX is
@@ -31,7 +36,12 @@ import triton
 import triton.language as tl
 
 from atom_kernels.backends.triton.int_quant_packed_dot import magic_of
-from atom_kernels.backends.triton.int_quant_quad_mma import _half, _row_scalar, _x_pairs
+from atom_kernels.backends.triton.int_quant_quad_mma import (
+    _half,
+    _pair_dot,
+    _row_scalar,
+    _x_pairs,
+)
 
 # The words tile's register layout the PTX relies on (Triton's coalesced layout of a
 # [BLOCK_N, 128] int32 load with 16-byte aligned rows, BLOCK_N a multiple of num_warps).
@@ -39,7 +49,7 @@ ROW_LAYOUT = "sizePerThread = [1, 4], threadsPerWarp = [1, 32]"
 ROW_WORDS = tl.constexpr(128)  # words of a row in a K tile (BLOCK_K = 1024 at 4 bits)
 
 
-def _row_asm(bf16: bool, zeros: bool) -> str:
+def _row_asm(bf16: bool, zeros: bool, scale_after: bool = False) -> str:
     """PTX of one lane's 4 words: outputs $0..$3 the fp32 accumulator after them ($0 plus the
     lane's diagonal element of D, if it holds one; $1..$3 as they were); inputs $4..$7 the
     words, $8..$23 the x pairs (x_0, x_4), (x_1, x_5), (x_2, x_6), (x_3, x_7) of each word (4
@@ -49,7 +59,9 @@ def _row_asm(bf16: bool, zeros: bool) -> str:
 
     One A operand serves both MMAs of a word, as in ``int_quant_quad_mma._quad_asm``: rows g
     meet values 0, 4, 1, 5 in the first (accumulator d), rows g + 8 values 2, 6, 3, 7 in the
-    second (e); chunk n's dot is d[n][n] + e[n + 8][n]."""
+    second (e); chunk n's dot is d[n][n] + e[n + 8][n]. ``scale_after``: the weights are
+    q - zero, and the picked element is multiplied by the lane's scale ($24's low half) in
+    fp32 as it is added (the lane holding chunk n's diagonal holds chunk n's words)."""
     magic = "0x43004300" if bf16 else "0x64006400"
     one = "0x3F803F80" if bf16 else "0x3C003C00"
     nz = "$30" if zeros else ("0xC308C308" if bf16 else "0xE408E408")  # -(magic + 8)
@@ -59,7 +71,8 @@ def _row_asm(bf16: bool, zeros: bool) -> str:
     lines = [
         "{",
         ".reg .b32 t0, t1, t2, t3, u, one, nz, sc, mz, lane, g, c2;",
-        ".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3, r;",
+        ".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3, r, fs;",
+        ".reg .b16 h0, h1;",
         ".reg .pred p0, p1;",
         f"mov.b32 one, {one};",
         f"mov.b32 nz, {nz};",
@@ -75,7 +88,8 @@ def _row_asm(bf16: bool, zeros: bool) -> str:
             lines += [f"shr.u32 u, {word}, {4 * j};",
                       f"lop3.b32 t{j}, u, 0x000F000F, {magic}, 0xEA;"]  # fmt: skip
         lines += [f"{fma} t{j}, t{j}, one, nz;" for j in range(4)]  # q - zero, exact
-        lines += [f"{fma} t{j}, t{j}, sc, mz;" for j in range(4)]  # (q - zero) * scale
+        if not scale_after:
+            lines += [f"{fma} t{j}, t{j}, sc, mz;" for j in range(4)]  # (q - zero) * scale
         lines += [
             f"{mma} {{d0, d1, d2, d3}}, {{{xa}, {xc}, {xb}, {xd}}}, {{t0, t1}}, "
             "{d0, d1, d2, d3};",
@@ -94,7 +108,14 @@ def _row_asm(bf16: bool, zeros: bool) -> str:
         "setp.eq.u32 p1, g, c2;",  # or D[2c + 1][2c + 1] (register 1)
         "selp.f32 r, d1, 0f00000000, p1;",
         "selp.f32 r, d0, r, p0;",
-        "add.f32 $0, $26, r;",
+    ]
+    if not scale_after:
+        lines.append("add.f32 $0, $26, r;")
+    elif bf16:  # a bf16's bits are an fp32's top half
+        lines += ["shl.b32 u, sc, 16;", "mov.b32 fs, u;", "fma.rn.f32 $0, r, fs, $26;"]
+    else:
+        lines += ["mov.b32 {h0, h1}, sc;", "cvt.f32.f16 fs, h0;", "fma.rn.f32 $0, r, fs, $26;"]
+    lines += [
         "mov.f32 $1, $27;",
         "mov.f32 $2, $28;",
         "mov.f32 $3, $29;",
@@ -125,6 +146,10 @@ _ASM_BF16 = tl.constexpr(_row_asm(True, False))
 _ASM_BF16_ZEROS = tl.constexpr(_row_asm(True, True))
 _ASM_FP16 = tl.constexpr(_row_asm(False, False))
 _ASM_FP16_ZEROS = tl.constexpr(_row_asm(False, True))
+_ASM_BF16_AFTER = tl.constexpr(_row_asm(True, False, True))
+_ASM_BF16_ZEROS_AFTER = tl.constexpr(_row_asm(True, True, True))
+_ASM_FP16_AFTER = tl.constexpr(_row_asm(False, False, True))
+_ASM_FP16_ZEROS_AFTER = tl.constexpr(_row_asm(False, True, True))
 _CONSTRAINTS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 4))
 _CONSTRAINTS_ZEROS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 4 + ["r"] * 2))
 
@@ -141,14 +166,23 @@ def _scaled_pair_dot(words, pair, j: tl.constexpr, minus_zero, s, DTYPE: tl.cons
 
 
 @triton.jit
-def _row_plain(words, xa, xb, xc, xd, s, acc, nz, DTYPE: tl.constexpr):
+def _row_plain(words, xa, xb, xc, xd, s, acc, nz, DTYPE: tl.constexpr,
+               SCALE_AFTER: tl.constexpr = False):  # fmt: skip
     """``_row_asm`` by plain ops (the interpreter): the dot of each lane's 4 words with their
-    scaled, rounded weights, added at the lane's first element (w % 4 == 0)."""
+    scaled, rounded weights (``SCALE_AFTER``: with q - zero, then times the scale in fp32),
+    added at the lane's first element (w % 4 == 0)."""
     minus_zero = nz.to(tl.float32) + magic_of(DTYPE)  # -zero
-    part = _scaled_pair_dot(words, xa, 0, minus_zero, s, DTYPE)
-    part += _scaled_pair_dot(words, xb, 1, minus_zero, s, DTYPE)
-    part += _scaled_pair_dot(words, xc, 2, minus_zero, s, DTYPE)
-    part += _scaled_pair_dot(words, xd, 3, minus_zero, s, DTYPE)
+    if SCALE_AFTER:
+        part = _pair_dot(words, xa, 0, minus_zero, DTYPE)
+        part += _pair_dot(words, xb, 1, minus_zero, DTYPE)
+        part += _pair_dot(words, xc, 2, minus_zero, DTYPE)
+        part += _pair_dot(words, xd, 3, minus_zero, DTYPE)
+        part = part * s.to(tl.float32)
+    else:
+        part = _scaled_pair_dot(words, xa, 0, minus_zero, s, DTYPE)
+        part += _scaled_pair_dot(words, xb, 1, minus_zero, s, DTYPE)
+        part += _scaled_pair_dot(words, xc, 2, minus_zero, s, DTYPE)
+        part += _scaled_pair_dot(words, xd, 3, minus_zero, s, DTYPE)
     BLOCK_N: tl.constexpr = words.shape[0]
     lanes = tl.sum(tl.reshape(part, [BLOCK_N, ROW_WORDS // 4, 4]), axis=2)  # a lane's 4 words
     first = (tl.arange(0, 4) == 0)[None, None, :]
@@ -197,18 +231,30 @@ def _row_tile_loads(q_ptrs, x_ptrs, s_ptr, z_ptr, rows, offs_w, k0, stride_sn, s
 
 @triton.jit
 def _row_tile_math(words, xa, xb, xc, xd, s, acc, nz, HAS_ZEROS: tl.constexpr,
-                   ASM: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+                   ASM: tl.constexpr, DTYPE: tl.constexpr,
+                   SCALE_AFTER: tl.constexpr = False):  # fmt: skip
     """``acc`` after one K tile's MMAs (``_row_asm``; ``_row_plain`` without ASM)."""
+    BF16: tl.constexpr = DTYPE == tl.bfloat16
     if not ASM:
-        return _row_plain(words, xa, xb, xc, xd, s, acc, nz, DTYPE)
+        return _row_plain(words, xa, xb, xc, xd, s, acc, nz, DTYPE, SCALE_AFTER)
+    elif HAS_ZEROS and SCALE_AFTER:
+        return tl.inline_asm_elementwise(
+            _ASM_BF16_ZEROS_AFTER if BF16 else _ASM_FP16_ZEROS_AFTER, _CONSTRAINTS_ZEROS,
+            args=[words, xa, xb, xc, xd, s, acc, nz], dtype=tl.float32, is_pure=True, pack=4,
+        )  # fmt: skip
     elif HAS_ZEROS:
         return tl.inline_asm_elementwise(
-            _ASM_BF16_ZEROS if DTYPE == tl.bfloat16 else _ASM_FP16_ZEROS, _CONSTRAINTS_ZEROS,
+            _ASM_BF16_ZEROS if BF16 else _ASM_FP16_ZEROS, _CONSTRAINTS_ZEROS,
             args=[words, xa, xb, xc, xd, s, acc, nz], dtype=tl.float32, is_pure=True, pack=4,
+        )  # fmt: skip
+    elif SCALE_AFTER:
+        return tl.inline_asm_elementwise(
+            _ASM_BF16_AFTER if BF16 else _ASM_FP16_AFTER, _CONSTRAINTS,
+            args=[words, xa, xb, xc, xd, s, acc], dtype=tl.float32, is_pure=True, pack=4,
         )  # fmt: skip
     else:
         return tl.inline_asm_elementwise(
-            _ASM_BF16 if DTYPE == tl.bfloat16 else _ASM_FP16, _CONSTRAINTS,
+            _ASM_BF16 if BF16 else _ASM_FP16, _CONSTRAINTS,
             args=[words, xa, xb, xc, xd, s, acc], dtype=tl.float32, is_pure=True, pack=4,
         )  # fmt: skip
 
@@ -218,7 +264,7 @@ def _row_mma_k_loop(
     x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, k_lo, k_hi, stride_xm, stride_qn, stride_sn,
     stride_zn, HAS_ZEROS: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, GROUP_WORDS: tl.constexpr, K_STAGES: tl.constexpr = 1,
-    STEP_TILES: tl.constexpr = 1,
+    STEP_TILES: tl.constexpr = 1, SCALE_AFTER: tl.constexpr = False,
 ):  # fmt: skip
     """The [1, BLOCK_N] fp32 sums of k_lo <= k < k_hi of one row (4-bit weights, 16-bit x, K a
     multiple of 1024; ``GROUP_WORDS``: words a group, a multiple of 4): per 1024-deep tile a
@@ -226,7 +272,10 @@ def _row_mma_k_loop(
     that many tiles ahead (``tl.range``'s num_stages; the PTX loads of x and the scales are
     not). ``STEP_TILES``: tiles a step, every load of the step (words, scales, x) issued
     before its math: that many tiles' memory latency met at once (the split's K a multiple of
-    1024 * STEP_TILES)."""
+    1024 * STEP_TILES). ``SCALE_AFTER``: the scale after the MMAs (``GROUP_WORDS`` a multiple
+    of 16)."""
+    tl.static_assert(not SCALE_AFTER or GROUP_WORDS % 16 == 0,
+                     "SCALE_AFTER needs groups of a multiple of 128 values")  # fmt: skip
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     BLOCK_K: tl.constexpr = ROW_WORDS * 8
     offs_w = tl.arange(0, ROW_WORDS)
@@ -243,5 +292,6 @@ def _row_mma_k_loop(
             )]  # fmt: skip
         for t in tl.static_range(STEP_TILES):
             words, s, nz, xa, xb, xc, xd = loaded[t]
-            acc = _row_tile_math(words, xa, xb, xc, xd, s, acc, nz, HAS_ZEROS, ASM, DTYPE)
+            acc = _row_tile_math(words, xa, xb, xc, xd, s, acc, nz, HAS_ZEROS, ASM, DTYPE,
+                                 SCALE_AFTER)  # fmt: skip
     return tl.reshape(tl.sum(acc, axis=1), [BLOCK_M, BLOCK_N])
