@@ -48,6 +48,17 @@ def wna16_weight(n, k, bits, groups, zeros, g_idx, seed, device, dtype=torch.flo
     )
 
 
+def one_row_case(n, k, group, zeros, dtype, seed, device, every=53):
+    """(qweight, scales, zeros, g_idx, x [1, K]) of a one-row test: groups of ``group`` (0:
+    channel-wise), x with outliers (every ``every``-th value 20x)."""
+    group = group or k
+    qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=seed, device=device,
+                               dtype=dtype)  # fmt: skip
+    x = torch.randn(1, k, generator=_gen(seed + 1))
+    x[0, ::every] *= 20
+    return qw, s, z, g, x.to(dtype).to(device)
+
+
 # (bits, N, K, G, zeros, g_idx): groups 32 / 64 / 128 (tile-wide scales), channel-wise, a K not a
 # multiple of the tile with per-element scales (K = 80, G = 1), act-order g_idx.
 WNA16_CASES = [
@@ -250,12 +261,7 @@ def test_wna16_linear_quad_mma(triton_backend, iq, zeros, group, dtype, n, k, sp
     dot placed where the MMAs place it, then read back per row) against the reference, with
     outliers in x, and bias."""
     device = triton_backend.device
-    group = group or k
-    qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=90 + n, device=device,
-                               dtype=dtype)  # fmt: skip
-    x = torch.randn(1, k, generator=_gen(91))
-    x[0, ::53] *= 20
-    x = x.to(dtype).to(device)
+    qw, s, z, g, x = one_row_case(n, k, group, zeros, dtype, 90 + n, device)
     bias = torch.randn(n, generator=_gen(92)).to(dtype).to(device)
     config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=128, num_warps=warps, PERMUTED_K=True,
                   QUAD_MMA=True, SPLIT_K=split, QUAD_STEP=step)  # fmt: skip
@@ -326,12 +332,7 @@ def test_wna16_linear_row_mma(triton_backend, iq, zeros, group, dtype, n, k, spl
     lane's dot at its first element) against the reference: the weights rounded to x's dtype
     as the reference rounds them, so only the sum's order differs."""
     device = triton_backend.device
-    group = group or k
-    qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=97 + n, device=device,
-                               dtype=dtype)  # fmt: skip
-    x = torch.randn(1, k, generator=_gen(98))
-    x[0, ::71] *= 20
-    x = x.to(dtype).to(device)
+    qw, s, z, g, x = one_row_case(n, k, group, zeros, dtype, 97 + n, device, every=71)
     bias = torch.randn(n, generator=_gen(99)).to(dtype).to(device)
     config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, PERMUTED_K=True,
                   ROW_MMA=True, SPLIT_K=split)  # fmt: skip
@@ -363,13 +364,7 @@ def test_wna16_linear_row_mma_scale_after(triton_backend, iq, zeros, group, dtyp
     """ROW_MMA with the scale after the MMAs (the interpreter runs ``_row_plain``'s form of it):
     within the output's rounding of the exact product of x and the unrounded weights
     (q - zero) * scale, and against the reference."""
-    device = triton_backend.device
-    group = group or k
-    qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=191 + n, device=device,
-                               dtype=dtype)  # fmt: skip
-    x = torch.randn(1, k, generator=_gen(192))
-    x[0, ::53] *= 20
-    x = x.to(dtype).to(device)
+    qw, s, z, g, x = one_row_case(n, k, group, zeros, dtype, 191 + n, triton_backend.device)
     config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, PERMUTED_K=True,
                   ROW_MMA=True, SPLIT_K=split, ROW_STEP=step, ROW_SCALE_AFTER=True)  # fmt: skip
     out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
@@ -891,32 +886,6 @@ ROW_MMA_GPU = [
 ]  # fmt: skip
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize(("tile", "dtype", "group", "zeros"), ROW_MMA_GPU, ids=str)
-@pytest.mark.parametrize(("n", "k"), [*LLAMA3_8B, (1000, 2048)])
-def test_wna16_linear_gpu_row_mma(triton_backend, iq, tile, dtype, group, zeros, n, k):
-    """The MMAs a warp a row's PTX (ROW_MMA, ASM: the layout it relies on, the diagonal pick,
-    x and the scales loaded in the words' layout) at the Llama-3-8B sizes and a ragged N:
-    within the output's rounding of the exact product of x and the reference's rounded
-    weights, and against the reference."""
-    block_n, warps, k_stages, per_sm, step = (*tile, 1)[:5]
-    group = group or k
-    qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=101, device="cuda",
-                               dtype=dtype)  # fmt: skip
-    x = torch.randn(1, k, generator=_gen(102)).to(dtype).cuda()
-    config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, num_stages=1,
-                  k_stages=k_stages, per_sm=per_sm, fill=True, SPLIT_K=None, PERMUTED_K=True,
-                  ROW_MMA=True, ROW_STEP=step if k % (step * 1024) == 0 else 1)  # fmt: skip
-    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
-    expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
-    atol, rtol = TOLERANCES[dtype]
-    assert_close(out, expected, atol=atol, rtol=rtol, name=f"row mma {config}")
-    weight = reference.dequantize_wna16(qw, s, z, g, 4, dtype).double()
-    exact = x.double() @ weight.T
-    ulp = exact.abs().clamp_min(1.0) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
-    assert ((out.double() - exact).abs() <= ulp).all(), (out.double() - exact).abs().max()
-
-
 # (tile as ROW_MMA_GPU's, dtype, group (0: channel-wise), zeros) of ROW_MMA with the scale after
 # its MMAs on a GPU: the default tile in each PTX form, pipelined, 2 tiles a step, channel-wise.
 ROW_SCALE_AFTER_GPU = [
@@ -928,26 +897,31 @@ ROW_SCALE_AFTER_GPU = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("tile", "dtype", "group", "zeros"), ROW_SCALE_AFTER_GPU, ids=str)
+@pytest.mark.parametrize(("tile", "dtype", "group", "zeros", "after"),
+                         [(*case, False) for case in ROW_MMA_GPU]
+                         + [(*case, True) for case in ROW_SCALE_AFTER_GPU], ids=str)  # fmt: skip
 @pytest.mark.parametrize(("n", "k"), [*LLAMA3_8B, (1000, 2048)])
-def test_wna16_linear_gpu_row_mma_scale_after(triton_backend, iq, tile, dtype, group, zeros, n,
-                                              k):  # fmt: skip
-    """ROW_MMA's PTX with the scale after the MMAs (ROW_SCALE_AFTER): within the output's
-    rounding of the exact product of x and the unrounded weights, and against the reference."""
+def test_wna16_linear_gpu_row_mma(triton_backend, iq, tile, dtype, group, zeros, after, n, k):
+    """The MMAs a warp a row's PTX (ROW_MMA, ASM: the layout it relies on, the diagonal pick,
+    x and the scales loaded in the words' layout; ``after``: the scale after the MMAs,
+    ROW_SCALE_AFTER) at the Llama-3-8B sizes and a ragged N: within the output's rounding of
+    the exact product of x and the weights (the reference's rounded ones; ``after`` the
+    unrounded ones), and against the reference."""
     block_n, warps, k_stages, per_sm, step = (*tile, 1)[:5]
     group = group or k
-    qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=103, device="cuda",
+    qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=101, device="cuda",
                                dtype=dtype)  # fmt: skip
-    x = torch.randn(1, k, generator=_gen(104)).to(dtype).cuda()
+    x = torch.randn(1, k, generator=_gen(102)).to(dtype).cuda()
     config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, num_stages=1,
                   k_stages=k_stages, per_sm=per_sm, fill=True, SPLIT_K=None, PERMUTED_K=True,
                   ROW_MMA=True, ROW_STEP=step if k % (step * 1024) == 0 else 1,
-                  ROW_SCALE_AFTER=True)  # fmt: skip
+                  ROW_SCALE_AFTER=after)  # fmt: skip
     out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
     expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
     atol, rtol = TOLERANCES[dtype]
-    assert_close(out, expected, atol=atol, rtol=rtol, name=f"row mma scale after {config}")
-    exact = x.double() @ reference.dequantize_wna16(qw, s, z, g, 4, torch.float64).T
+    assert_close(out, expected, atol=atol, rtol=rtol, name=f"row mma {config}")
+    weight = reference.dequantize_wna16(qw, s, z, g, 4, torch.float64 if after else dtype)
+    exact = x.double() @ weight.double().T
     ulp = exact.abs().clamp_min(1.0) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
     assert ((out.double() - exact).abs() <= ulp).all(), (out.double() - exact).abs().max()
 
