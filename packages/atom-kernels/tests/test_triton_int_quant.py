@@ -409,26 +409,9 @@ def test_wna16_linear_row_scale_after_skips_the_weights_rounding(
                  x.new_full((1, 8), exact))  # fmt: skip
 
 
-def test_wna16_linear_row_scale_after_where_it_cannot(triton_backend, iq, monkeypatch):
-    """ROW_SCALE_AFTER asked for by a config where it cannot run fails naming the need; the
-    switch's (ATOM_WNA16_ROW_SCALE_AFTER) is dropped there: the launch as without it."""
-    device = triton_backend.device
-    row = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=2, PERMUTED_K=True, ROW_MMA=True)
-    qw, s, z, g = wna16_weight(8, 1024, 4, 16, False, False, seed=193, device=device,
-                               dtype=torch.bfloat16)  # fmt: skip
-    x = torch.randn(1, 1024, generator=_gen(194)).to(torch.bfloat16).to(device)
-    with pytest.raises(ValueError, match="ROW_SCALE_AFTER needs groups of a multiple of 128"):
-        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(row, ROW_SCALE_AFTER=True))
-    multiply_adds = dict(row, ROW_MMA=False, BLOCK_N=64, BLOCK_K=128)
-    with pytest.raises(ValueError, match="ROW_SCALE_AFTER needs ROW_MMA"):
-        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(multiply_adds, ROW_SCALE_AFTER=True))
-    before = iq.wna16_linear(x, qw, s, z, g, 4, None, config=row)
-    monkeypatch.setattr(iq, "ROW_SCALE_AFTER_ENABLED", True)
-    assert_equal(iq.wna16_linear(x, qw, s, z, g, 4, None, config=row), before)
-
-
-def test_wna16_linear_row_mma_refuses_what_it_cannot_take(triton_backend, iq):
-    """ROW_MMA asked for outside what its layout takes fails naming the need."""
+def test_wna16_linear_row_mma_refuses_what_it_cannot_take(triton_backend, iq, monkeypatch):
+    """ROW_MMA (and its ROW_SCALE_AFTER) asked for outside what its layout takes fails naming
+    the need; the switch's ROW_SCALE_AFTER (ATOM_WNA16_ROW_SCALE_AFTER) is dropped there."""
     device = triton_backend.device
     row = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=2, PERMUTED_K=True, ROW_MMA=True)
     qw, s, z, g = wna16_weight(8, 1024, 4, 8, False, False, seed=93, device=device,
@@ -456,6 +439,17 @@ def test_wna16_linear_row_mma_refuses_what_it_cannot_take(triton_backend, iq):
     x3 = torch.randn(1, 3072, generator=_gen(95)).to(torch.bfloat16).to(device)
     out = iq.wna16_linear(x3, qw, s, z, g, 4, None, config=dict(row, ROW_STEP=4))
     assert_equal(out, iq.wna16_linear(x3, qw, s, z, g, 4, None, config=row))
+    # groups of 64
+    qw, s, z, g = wna16_weight(8, 1024, 4, 16, False, False, seed=193, device=device,
+                               dtype=torch.bfloat16)  # fmt: skip
+    with pytest.raises(ValueError, match="ROW_SCALE_AFTER needs groups of a multiple of 128"):
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(row, ROW_SCALE_AFTER=True))
+    multiply_adds = dict(row, ROW_MMA=False, BLOCK_N=64, BLOCK_K=128)
+    with pytest.raises(ValueError, match="ROW_SCALE_AFTER needs ROW_MMA"):
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(multiply_adds, ROW_SCALE_AFTER=True))
+    before = iq.wna16_linear(x, qw, s, z, g, 4, None, config=row)
+    monkeypatch.setattr(iq, "ROW_SCALE_AFTER_ENABLED", True)
+    assert_equal(iq.wna16_linear(x, qw, s, z, g, 4, None, config=row), before)
 
 
 def test_wna16_linear_small_magic_refuses_other_launches(triton_backend, iq):
