@@ -64,12 +64,9 @@ def installed() -> bool:
 
 def wanted(op: str) -> bool:
     """Whether ``ATOM_FLASHINFER`` lets ``op`` use FlashInfer."""
-    setting = envs.ATOM_FLASHINFER
-    if setting in ("0", "off", "none", ""):
-        return False
-    if setting == "auto":
+    if envs.ATOM_FLASHINFER == "auto":
         return op in MEASURED_FASTER
-    return op in {name.strip() for name in setting.split(",")}
+    return named(op)
 
 
 def named(op: str) -> bool:
