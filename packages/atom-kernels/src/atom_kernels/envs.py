@@ -102,6 +102,12 @@ TABLE: tuple[Switch, ...] = (
         "rounded before them, as the reference rounds it) (A/B, not yet measured)",
     ),
     Switch(
+        "ATOM_WNA16_L2_PREFETCH", False, _is_one,
+        "the one-row W4A16 MMAs a warp a row ask L2 for each program's whole K span of its rows "
+        "(words, scales, zeros) before their K loop, one bulk prefetch a row, sm_90+ (`1`: on) "
+        "(A/B, not yet measured)",
+    ),
+    Switch(
         "ATOM_FUSED_GATE_UP", True, _not_zero,
         "fused gate/up GEMM + SiLU-and-mul (`0`: off, A/B)",
     ),
