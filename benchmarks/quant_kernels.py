@@ -209,6 +209,13 @@ ROW_L2_PREFETCH_TILES = (
     (8, 4, 1, 8, False), (8, 4, 1, 8, True), (16, 4, 1, 8, False), (8, 4, 1, 16, False),
     (4, 4, 1, 16, False), (16, 8, 1, 4, False),
 )  # fmt: skip
+# (BLOCK_N, warps, programs an SM, K splits (None: ``fill``'s), register cap (None: ptxas's))
+# of the same, one tile a step: more warps an SM (a cap below the default's 64 registers) or
+# more programs (a split of K = 4096, which ``fill`` leaves whole), named "... occupancy".
+ROW_OCCUPANCY_TILES = (
+    (8, 4, 8, None, 56), (16, 4, 8, None, None), (8, 2, 8, None, None), (8, 4, 8, 2, None),
+    (4, 4, 16, 2, None), (16, 4, 8, 2, None),
+)  # fmt: skip
 # (BLOCK_N, warps, programs an SM, K tiles a step at most) of the same, every load of a step
 # before its math (ROW_STEP), no cp.async.
 ROW_STEP_TILES = (
@@ -888,6 +895,13 @@ def _w4a16_variants(rows: int) -> list:
                           ROW_SCALE_AFTER=after, L2_PREFETCH=True)  # fmt: skip
             out.append((f"w4a16_g128 row-mma {block_n} w{warps} k{k_stages} fill{per_sm} "
                         + ("scale-after " if after else "") + "l2-prefetch", config))  # fmt: skip
+        for block_n, warps, per_sm, split, maxnreg in ROW_OCCUPANCY_TILES:
+            config = dict(_wna16_tile(block_n, warps, 1, split, bm=1, bk=1024), per_sm=per_sm,
+                          fill=True, k_stages=1, PERMUTED_K=True, ROW_MMA=True,
+                          maxnreg=maxnreg)  # fmt: skip
+            name = (f" split{split}" if split else "") + (f" r{maxnreg}" if maxnreg else "")
+            out.append((f"w4a16_g128 row-mma {block_n} w{warps} k1 fill{per_sm}{name} "
+                        "occupancy", config))  # fmt: skip
         for block_n, warps, per_sm, step in ROW_STEP_TILES:
             config = dict(_wna16_tile(block_n, warps, 1, bm=1, bk=1024), per_sm=per_sm,
                           fill=True, k_stages=1, PERMUTED_K=True, ROW_MMA=True,

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 40 item 4, one device call (one H100 / H200): the one-row W4A16 GEMMs at the Llama-3-8B
+# projections, cold L2, every row checked against the reference (quant_kernels.py --only int
+# --int-rows 1): the default tile (8 rows, 4 warps), its occupancy tiles (4 rows a warp, a
+# 56-register cap, K = 4096 split in two), the scale-after tiles and the L2-prefetch tiles
+# beside bf16 `linear`, then a table of each shape's best. Under $OUT (carry [".whl"]):
+#   int-row-sweep.json
+#   bash benchmarks/w4a16_row_sweep_call.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+export OUT
+mkdir -p "$OUT"
+. benchmarks/device_env.sh
+timeout ${SWEEP_S:-240} python3 benchmarks/quant_kernels.py --only int --int-rows 1 \
+    --int-impls "row-mma 8 w4 k1 fill8,occupancy,l2-prefetch,scale-after,bf16_linear" \
+    --out "$OUT/int-row-sweep.json" 2>&1 | grep -v Warn | tail -3
+OUT=$OUT python3 - <<'PY'
+import json, os
+d = json.load(open(f"{os.environ['OUT']}/int-row-sweep.json"))
+for r in d["results"]:
+    print(f"{r['shape'][:22]:22s} {r['impl'][:58]:58s} cold {r['ms_cold'] * 1e3:6.2f} us "
+          f"graph {r['ms_graph'] * 1e3:6.2f} us {r['of_roofline']:.0%}{' BAD' if r['bad'] else ''}")
+PY
