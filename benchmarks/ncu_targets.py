@@ -35,6 +35,8 @@ GEMM_CASES = {  # case: (projection, M): the block-FP8 GEMM's worst small-M rows
     "fp8_gemm_q_a_m16": ("q_a_proj", 16),
     "fp8_gemm_o_m16": ("o_proj", 16),
 }
+_ROW_DEFAULT = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1, k_stages=1,
+                   per_sm=8, fill=True, SPLIT_K=None, PERMUTED_K=True, ROW_MMA=True)  # fmt: skip
 # case: (INT_SHAPES projection, M, wna16_linear config): the W4A16 decode loops (issue 40), the
 # one-row multiply-adds (X_VECTOR, the one-row default) against the packed-unpack dots.
 WNA16_CASES = {
@@ -50,6 +52,9 @@ WNA16_CASES = {
         ("row_mma", dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1,
                          k_stages=2, per_sm=8, fill=True, SPLIT_K=None, PERMUTED_K=True,
                          ROW_MMA=True)),
+        ("row_mma_k1", _ROW_DEFAULT),  # the one-row default
+        ("row_l2_prefetch", dict(_ROW_DEFAULT, L2_PREFETCH=True)),
+        ("row_scale_after", dict(_ROW_DEFAULT, ROW_SCALE_AFTER=True)),
         ("quad_step4", dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1,
                             k_stages=2, per_sm=8, fill=True, SPLIT_K=None, PERMUTED_K=True,
                             QUAD_MMA=True, QUAD_STEP=4)),
