@@ -203,12 +203,6 @@ ROW_TILES = (
 # (BLOCK_N, warps, k_stages, programs an SM) of the same with the scale after the MMAs
 # (ROW_SCALE_AFTER: 4 packed float ops a word fewer), named "... scale-after".
 ROW_SCALE_AFTER_TILES = ((8, 4, 1, 8), (8, 4, 2, 8), (16, 4, 2, 8), (4, 4, 2, 16), (16, 4, 1, 4))
-# (BLOCK_N, warps, k_stages, programs an SM, scale after) of the same asking L2 for each
-# program's K span first (L2_PREFETCH: one bulk prefetch a row), named "... l2-prefetch".
-ROW_L2_PREFETCH_TILES = (
-    (8, 4, 1, 8, False), (8, 4, 1, 8, True), (16, 4, 1, 8, False), (8, 4, 1, 16, False),
-    (4, 4, 1, 16, False), (16, 8, 1, 4, False),
-)  # fmt: skip
 # (BLOCK_N, warps, programs an SM, K splits (None: ``fill``'s), register cap (None: ptxas's))
 # of the same, one tile a step: more warps an SM (a cap below the default's 64 registers) or
 # more programs (a split of K = 4096, which ``fill`` leaves whole), named "... occupancy".
@@ -889,12 +883,6 @@ def _w4a16_variants(rows: int) -> list:
                           ROW_SCALE_AFTER=True)  # fmt: skip
             out.append((f"w4a16_g128 row-mma {block_n} w{warps} k{k_stages} fill{per_sm} "
                         "scale-after", config))  # fmt: skip
-        for block_n, warps, k_stages, per_sm, after in ROW_L2_PREFETCH_TILES:
-            config = dict(_wna16_tile(block_n, warps, 1, bm=1, bk=1024), per_sm=per_sm,
-                          fill=True, k_stages=k_stages, PERMUTED_K=True, ROW_MMA=True,
-                          ROW_SCALE_AFTER=after, L2_PREFETCH=True)  # fmt: skip
-            out.append((f"w4a16_g128 row-mma {block_n} w{warps} k{k_stages} fill{per_sm} "
-                        + ("scale-after " if after else "") + "l2-prefetch", config))  # fmt: skip
         for block_n, warps, per_sm, split, maxnreg in ROW_OCCUPANCY_TILES:
             config = dict(_wna16_tile(block_n, warps, 1, split, bm=1, bk=1024), per_sm=per_sm,
                           fill=True, k_stages=1, PERMUTED_K=True, ROW_MMA=True,

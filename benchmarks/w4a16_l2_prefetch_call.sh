@@ -10,7 +10,8 @@
 #   3. the engine's Llama-3-8B W4A16 decode, batch 1: default / prefetch / scale after,
 #      alternated over two rounds (decode_ab.sh: decode-llama3-8b-w4a16-v{0,1,2}-*-r{0,1}.json).
 # The bf16 step is the next call's (the chosen default against bf16, alternated).
-#   bash benchmarks/w4a16_l2_prefetch_call.sh
+#   bash benchmarks/w4a16_l2_prefetch_call.sh   (at commit 990022f, session 34's first call:
+#   both measured slower; the prefetch was taken out after 371cfed, ATOM_WNA16_L2_PREFETCH is gone since)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}

@@ -79,7 +79,6 @@ def _wna16(cfg: dict, bits: int, zeros: bool, g_idx: bool, dtype: str = "bf16", 
         STEP_TILES=cfg.get("QUAD_STEP", cfg.get("ROW_STEP", 1)), ROW_MMA=cfg.get("ROW_MMA", False),
         GROUP_WORDS=group // 8 if cfg.get("ROW_MMA") else 4,
         ROW_SCALE_AFTER=cfg.get("ROW_SCALE_AFTER", False),
-        L2_PREFETCH=cfg.get("L2_PREFETCH", False),
         **{key: cfg.get(key, False) for key in int_quant.SMALL_MAGIC_VARIANTS},
         K_STAGES=cfg.get("k_stages", 1), IEEE=dtype == "fp32", EVEN_K=True,
         SPLIT_K=cfg["SPLIT_K"] if split else 1, GROUP_M=cfg.get("GROUP_M", 1),
@@ -125,8 +124,6 @@ def _wna16_launches() -> dict:
         if step == 1:
             after = dict(row, ROW_SCALE_AFTER=True)
             out[f"one-row row mma {block_n} w{warps} k{k_stages}, scale after, split"] = after
-            prefetch = dict(row, L2_PREFETCH=True)
-            out[f"one-row row mma {block_n} w{warps} k{k_stages}, L2 prefetch, split"] = prefetch
     out["one-row quad mma 64 w4 k2 step2, split"] = dict(
         BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1, k_stages=2, SPLIT_K=4,
         PERMUTED_K=True, QUAD_MMA=True, QUAD_STEP=2,
@@ -271,10 +268,9 @@ def _cuobjdump(kernel, flag: str) -> str:
         ).stdout
 
 
-def _main_loop_sass(kernel, longest: bool = False) -> list[str]:
+def _main_loop_sass(kernel) -> list[str]:
     """The instructions of ``kernel``'s one loop (from its backward branch to its target), by
-    cuobjdump (Triton's bundled copy) on the cubin; ``longest``: of its longest loop (the others
-    short ones, e.g. ptxas's loop over a warp's distinct addresses of a uniform instruction)."""
+    cuobjdump (Triton's bundled copy) on the cubin."""
     sass = _cuobjdump(kernel, "-sass")
     code = [
         (int(m.group(1), 16), m.group(2).strip())
@@ -285,8 +281,8 @@ def _main_loop_sass(kernel, longest: bool = False) -> list[str]:
         for addr, ins in code
         if (m := re.search(r"BRA[^;]*?0x([0-9a-f]+)", ins)) and int(m.group(1), 16) < addr
     ]
-    assert len(loops) == 1 or longest, loops
-    start, end = max(loops, key=lambda span: span[1] - span[0])
+    assert len(loops) == 1, loops
+    start, end = loops[0]
     return [ins for addr, ins in code if start <= addr <= end]
 
 
@@ -522,32 +518,3 @@ def test_row_mma_scale_after_main_loop_sass(zeros, dtype):
     # (fp16: the scale's conversion to fp32 is an HADD2.F32, one a 4 words)
     assert fmas[False] - fmas[True] == 4 * words - (2 if dtype == "fp16" else 0), fmas
     assert len(loops[True]) < len(loops[False]) - 3 * words, {k: len(v) for k, v in loops.items()}
-
-
-@pytest.mark.parametrize("zeros", [False, True])
-def test_row_mma_l2_prefetch_before_the_loop(zeros):
-    """L2_PREFETCH at the default launch (8 rows, 4 warps: 2 rows a warp): one bulk prefetch
-    (UBLKPF.L2) a row for the words and one for the scales (and the zeros), each a lane's of
-    its warp's rows, all before the K loop, whose SASS is the very loop without them."""
-    cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=4,
-               PERMUTED_K=True, ROW_MMA=True)  # fmt: skip
-    plain = _wna16(cfg, 4, zeros, False)
-    kernel = _wna16(dict(cfg, L2_PREFETCH=True), 4, zeros, False)
-    ptx = kernel.asm["ptx"]
-    spans = 3 if zeros else 2
-    assert ptx.count("cp.async.bulk.prefetch.L2.global") == 2 * spans
-    assert "cp.async.bulk.prefetch" not in plain.asm["ptx"]
-    sass = _cuobjdump(kernel, "-sass")
-    assert "UBLKPF.L2" in sass
-    loop = _main_loop_sass(kernel, longest=True)
-    assert not any("UBLKPF" in ins for ins in loop)
-    before = _main_loop_sass(plain)
-
-    def ops(body, name):
-        return sum(1 for ins in body if re.match(rf"(@\S+\s+)?{name}\b", ins))
-
-    for name in ("HMMA", "LDG", "HFMA2"):  # the same loop, other registers
-        assert ops(loop, name) == ops(before, name), name
-    assert abs(len(loop) - len(before)) <= 8, (len(loop), len(before))
-    assert _registers(kernel) <= _registers(plain) + 8, (_registers(kernel), _registers(plain))
-    assert "ld.local" not in ptx

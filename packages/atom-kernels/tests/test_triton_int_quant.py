@@ -410,9 +410,8 @@ def test_wna16_linear_row_scale_after_skips_the_weights_rounding(
 
 
 def test_wna16_linear_row_mma_refuses_what_it_cannot_take(triton_backend, iq, monkeypatch):
-    """ROW_MMA (and its ROW_SCALE_AFTER and L2_PREFETCH) asked for outside what its layout
-    takes fails naming the need; the switches' (ATOM_WNA16_ROW_SCALE_AFTER,
-    ATOM_WNA16_L2_PREFETCH) are dropped there."""
+    """ROW_MMA (and its ROW_SCALE_AFTER) asked for outside what its layout takes fails naming
+    the need; the switch's ROW_SCALE_AFTER (ATOM_WNA16_ROW_SCALE_AFTER) is dropped there."""
     device = triton_backend.device
     row = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=2, PERMUTED_K=True, ROW_MMA=True)
     qw, s, z, g = wna16_weight(8, 1024, 4, 8, False, False, seed=93, device=device,
@@ -448,14 +447,8 @@ def test_wna16_linear_row_mma_refuses_what_it_cannot_take(triton_backend, iq, mo
     multiply_adds = dict(row, ROW_MMA=False, BLOCK_N=64, BLOCK_K=128)
     with pytest.raises(ValueError, match="ROW_SCALE_AFTER needs ROW_MMA"):
         iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(multiply_adds, ROW_SCALE_AFTER=True))
-    with pytest.raises(ValueError, match="L2_PREFETCH needs ROW_MMA"):
-        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(multiply_adds, L2_PREFETCH=True))
     before = iq.wna16_linear(x, qw, s, z, g, 4, None, config=row)
-    if device.type != "cuda":  # the interpreter: no bulk prefetch
-        with pytest.raises(ValueError, match="L2_PREFETCH needs an sm_90"):
-            iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(row, L2_PREFETCH=True))
     monkeypatch.setattr(iq, "ROW_SCALE_AFTER_ENABLED", True)
-    monkeypatch.setattr(iq, "L2_PREFETCH_ENABLED", True)
     assert_equal(iq.wna16_linear(x, qw, s, z, g, 4, None, config=row), before)
 
 
@@ -925,41 +918,6 @@ def test_wna16_linear_gpu_row_mma(triton_backend, iq, tile, dtype, group, zeros,
     exact = x.double() @ weight.double().T
     ulp = exact.abs().clamp_min(1.0) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
     assert ((out.double() - exact).abs() <= ulp).all(), (out.double() - exact).abs().max()
-
-
-# (tile as ROW_MMA_GPU's, dtype, group (0: channel-wise: a row's scales 2 bytes, not 16-byte
-# aligned), zeros, scale after) of ROW_MMA with L2_PREFETCH on a GPU.
-ROW_L2_PREFETCH_GPU = [
-    ((8, 4, 1, 8), torch.bfloat16, 128, False, False), ((8, 4, 1, 8), torch.float16, 32, True,
-    False), ((8, 4, 1, 8), torch.bfloat16, 0, True, False), ((8, 4, 2, 8), torch.bfloat16, 128,
-    True, True), ((16, 8, 1, 8, 2), torch.bfloat16, 128, False, True),
-]  # fmt: skip
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("tile", "dtype", "group", "zeros", "after"), ROW_L2_PREFETCH_GPU,
-                         ids=str)  # fmt: skip
-@pytest.mark.parametrize(("n", "k"), [*LLAMA3_8B, (1000, 3072)])
-def test_wna16_linear_gpu_row_mma_l2_prefetch(triton_backend, iq, tile, dtype, group, zeros,
-                                              after, n, k):  # fmt: skip
-    """ROW_MMA with each program's K span asked of L2 first (L2_PREFETCH: the bulk prefetch's
-    PTX, the spans of the words, scales and zeros of split and ragged launches, channel-wise
-    scales' unaligned rows): a hint, so the very sums without it."""
-    block_n, warps, k_stages, per_sm, step = (*tile, 1)[:5]
-    group = group or k
-    qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=111, device="cuda",
-                               dtype=dtype)  # fmt: skip
-    x = torch.randn(1, k, generator=_gen(112)).to(dtype).cuda()
-    config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, num_stages=1,
-                  k_stages=k_stages, per_sm=per_sm, fill=True, SPLIT_K=None, PERMUTED_K=True,
-                  ROW_MMA=True, ROW_STEP=step if k % (step * 1024) == 0 else 1,
-                  ROW_SCALE_AFTER=after and group % 128 == 0)  # fmt: skip
-    plain = iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(config, L2_PREFETCH=False))
-    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(config, L2_PREFETCH=True))
-    assert_equal(out, plain)
-    atol, rtol = TOLERANCES[dtype]
-    expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
-    assert_close(out, expected, atol=atol, rtol=rtol, name=f"row mma l2 prefetch {config}")
 
 
 # (tile (BLOCK_N, warps, stages), dtype, group (0: channel-wise), zeros) of the packed dots' GPU

@@ -99,13 +99,7 @@ TABLE: tuple[Switch, ...] = (
         "ATOM_WNA16_ROW_SCALE_AFTER", False, _is_one,
         "the one-row W4A16 MMAs a warp a row with the scale applied after the MMAs, in fp32, "
         "where a group is a multiple of 128 values (`1`: on; off: each weight scaled and "
-        "rounded before them, as the reference rounds it) (A/B, not yet measured)",
-    ),
-    Switch(
-        "ATOM_WNA16_L2_PREFETCH", False, _is_one,
-        "the one-row W4A16 MMAs a warp a row ask L2 for each program's whole K span of its rows "
-        "(words, scales, zeros) before their K loop, one bulk prefetch a row, sm_90+ (`1`: on) "
-        "(A/B, not yet measured)",
+        "rounded before them, as the reference rounds it) (A/B: measured slower, session 34)",
     ),
     Switch(
         "ATOM_FUSED_GATE_UP", True, _not_zero,

@@ -44,7 +44,7 @@ from atom_kernels import envs
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
 from atom_kernels.backends.triton.int_quant_packed_dot import _packed_dot_k_loop
 from atom_kernels.backends.triton.int_quant_quad_mma import _quad_mma_k_loop
-from atom_kernels.backends.triton.int_quant_row_mma import _row_mma_k_loop, row_l2_prefetch
+from atom_kernels.backends.triton.int_quant_row_mma import _row_mma_k_loop
 from atom_kernels.backends.triton.int_quant_small_magic import (
     SMALL_MAGIC_VARIANTS,
     _small_magic_k_loop,
@@ -61,7 +61,6 @@ QUAD_ENABLED = envs.ATOM_WNA16_QUAD
 # ROW_MMA with the scale after its MMAs where the groups allow (ROW_SCALE_AFTER: groups of a
 # multiple of 128 values); ATOM_WNA16_ROW_SCALE_AFTER=1 turns it on (an A/B, not measured yet).
 ROW_SCALE_AFTER_ENABLED = envs.ATOM_WNA16_ROW_SCALE_AFTER
-L2_PREFETCH_ENABLED = envs.ATOM_WNA16_L2_PREFETCH
 PACKED_DOT_MIN_ROWS = 2
 PACKED_DOT_MAX_ROWS = 16
 # From this many rows the default's packed dots read x as one load split in registers (X_SPLIT)
@@ -365,7 +364,6 @@ def _wna16_kernel(
     ROW_MMA: tl.constexpr = False,  # one row, 4-bit, 16-bit x: _row_mma_k_loop
     GROUP_WORDS: tl.constexpr = 4,  # ROW_MMA: words a group
     ROW_SCALE_AFTER: tl.constexpr = False,  # ROW_MMA: the scale after the MMAs
-    L2_PREFETCH: tl.constexpr = False,  # ROW_MMA, sm_90+: the program's K span asked of L2 first
 ):
     pid_m, pid_n = _tile_ids(M, N, GROUP_M, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -376,9 +374,6 @@ def _wna16_kernel(
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     k_lo = tl.program_id(1) * k_tiles_per_split * BLOCK_K
     k_hi = tl.minimum(K, k_lo + k_tiles_per_split * BLOCK_K)
-    if L2_PREFETCH:
-        row_l2_prefetch(q_ptr, s_ptr, z_ptr, rows, k_lo, k_hi, group_size, stride_qn,
-                        stride_sn, stride_zn, HAS_ZEROS)  # fmt: skip
     if ROW_MMA:
         acc = _row_mma_k_loop(
             x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, k_lo, k_hi, stride_xm, stride_qn,
@@ -769,21 +764,6 @@ def _row_scale_after(cfg: dict, override: dict, group_size: int, row: bool) -> b
     return asked and not why
 
 
-def _l2_prefetch(cfg: dict, override: dict, x: torch.Tensor, row: bool) -> bool:
-    """Whether ROW_MMA (``row``) asks L2 for its programs' K spans first (``int_quant_row_mma``'s
-    L2_PREFETCH): asked for (the config's ``L2_PREFETCH``, else ATOM_WNA16_L2_PREFETCH) on an
-    sm_90+ NVIDIA GPU (the bulk prefetch's PTX); the switch's where it cannot is dropped, an
-    explicit config's raises."""
-    asked = bool(cfg.get("L2_PREFETCH", L2_PREFETCH_ENABLED))
-    why = [] if row else ["ROW_MMA"]
-    gpu = x.device.type == "cuda" and not torch.version.hip and not is_interpreted(x.device)
-    if not gpu or torch.cuda.get_device_capability(x.device)[0] < 9:
-        why.append("an sm_90+ NVIDIA GPU (cp.async.bulk.prefetch)")
-    if asked and why and override.get("L2_PREFETCH"):
-        raise ValueError(f"wna16_linear: L2_PREFETCH needs {' and '.join(why)}")
-    return asked and not why
-
-
 def _group_tiles(group_size: int) -> int:
     """QUAD_MMA's K tiles a group as a constant divisor (1, 2, 4 or 8), else 0 (divided at run
     time: channel-wise scales, large groups)."""
@@ -902,7 +882,6 @@ def wna16_linear(
         while k % (step * ROW_BLOCK_K):
             step //= 2
     scale_after = _row_scale_after(cfg, config or {}, group_size, row)
-    l2_prefetch = _l2_prefetch(cfg, config or {}, x, row)
     splits, per_split, counters = _launch_split(x.device, tiles, k, cfg, step)
     scale_per_tile = per_tile and group_size % block_k == 0
     # Decode tiles dot q - zero and scale each tile's result (no multiply a weight); prefill tiles
@@ -923,7 +902,7 @@ def wna16_linear(
         IEEE=x.dtype == torch.float32,
         PACKED_DOT=packed_dot, QUAD_MMA=quad, GROUP_TILES=_group_tiles(group_size) if quad else 0,
         STEP_TILES=step, ROW_MMA=row, GROUP_WORDS=group_size // 8 if row else 4,
-        ROW_SCALE_AFTER=scale_after, L2_PREFETCH=l2_prefetch,
+        ROW_SCALE_AFTER=scale_after,
         ASM=(packed_dot or quad or row) and x.device.type == "cuda" and not torch.version.hip,
         EVEN_K=k % block_k == 0,
         SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),

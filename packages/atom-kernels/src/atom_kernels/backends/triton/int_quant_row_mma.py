@@ -24,12 +24,6 @@ unscaled, q - zero exact in x's dtype, and multiplies the diagonal element by th
 in fp32 once per 4 words: 4 packed FMAs a word fewer, and the sum no longer carries the
 reference's rounding of each weight to x's dtype (a more exact sum, not the same one).
 
-``L2_PREFETCH`` (sm_90+) asks L2, before the K loop, for everything the program will read of
-its rows: one ``cp.async.bulk.prefetch.L2`` a row for its words from k_lo to k_hi (the TMA unit
-fetches them; no register or shared memory holds them) and one for its scales (and zeros). The
-loop's loads then wait on L2, not DRAM: a program's bytes in flight are no longer the one tile
-its registers hold, but its whole K span (8 rows x 2 KB at K = 4096).
-
 The MMAs are inline PTX (``tl.inline_asm_elementwise``, a lane's 4 words an instance; sm_80+):
 NVIDIA only. Triton's interpreter takes the same values from ``_row_plain`` (each lane's 4
 words' dot at its first element), so the interpreter tests the loop's bookkeeping; the PTX is
@@ -158,44 +152,6 @@ _ASM_FP16_AFTER = tl.constexpr(_row_asm(False, False, True))
 _ASM_FP16_ZEROS_AFTER = tl.constexpr(_row_asm(False, True, True))
 _CONSTRAINTS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 4))
 _CONSTRAINTS_ZEROS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 4 + ["r"] * 2))
-
-
-# One prefetch a tensor element whose size is not zero: $1 the address (16-byte aligned), $2 the
-# bytes (a multiple of 16). A hint: nothing is read back, no fault is raised.
-_L2_SPAN_ASM = tl.constexpr(
-    "{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\n"
-    "@p cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;\n}"
-)
-
-
-@triton.jit
-def _l2_spans(lo, hi, first):
-    """Prefetch the bytes [lo, hi) (int64 addresses) into L2 where ``first``, the span widened
-    to 16-byte bounds (inside the 16-byte pieces that hold its bytes: mapped memory)."""
-    start = lo & -16
-    size = tl.where(first, ((hi + 15) & -16) - start, 0).to(tl.int32)
-    tl.inline_asm_elementwise(_L2_SPAN_ASM, "=r,l,r", [start, size], dtype=tl.int32,
-                              is_pure=False, pack=1)  # fmt: skip
-
-
-@triton.jit
-def row_l2_prefetch(q_ptr, s_ptr, z_ptr, rows, k_lo, k_hi, group_size, stride_qn, stride_sn,
-                    stride_zn, HAS_ZEROS: tl.constexpr):  # fmt: skip
-    """``L2_PREFETCH`` (module docstring): the words (4-bit, 8 a word) and the scales (and
-    zeros) of ``rows`` [BLOCK_N] for k_lo <= k < k_hi asked of L2, one prefetch a row (a
-    [BLOCK_N, 32] tile's first column issues them: no thread issues a row twice)."""
-    BLOCK_N: tl.constexpr = rows.shape[0]
-    first = tl.broadcast_to((tl.arange(0, 32) == 0)[None, :], [BLOCK_N, 32])
-    r = tl.broadcast_to(rows[:, None], [BLOCK_N, 32])
-    words = q_ptr + r * stride_qn
-    _l2_spans((words + k_lo // 8).to(tl.int64), (words + k_hi // 8).to(tl.int64), first)
-    g_lo = k_lo // group_size
-    g_hi = (k_hi + group_size - 1) // group_size
-    scales = s_ptr + r * stride_sn
-    _l2_spans((scales + g_lo).to(tl.int64), (scales + g_hi).to(tl.int64), first)
-    if HAS_ZEROS:
-        zeros = z_ptr + r * stride_zn
-        _l2_spans((zeros + g_lo).to(tl.int64), (zeros + g_hi).to(tl.int64), first)
 
 
 @triton.jit
