@@ -7,7 +7,9 @@
 #      and its two modifiers beside bf16 `linear` (int-words-cache.json);
 #   3. the engine's Llama-3-8B W4A16 decode at batch 1: default / .cg / .cs alternated over two
 #      rounds (decode_ab.sh: decode-llama3-8b-w4a16-v{0,1,2}-*-r{0,1}.json).
-#   bash benchmarks/w4a16_words_cache_call.sh
+#   bash benchmarks/w4a16_words_cache_call.sh   (at commit 7360450, session 34's fourth call: .cg
+#   timed the same as the default, .cs does not compile on the device's Triton 3.6; the knob was
+#   taken out in the next commit, ATOM_WNA16_WORDS_CACHE is gone since)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}

@@ -78,7 +78,7 @@ def _wna16(cfg: dict, bits: int, zeros: bool, g_idx: bool, dtype: str = "bf16", 
         GROUP_TILES=int_quant._group_tiles(group) if cfg.get("QUAD_MMA") else 0,
         STEP_TILES=cfg.get("QUAD_STEP", cfg.get("ROW_STEP", 1)), ROW_MMA=cfg.get("ROW_MMA", False),
         GROUP_WORDS=group // 8 if cfg.get("ROW_MMA") else 4,
-        ROW_SCALE_AFTER=cfg.get("ROW_SCALE_AFTER", False), WORDS_CACHE=cfg.get("WORDS_CACHE", ""),
+        ROW_SCALE_AFTER=cfg.get("ROW_SCALE_AFTER", False),
         **{key: cfg.get(key, False) for key in int_quant.SMALL_MAGIC_VARIANTS},
         K_STAGES=cfg.get("k_stages", 1), IEEE=dtype == "fp32", EVEN_K=True,
         SPLIT_K=cfg["SPLIT_K"] if split else 1, GROUP_M=cfg.get("GROUP_M", 1),
@@ -518,20 +518,3 @@ def test_row_mma_scale_after_main_loop_sass(zeros, dtype):
     # (fp16: the scale's conversion to fp32 is an HADD2.F32, one a 4 words)
     assert fmas[False] - fmas[True] == 4 * words - (2 if dtype == "fp16" else 0), fmas
     assert len(loops[True]) < len(loops[False]) - 3 * words, {k: len(v) for k, v in loops.items()}
-
-
-@pytest.mark.parametrize("cache", [".cg", ".cs"])
-def test_row_mma_words_cache_modifier(cache):
-    """WORDS_CACHE: the default launch's weight loads take the modifier (the PTX's 16-byte
-    loads of the words ld.global.cg / .cs), and the rest of its main loop is the same."""
-    cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=4,
-               PERMUTED_K=True, ROW_MMA=True)  # fmt: skip
-    plain = _wna16(cfg, 4, False, False)
-    kernel = _wna16(dict(cfg, WORDS_CACHE=cache), 4, False, False)
-
-    def vector_loads(k):  # a thread's 16-byte loads: its 2 rows' words, x's (.nc)
-        return re.findall(r"ld\.global[\w.]*\.v4\.b32", k.asm["ptx"])
-
-    assert [ins for ins in vector_loads(kernel) if cache in ins] == [f"ld.global{cache}.v4.b32"] * 2
-    assert not [ins for ins in vector_loads(plain) if cache in ins]
-    assert len(_main_loop_sass(kernel)) == len(_main_loop_sass(plain))

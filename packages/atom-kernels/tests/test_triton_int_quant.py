@@ -411,8 +411,7 @@ def test_wna16_linear_row_scale_after_skips_the_weights_rounding(
 
 def test_wna16_linear_row_mma_refuses_what_it_cannot_take(triton_backend, iq, monkeypatch):
     """ROW_MMA (and its ROW_SCALE_AFTER) asked for outside what its layout takes fails naming
-    the need; the switch's ROW_SCALE_AFTER (ATOM_WNA16_ROW_SCALE_AFTER) is dropped there; its
-    words' cache modifier (WORDS_CACHE) changes no sum and takes only "", ".cg", ".cs"."""
+    the need; the switch's ROW_SCALE_AFTER (ATOM_WNA16_ROW_SCALE_AFTER) is dropped there."""
     device = triton_backend.device
     row = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=2, PERMUTED_K=True, ROW_MMA=True)
     qw, s, z, g = wna16_weight(8, 1024, 4, 8, False, False, seed=93, device=device,
@@ -451,11 +450,6 @@ def test_wna16_linear_row_mma_refuses_what_it_cannot_take(triton_backend, iq, mo
     before = iq.wna16_linear(x, qw, s, z, g, 4, None, config=row)
     monkeypatch.setattr(iq, "ROW_SCALE_AFTER_ENABLED", True)
     assert_equal(iq.wna16_linear(x, qw, s, z, g, 4, None, config=row), before)
-    # the words' cache modifier: a hint (the same sums), one of three
-    assert_equal(iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(row, WORDS_CACHE=".cs")),
-                 before)  # fmt: skip
-    with pytest.raises(ValueError, match="WORDS_CACHE '.ca'"):
-        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(row, WORDS_CACHE=".ca"))
 
 
 def test_wna16_linear_small_magic_refuses_other_launches(triton_backend, iq):
@@ -924,23 +918,6 @@ def test_wna16_linear_gpu_row_mma(triton_backend, iq, tile, dtype, group, zeros,
     exact = x.double() @ weight.double().T
     ulp = exact.abs().clamp_min(1.0) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
     assert ((out.double() - exact).abs() <= ulp).all(), (out.double() - exact).abs().max()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cache", [".cg", ".cs"])
-@pytest.mark.parametrize("zeros", [False, True])
-@pytest.mark.parametrize(("n", "k"), LLAMA3_8B)
-def test_wna16_linear_gpu_row_mma_words_cache(triton_backend, iq, cache, zeros, n, k):
-    """ROW_MMA's default launch with its words loaded ".cg" / ".cs" (WORDS_CACHE): the very
-    sums of the default loads."""
-    qw, s, z, g = wna16_weight(n, k, 4, k // 128, zeros, False, seed=121, device="cuda",
-                               dtype=torch.bfloat16)  # fmt: skip
-    x = torch.randn(1, k, generator=_gen(122)).to(torch.bfloat16).cuda()
-    config = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1, k_stages=1,
-                  per_sm=8, fill=True, SPLIT_K=None, PERMUTED_K=True, ROW_MMA=True)  # fmt: skip
-    plain = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
-    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(config, WORDS_CACHE=cache))
-    assert_equal(out, plain)
 
 
 # (tile (BLOCK_N, warps, stages), dtype, group (0: channel-wise), zeros) of the packed dots' GPU

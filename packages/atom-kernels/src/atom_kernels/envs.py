@@ -102,11 +102,6 @@ TABLE: tuple[Switch, ...] = (
         "rounded before them, as the reference rounds it) (A/B: measured slower, session 34)",
     ),
     Switch(
-        "ATOM_WNA16_WORDS_CACHE", "", _lower,
-        "the cache modifier of the one-row W4A16 MMAs' weight loads: empty (the default "
-        "caching), `.cg` (L2 only) or `.cs` (streaming) (A/B, not yet measured)",
-    ),
-    Switch(
         "ATOM_FUSED_GATE_UP", True, _not_zero,
         "fused gate/up GEMM + SiLU-and-mul (`0`: off, A/B)",
     ),

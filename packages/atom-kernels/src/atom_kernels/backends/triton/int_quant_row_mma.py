@@ -214,10 +214,9 @@ def _row_x_pairs(x_ptrs, shape, ASM: tl.constexpr):
 @triton.jit
 def _row_tile_loads(q_ptrs, x_ptrs, s_ptr, z_ptr, rows, offs_w, k0, stride_sn, stride_zn,
                     HAS_ZEROS: tl.constexpr, ASM: tl.constexpr, GROUP_WORDS: tl.constexpr,
-                    DTYPE: tl.constexpr, WORDS_CACHE: tl.constexpr = ""):  # fmt: skip
-    """(words, scales, -(magic + zero), the 4 x pair tensors) of the K tile at k0 (the words
-    with the cache modifier WORDS_CACHE: "" the default, ".cg" L2 only, ".cs" streaming)."""
-    words = tl.load(q_ptrs + k0 // 8, cache_modifier=WORDS_CACHE)
+                    DTYPE: tl.constexpr):  # fmt: skip
+    """(words, scales, -(magic + zero), the 4 x pair tensors) of the K tile at k0."""
+    words = tl.load(q_ptrs + k0 // 8)
     groups = (k0 // 8 + offs_w) // GROUP_WORDS  # [128]: a word's group
     s_ptrs = s_ptr + rows[:, None] * stride_sn + groups[None, :]
     s = _row_scalar(s_ptrs, ASM).to(DTYPE)
@@ -266,7 +265,6 @@ def _row_mma_k_loop(
     stride_zn, HAS_ZEROS: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, GROUP_WORDS: tl.constexpr, K_STAGES: tl.constexpr = 1,
     STEP_TILES: tl.constexpr = 1, SCALE_AFTER: tl.constexpr = False,
-    WORDS_CACHE: tl.constexpr = "",
 ):  # fmt: skip
     """The [1, BLOCK_N] fp32 sums of k_lo <= k < k_hi of one row (4-bit weights, 16-bit x, K a
     multiple of 1024; ``GROUP_WORDS``: words a group, a multiple of 4): per 1024-deep tile a
@@ -275,7 +273,7 @@ def _row_mma_k_loop(
     not). ``STEP_TILES``: tiles a step, every load of the step (words, scales, x) issued
     before its math: that many tiles' memory latency met at once (the split's K a multiple of
     1024 * STEP_TILES). ``SCALE_AFTER``: the scale after the MMAs (``GROUP_WORDS`` a multiple
-    of 16). ``WORDS_CACHE``: the words' loads' cache modifier ("", ".cg" or ".cs")."""
+    of 16)."""
     tl.static_assert(not SCALE_AFTER or GROUP_WORDS % 16 == 0,
                      "SCALE_AFTER needs groups of a multiple of 128 values")  # fmt: skip
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
@@ -290,7 +288,7 @@ def _row_mma_k_loop(
         for t in tl.static_range(STEP_TILES):  # the step's loads, then its math
             loaded = loaded + [_row_tile_loads(
                 q_ptrs, x_ptrs, s_ptr, z_ptr, rows, offs_w, k0 + t * BLOCK_K, stride_sn,
-                stride_zn, HAS_ZEROS, ASM, GROUP_WORDS, DTYPE, WORDS_CACHE,
+                stride_zn, HAS_ZEROS, ASM, GROUP_WORDS, DTYPE,
             )]  # fmt: skip
         for t in tl.static_range(STEP_TILES):
             words, s, nz, xa, xb, xc, xd = loaded[t]
