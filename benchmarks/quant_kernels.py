@@ -210,9 +210,6 @@ ROW_OCCUPANCY_TILES = (
     (8, 4, 8, None, 56), (16, 4, 8, None, None), (8, 2, 8, None, None), (8, 4, 8, 2, None),
     (4, 4, 16, 2, None), (16, 4, 8, 2, None),
 )  # fmt: skip
-# (L2_AHEAD, ROW_STEP) of the default one-row tile asking L2 for its words that many steps
-# ahead, named "... l2-ahead{D}".
-ROW_L2_AHEAD = ((1, 1), (2, 1), (3, 1), (1, 2))
 # (BLOCK_N, warps, programs an SM, K tiles a step at most) of the same, every load of a step
 # before its math (ROW_STEP), no cp.async.
 ROW_STEP_TILES = (
@@ -893,11 +890,6 @@ def _w4a16_variants(rows: int) -> list:
             name = (f" split{split}" if split else "") + (f" r{maxnreg}" if maxnreg else "")
             out.append((f"w4a16_g128 row-mma {block_n} w{warps} k1 fill{per_sm}{name} "
                         "occupancy", config))  # fmt: skip
-        for ahead, step in ROW_L2_AHEAD:
-            config = dict(_wna16_tile(8, 4, 1, bm=1, bk=1024), per_sm=8, fill=True, k_stages=1,
-                          PERMUTED_K=True, ROW_MMA=True, ROW_STEP=step, L2_AHEAD=ahead)  # fmt: skip
-            out.append(("w4a16_g128 row-mma 8 w4 k1 fill8" + (f" step{step}" if step > 1 else "")
-                        + f" l2-ahead{ahead}", config))  # fmt: skip
         for block_n, warps, per_sm, step in ROW_STEP_TILES:
             config = dict(_wna16_tile(block_n, warps, 1, bm=1, bk=1024), per_sm=per_sm,
                           fill=True, k_stages=1, PERMUTED_K=True, ROW_MMA=True,

@@ -7,7 +7,8 @@
 #      and its prefetch distances beside bf16 `linear` (int-l2-ahead.json);
 #   3. the engine's Llama-3-8B W4A16 decode at batch 1: 0 / 1 / 2 steps ahead alternated over
 #      two rounds (decode_ab.sh: decode-llama3-8b-w4a16-v{0,1,2}-*-r{0,1}.json).
-#   bash benchmarks/w4a16_l2_ahead_call.sh
+#   bash benchmarks/w4a16_l2_ahead_call.sh   (at commit 6453d11, session 34's fifth call: both
+#   distances slower; the prefetch was taken out in the next commit, ATOM_WNA16_L2_AHEAD is gone)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}

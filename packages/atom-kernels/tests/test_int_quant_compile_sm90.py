@@ -78,7 +78,7 @@ def _wna16(cfg: dict, bits: int, zeros: bool, g_idx: bool, dtype: str = "bf16", 
         GROUP_TILES=int_quant._group_tiles(group) if cfg.get("QUAD_MMA") else 0,
         STEP_TILES=cfg.get("QUAD_STEP", cfg.get("ROW_STEP", 1)), ROW_MMA=cfg.get("ROW_MMA", False),
         GROUP_WORDS=group // 8 if cfg.get("ROW_MMA") else 4,
-        ROW_SCALE_AFTER=cfg.get("ROW_SCALE_AFTER", False), L2_AHEAD=cfg.get("L2_AHEAD", 0),
+        ROW_SCALE_AFTER=cfg.get("ROW_SCALE_AFTER", False),
         **{key: cfg.get(key, False) for key in int_quant.SMALL_MAGIC_VARIANTS},
         K_STAGES=cfg.get("k_stages", 1), IEEE=dtype == "fp32", EVEN_K=True,
         SPLIT_K=cfg["SPLIT_K"] if split else 1, GROUP_M=cfg.get("GROUP_M", 1),
@@ -518,20 +518,3 @@ def test_row_mma_scale_after_main_loop_sass(zeros, dtype):
     # (fp16: the scale's conversion to fp32 is an HADD2.F32, one a 4 words)
     assert fmas[False] - fmas[True] == 4 * words - (2 if dtype == "fp16" else 0), fmas
     assert len(loops[True]) < len(loops[False]) - 3 * words, {k: len(v) for k, v in loops.items()}
-
-
-@pytest.mark.parametrize("ahead", [1, 2])
-def test_row_mma_l2_ahead_prefetches_in_the_loop(ahead):
-    """L2_AHEAD at the default launch: a thread's one ``prefetch.global.L2`` a step in the main
-    loop (CCTL.E.PF2; ahead - 1 more before it), no register more, no spill."""
-    cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=4,
-               PERMUTED_K=True, ROW_MMA=True)  # fmt: skip
-    plain = _wna16(cfg, 4, False, False)
-    kernel = _wna16(dict(cfg, L2_AHEAD=ahead), 4, False, False)
-    assert kernel.asm["ptx"].count("prefetch.global.L2") == ahead
-    assert "prefetch.global.L2" not in plain.asm["ptx"]
-    loop = _main_loop_sass(kernel)
-    assert sum("CCTL.E.PF2" in ins for ins in loop) == 1
-    assert len(loop) <= len(_main_loop_sass(plain)) + 8
-    assert _registers(kernel) <= _registers(plain)
-    assert "ld.local" not in kernel.asm["ptx"]

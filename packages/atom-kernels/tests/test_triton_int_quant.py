@@ -410,9 +410,8 @@ def test_wna16_linear_row_scale_after_skips_the_weights_rounding(
 
 
 def test_wna16_linear_row_mma_refuses_what_it_cannot_take(triton_backend, iq, monkeypatch):
-    """ROW_MMA (and its ROW_SCALE_AFTER and L2_AHEAD) asked for outside what its layout takes
-    fails naming the need; the switches' (ATOM_WNA16_ROW_SCALE_AFTER, ATOM_WNA16_L2_AHEAD) are
-    dropped there."""
+    """ROW_MMA (and its ROW_SCALE_AFTER) asked for outside what its layout takes fails naming
+    the need; the switch's ROW_SCALE_AFTER (ATOM_WNA16_ROW_SCALE_AFTER) is dropped there."""
     device = triton_backend.device
     row = dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=2, PERMUTED_K=True, ROW_MMA=True)
     qw, s, z, g = wna16_weight(8, 1024, 4, 8, False, False, seed=93, device=device,
@@ -448,19 +447,8 @@ def test_wna16_linear_row_mma_refuses_what_it_cannot_take(triton_backend, iq, mo
     multiply_adds = dict(row, ROW_MMA=False, BLOCK_N=64, BLOCK_K=128)
     with pytest.raises(ValueError, match="ROW_SCALE_AFTER needs ROW_MMA"):
         iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(multiply_adds, ROW_SCALE_AFTER=True))
-    with pytest.raises(ValueError, match="L2_AHEAD -1 needs 0"):
-        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(row, L2_AHEAD=-1))
-    with pytest.raises(ValueError, match="L2_AHEAD 1 needs 0, or ROW_MMA"):
-        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(multiply_adds, L2_AHEAD=1))
     before = iq.wna16_linear(x, qw, s, z, g, 4, None, config=row)
-    if device.type != "cuda":  # the interpreter: no prefetch PTX
-        with pytest.raises(ValueError, match="L2_AHEAD 1 needs 0, or ROW_MMA on an NVIDIA GPU"):
-            iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(row, L2_AHEAD=1))
-    else:  # a hint: the same sums
-        out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(row, L2_AHEAD=1))
-        assert_equal(out, before)
     monkeypatch.setattr(iq, "ROW_SCALE_AFTER_ENABLED", True)
-    monkeypatch.setattr(iq, "L2_AHEAD", 2)
     assert_equal(iq.wna16_linear(x, qw, s, z, g, 4, None, config=row), before)
 
 
@@ -930,23 +918,6 @@ def test_wna16_linear_gpu_row_mma(triton_backend, iq, tile, dtype, group, zeros,
     exact = x.double() @ weight.double().T
     ulp = exact.abs().clamp_min(1.0) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
     assert ((out.double() - exact).abs() <= ulp).all(), (out.double() - exact).abs().max()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("ahead", "step", "zeros"), [(1, 1, False), (2, 1, True), (1, 2, False)])
-@pytest.mark.parametrize(("n", "k"), [*LLAMA3_8B, (1000, 3072)])
-def test_wna16_linear_gpu_row_mma_l2_ahead(triton_backend, iq, ahead, step, zeros, n, k):
-    """ROW_MMA asking L2 for its words ``ahead`` steps on (L2_AHEAD; the prefetch PTX, past
-    the split's end masked: split and ragged launches): the very sums without it."""
-    qw, s, z, g = wna16_weight(n, k, 4, k // 128, zeros, False, seed=131, device="cuda",
-                               dtype=torch.bfloat16)  # fmt: skip
-    x = torch.randn(1, k, generator=_gen(132)).to(torch.bfloat16).cuda()
-    config = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1, k_stages=1,
-                  per_sm=8, fill=True, SPLIT_K=None, PERMUTED_K=True, ROW_MMA=True,
-                  ROW_STEP=step if k % (step * 1024) == 0 else 1)  # fmt: skip
-    plain = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
-    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(config, L2_AHEAD=ahead))
-    assert_equal(out, plain)
 
 
 # (tile (BLOCK_N, warps, stages), dtype, group (0: channel-wise), zeros) of the packed dots' GPU

@@ -102,11 +102,6 @@ TABLE: tuple[Switch, ...] = (
         "rounded before them, as the reference rounds it) (A/B: measured slower, session 34)",
     ),
     Switch(
-        "ATOM_WNA16_L2_AHEAD", 0, int,
-        "steps ahead the one-row W4A16 MMAs a warp a row ask L2 for their words, one "
-        "`prefetch.global.L2` a 128-byte line (`0`: none) (A/B, not yet measured)",
-    ),
-    Switch(
         "ATOM_FUSED_GATE_UP", True, _not_zero,
         "fused gate/up GEMM + SiLU-and-mul (`0`: off, A/B)",
     ),

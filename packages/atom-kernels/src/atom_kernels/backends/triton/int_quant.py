@@ -61,7 +61,6 @@ QUAD_ENABLED = envs.ATOM_WNA16_QUAD
 # ROW_MMA with the scale after its MMAs where the groups allow (ROW_SCALE_AFTER: groups of a
 # multiple of 128 values); ATOM_WNA16_ROW_SCALE_AFTER=1 turns it on (an A/B, not measured yet).
 ROW_SCALE_AFTER_ENABLED = envs.ATOM_WNA16_ROW_SCALE_AFTER
-L2_AHEAD = envs.ATOM_WNA16_L2_AHEAD
 PACKED_DOT_MIN_ROWS = 2
 PACKED_DOT_MAX_ROWS = 16
 # From this many rows the default's packed dots read x as one load split in registers (X_SPLIT)
@@ -365,7 +364,6 @@ def _wna16_kernel(
     ROW_MMA: tl.constexpr = False,  # one row, 4-bit, 16-bit x: _row_mma_k_loop
     GROUP_WORDS: tl.constexpr = 4,  # ROW_MMA: words a group
     ROW_SCALE_AFTER: tl.constexpr = False,  # ROW_MMA: the scale after the MMAs
-    L2_AHEAD: tl.constexpr = 0,  # ROW_MMA, ASM: the words that many steps ahead asked of L2
 ):
     pid_m, pid_n = _tile_ids(M, N, GROUP_M, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -380,7 +378,7 @@ def _wna16_kernel(
         acc = _row_mma_k_loop(
             x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, k_lo, k_hi, stride_xm, stride_qn,
             stride_sn, stride_zn, HAS_ZEROS, ASM, BLOCK_M, BLOCK_N, GROUP_WORDS, K_STAGES,
-            STEP_TILES, ROW_SCALE_AFTER, L2_AHEAD,
+            STEP_TILES, ROW_SCALE_AFTER,
         )  # fmt: skip
     elif QUAD_MMA:
         acc = _quad_mma_k_loop(
@@ -884,12 +882,6 @@ def wna16_linear(
         while k % (step * ROW_BLOCK_K):
             step //= 2
     scale_after = _row_scale_after(cfg, config or {}, group_size, row)
-    asm = (packed_dot or quad or row) and x.device.type == "cuda" and not torch.version.hip
-    l2_ahead = int(cfg.get("L2_AHEAD", L2_AHEAD))
-    if l2_ahead < 0 or (l2_ahead and (config or {}).get("L2_AHEAD") and not (row and asm)):
-        raise ValueError(f"wna16_linear: L2_AHEAD {l2_ahead} needs 0, or ROW_MMA on an NVIDIA "
-                         "GPU (its prefetch PTX)")  # fmt: skip
-    l2_ahead = l2_ahead if row and asm else 0
     splits, per_split, counters = _launch_split(x.device, tiles, k, cfg, step)
     scale_per_tile = per_tile and group_size % block_k == 0
     # Decode tiles dot q - zero and scale each tile's result (no multiply a weight); prefill tiles
@@ -910,7 +902,8 @@ def wna16_linear(
         IEEE=x.dtype == torch.float32,
         PACKED_DOT=packed_dot, QUAD_MMA=quad, GROUP_TILES=_group_tiles(group_size) if quad else 0,
         STEP_TILES=step, ROW_MMA=row, GROUP_WORDS=group_size // 8 if row else 4,
-        ROW_SCALE_AFTER=scale_after, L2_AHEAD=l2_ahead, ASM=asm,
+        ROW_SCALE_AFTER=scale_after,
+        ASM=(packed_dot or quad or row) and x.device.type == "cuda" and not torch.version.hip,
         EVEN_K=k % block_k == 0,
         SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, num_warps=cfg["num_warps"],

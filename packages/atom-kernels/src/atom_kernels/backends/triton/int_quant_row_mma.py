@@ -24,10 +24,6 @@ unscaled, q - zero exact in x's dtype, and multiplies the diagonal element by th
 in fp32 once per 4 words: 4 packed FMAs a word fewer, and the sum no longer carries the
 reference's rounding of each weight to x's dtype (a more exact sum, not the same one).
 
-``L2_AHEAD`` = D > 0 asks L2 for the words D tiles ahead: each step, before its loads, one
-``prefetch.global.L2`` a 128-byte line of the tile D steps on (D - 1 tiles before the loop), a
-hint that holds no register.
-
 The MMAs are inline PTX (``tl.inline_asm_elementwise``, a lane's 4 words an instance; sm_80+):
 NVIDIA only. Triton's interpreter takes the same values from ``_row_plain`` (each lane's 4
 words' dot at its first element), so the interpreter tests the loop's bookkeeping; the PTX is
@@ -158,23 +154,6 @@ _CONSTRAINTS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 4))
 _CONSTRAINTS_ZEROS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 4 + ["r"] * 2))
 
 
-# $1 the address, $2 nonzero: ask L2 for its line (a hint: nothing comes back, no fault).
-_L2_LINE_ASM = tl.constexpr(
-    "{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\n@p prefetch.global.L2 [$1];\nmov.u32 $0, 0;\n}"
-)
-
-
-@triton.jit
-def _l2_lines_ahead(q_ptr, rows, stride_qn, k0, k_hi):
-    """Ask L2 for the K tile at k0's words of ``rows`` (its 4 128-byte lines a row: a [BLOCK_N,
-    4] tensor, so a thread asks for one or a few) where k0 < k_hi."""
-    BLOCK_N: tl.constexpr = rows.shape[0]
-    lines = q_ptr + rows[:, None] * stride_qn + k0 // 8 + tl.arange(0, 4)[None, :] * 32
-    wanted = tl.full([BLOCK_N, 4], 1, tl.int32) * (k0 < k_hi).to(tl.int32)
-    tl.inline_asm_elementwise(_L2_LINE_ASM, "=r,l,r", [lines.to(tl.int64), wanted],
-                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
 @triton.jit
 def _scaled_pair_dot(words, pair, j: tl.constexpr, minus_zero, s, DTYPE: tl.constexpr):
     """w_j x_j + w_{j + 4} x_{j + 4} of each word in fp32, w = (q - zero) * scale rounded to
@@ -286,7 +265,6 @@ def _row_mma_k_loop(
     stride_zn, HAS_ZEROS: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, GROUP_WORDS: tl.constexpr, K_STAGES: tl.constexpr = 1,
     STEP_TILES: tl.constexpr = 1, SCALE_AFTER: tl.constexpr = False,
-    L2_AHEAD: tl.constexpr = 0,
 ):  # fmt: skip
     """The [1, BLOCK_N] fp32 sums of k_lo <= k < k_hi of one row (4-bit weights, 16-bit x, K a
     multiple of 1024; ``GROUP_WORDS``: words a group, a multiple of 4): per 1024-deep tile a
@@ -295,8 +273,7 @@ def _row_mma_k_loop(
     not). ``STEP_TILES``: tiles a step, every load of the step (words, scales, x) issued
     before its math: that many tiles' memory latency met at once (the split's K a multiple of
     1024 * STEP_TILES). ``SCALE_AFTER``: the scale after the MMAs (``GROUP_WORDS`` a multiple
-    of 16). ``L2_AHEAD``: the words that many steps ahead asked of L2 (module docstring; ASM
-    only)."""
+    of 16)."""
     tl.static_assert(not SCALE_AFTER or GROUP_WORDS % 16 == 0,
                      "SCALE_AFTER needs groups of a multiple of 128 values")  # fmt: skip
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
@@ -306,15 +283,7 @@ def _row_mma_k_loop(
     x_row = (x_ptr + tl.sum(offs_m).to(tl.int64) * stride_xm).to(tl.pointer_type(tl.int64))
     x_ptrs = x_row + offs_w * 2  # [128]: each word's x_0 .. x_3 (x_4 .. x_7 the next)
     acc = tl.zeros([BLOCK_N, ROW_WORDS], dtype=tl.float32)
-    STEP_K: tl.constexpr = STEP_TILES * BLOCK_K
-    if L2_AHEAD > 0:
-        for d in tl.static_range(1, L2_AHEAD):
-            for t in tl.static_range(STEP_TILES):
-                _l2_lines_ahead(q_ptr, rows, stride_qn, k_lo + d * STEP_K + t * BLOCK_K, k_hi)
-    for k0 in tl.range(k_lo, k_hi, STEP_K, num_stages=K_STAGES):
-        if L2_AHEAD > 0:
-            for t in tl.static_range(STEP_TILES):
-                _l2_lines_ahead(q_ptr, rows, stride_qn, k0 + L2_AHEAD * STEP_K + t * BLOCK_K, k_hi)
+    for k0 in tl.range(k_lo, k_hi, STEP_TILES * BLOCK_K, num_stages=K_STAGES):
         loaded = []
         for t in tl.static_range(STEP_TILES):  # the step's loads, then its math
             loaded = loaded + [_row_tile_loads(
