@@ -5,6 +5,10 @@ implementation (plugin disabled) and as transformers, on a tiny checkpoint saved
 expert, a dense first layer, DeepSeek YaRN). vLLM's CPU MLA decode kernel takes DeepSeek's latent
 shape only (576 values per token: kv_lora_rank 512 + qk_rope_head_dim 64, block size 16).
 
+Both runs ask for CPU_MLA by name: where the CPU has AMX tiles vLLM 0.32 prefers AMX_MLA, which
+packs the absorbed weights in AMX blocks (it refuses this checkpoint's 16-wide qk_nope_head_dim,
+"invalid weight input features 16") and is vLLM's bf16 path, not the float32 reference here.
+
 The plugin runs in this process; vLLM's own implementation needs a fresh process (vLLM resolves
 its plugins once per process): this file run as a script.
 """
@@ -45,7 +49,7 @@ def generate(model_dir: str) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256,
-              block_size=32, seed=0)  # fmt: skip
+              block_size=32, seed=0, attention_config={"backend": "CPU_MLA"})  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
 
@@ -112,6 +116,7 @@ def test_deepseek_v3_greedy_matches_vllm_and_transformers(
     own = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert own["model"].startswith("vllm.model_executor.models.deepseek")
     assert atom["attention"] == own["attention"]  # the same vLLM MLA backend
+    assert atom["attention"] == ["vllm.v1.attention.backends.mla.cpu_mla.CPUMLAImpl"]
     assert atom["tokens"] == transformers_tokens(str(path))
     assert own["tokens"] == atom["tokens"]
 

@@ -3,9 +3,10 @@
 
 vLLM's layer owns the latent KV cache (its MLA cache spec: kv_lora_rank + qk_rope_head_dim per
 token), the cache write, and the choice between the absorbed decode and the expanded prefill, on
-its MLA backends (CPU_MLA on the CPU build). It reads the layer's `kv_b_proj` as a vLLM linear
-layer would present it: `weight` [H * (Dn + Dv), L], `quant_method`, and a call returning
-`(output, bias)`; `KvBProj` presents ATOM's layer that way without owning it.
+its MLA backends (CPU_MLA on the CPU build, AMX_MLA where the CPU has AMX tiles). It reads the
+layer's `kv_b_proj` as a vLLM linear layer would present it: `weight` [H * (Dn + Dv), L],
+`quant_method`, and a call returning `(output, bias)`; `KvBProj` presents ATOM's layer that way
+without owning it.
 """
 
 from __future__ import annotations
