@@ -49,9 +49,7 @@ WNA16_CASES = {
         ("quad_mma", dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1,
                           k_stages=3, per_sm=4, fill=True, SPLIT_K=None, PERMUTED_K=True,
                           QUAD_MMA=True)),
-        ("row_mma", dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1,
-                         k_stages=2, per_sm=8, fill=True, SPLIT_K=None, PERMUTED_K=True,
-                         ROW_MMA=True)),
+        ("row_mma", dict(_ROW_DEFAULT, k_stages=2)),
         ("row_mma_k1", _ROW_DEFAULT),  # the one-row default
         ("row_scale_after", dict(_ROW_DEFAULT, ROW_SCALE_AFTER=True)),
         ("quad_step4", dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1,
