@@ -206,9 +206,7 @@ def mla_cases(s: Sizes, device, page_size: int, gen) -> Iterator[Case]:
         qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
 
         def atom(q_lat=q_lat, q_pe=q_pe, cache=cache, bt=bt, sl=sl, qsl=qsl):
-            return ak.mla_paged_attention(
-                q_lat, q_pe, cache, bt, sl, qsl, scale, max_query_len=1
-            )
+            return ak.mla_paged_attention(q_lat, q_pe, cache, bt, sl, qsl, scale, max_query_len=1)
 
         def flashinfer(fi, q=q, cache=cache, bt=bt, sl=sl, qsl=qsl, heads=heads):
             from flashinfer.mla._batch_mla import MLAPlanMetadata

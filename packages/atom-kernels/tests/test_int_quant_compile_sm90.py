@@ -78,7 +78,8 @@ def _wna16(cfg: dict, bits: int, zeros: bool, g_idx: bool, dtype: str = "bf16", 
         GROUP_TILES=int_quant._group_tiles(group) if cfg.get("QUAD_MMA") else 0,
         STEP_TILES=cfg.get("QUAD_STEP", cfg.get("ROW_STEP", 1)), ROW_MMA=cfg.get("ROW_MMA", False),
         GROUP_WORDS=group // 8 if cfg.get("ROW_MMA") else 4,
-        ROW_SCALE_AFTER=cfg.get("ROW_SCALE_AFTER", False),
+        ROW_SCALE_AFTER=cfg.get("ROW_SCALE_AFTER", False), ROW_XSUM=cfg.get("ROW_XSUM", False),
+        ROW_AHEAD=cfg.get("ROW_AHEAD", False),
         **{key: cfg.get(key, False) for key in int_quant.SMALL_MAGIC_VARIANTS},
         K_STAGES=cfg.get("k_stages", 1), IEEE=dtype == "fp32", EVEN_K=True,
         SPLIT_K=cfg["SPLIT_K"] if split else 1, GROUP_M=cfg.get("GROUP_M", 1),
@@ -518,3 +519,69 @@ def test_row_mma_scale_after_main_loop_sass(zeros, dtype):
     # (fp16: the scale's conversion to fp32 is an HADD2.F32, one a 4 words)
     assert fmas[False] - fmas[True] == 4 * words - (2 if dtype == "fp16" else 0), fmas
     assert len(loops[True]) < len(loops[False]) - 3 * words, {k: len(v) for k, v in loops.items()}
+
+
+# (BLOCK_N, warps, zeros, instructions a word at most, registers at most) of ROW_MMA's main loop
+# with the zero and the scale after its MMAs (ROW_XSUM), bf16, groups of 128 (Triton 3.9's
+# ptxas: 8 rows, 4 warps 17.25 a word, 19.5 with zeros, against 24.0 and 24.75 without; 16
+# rows 15.44 and 15.88 at 66 and 104 registers).
+ROW_XSUM_SASS = [(8, 4, False, 18.5, 72), (8, 4, True, 20.5, 72), (16, 4, False, 16.5, 80),
+                 (16, 4, True, 17, 128), (32, 8, False, 16.5, 80)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("block_n", "warps", "zeros", "most", "most_registers"), ROW_XSUM_SASS)
+def test_row_mma_xsum_main_loop_sass(block_n, warps, zeros, most, most_registers):
+    """ROW_XSUM's main loop: no packed float op a weight (the unpack's AND-ORs give 128 +
+    q straight to the MMAs), the row MMAs 2 a word plus 4 a thread's tile for the x-sums (one
+    set for all the warp's rows: a pure PTX on the same x), every inline assembly operand in the
+    words' layout, no shared memory, no spills, and fewer instructions a word than without."""
+    from atom_kernels.backends.triton import int_quant_row_mma
+
+    cfg = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, num_stages=1,
+               SPLIT_K=4, PERMUTED_K=True, ROW_MMA=True)  # fmt: skip
+    kernel = _wna16(dict(cfg, ROW_XSUM=True), 4, zeros, False)
+    ttgir = kernel.asm["ttgir"]
+    layouts = dict(re.findall(r"(#blocked\d*) = #ttg.blocked<\{([^}]*)\}>", ttgir))
+    for line in (line for line in ttgir.splitlines() if "elementwise_inline_asm" in line):
+        for encoding in set(re.findall(r"tensor<[^>]*?(#blocked\d*)>", line)):
+            assert layouts[encoding].startswith(int_quant_row_mma.ROW_LAYOUT), line
+    assert "ld.local" not in kernel.asm["ptx"]
+    body = _main_loop_sass(kernel)
+    words = block_n * 128 / (32 * warps)  # a lane's, a K tile
+
+    def count(pattern):
+        return sum(1 for ins in body if re.match(rf"(@\S+\s+)?{pattern}\b", ins))
+
+    assert count("HMMA") == 2 * words + 4, (count("HMMA"), words)
+    # (zeros: -(128 + zero) of the loaded zeros, once a row's tile)
+    assert count(r"H(FMA|MUL|ADD)2(\.\w+)?") <= (words / 2 if zeros else 0)
+    assert not [ins for ins in body if re.match(r"(@\S+\s+)?(LDS|STS|BAR|LDSM)\b", ins)]
+    assert len(body) / words <= most, (len(body), words)
+    assert _registers(kernel) <= most_registers
+    plain = _main_loop_sass(_wna16(cfg, 4, zeros, False))
+    assert len(body) < len(plain), (len(body), len(plain))
+
+
+@pytest.mark.parametrize("keys", [{}, dict(ROW_XSUM=True)], ids=str)
+@pytest.mark.parametrize("zeros", [False, True])
+def test_row_mma_ahead_loads_the_next_tile_first(keys, zeros):
+    """ROW_AHEAD's main loop issues the next tile's word loads (plain 128-bit loads: k_next a
+    known multiple of the tile; x's are read-only ones) before its last MMAs, and keeps every
+    operand in the words' layout, no spills."""
+    from atom_kernels.backends.triton import int_quant_row_mma
+
+    cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=4,
+               PERMUTED_K=True, ROW_MMA=True, ROW_AHEAD=True, **keys)  # fmt: skip
+    kernel = _wna16(cfg, 4, zeros, False)
+    ttgir = kernel.asm["ttgir"]
+    layouts = dict(re.findall(r"(#blocked\d*) = #ttg.blocked<\{([^}]*)\}>", ttgir))
+    for line in (line for line in ttgir.splitlines() if "elementwise_inline_asm" in line):
+        for encoding in set(re.findall(r"tensor<[^>]*?(#blocked\d*)>", line)):
+            assert layouts[encoding].startswith(int_quant_row_mma.ROW_LAYOUT), line
+    assert "ld.local" not in kernel.asm["ptx"]
+    body = _main_loop_sass(kernel)
+    words = [i for i, ins in enumerate(body) if re.match(r"(@\S+\s+)?LDG\.E\.128(?!\.)", ins)]
+    mmas = [i for i, ins in enumerate(body) if re.match(r"(@\S+\s+)?HMMA\b", ins)]
+    assert len(words) == 2 and mmas, body  # a thread's 2 rows
+    # (ptxas places them among the MMAs: at 8 rows after half of them, Triton 3.9)
+    assert max(words) < mmas[-1], (words, mmas)

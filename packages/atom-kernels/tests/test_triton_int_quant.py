@@ -355,18 +355,26 @@ ROW_SCALE_AFTER_CASES = [
     (True, 0, torch.bfloat16, 6, 3072, 3, 2, 2, 1),
     (True, 256, torch.float16, 6, 4096, 2, 2, 2, 2),
 ]  # fmt: skip
+# the same with the zero after the MMAs too (ROW_XSUM: bf16) and / or the next tile's words
+# loaded a tile ahead (ROW_AHEAD: one tile a step), as (case, config keys)
+ROW_AFTER_CASES = [(case, dict(ROW_SCALE_AFTER=True)) for case in ROW_SCALE_AFTER_CASES] + [
+    ((False, 128, torch.bfloat16, 10, 1024, 1, 4, 2, 1), dict(ROW_XSUM=True)),
+    ((True, 0, torch.bfloat16, 6, 3072, 3, 2, 2, 1), dict(ROW_XSUM=True, ROW_AHEAD=True)),
+    ((True, 256, torch.bfloat16, 6, 4096, 2, 2, 2, 1), dict(ROW_XSUM=True)),
+    ((True, 256, torch.float16, 6, 4096, 1, 2, 2, 1), dict(ROW_SCALE_AFTER=True, ROW_AHEAD=True)),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(("zeros", "group", "dtype", "n", "k", "split", "block_n", "warps",
-                          "step"), ROW_SCALE_AFTER_CASES)  # fmt: skip
-def test_wna16_linear_row_mma_scale_after(triton_backend, iq, zeros, group, dtype, n, k, split,
-                                          block_n, warps, step):  # fmt: skip
-    """ROW_MMA with the scale after the MMAs (the interpreter runs ``_row_plain``'s form of it):
-    within the output's rounding of the exact product of x and the unrounded weights
+@pytest.mark.parametrize(("case", "keys"), ROW_AFTER_CASES, ids=str)
+def test_wna16_linear_row_mma_scale_after(triton_backend, iq, case, keys):
+    """ROW_MMA with the scale after the MMAs (the interpreter runs ``_row_plain``'s form of it;
+    ROW_XSUM's zero after them too is the same sum there), alone or with the words a tile
+    ahead: within the output's rounding of the exact product of x and the unrounded weights
     (q - zero) * scale, and against the reference."""
+    zeros, group, dtype, n, k, split, block_n, warps, step = case
     qw, s, z, g, x = one_row_case(n, k, group, zeros, dtype, 191 + n, triton_backend.device)
     config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, PERMUTED_K=True,
-                  ROW_MMA=True, SPLIT_K=split, ROW_STEP=step, ROW_SCALE_AFTER=True)  # fmt: skip
+                  ROW_MMA=True, SPLIT_K=split, ROW_STEP=step, **keys)  # fmt: skip
     out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
     weight = reference.dequantize_wna16(qw, s, z, g, 4, torch.float64)  # not rounded
     exact = x.double() @ weight.T
@@ -447,9 +455,29 @@ def test_wna16_linear_row_mma_refuses_what_it_cannot_take(triton_backend, iq, mo
     multiply_adds = dict(row, ROW_MMA=False, BLOCK_N=64, BLOCK_K=128)
     with pytest.raises(ValueError, match="ROW_SCALE_AFTER needs ROW_MMA"):
         iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(multiply_adds, ROW_SCALE_AFTER=True))
+    with pytest.raises(ValueError, match="ROW_XSUM needs groups of a multiple of 128"):
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(row, ROW_XSUM=True))
+    with pytest.raises(ValueError, match="ROW_XSUM needs ROW_MMA"):
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(multiply_adds, ROW_XSUM=True))
+    with pytest.raises(ValueError, match="ROW_AHEAD needs ROW_MMA"):
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(multiply_adds, ROW_AHEAD=True))
     before = iq.wna16_linear(x, qw, s, z, g, 4, None, config=row)
     monkeypatch.setattr(iq, "ROW_SCALE_AFTER_ENABLED", True)
+    monkeypatch.setattr(iq, "ROW_XSUM_ENABLED", True)
     assert_equal(iq.wna16_linear(x, qw, s, z, g, 4, None, config=row), before)
+    # XSUM takes bf16 x; AHEAD one tile a step, one stage
+    qw, s, z, g = wna16_weight(8, 2048, 4, 16, True, False, seed=197, device=device,
+                               dtype=torch.float16)  # fmt: skip
+    x2 = torch.randn(1, 2048, generator=_gen(198)).to(torch.float16).to(device)
+    with pytest.raises(ValueError, match=r"ROW_XSUM needs bf16 x \(got torch.float16\)"):
+        iq.wna16_linear(x2, qw, s, z, g, 4, None, config=dict(row, ROW_XSUM=True))
+    with pytest.raises(ValueError, match=r"ROW_AHEAD needs one tile a step \(ROW_STEP 2\)"):
+        iq.wna16_linear(x2, qw, s, z, g, 4, None, config=dict(row, ROW_AHEAD=True, ROW_STEP=2))
+    with pytest.raises(ValueError, match=r"ROW_AHEAD needs k_stages 1 \(got 2\)"):
+        iq.wna16_linear(x2, qw, s, z, g, 4, None, config=dict(row, ROW_AHEAD=True, k_stages=2))
+    fp16 = iq.wna16_linear(x2, qw, s, z, g, 4, None, config=row)  # the switch's XSUM dropped
+    monkeypatch.setattr(iq, "ROW_XSUM_ENABLED", False)
+    assert_equal(fp16, iq.wna16_linear(x2, qw, s, z, g, 4, None, config=row))
 
 
 def test_wna16_linear_small_magic_refuses_other_launches(triton_backend, iq):
@@ -888,19 +916,38 @@ ROW_SCALE_AFTER_GPU = [
     ((8, 4, 2, 8), torch.bfloat16, 256, True), ((4, 4, 2, 16), torch.bfloat16, 0, False),
     ((8, 4, 1, 8, 2), torch.bfloat16, 128, True),
 ]  # fmt: skip
+# (tile, dtype, group, zeros) of ROW_MMA with the zero and the scale after its MMAs (ROW_XSUM,
+# bf16) on a GPU: both PTX forms at the default tile and at 4 rows a warp, channel-wise, group
+# 256; and (tile, dtype, group, zeros, keys) with the words a tile ahead (ROW_AHEAD)
+ROW_XSUM_GPU = [
+    ((8, 4, 1, 8), torch.bfloat16, 128, False), ((8, 4, 1, 8), torch.bfloat16, 128, True),
+    ((16, 4, 1, 8), torch.bfloat16, 128, False), ((16, 4, 1, 8), torch.bfloat16, 128, True),
+    ((32, 8, 1, 4), torch.bfloat16, 0, True), ((8, 4, 1, 8), torch.bfloat16, 256, True),
+]  # fmt: skip
+ROW_AHEAD_GPU = [
+    ((8, 4, 1, 8), torch.bfloat16, 128, True, {}), ((16, 4, 1, 8), torch.float16, 32, False, {}),
+    ((8, 4, 1, 8), torch.bfloat16, 128, False, dict(ROW_XSUM=True)),
+    ((16, 4, 1, 8), torch.bfloat16, 128, True, dict(ROW_XSUM=True)),
+    ((8, 4, 1, 8), torch.float16, 128, True, dict(ROW_SCALE_AFTER=True)),
+]  # fmt: skip
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("tile", "dtype", "group", "zeros", "after"),
-                         [(*case, False) for case in ROW_MMA_GPU]
-                         + [(*case, True) for case in ROW_SCALE_AFTER_GPU], ids=str)  # fmt: skip
+@pytest.mark.parametrize(("tile", "dtype", "group", "zeros", "keys"),
+                         [(*case, {}) for case in ROW_MMA_GPU]
+                         + [(*case, dict(ROW_SCALE_AFTER=True)) for case in ROW_SCALE_AFTER_GPU]
+                         + [(*case, dict(ROW_XSUM=True)) for case in ROW_XSUM_GPU]
+                         + [(*case[:4], dict(case[4], ROW_AHEAD=True)) for case in ROW_AHEAD_GPU],
+                         ids=str)  # fmt: skip
 @pytest.mark.parametrize(("n", "k"), [*LLAMA3_8B, (1000, 2048)])
-def test_wna16_linear_gpu_row_mma(triton_backend, iq, tile, dtype, group, zeros, after, n, k):
+def test_wna16_linear_gpu_row_mma(triton_backend, iq, tile, dtype, group, zeros, keys, n, k):
     """The MMAs a warp a row's PTX (ROW_MMA, ASM: the layout it relies on, the diagonal pick,
-    x and the scales loaded in the words' layout; ``after``: the scale after the MMAs,
-    ROW_SCALE_AFTER) at the Llama-3-8B sizes and a ragged N: within the output's rounding of
-    the exact product of x and the weights (the reference's rounded ones; ``after`` the
-    unrounded ones), and against the reference."""
+    x and the scales loaded in the words' layout; ``keys``: the scale after the MMAs,
+    ROW_SCALE_AFTER, the zero too, ROW_XSUM, the words a tile ahead, ROW_AHEAD) at the
+    Llama-3-8B sizes and a ragged N: within the output's rounding of the exact product of x and
+    the weights (the reference's rounded ones; after the MMAs the unrounded ones), and against
+    the reference."""
+    after = bool(keys.get("ROW_SCALE_AFTER") or keys.get("ROW_XSUM"))
     block_n, warps, k_stages, per_sm, step = (*tile, 1)[:5]
     group = group or k
     qw, s, z, g = wna16_weight(n, k, 4, k // group, zeros, False, seed=101, device="cuda",
@@ -909,7 +956,7 @@ def test_wna16_linear_gpu_row_mma(triton_backend, iq, tile, dtype, group, zeros,
     config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, num_stages=1,
                   k_stages=k_stages, per_sm=per_sm, fill=True, SPLIT_K=None, PERMUTED_K=True,
                   ROW_MMA=True, ROW_STEP=step if k % (step * 1024) == 0 else 1,
-                  ROW_SCALE_AFTER=after)  # fmt: skip
+                  **keys)  # fmt: skip
     out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
     expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
     atol, rtol = TOLERANCES[dtype]
@@ -917,6 +964,25 @@ def test_wna16_linear_gpu_row_mma(triton_backend, iq, tile, dtype, group, zeros,
     weight = reference.dequantize_wna16(qw, s, z, g, 4, torch.float64 if after else dtype)
     exact = x.double() @ weight.double().T
     ulp = exact.abs().clamp_min(1.0) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
+    assert ((out.double() - exact).abs() <= ulp).all(), (out.double() - exact).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("zeros", [False, True])
+def test_wna16_linear_gpu_row_xsum_cancels_the_magic(triton_backend, iq, zeros):
+    """ROW_XSUM's MMAs sum x (128 + q) and take (128 + zero) x-sum off: with x all positive
+    (every chunk's x-sum ~128 x its mean, the dot ~1/30 of what comes off) the result is still
+    within the output's rounding of the exact product, at the gate_up shape."""
+    n, k = 28672, 4096
+    qw, s, z, g = wna16_weight(n, k, 4, k // 128, zeros, False, seed=111, device="cuda",
+                               dtype=torch.bfloat16)  # fmt: skip
+    x = (4.0 + torch.rand(1, k, generator=_gen(112))).to(torch.bfloat16).cuda()
+    config = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=1024, num_warps=4, num_stages=1, per_sm=8,
+                  fill=True, SPLIT_K=None, PERMUTED_K=True, ROW_MMA=True,
+                  ROW_XSUM=True)  # fmt: skip
+    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
+    exact = x.double() @ reference.dequantize_wna16(qw, s, z, g, 4, torch.float64).T
+    ulp = exact.abs().clamp_min(1.0) * 2**-7
     assert ((out.double() - exact).abs() <= ulp).all(), (out.double() - exact).abs().max()
 
 

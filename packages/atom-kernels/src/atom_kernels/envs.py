@@ -102,6 +102,18 @@ TABLE: tuple[Switch, ...] = (
         "rounded before them, as the reference rounds it) (A/B: measured slower, session 34)",
     ),
     Switch(
+        "ATOM_WNA16_ROW_XSUM", False, _is_one,
+        "the one-row W4A16 MMAs a warp a row (bf16 x, groups of a multiple of 128 values) with "
+        "neither the zero nor the scale applied to the weights: each MMA takes 128 + q, and "
+        "(128 + zero) times the chunk's x-sum comes off its dot, then the scale, in fp32 (`1`: "
+        "on; 8 packed float ops a word fewer) (A/B)",
+    ),
+    Switch(
+        "ATOM_WNA16_ROW_AHEAD", False, _is_one,
+        "the one-row W4A16 MMAs a warp a row with the next K tile's words, scales and zeros "
+        "loaded before this tile's math (`1`: on) (A/B)",
+    ),
+    Switch(
         "ATOM_FUSED_GATE_UP", True, _not_zero,
         "fused gate/up GEMM + SiLU-and-mul (`0`: off, A/B)",
     ),

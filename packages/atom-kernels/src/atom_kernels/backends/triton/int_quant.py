@@ -61,6 +61,10 @@ QUAD_ENABLED = envs.ATOM_WNA16_QUAD
 # ROW_MMA with the scale after its MMAs where the groups allow (ROW_SCALE_AFTER: groups of a
 # multiple of 128 values); ATOM_WNA16_ROW_SCALE_AFTER=1 turns it on (an A/B, not measured yet).
 ROW_SCALE_AFTER_ENABLED = envs.ATOM_WNA16_ROW_SCALE_AFTER
+# ROW_MMA without the zero and the scale on the weights (ROW_XSUM: bf16 x, groups of a multiple of
+# 128 values) and ROW_MMA's next tile loaded before this one's math (ROW_AHEAD); A/Bs, off.
+ROW_XSUM_ENABLED = envs.ATOM_WNA16_ROW_XSUM
+ROW_AHEAD_ENABLED = envs.ATOM_WNA16_ROW_AHEAD
 PACKED_DOT_MIN_ROWS = 2
 PACKED_DOT_MAX_ROWS = 16
 # From this many rows the default's packed dots read x as one load split in registers (X_SPLIT)
@@ -364,6 +368,8 @@ def _wna16_kernel(
     ROW_MMA: tl.constexpr = False,  # one row, 4-bit, 16-bit x: _row_mma_k_loop
     GROUP_WORDS: tl.constexpr = 4,  # ROW_MMA: words a group
     ROW_SCALE_AFTER: tl.constexpr = False,  # ROW_MMA: the scale after the MMAs
+    ROW_XSUM: tl.constexpr = False,  # ROW_MMA: the zero and the scale after the MMAs (bf16)
+    ROW_AHEAD: tl.constexpr = False,  # ROW_MMA: the next tile's words loaded a tile ahead
 ):
     pid_m, pid_n = _tile_ids(M, N, GROUP_M, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -378,7 +384,7 @@ def _wna16_kernel(
         acc = _row_mma_k_loop(
             x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, k_lo, k_hi, stride_xm, stride_qn,
             stride_sn, stride_zn, HAS_ZEROS, ASM, BLOCK_M, BLOCK_N, GROUP_WORDS, K_STAGES,
-            STEP_TILES, ROW_SCALE_AFTER,
+            STEP_TILES, ROW_SCALE_AFTER, ROW_XSUM, ROW_AHEAD,
         )  # fmt: skip
     elif QUAD_MMA:
         acc = _quad_mma_k_loop(
@@ -764,6 +770,31 @@ def _row_scale_after(cfg: dict, override: dict, group_size: int, row: bool) -> b
     return asked and not why
 
 
+def _row_xsum_ahead(cfg: dict, override: dict, group_size: int, row: bool, dtype,
+                    step: int) -> tuple[bool, bool]:  # fmt: skip
+    """(ROW_XSUM, ROW_AHEAD) of a ROW_MMA launch (``row``): each asked for by the config's key,
+    else ATOM_WNA16_ROW_XSUM / ATOM_WNA16_ROW_AHEAD; XSUM needs bf16 x and groups of a multiple
+    of 128 values, AHEAD one tile a step and one stage. The switch's where it cannot run is
+    dropped, an explicit config's raises."""
+    out = []
+    for key, default, needs in (
+        ("ROW_XSUM", ROW_XSUM_ENABLED, [
+            *([] if dtype == torch.bfloat16 else [f"bf16 x (got {dtype})"]),
+            *([] if group_size % 128 == 0 else [f"groups of a multiple of 128 (got {group_size})"]),
+        ]),
+        ("ROW_AHEAD", ROW_AHEAD_ENABLED, [
+            *([] if step == 1 else [f"one tile a step (ROW_STEP {step})"]),
+            *([] if cfg.get("k_stages", 1) == 1 else [f"k_stages 1 (got {cfg['k_stages']})"]),
+        ]),
+    ):  # fmt: skip
+        asked = bool(cfg.get(key, default))
+        why = ([] if row else ["ROW_MMA"]) + needs
+        if asked and why and override.get(key):
+            raise ValueError(f"wna16_linear: {key} needs {' and '.join(why)}")
+        out.append(asked and not why)
+    return out[0], out[1]
+
+
 def _group_tiles(group_size: int) -> int:
     """QUAD_MMA's K tiles a group as a constant divisor (1, 2, 4 or 8), else 0 (divided at run
     time: channel-wise scales, large groups)."""
@@ -882,6 +913,8 @@ def wna16_linear(
         while k % (step * ROW_BLOCK_K):
             step //= 2
     scale_after = _row_scale_after(cfg, config or {}, group_size, row)
+    xsum, ahead = _row_xsum_ahead(cfg, config or {}, group_size, row, x.dtype, step)
+    scale_after = scale_after and not xsum  # XSUM scales after its MMAs too
     splits, per_split, counters = _launch_split(x.device, tiles, k, cfg, step)
     scale_per_tile = per_tile and group_size % block_k == 0
     # Decode tiles dot q - zero and scale each tile's result (no multiply a weight); prefill tiles
@@ -902,7 +935,7 @@ def wna16_linear(
         IEEE=x.dtype == torch.float32,
         PACKED_DOT=packed_dot, QUAD_MMA=quad, GROUP_TILES=_group_tiles(group_size) if quad else 0,
         STEP_TILES=step, ROW_MMA=row, GROUP_WORDS=group_size // 8 if row else 4,
-        ROW_SCALE_AFTER=scale_after,
+        ROW_SCALE_AFTER=scale_after, ROW_XSUM=xsum, ROW_AHEAD=ahead,
         ASM=(packed_dot or quad or row) and x.device.type == "cuda" and not torch.version.hip,
         EVEN_K=k % block_k == 0,
         SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),

@@ -124,6 +124,80 @@ def _row_asm(bf16: bool, zeros: bool, scale_after: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _row_xsum_asm(zeros: bool) -> str:
+    """PTX of one lane's 4 words with neither the zero nor the scale applied to the weights
+    (``XSUM``, bf16 only): each MMA takes magic + q as it unpacks (one AND-OR, exact), so its
+    dot is x . (q - zero) + (magic + zero) x-sum; the picked diagonal element r becomes
+    (r - (magic + zero) * xs) * scale in fp32, xs the lane's chunk's sum of x
+    (``_xsum_asm``). Operands as ``_row_asm``'s, with $30..$33 xs (fp32; $30 used) and, with
+    ``zeros``, $34, $35 -(magic + zero) as two bf16 (else -136.0, an immediate)."""
+    lines = [
+        "{",
+        ".reg .b32 t0, t1, t2, t3, u, lane, g, c2;",
+        ".reg .f32 d0, d1, d2, d3, e0, e1, e2, e3, r, fs, nzf;",
+        ".reg .pred p0, p1;",
+    ]
+    lines += [f"mov.f32 {r}, 0f00000000;" for r in ("d0", "d1", "d2", "d3", "e0", "e1", "e2", "e3")]
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    for i in range(4):
+        word = f"${4 + i}"
+        xa, xb, xc, xd = (f"${8 + 4 * p + i}" for p in range(4))
+        lines.append(f"lop3.b32 t0, {word}, 0x000F000F, 0x43004300, 0xEA;")  # 128 + q
+        for j in (1, 2, 3):
+            lines += [f"shr.u32 u, {word}, {4 * j};",
+                      f"lop3.b32 t{j}, u, 0x000F000F, 0x43004300, 0xEA;"]  # fmt: skip
+        lines += [
+            f"{mma} {{d0, d1, d2, d3}}, {{{xa}, {xc}, {xb}, {xd}}}, {{t0, t1}}, "
+            "{d0, d1, d2, d3};",
+            f"{mma} {{e0, e1, e2, e3}}, {{{xa}, {xc}, {xb}, {xd}}}, {{t2, t3}}, "
+            "{e0, e1, e2, e3};",
+        ]
+    if zeros:  # a bf16's bits are an fp32's top half
+        lines += ["shl.b32 u, $34, 16;", "mov.b32 nzf, u;"]
+    else:
+        lines.append("mov.f32 nzf, 0fC3080000;")  # -(128 + 8)
+    lines += [
+        "add.f32 d0, d0, e2;",  # column 2c (rows g, g + 8)
+        "add.f32 d1, d1, e3;",  # column 2c + 1
+        "mov.u32 lane, %laneid;",
+        "shr.u32 g, lane, 2;",
+        "and.b32 c2, lane, 3;",
+        "shl.b32 c2, c2, 1;",
+        "setp.eq.u32 p0, g, c2;",  # this lane holds D[2c][2c] (register 0)
+        "add.u32 c2, c2, 1;",
+        "setp.eq.u32 p1, g, c2;",  # or D[2c + 1][2c + 1] (register 1)
+        "selp.f32 r, d1, d0, p1;",
+        "fma.rn.f32 r, nzf, $30, r;",  # minus (magic + zero) times the chunk's x-sum
+        "or.pred p0, p0, p1;",
+        "selp.f32 r, r, 0f00000000, p0;",
+        "shl.b32 u, $24, 16;",
+        "mov.b32 fs, u;",
+        "fma.rn.f32 $0, r, fs, $26;",
+        "mov.f32 $1, $27;",
+        "mov.f32 $2, $28;",
+        "mov.f32 $3, $29;",
+        "}",
+    ]
+    return "\n".join(lines)
+
+
+def _xsum_asm() -> str:
+    """PTX of a lane's chunk's sum of x over a K tile (``XSUM``): the MMAs of ``_row_asm`` with
+    every weight 1.0 (bf16), one a word, rows g and g + 8 of D together chunk g's 128 x (lane 4g
+    + c holds them: its own chunk). Inputs $4..$19 the x pairs as ``_row_asm``'s $8..$23;
+    output $0 the sum (fp32), $1..$3 zero."""
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    lines = ["{", ".reg .b32 one;", ".reg .f32 d0, d1, d2, d3;", "mov.b32 one, 0x3F803F80;"]
+    lines += [f"mov.f32 {r}, 0f00000000;" for r in ("d0", "d1", "d2", "d3")]
+    for i in range(4):
+        xa, xb, xc, xd = (f"${4 + 4 * p + i}" for p in range(4))
+        lines.append(f"{mma} {{d0, d1, d2, d3}}, {{{xa}, {xc}, {xb}, {xd}}}, {{one, one}}, "
+                     "{d0, d1, d2, d3};")  # fmt: skip
+    lines += ["add.f32 $0, d0, d2;", "mov.f32 $1, 0f00000000;", "mov.f32 $2, 0f00000000;",
+              "mov.f32 $3, 0f00000000;", "}"]  # fmt: skip
+    return "\n".join(lines)
+
+
 def _x_asm() -> str:
     """PTX loading one lane's 4 words' x (16 bytes a word at $16..$19) as the MMAs' pairs:
     outputs $0..$3 (x_0, x_4), $4..$7 (x_1, x_5), $8..$11 (x_2, x_6), $12..$15 (x_3, x_7), one
@@ -151,6 +225,15 @@ _ASM_BF16_ZEROS_AFTER = tl.constexpr(_row_asm(True, True, True))
 _ASM_FP16_AFTER = tl.constexpr(_row_asm(False, False, True))
 _ASM_FP16_ZEROS_AFTER = tl.constexpr(_row_asm(False, True, True))
 _CONSTRAINTS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 4))
+_ASM_XSUM = tl.constexpr(_row_xsum_asm(False))
+_ASM_XSUM_ZEROS = tl.constexpr(_row_xsum_asm(True))
+_XSUM_ASM = tl.constexpr(_xsum_asm())
+_XSUM_CONSTRAINTS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 16))
+_CONSTRAINTS_XSUM = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 8))
+_CONSTRAINTS_XSUM_ZEROS = tl.constexpr(
+    "=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 8 + ["r"] * 2)
+)
+
 _CONSTRAINTS_ZEROS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 4 + ["r"] * 2))
 
 
@@ -216,6 +299,17 @@ def _row_tile_loads(q_ptrs, x_ptrs, s_ptr, z_ptr, rows, offs_w, k0, stride_sn, s
                     HAS_ZEROS: tl.constexpr, ASM: tl.constexpr, GROUP_WORDS: tl.constexpr,
                     DTYPE: tl.constexpr):  # fmt: skip
     """(words, scales, -(magic + zero), the 4 x pair tensors) of the K tile at k0."""
+    words, s, nz = _row_weight_loads(q_ptrs, s_ptr, z_ptr, rows, offs_w, k0, stride_sn,
+                                     stride_zn, HAS_ZEROS, ASM, GROUP_WORDS, DTYPE)  # fmt: skip
+    xa, xb, xc, xd = _row_x_pairs(x_ptrs + (k0 // 8) * 2, words.shape, ASM)
+    return words, s, nz, xa, xb, xc, xd
+
+
+@triton.jit
+def _row_weight_loads(q_ptrs, s_ptr, z_ptr, rows, offs_w, k0, stride_sn, stride_zn,
+                      HAS_ZEROS: tl.constexpr, ASM: tl.constexpr, GROUP_WORDS: tl.constexpr,
+                      DTYPE: tl.constexpr):  # fmt: skip
+    """(words, scales, -(magic + zero)) of the K tile at k0: what comes from DRAM."""
     words = tl.load(q_ptrs + k0 // 8)
     groups = (k0 // 8 + offs_w) // GROUP_WORDS  # [128]: a word's group
     s_ptrs = s_ptr + rows[:, None] * stride_sn + groups[None, :]
@@ -225,18 +319,42 @@ def _row_tile_loads(q_ptrs, x_ptrs, s_ptr, z_ptr, rows, offs_w, k0, stride_sn, s
         nz = (-(_row_scalar(z_ptrs, ASM).to(tl.float32) + magic_of(DTYPE))).to(DTYPE)
     else:
         nz = tl.full(words.shape, -(magic_of(DTYPE) + 8), DTYPE)
-    xa, xb, xc, xd = _row_x_pairs(x_ptrs + (k0 // 8) * 2, words.shape, ASM)
-    return words, s, nz, xa, xb, xc, xd
+    return words, s, nz
+
+
+@triton.jit
+def _row_xsum(xa, xb, xc, xd):
+    """Each lane's chunk's sum of x over the K tile, fp32 at the lane's first element
+    (``_xsum_asm``; the same for every row, so one a lane: a pure PTX on the same values)."""
+    return tl.inline_asm_elementwise(
+        _XSUM_ASM, _XSUM_CONSTRAINTS, args=[xa, xb, xc, xd], dtype=tl.float32, is_pure=True,
+        pack=4,
+    )  # fmt: skip
 
 
 @triton.jit
 def _row_tile_math(words, xa, xb, xc, xd, s, acc, nz, HAS_ZEROS: tl.constexpr,
                    ASM: tl.constexpr, DTYPE: tl.constexpr,
-                   SCALE_AFTER: tl.constexpr = False):  # fmt: skip
-    """``acc`` after one K tile's MMAs (``_row_asm``; ``_row_plain`` without ASM)."""
+                   SCALE_AFTER: tl.constexpr = False, XSUM: tl.constexpr = False):  # fmt: skip
+    """``acc`` after one K tile's MMAs (``_row_asm``; ``_row_xsum_asm`` with XSUM;
+    ``_row_plain`` without ASM, XSUM's sums by the scale after's plain ops: the same values
+    summed otherwise)."""
     BF16: tl.constexpr = DTYPE == tl.bfloat16
     if not ASM:
-        return _row_plain(words, xa, xb, xc, xd, s, acc, nz, DTYPE, SCALE_AFTER)
+        return _row_plain(words, xa, xb, xc, xd, s, acc, nz, DTYPE, SCALE_AFTER or XSUM)
+    elif XSUM:
+        tl.static_assert(BF16, "XSUM takes bf16 x")
+        xs = _row_xsum(xa, xb, xc, xd)
+        if HAS_ZEROS:
+            return tl.inline_asm_elementwise(
+                _ASM_XSUM_ZEROS, _CONSTRAINTS_XSUM_ZEROS, args=[words, xa, xb, xc, xd, s, acc,
+                                                               xs, nz],
+                dtype=tl.float32, is_pure=True, pack=4,
+            )  # fmt: skip
+        return tl.inline_asm_elementwise(
+            _ASM_XSUM, _CONSTRAINTS_XSUM, args=[words, xa, xb, xc, xd, s, acc, xs],
+            dtype=tl.float32, is_pure=True, pack=4,
+        )  # fmt: skip
     elif HAS_ZEROS and SCALE_AFTER:
         return tl.inline_asm_elementwise(
             _ASM_BF16_ZEROS_AFTER if BF16 else _ASM_FP16_ZEROS_AFTER, _CONSTRAINTS_ZEROS,
@@ -265,6 +383,7 @@ def _row_mma_k_loop(
     stride_zn, HAS_ZEROS: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, GROUP_WORDS: tl.constexpr, K_STAGES: tl.constexpr = 1,
     STEP_TILES: tl.constexpr = 1, SCALE_AFTER: tl.constexpr = False,
+    XSUM: tl.constexpr = False, AHEAD: tl.constexpr = False,
 ):  # fmt: skip
     """The [1, BLOCK_N] fp32 sums of k_lo <= k < k_hi of one row (4-bit weights, 16-bit x, K a
     multiple of 1024; ``GROUP_WORDS``: words a group, a multiple of 4): per 1024-deep tile a
@@ -273,9 +392,13 @@ def _row_mma_k_loop(
     not). ``STEP_TILES``: tiles a step, every load of the step (words, scales, x) issued
     before its math: that many tiles' memory latency met at once (the split's K a multiple of
     1024 * STEP_TILES). ``SCALE_AFTER``: the scale after the MMAs (``GROUP_WORDS`` a multiple
-    of 16)."""
-    tl.static_assert(not SCALE_AFTER or GROUP_WORDS % 16 == 0,
-                     "SCALE_AFTER needs groups of a multiple of 128 values")  # fmt: skip
+    of 16); ``XSUM`` (bf16) the zero after them too, by the chunks' x-sums. ``AHEAD``: the
+    next tile's words, scales and zeros loaded before this tile's x and math (a tile's DRAM
+    latency met while the one before is multiplied; one STEP_TILES, one stage)."""
+    tl.static_assert(not (SCALE_AFTER or XSUM) or GROUP_WORDS % 16 == 0,
+                     "SCALE_AFTER / XSUM need groups of a multiple of 128 values")  # fmt: skip
+    tl.static_assert(not AHEAD or (STEP_TILES == 1 and K_STAGES == 1),
+                     "AHEAD loads one tile ahead itself: one tile a step, one stage")  # fmt: skip
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     BLOCK_K: tl.constexpr = ROW_WORDS * 8
     offs_w = tl.arange(0, ROW_WORDS)
@@ -283,6 +406,21 @@ def _row_mma_k_loop(
     x_row = (x_ptr + tl.sum(offs_m).to(tl.int64) * stride_xm).to(tl.pointer_type(tl.int64))
     x_ptrs = x_row + offs_w * 2  # [128]: each word's x_0 .. x_3 (x_4 .. x_7 the next)
     acc = tl.zeros([BLOCK_N, ROW_WORDS], dtype=tl.float32)
+    if AHEAD:
+        words_n, s_n, nz_n = _row_weight_loads(q_ptrs, s_ptr, z_ptr, rows, offs_w, k_lo,
+                                               stride_sn, stride_zn, HAS_ZEROS, ASM,
+                                               GROUP_WORDS, DTYPE)  # fmt: skip
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            words, s, nz = words_n, s_n, nz_n
+            # the last tile's again at the end (k_next a known multiple of BLOCK_K: 16-byte loads)
+            k_next = tl.multiple_of(tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), BLOCK_K)
+            words_n, s_n, nz_n = _row_weight_loads(q_ptrs, s_ptr, z_ptr, rows, offs_w, k_next,
+                                                   stride_sn, stride_zn, HAS_ZEROS, ASM,
+                                                   GROUP_WORDS, DTYPE)  # fmt: skip
+            xa, xb, xc, xd = _row_x_pairs(x_ptrs + (k0 // 8) * 2, words.shape, ASM)
+            acc = _row_tile_math(words, xa, xb, xc, xd, s, acc, nz, HAS_ZEROS, ASM, DTYPE,
+                                 SCALE_AFTER, XSUM)  # fmt: skip
+        return tl.reshape(tl.sum(acc, axis=1), [BLOCK_M, BLOCK_N])
     for k0 in tl.range(k_lo, k_hi, STEP_TILES * BLOCK_K, num_stages=K_STAGES):
         loaded = []
         for t in tl.static_range(STEP_TILES):  # the step's loads, then its math
@@ -293,5 +431,5 @@ def _row_mma_k_loop(
         for t in tl.static_range(STEP_TILES):
             words, s, nz, xa, xb, xc, xd = loaded[t]
             acc = _row_tile_math(words, xa, xb, xc, xd, s, acc, nz, HAS_ZEROS, ASM, DTYPE,
-                                 SCALE_AFTER)  # fmt: skip
+                                 SCALE_AFTER, XSUM)  # fmt: skip
     return tl.reshape(tl.sum(acc, axis=1), [BLOCK_M, BLOCK_N])
