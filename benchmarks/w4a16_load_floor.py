@@ -1,0 +1,144 @@
+"""What reading the W4A16 words alone costs, at the Llama-3-8B projections (issue 40 item 4): a
+Triton kernel that only loads a W4A16 weight's int32 words in ROW_MMA's pattern (a program
+BLOCK_N rows, a warp's load 512 contiguous bytes of one row, K split as ``wna16_config``'s
+``fill`` splits it) and XORs them, next to the same bytes in other patterns. It bounds what any
+loop of that access pattern can reach: if the loads alone run at ROW_MMA's ~48% of the copy rate,
+the math is not what holds it there.
+
+Patterns (``--cases``, all by default), each cold L2 (``kernels.cold_graph_ms``):
+  ``rows B wW serial``: ROW_MMA's grid and loads, one tile a warp in flight (each XOR waits);
+  ``rows B wW ahead``: the same, every tile of the program's K span issued before the first XOR;
+  ``flat``: each program one contiguous span of words (16 KB), 512 bytes a warp a load;
+  ``torch copy``: ``dst.copy_(words)`` (read and write: twice the bytes).
+
+    python3 benchmarks/w4a16_load_floor.py --out $OUT/load-floor.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# (BLOCK_N, warps, programs an SM for the K split, ahead) of the row patterns
+ROW_CASES = ((8, 4, 8, False), (8, 4, 8, True), (16, 4, 8, False), (16, 4, 8, True),
+             (32, 8, 4, False), (32, 8, 4, True), (8, 4, 16, False), (4, 4, 16, False))  # fmt: skip
+WORDS = 128  # a row's words a tile (512 bytes: ROW_MMA's K tile)
+ROW_WORDS = tl.constexpr(WORDS)
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+@triton.jit
+def rows_read(q_ptr, out_ptr, N, stride_qn, tiles_per_split, BLOCK_N: tl.constexpr,
+              AHEAD: tl.constexpr, TILES: tl.constexpr):  # fmt: skip
+    """ROW_MMA's loads: program (n, k) reads rows n * BLOCK_N.. of split k, a tile [BLOCK_N,
+    128] words at a time; AHEAD: the split's TILES tiles issued before the first XOR."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+    offs_w = tl.arange(0, ROW_WORDS)
+    ptrs = q_ptr + rows[:, None] * stride_qn + pid_k * tiles_per_split * ROW_WORDS + offs_w[None, :]
+    acc = tl.zeros([BLOCK_N, ROW_WORDS], dtype=tl.int32)
+    if AHEAD:
+        for t in tl.static_range(TILES):
+            acc ^= tl.load(ptrs + t * ROW_WORDS)
+    else:
+        for t in range(tiles_per_split):
+            acc ^= tl.load(ptrs + t * ROW_WORDS)
+    tl.store(out_ptr + pid_k * N + rows, tl.reduce(acc, 1, _xor))
+
+
+@triton.jit
+def flat_read(q_ptr, out_ptr, SPAN: tl.constexpr, LOAD: tl.constexpr):
+    """Program p reads words p * SPAN .. (p + 1) * SPAN - 1, LOAD words a load."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, LOAD)
+    base = q_ptr + pid.to(tl.int64) * SPAN
+    acc = tl.zeros([LOAD], dtype=tl.int32)
+    for t in range(SPAN // LOAD):
+        acc ^= tl.load(base + t * LOAD + offs)
+    tl.store(out_ptr + pid, tl.reduce(acc, 0, _xor))
+
+
+def bench_shape(torch, name: str, n: int, k: int, roof: dict, sms: int) -> list[dict]:
+    """The rows of one projection's words (random int32, [n, k / 8])."""
+    from kernels import cold_graph_ms
+
+    from atom_kernels.backends.triton.int_quant import split_for
+
+    words = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
+    nbytes = words.numel() * 4
+    k_tiles = k // 8 // WORDS
+    results = []
+
+    def row(impl, fn, moved=nbytes):
+        ms = cold_graph_ms(fn)
+        gbps = moved / ms / 1e6
+        r = {"shape": name, "n": n, "k": k, "impl": impl, "ms_cold": ms, "bytes": moved,
+             "GBps": gbps, "of_copy": gbps / roof["copy_GBps"]}  # fmt: skip
+        results.append(r)
+        print(f"{name:8s} {impl:34s} {ms * 1e3:7.2f} us {gbps:6.0f} GB/s "
+              f"{r['of_copy']:5.0%} of copy", flush=True)  # fmt: skip
+
+    for block_n, warps, per_sm, ahead in ROW_CASES:
+        tiles = triton.cdiv(n, block_n)
+        per_split = triton.cdiv(k_tiles, split_for(tiles, k_tiles, sms, per_sm, fill=True))
+        splits = triton.cdiv(k_tiles, per_split)
+        if k_tiles % per_split:
+            continue  # a ragged last split (the real kernel's is not)
+        out = torch.empty(splits * n, dtype=torch.int32, device="cuda")
+
+        def fn(block_n=block_n, warps=warps, ahead=ahead, tiles=tiles, splits=splits,
+               per_split=per_split, out=out):  # fmt: skip
+            rows_read[(tiles, splits)](words, out, n, words.stride(0), per_split,
+                                       BLOCK_N=block_n, AHEAD=ahead, TILES=per_split,
+                                       num_warps=warps, num_stages=1)  # fmt: skip
+
+        row(f"rows {block_n} w{warps} fill{per_sm} split{splits} "
+            f"{'ahead' if ahead else 'serial'}", fn)  # fmt: skip
+    span = 4096  # 16 KB a program
+    if words.numel() % span == 0:
+        out = torch.empty(words.numel() // span, dtype=torch.int32, device="cuda")
+        for warps in (4, 8):
+
+            def flat(warps=warps, out=out):
+                flat_read[(words.numel() // span,)](words, out, SPAN=span, LOAD=128 * warps,
+                                                    num_warps=warps)  # fmt: skip
+
+            row(f"flat 16KB w{warps}", flat)
+    dst = torch.empty_like(words)
+    row("torch copy (read + write)", lambda: dst.copy_(words), 2 * nbytes)
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    import torch
+    from kernels import measure_roofline
+
+    roof = measure_roofline(torch)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    results = []
+    for name, (n, k) in SHAPES.items():
+        results += bench_shape(torch, name, n, k, roof, sms)
+        torch.cuda.empty_cache()
+        Path(args.out).write_text(json.dumps({"roofline": roof, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
