@@ -8,7 +8,9 @@ the math is not what holds it there.
 Patterns (``--cases``, all by default), each cold L2 (``kernels.cold_graph_ms``):
   ``rows B wW serial``: ROW_MMA's grid and loads, one tile a warp in flight (each XOR waits);
   ``rows B wW ahead``: the same, every tile of the program's K span issued before the first XOR;
-  ``flat``: each program one contiguous span of words (16 KB), 512 bytes a warp a load;
+  ``flat``: each program one contiguous span of words (16 KB), 16 or 64 bytes a thread a load;
+  the ``big`` shape (512 MB of words): what the same loads reach when the launch's start and
+  end weigh nothing;
   ``torch copy``: ``dst.copy_(words)`` (read and write: twice the bytes).
 
     python3 benchmarks/w4a16_load_floor.py --out $OUT/load-floor.json
@@ -26,7 +28,13 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SHAPES = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "big": (262144, 4096),
+}  # "big": 512 MB of words, what the same loads reach at length
 # (BLOCK_N, warps, programs an SM for the K split, ahead) of the row patterns
 ROW_CASES = ((8, 4, 8, False), (8, 4, 8, True), (16, 4, 8, False), (16, 4, 8, True),
              (32, 8, 4, False), (32, 8, 4, True), (8, 4, 16, False), (4, 4, 16, False))  # fmt: skip
@@ -110,13 +118,14 @@ def bench_shape(torch, name: str, n: int, k: int, roof: dict, sms: int) -> list[
     span = 4096  # 16 KB a program
     if words.numel() % span == 0:
         out = torch.empty(words.numel() // span, dtype=torch.int32, device="cuda")
-        for warps in (4, 8):
+        for warps, per_thread in ((4, 4), (8, 4), (4, 16), (8, 16)):  # words a thread a load
 
-            def flat(warps=warps, out=out):
-                flat_read[(words.numel() // span,)](words, out, SPAN=span, LOAD=128 * warps,
+            def flat(warps=warps, per_thread=per_thread, out=out):
+                flat_read[(words.numel() // span,)](words, out, SPAN=span,
+                                                    LOAD=32 * per_thread * warps,
                                                     num_warps=warps)  # fmt: skip
 
-            row(f"flat 16KB w{warps}", flat)
+            row(f"flat 16KB w{warps} {per_thread * 4}B a thread", flat)
     dst = torch.empty_like(words)
     row("torch copy (read + write)", lambda: dst.copy_(words), 2 * nbytes)
     return results
