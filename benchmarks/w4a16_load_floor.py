@@ -5,7 +5,8 @@ BLOCK_N rows, a warp's load 512 contiguous bytes of one row, K split as ``wna16_
 loop of that access pattern can reach: if the loads alone run at ROW_MMA's ~48% of the copy rate,
 the math is not what holds it there.
 
-Patterns (``--cases``, all by default), each cold L2 (``kernels.cold_graph_ms``):
+Patterns, each cold L2 twice: after a written flush (``kernels.cold_graph_ms``, as
+quant_kernels.py times the GEMMs) and after a read one (``clean_cold_ms``), beside the GEMM:
   ``rows B wW serial``: ROW_MMA's grid and loads, one tile a warp in flight (each XOR waits);
   ``rows B wW ahead``: the same, every tile of the program's K span issued before the first XOR;
   ``flat``: each program one contiguous span of words (16 KB), 16 or 64 bytes a thread a load;
@@ -79,10 +80,46 @@ def flat_read(q_ptr, out_ptr, SPAN: tl.constexpr, LOAD: tl.constexpr):
     tl.store(out_ptr + pid, tl.reduce(acc, 0, _xor))
 
 
+def clean_cold_ms(torch, fn, calls: int = 10, replays: int = 15) -> float:
+    """``kernels.cold_graph_ms`` with the L2 emptied by a read of 256 MB instead of a write: its
+    lines clean, so ``fn``'s reads do not share DRAM with the write-back of 50 MB of dirty
+    lines (as after ``zero_()``, and as no decode step's GEMM meets them)."""
+    import statistics
+
+    flush = torch.empty(64 * 1024 * 1024, dtype=torch.float32, device="cuda")
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    medians = []
+    for with_fn in (True, False):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                torch.sum(flush, dim=0, out=sink)
+                if with_fn:
+                    fn()
+        graph.replay()
+        times = []
+        for _ in range(replays):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        medians.append(statistics.median(times))
+    return max(medians[0] - medians[1], 0.0) / calls
+
+
 def bench_shape(torch, name: str, n: int, k: int, roof: dict, sms: int) -> list[dict]:
-    """The rows of one projection's words (random int32, [n, k / 8])."""
+    """The rows of one projection's words (random int32, [n, k / 8]): each pattern cold after
+    a written flush (``cold_graph_ms``, as quant_kernels.py times the GEMMs) and after a read
+    one (``clean_cold_ms``); and the W4A16 GEMM itself (the default launch, and ROW_XSUM) on
+    those words with bf16 scales, timed both ways."""
     from kernels import cold_graph_ms
 
+    from atom_kernels.backends.triton import int_quant
     from atom_kernels.backends.triton.int_quant import split_for
 
     words = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
@@ -91,13 +128,28 @@ def bench_shape(torch, name: str, n: int, k: int, roof: dict, sms: int) -> list[
     results = []
 
     def row(impl, fn, moved=nbytes):
-        ms = cold_graph_ms(fn)
-        gbps = moved / ms / 1e6
-        r = {"shape": name, "n": n, "k": k, "impl": impl, "ms_cold": ms, "bytes": moved,
-             "GBps": gbps, "of_copy": gbps / roof["copy_GBps"]}  # fmt: skip
-        results.append(r)
-        print(f"{name:8s} {impl:34s} {ms * 1e3:7.2f} us {gbps:6.0f} GB/s "
-              f"{r['of_copy']:5.0%} of copy", flush=True)  # fmt: skip
+        for flush, ms in (("written", cold_graph_ms(fn)), ("read", clean_cold_ms(torch, fn))):
+            gbps = moved / ms / 1e6
+            r = {"shape": name, "n": n, "k": k, "impl": impl, "flush": flush, "ms_cold": ms,
+                 "bytes": moved, "GBps": gbps, "of_copy": gbps / roof["copy_GBps"]}  # fmt: skip
+            results.append(r)
+            print(f"{name:8s} {impl:34s} {flush:7s} {ms * 1e3:7.2f} us {gbps:6.0f} GB/s "
+                  f"{r['of_copy']:5.0%} of copy", flush=True)  # fmt: skip
+
+    if name != "big":
+        scales = torch.full((n, k // 128), 0.4 * k**-0.5, dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+        moved = nbytes + scales.numel() * 2 + 2 * k + 2 * n
+        for impl, xsum in (("w4a16 gemm (default)", False), ("w4a16 gemm ROW_XSUM", True)):
+
+            def gemm(xsum=xsum, scales=scales, x=x):
+                int_quant.ROW_XSUM_ENABLED = xsum
+                try:
+                    return int_quant.wna16_linear(x, words, scales, None, None, 4, None)
+                finally:
+                    int_quant.ROW_XSUM_ENABLED = False
+
+            row(impl, gemm, moved)
 
     for block_n, warps, per_sm, ahead in ROW_CASES:
         tiles = triton.cdiv(n, block_n)
