@@ -2,12 +2,13 @@
 # Issue 40 item 4, one device call (one H100 / H200): the one-row W4A16 MMAs a warp a row with
 # neither the zero nor the scale on the weights (ROW_XSUM: each MMA takes 128 + q, (128 + zero)
 # times the chunk's x-sum comes off its dot, then the scale, in fp32; sm_90 SASS 24 -> 17.25
-# instructions a word at the default 8 rows, 15.44 at 16) and with the next tile's words loaded
-# before this one's math (ROW_AHEAD). All under $OUT (carry [".whl"]):
+# instructions a word at the default 8 rows, 15.44 at 16) and with every weight load of a step of
+# ROW_STEP tiles issued before its math (ROW_AHEAD). All under $OUT (carry [".whl"]):
 #   1. GPU tests: ROW_MMA's PTX in every form at the Llama-3-8B sizes (gpu-tests.xml);
 #   2. the one-row GEMMs, cold L2, every row checked against the reference: the default tile,
 #      the xsum / ahead tiles, bf16 `linear` (int-xsum.json, and the table printed);
-#   3. ncu of the default and XSUM at 8 and 16 rows, gate_up (ncu/summary.json);
+#   3. ncu of the default and ROW_AHEAD (4 tiles a step; with XSUM 2), gate_up
+#      (ncu/summary.json; session 35's first call, at 8d64ec5, had XSUM at 8 and 16 rows);
 #   4. (STEP=1) the engine's Llama-3-8B W4A16 decode at batch 1: VARIANTS alternated over two
 #      rounds, and the bf16 step (decode-*.json).
 #   bash benchmarks/w4a16_xsum_call.sh               # 1-3
@@ -43,7 +44,7 @@ for r in d["results"]:
           f"graph {r['ms_graph'] * 1e3:6.2f} us {r['of_roofline']:.0%}{' BAD' if r['bad'] else ''}")
 PY
 [ "${NCU_CASES:-1}" = 0 ] || bash benchmarks/ncu_targets.sh "$OUT/ncu" \
-    w4a16_gate_up_proj_m1_row_mma_k1 w4a16_gate_up_proj_m1_row_xsum \
-    w4a16_gate_up_proj_m1_row_xsum16 2>&1 | tail -5
+    w4a16_gate_up_proj_m1_row_mma_k1 w4a16_gate_up_proj_m1_row_ahead4 \
+    w4a16_gate_up_proj_m1_row_xsum_ahead2 2>&1 | tail -5
 tail -n 2 "$OUT"/ncu/*.err 2>/dev/null | tail -12
 rm -f "$OUT"/ncu/*.csv "$OUT"/ncu/*.err  # the summary holds what they say (8 files come back)

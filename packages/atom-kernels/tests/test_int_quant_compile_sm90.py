@@ -80,6 +80,7 @@ def _wna16(cfg: dict, bits: int, zeros: bool, g_idx: bool, dtype: str = "bf16", 
         GROUP_WORDS=group // 8 if cfg.get("ROW_MMA") else 4,
         ROW_SCALE_AFTER=cfg.get("ROW_SCALE_AFTER", False), ROW_XSUM=cfg.get("ROW_XSUM", False),
         ROW_AHEAD=cfg.get("ROW_AHEAD", False),
+        ROW_WARPS=cfg["num_warps"] if cfg.get("ROW_AHEAD") else 1,
         **{key: cfg.get(key, False) for key in int_quant.SMALL_MAGIC_VARIANTS},
         K_STAGES=cfg.get("k_stages", 1), IEEE=dtype == "fp32", EVEN_K=True,
         SPLIT_K=cfg["SPLIT_K"] if split else 1, GROUP_M=cfg.get("GROUP_M", 1),
@@ -564,15 +565,16 @@ def test_row_mma_xsum_main_loop_sass(block_n, warps, zeros, most, most_registers
 
 @pytest.mark.parametrize("keys", [{}, dict(ROW_XSUM=True)], ids=str)
 @pytest.mark.parametrize("zeros", [False, True])
-def test_row_mma_ahead_loads_the_next_tile_first(keys, zeros):
-    """ROW_AHEAD's main loop issues the next tile's word loads (plain 128-bit loads: k_next a
-    known multiple of the tile; x's are read-only ones) before its last MMAs, and keeps every
-    operand in the words' layout, no spills."""
+def test_row_mma_ahead_loads_the_steps_weights_first(keys, zeros):
+    """ROW_AHEAD at 2 tiles a step: both tiles' word loads of both of a thread's rows (plain
+    128-bit loads; x's are read-only ones) before the step's first MMA (tied to them by an OR
+    with a run-time zero; without it ptxas issues them after MMAs), each tile's x loaded at
+    its math, every operand in the words' layout, no shared memory, no spills."""
     from atom_kernels.backends.triton import int_quant_row_mma
 
     cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=4,
-               PERMUTED_K=True, ROW_MMA=True, ROW_AHEAD=True, **keys)  # fmt: skip
-    kernel = _wna16(cfg, 4, zeros, False)
+               PERMUTED_K=True, ROW_MMA=True, ROW_STEP=2, **keys)  # fmt: skip
+    kernel = _wna16(dict(cfg, ROW_AHEAD=True), 4, zeros, False)
     ttgir = kernel.asm["ttgir"]
     layouts = dict(re.findall(r"(#blocked\d*) = #ttg.blocked<\{([^}]*)\}>", ttgir))
     for line in (line for line in ttgir.splitlines() if "elementwise_inline_asm" in line):
@@ -582,6 +584,11 @@ def test_row_mma_ahead_loads_the_next_tile_first(keys, zeros):
     body = _main_loop_sass(kernel)
     words = [i for i, ins in enumerate(body) if re.match(r"(@\S+\s+)?LDG\.E\.128(?!\.)", ins)]
     mmas = [i for i, ins in enumerate(body) if re.match(r"(@\S+\s+)?HMMA\b", ins)]
-    assert len(words) == 2 and mmas, body  # a thread's 2 rows
-    # (ptxas places them among the MMAs: at 8 rows after half of them, Triton 3.9)
-    assert max(words) < mmas[-1], (words, mmas)
+    assert len(words) == 4 and mmas, body  # a thread's 2 rows, 2 tiles
+    assert max(words) < mmas[0], (words, mmas)
+    # ROW_STEP 2 alone: ptxas sinks the second tile's loads to their use (after MMAs)
+    plain = _main_loop_sass(_wna16(cfg, 4, zeros, False))
+    first = min(i for i, ins in enumerate(plain) if re.match(r"(@\S+\s+)?HMMA\b", ins))
+    late = [i for i, ins in enumerate(plain) if re.match(r"(@\S+\s+)?LDG\.E\.128(?!\.)", ins)]
+    assert max(late) > first, (late, first)
+    assert not [ins for ins in body if re.match(r"(@\S+\s+)?(LDS|STS|BAR)\b", ins)]

@@ -355,21 +355,22 @@ ROW_SCALE_AFTER_CASES = [
     (True, 0, torch.bfloat16, 6, 3072, 3, 2, 2, 1),
     (True, 256, torch.float16, 6, 4096, 2, 2, 2, 2),
 ]  # fmt: skip
-# the same with the zero after the MMAs too (ROW_XSUM: bf16) and / or the next tile's words
-# loaded a tile ahead (ROW_AHEAD: one tile a step), as (case, config keys)
+# the same with the zero after the MMAs too (ROW_XSUM: bf16) and / or only the weights of a step
+# loaded first (ROW_AHEAD: each tile's x at its math), as (case, config keys)
 ROW_AFTER_CASES = [(case, dict(ROW_SCALE_AFTER=True)) for case in ROW_SCALE_AFTER_CASES] + [
     ((False, 128, torch.bfloat16, 10, 1024, 1, 4, 2, 1), dict(ROW_XSUM=True)),
     ((True, 0, torch.bfloat16, 6, 3072, 3, 2, 2, 1), dict(ROW_XSUM=True, ROW_AHEAD=True)),
     ((True, 256, torch.bfloat16, 6, 4096, 2, 2, 2, 1), dict(ROW_XSUM=True)),
-    ((True, 256, torch.float16, 6, 4096, 1, 2, 2, 1), dict(ROW_SCALE_AFTER=True, ROW_AHEAD=True)),
+    ((True, 256, torch.float16, 6, 4096, 1, 2, 2, 2), dict(ROW_SCALE_AFTER=True, ROW_AHEAD=True)),
+    ((True, 128, torch.bfloat16, 6, 4096, 1, 4, 2, 4), dict(ROW_XSUM=True, ROW_AHEAD=True)),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("case", "keys"), ROW_AFTER_CASES, ids=str)
 def test_wna16_linear_row_mma_scale_after(triton_backend, iq, case, keys):
     """ROW_MMA with the scale after the MMAs (the interpreter runs ``_row_plain``'s form of it;
-    ROW_XSUM's zero after them too is the same sum there), alone or with the words a tile
-    ahead: within the output's rounding of the exact product of x and the unrounded weights
+    ROW_XSUM's zero after them too is the same sum there), alone or with a step's weights
+    loaded first: within the output's rounding of the exact product of x and the unrounded weights
     (q - zero) * scale, and against the reference."""
     zeros, group, dtype, n, k, split, block_n, warps, step = case
     qw, s, z, g, x = one_row_case(n, k, group, zeros, dtype, 191 + n, triton_backend.device)
@@ -465,14 +466,12 @@ def test_wna16_linear_row_mma_refuses_what_it_cannot_take(triton_backend, iq, mo
     monkeypatch.setattr(iq, "ROW_SCALE_AFTER_ENABLED", True)
     monkeypatch.setattr(iq, "ROW_XSUM_ENABLED", True)
     assert_equal(iq.wna16_linear(x, qw, s, z, g, 4, None, config=row), before)
-    # XSUM takes bf16 x; AHEAD one tile a step, one stage
+    # XSUM takes bf16 x; AHEAD one stage
     qw, s, z, g = wna16_weight(8, 2048, 4, 16, True, False, seed=197, device=device,
                                dtype=torch.float16)  # fmt: skip
     x2 = torch.randn(1, 2048, generator=_gen(198)).to(torch.float16).to(device)
     with pytest.raises(ValueError, match=r"ROW_XSUM needs bf16 x \(got torch.float16\)"):
         iq.wna16_linear(x2, qw, s, z, g, 4, None, config=dict(row, ROW_XSUM=True))
-    with pytest.raises(ValueError, match=r"ROW_AHEAD needs one tile a step \(ROW_STEP 2\)"):
-        iq.wna16_linear(x2, qw, s, z, g, 4, None, config=dict(row, ROW_AHEAD=True, ROW_STEP=2))
     with pytest.raises(ValueError, match=r"ROW_AHEAD needs k_stages 1 \(got 2\)"):
         iq.wna16_linear(x2, qw, s, z, g, 4, None, config=dict(row, ROW_AHEAD=True, k_stages=2))
     fp16 = iq.wna16_linear(x2, qw, s, z, g, 4, None, config=row)  # the switch's XSUM dropped
@@ -918,17 +917,19 @@ ROW_SCALE_AFTER_GPU = [
 ]  # fmt: skip
 # (tile, dtype, group, zeros) of ROW_MMA with the zero and the scale after its MMAs (ROW_XSUM,
 # bf16) on a GPU: both PTX forms at the default tile and at 4 rows a warp, channel-wise, group
-# 256; and (tile, dtype, group, zeros, keys) with the words a tile ahead (ROW_AHEAD)
+# 256; and (tile, dtype, group, zeros, keys) with a step's weights first (ROW_AHEAD)
 ROW_XSUM_GPU = [
     ((8, 4, 1, 8), torch.bfloat16, 128, False), ((8, 4, 1, 8), torch.bfloat16, 128, True),
     ((16, 4, 1, 8), torch.bfloat16, 128, False), ((16, 4, 1, 8), torch.bfloat16, 128, True),
     ((32, 8, 1, 4), torch.bfloat16, 0, True), ((8, 4, 1, 8), torch.bfloat16, 256, True),
 ]  # fmt: skip
 ROW_AHEAD_GPU = [
-    ((8, 4, 1, 8), torch.bfloat16, 128, True, {}), ((16, 4, 1, 8), torch.float16, 32, False, {}),
-    ((8, 4, 1, 8), torch.bfloat16, 128, False, dict(ROW_XSUM=True)),
-    ((16, 4, 1, 8), torch.bfloat16, 128, True, dict(ROW_XSUM=True)),
-    ((8, 4, 1, 8), torch.float16, 128, True, dict(ROW_SCALE_AFTER=True)),
+    ((8, 4, 1, 8, 2), torch.bfloat16, 128, True, {}),
+    ((16, 4, 1, 8, 4), torch.float16, 32, False, {}),
+    ((8, 4, 1, 8, 2), torch.bfloat16, 128, False, dict(ROW_XSUM=True)),
+    ((8, 4, 1, 8, 4), torch.bfloat16, 128, True, dict(ROW_XSUM=True)),
+    ((4, 4, 1, 16, 4), torch.bfloat16, 0, False, dict(ROW_XSUM=True)),
+    ((8, 4, 1, 8, 2), torch.float16, 128, True, dict(ROW_SCALE_AFTER=True)),
 ]  # fmt: skip
 
 
@@ -943,7 +944,7 @@ ROW_AHEAD_GPU = [
 def test_wna16_linear_gpu_row_mma(triton_backend, iq, tile, dtype, group, zeros, keys, n, k):
     """The MMAs a warp a row's PTX (ROW_MMA, ASM: the layout it relies on, the diagonal pick,
     x and the scales loaded in the words' layout; ``keys``: the scale after the MMAs,
-    ROW_SCALE_AFTER, the zero too, ROW_XSUM, the words a tile ahead, ROW_AHEAD) at the
+    ROW_SCALE_AFTER, the zero too, ROW_XSUM, a step's weights first, ROW_AHEAD) at the
     Llama-3-8B sizes and a ragged N: within the output's rounding of the exact product of x and
     the weights (the reference's rounded ones; after the MMAs the unrounded ones), and against
     the reference."""

@@ -110,8 +110,9 @@ TABLE: tuple[Switch, ...] = (
     ),
     Switch(
         "ATOM_WNA16_ROW_AHEAD", False, _is_one,
-        "the one-row W4A16 MMAs a warp a row with the next K tile's words, scales and zeros "
-        "loaded before this tile's math (`1`: on) (A/B)",
+        "the one-row W4A16 MMAs a warp a row with only the words, scales and zeros of a step's "
+        "K tiles (`ATOM_WNA16_ONE_ROW`'s `rowN`) loaded first, each tile's x at its math (`1`: "
+        "on) (A/B)",
     ),
     Switch(
         "ATOM_FUSED_GATE_UP", True, _not_zero,

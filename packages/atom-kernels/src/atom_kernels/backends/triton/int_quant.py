@@ -62,7 +62,8 @@ QUAD_ENABLED = envs.ATOM_WNA16_QUAD
 # multiple of 128 values); ATOM_WNA16_ROW_SCALE_AFTER=1 turns it on (an A/B, not measured yet).
 ROW_SCALE_AFTER_ENABLED = envs.ATOM_WNA16_ROW_SCALE_AFTER
 # ROW_MMA without the zero and the scale on the weights (ROW_XSUM: bf16 x, groups of a multiple of
-# 128 values) and ROW_MMA's next tile loaded before this one's math (ROW_AHEAD); A/Bs, off.
+# 128 values) and ROW_MMA's steps with only their weights loaded first (ROW_AHEAD: each tile's x
+# at its math); A/Bs, off.
 ROW_XSUM_ENABLED = envs.ATOM_WNA16_ROW_XSUM
 ROW_AHEAD_ENABLED = envs.ATOM_WNA16_ROW_AHEAD
 PACKED_DOT_MIN_ROWS = 2
@@ -340,6 +341,7 @@ def _wna16_kernel(
     stride_sn,
     stride_zn,
     stride_om,
+    all_ones,  # -1, a run-time value (ROW_AHEAD ties a step's loads with it)
     BITS: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_G_IDX: tl.constexpr,
@@ -369,7 +371,8 @@ def _wna16_kernel(
     GROUP_WORDS: tl.constexpr = 4,  # ROW_MMA: words a group
     ROW_SCALE_AFTER: tl.constexpr = False,  # ROW_MMA: the scale after the MMAs
     ROW_XSUM: tl.constexpr = False,  # ROW_MMA: the zero and the scale after the MMAs (bf16)
-    ROW_AHEAD: tl.constexpr = False,  # ROW_MMA: the next tile's words loaded a tile ahead
+    ROW_AHEAD: tl.constexpr = False,  # ROW_MMA: a step's weights first, each tile's x at its math
+    ROW_WARPS: tl.constexpr = 1,  # ROW_AHEAD: the launch's num_warps
 ):
     pid_m, pid_n = _tile_ids(M, N, GROUP_M, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -384,7 +387,7 @@ def _wna16_kernel(
         acc = _row_mma_k_loop(
             x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, k_lo, k_hi, stride_xm, stride_qn,
             stride_sn, stride_zn, HAS_ZEROS, ASM, BLOCK_M, BLOCK_N, GROUP_WORDS, K_STAGES,
-            STEP_TILES, ROW_SCALE_AFTER, ROW_XSUM, ROW_AHEAD,
+            STEP_TILES, ROW_SCALE_AFTER, ROW_XSUM, ROW_AHEAD, all_ones, ROW_WARPS,
         )  # fmt: skip
     elif QUAD_MMA:
         acc = _quad_mma_k_loop(
@@ -770,11 +773,11 @@ def _row_scale_after(cfg: dict, override: dict, group_size: int, row: bool) -> b
     return asked and not why
 
 
-def _row_xsum_ahead(cfg: dict, override: dict, group_size: int, row: bool, dtype,
-                    step: int) -> tuple[bool, bool]:  # fmt: skip
+def _row_xsum_ahead(cfg: dict, override: dict, group_size: int, row: bool,
+                    dtype) -> tuple[bool, bool]:  # fmt: skip
     """(ROW_XSUM, ROW_AHEAD) of a ROW_MMA launch (``row``): each asked for by the config's key,
     else ATOM_WNA16_ROW_XSUM / ATOM_WNA16_ROW_AHEAD; XSUM needs bf16 x and groups of a multiple
-    of 128 values, AHEAD one tile a step and one stage. The switch's where it cannot run is
+    of 128 values, AHEAD one stage. The switch's where it cannot run is
     dropped, an explicit config's raises."""
     out = []
     for key, default, needs in (
@@ -783,7 +786,6 @@ def _row_xsum_ahead(cfg: dict, override: dict, group_size: int, row: bool, dtype
             *([] if group_size % 128 == 0 else [f"groups of a multiple of 128 (got {group_size})"]),
         ]),
         ("ROW_AHEAD", ROW_AHEAD_ENABLED, [
-            *([] if step == 1 else [f"one tile a step (ROW_STEP {step})"]),
             *([] if cfg.get("k_stages", 1) == 1 else [f"k_stages 1 (got {cfg['k_stages']})"]),
         ]),
     ):  # fmt: skip
@@ -913,7 +915,7 @@ def wna16_linear(
         while k % (step * ROW_BLOCK_K):
             step //= 2
     scale_after = _row_scale_after(cfg, config or {}, group_size, row)
-    xsum, ahead = _row_xsum_ahead(cfg, config or {}, group_size, row, x.dtype, step)
+    xsum, ahead = _row_xsum_ahead(cfg, config or {}, group_size, row, x.dtype)
     scale_after = scale_after and not xsum  # XSUM scales after its MMAs too
     splits, per_split, counters = _launch_split(x.device, tiles, k, cfg, step)
     scale_per_tile = per_tile and group_size % block_k == 0
@@ -927,7 +929,7 @@ def wna16_linear(
         g_idx if g_idx is not None else qweight, bias if bias is not None else out2, out2, ws,
         counters if counters is not None else qweight, num_rows, n, k, group_size, per_split,
         x2.stride(0), qweight.stride(0), scales.stride(0),
-        zeros.stride(0) if zeros is not None else 0, out2.stride(0),
+        zeros.stride(0) if zeros is not None else 0, out2.stride(0), -1,
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None,
         SCALE_PER_TILE=scale_per_tile, SCALE_LATER=scale_later,
         HAS_BIAS=bias is not None,
@@ -936,6 +938,7 @@ def wna16_linear(
         PACKED_DOT=packed_dot, QUAD_MMA=quad, GROUP_TILES=_group_tiles(group_size) if quad else 0,
         STEP_TILES=step, ROW_MMA=row, GROUP_WORDS=group_size // 8 if row else 4,
         ROW_SCALE_AFTER=scale_after, ROW_XSUM=xsum, ROW_AHEAD=ahead,
+        ROW_WARPS=cfg["num_warps"] if ahead else 1,
         ASM=(packed_dot or quad or row) and x.device.type == "cuda" and not torch.version.hip,
         EVEN_K=k % block_k == 0,
         SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),

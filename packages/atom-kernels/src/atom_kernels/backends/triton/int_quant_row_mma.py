@@ -323,6 +323,11 @@ def _row_weight_loads(q_ptrs, s_ptr, z_ptr, rows, offs_w, k0, stride_sn, stride_
 
 
 @triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
 def _row_xsum(xa, xb, xc, xd):
     """Each lane's chunk's sum of x over the K tile, fp32 at the lane's first element
     (``_xsum_asm``; the same for every row, so one a lane: a pure PTX on the same values)."""
@@ -383,7 +388,8 @@ def _row_mma_k_loop(
     stride_zn, HAS_ZEROS: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, GROUP_WORDS: tl.constexpr, K_STAGES: tl.constexpr = 1,
     STEP_TILES: tl.constexpr = 1, SCALE_AFTER: tl.constexpr = False,
-    XSUM: tl.constexpr = False, AHEAD: tl.constexpr = False,
+    XSUM: tl.constexpr = False, AHEAD: tl.constexpr = False, all_ones=-1,
+    NUM_WARPS: tl.constexpr = 1,
 ):  # fmt: skip
     """The [1, BLOCK_N] fp32 sums of k_lo <= k < k_hi of one row (4-bit weights, 16-bit x, K a
     multiple of 1024; ``GROUP_WORDS``: words a group, a multiple of 4): per 1024-deep tile a
@@ -392,13 +398,15 @@ def _row_mma_k_loop(
     not). ``STEP_TILES``: tiles a step, every load of the step (words, scales, x) issued
     before its math: that many tiles' memory latency met at once (the split's K a multiple of
     1024 * STEP_TILES). ``SCALE_AFTER``: the scale after the MMAs (``GROUP_WORDS`` a multiple
-    of 16); ``XSUM`` (bf16) the zero after them too, by the chunks' x-sums. ``AHEAD``: the
-    next tile's words, scales and zeros loaded before this tile's x and math (a tile's DRAM
-    latency met while the one before is multiplied; one STEP_TILES, one stage)."""
+    of 16); ``XSUM`` (bf16) the zero after them too, by the chunks' x-sums. ``AHEAD``: of a
+    step only the words, scales and zeros loaded first (the DRAM latency of STEP_TILES tiles
+    met at once), each tile's x (an L1 hit) loaded at its math: x's registers held for one
+    tile, not STEP_TILES (one stage). ptxas sinks a load to just before its first use, so each
+    tile's words are tied to every load of the step (OR-ed with them AND ``~all_ones``, zero
+    at run time, which it cannot see): all are issued before the step's first MMA."""
     tl.static_assert(not (SCALE_AFTER or XSUM) or GROUP_WORDS % 16 == 0,
                      "SCALE_AFTER / XSUM need groups of a multiple of 128 values")  # fmt: skip
-    tl.static_assert(not AHEAD or (STEP_TILES == 1 and K_STAGES == 1),
-                     "AHEAD loads one tile ahead itself: one tile a step, one stage")  # fmt: skip
+    tl.static_assert(not AHEAD or K_STAGES == 1, "AHEAD takes one stage")
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     BLOCK_K: tl.constexpr = ROW_WORDS * 8
     offs_w = tl.arange(0, ROW_WORDS)
@@ -406,30 +414,41 @@ def _row_mma_k_loop(
     x_row = (x_ptr + tl.sum(offs_m).to(tl.int64) * stride_xm).to(tl.pointer_type(tl.int64))
     x_ptrs = x_row + offs_w * 2  # [128]: each word's x_0 .. x_3 (x_4 .. x_7 the next)
     acc = tl.zeros([BLOCK_N, ROW_WORDS], dtype=tl.float32)
-    if AHEAD:
-        words_n, s_n, nz_n = _row_weight_loads(q_ptrs, s_ptr, z_ptr, rows, offs_w, k_lo,
-                                               stride_sn, stride_zn, HAS_ZEROS, ASM,
-                                               GROUP_WORDS, DTYPE)  # fmt: skip
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            words, s, nz = words_n, s_n, nz_n
-            # the last tile's again at the end (k_next a known multiple of BLOCK_K: 16-byte loads)
-            k_next = tl.multiple_of(tl.minimum(k0 + BLOCK_K, k_hi - BLOCK_K), BLOCK_K)
-            words_n, s_n, nz_n = _row_weight_loads(q_ptrs, s_ptr, z_ptr, rows, offs_w, k_next,
-                                                   stride_sn, stride_zn, HAS_ZEROS, ASM,
-                                                   GROUP_WORDS, DTYPE)  # fmt: skip
-            xa, xb, xc, xd = _row_x_pairs(x_ptrs + (k0 // 8) * 2, words.shape, ASM)
-            acc = _row_tile_math(words, xa, xb, xc, xd, s, acc, nz, HAS_ZEROS, ASM, DTYPE,
-                                 SCALE_AFTER, XSUM)  # fmt: skip
-        return tl.reshape(tl.sum(acc, axis=1), [BLOCK_M, BLOCK_N])
     for k0 in tl.range(k_lo, k_hi, STEP_TILES * BLOCK_K, num_stages=K_STAGES):
         loaded = []
-        for t in tl.static_range(STEP_TILES):  # the step's loads, then its math
-            loaded = loaded + [_row_tile_loads(
-                q_ptrs, x_ptrs, s_ptr, z_ptr, rows, offs_w, k0 + t * BLOCK_K, stride_sn,
-                stride_zn, HAS_ZEROS, ASM, GROUP_WORDS, DTYPE,
-            )]  # fmt: skip
-        for t in tl.static_range(STEP_TILES):
-            words, s, nz, xa, xb, xc, xd = loaded[t]
-            acc = _row_tile_math(words, xa, xb, xc, xd, s, acc, nz, HAS_ZEROS, ASM, DTYPE,
-                                 SCALE_AFTER, XSUM)  # fmt: skip
+        if AHEAD:  # the step's weights, then each tile's x with its math
+            for t in tl.static_range(STEP_TILES):
+                loaded = loaded + [_row_weight_loads(
+                    q_ptrs, s_ptr, z_ptr, rows, offs_w, k0 + t * BLOCK_K, stride_sn, stride_zn,
+                    HAS_ZEROS, ASM, GROUP_WORDS, DTYPE,
+                )]  # fmt: skip
+            tie = tl.zeros([BLOCK_N, ROW_WORDS], dtype=tl.int32)
+            for t in tl.static_range(STEP_TILES):
+                words, s, nz = loaded[t]
+                tie = tie | words | s.to(tl.int16, bitcast=True).to(tl.int32)
+                if HAS_ZEROS:
+                    tie = tie | nz.to(tl.int16, bitcast=True).to(tl.int32)
+            # over a thread's rows too (rows i and i + num_warps: the reshape keeps them in-thread)
+            ROWS: tl.constexpr = BLOCK_N // NUM_WARPS
+            tie = tl.reduce(tl.reshape(tie, [ROWS, NUM_WARPS, ROW_WORDS]), 0, _or)
+            tie = tl.reshape(tl.broadcast_to(tie[None, :, :], [ROWS, NUM_WARPS, ROW_WORDS]),
+                             [BLOCK_N, ROW_WORDS])  # fmt: skip
+            tie = tie & ~all_ones  # zero
+            for t in tl.static_range(STEP_TILES):
+                words, s, nz = loaded[t]
+                words = words | tie
+                xa, xb, xc, xd = _row_x_pairs(x_ptrs + ((k0 + t * BLOCK_K) // 8) * 2,
+                                              words.shape, ASM)  # fmt: skip
+                acc = _row_tile_math(words, xa, xb, xc, xd, s, acc, nz, HAS_ZEROS, ASM, DTYPE,
+                                     SCALE_AFTER, XSUM)  # fmt: skip
+        else:
+            for t in tl.static_range(STEP_TILES):  # the step's loads, then its math
+                loaded = loaded + [_row_tile_loads(
+                    q_ptrs, x_ptrs, s_ptr, z_ptr, rows, offs_w, k0 + t * BLOCK_K, stride_sn,
+                    stride_zn, HAS_ZEROS, ASM, GROUP_WORDS, DTYPE,
+                )]  # fmt: skip
+            for t in tl.static_range(STEP_TILES):
+                words, s, nz, xa, xb, xc, xd = loaded[t]
+                acc = _row_tile_math(words, xa, xb, xc, xd, s, acc, nz, HAS_ZEROS, ASM, DTYPE,
+                                     SCALE_AFTER, XSUM)  # fmt: skip
     return tl.reshape(tl.sum(acc, axis=1), [BLOCK_M, BLOCK_N])
