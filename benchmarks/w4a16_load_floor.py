@@ -37,8 +37,7 @@ SHAPES = {
     "big": (262144, 4096),
 }  # "big": 512 MB of words, what the same loads reach at length
 # (BLOCK_N, warps, programs an SM for the K split, ahead) of the row patterns
-ROW_CASES = ((8, 4, 8, False), (8, 4, 8, True), (16, 4, 8, False), (16, 4, 8, True),
-             (32, 8, 4, False), (32, 8, 4, True), (8, 4, 16, False), (4, 4, 16, False))  # fmt: skip
+ROW_CASES = ((8, 4, 8, False), (8, 4, 8, True), (16, 4, 8, False), (32, 8, 4, False))
 WORDS = 128  # a row's words a tile (512 bytes: ROW_MMA's K tile)
 ROW_WORDS = tl.constexpr(WORDS)
 
@@ -65,6 +64,33 @@ def rows_read(q_ptr, out_ptr, N, stride_qn, tiles_per_split, BLOCK_N: tl.constex
     else:
         for t in range(tiles_per_split):
             acc ^= tl.load(ptrs + t * ROW_WORDS)
+    tl.store(out_ptr + pid_k * N + rows, tl.reduce(acc, 1, _xor))
+
+
+@triton.jit
+def rows_read_plus(q_ptr, x_ptr, s_ptr, out_ptr, N, stride_qn, stride_sn, tiles_per_split,
+                   BLOCK_N: tl.constexpr, X: tl.constexpr, SCALES: tl.constexpr):  # fmt: skip
+    """rows_read (serial) with ROW_MMA's other loads of a tile: ``X`` each word's 8 x (16 bytes,
+    bf16 x of the whole K: L1 hits after the first warp), ``SCALES`` each word's group scale
+    (2 bytes, groups of 128: a row's 8 a tile)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+    offs_w = tl.arange(0, ROW_WORDS)
+    w0 = pid_k * tiles_per_split * ROW_WORDS
+    ptrs = q_ptr + rows[:, None] * stride_qn + w0 + offs_w[None, :]
+    acc = tl.zeros([BLOCK_N, ROW_WORDS], dtype=tl.int32)
+    x_words = x_ptr.to(tl.pointer_type(tl.int32))
+    for t in range(tiles_per_split):
+        acc ^= tl.load(ptrs + t * ROW_WORDS)
+        if X:  # a word's x: 4 int32 (8 bf16)
+            xw = tl.load(x_words + ((w0 + t * ROW_WORDS + offs_w) * 4)[:, None]
+                         + tl.arange(0, 4)[None, :])  # fmt: skip
+            acc ^= tl.reduce(xw, 1, _xor)[None, :]
+        if SCALES:
+            groups = (w0 + t * ROW_WORDS + offs_w) // 16
+            sc = tl.load(s_ptr + rows[:, None] * stride_sn + groups[None, :])
+            acc ^= sc.to(tl.int16, bitcast=True).to(tl.int32)
     tl.store(out_ptr + pid_k * N + rows, tl.reduce(acc, 1, _xor))
 
 
@@ -167,10 +193,25 @@ def bench_shape(torch, name: str, n: int, k: int, roof: dict, sms: int) -> list[
 
         row(f"rows {block_n} w{warps} fill{per_sm} split{splits} "
             f"{'ahead' if ahead else 'serial'}", fn)  # fmt: skip
+    x = torch.randn(k, device="cuda").to(torch.bfloat16)
+    scales = torch.randn(n, k // 128, device="cuda").to(torch.bfloat16)
+    tiles = triton.cdiv(n, 8)
+    per_split = triton.cdiv(k_tiles, split_for(tiles, k_tiles, sms, 8, fill=True))
+    splits = triton.cdiv(k_tiles, per_split)
+    out = torch.empty(splits * n, dtype=torch.int32, device="cuda")
+    for x_on, s_on in ((True, False), (False, True), (True, True)):
+
+        def plus(x_on=x_on, s_on=s_on, out=out, splits=splits, per_split=per_split):
+            rows_read_plus[(tiles, splits)](words, x, scales, out, n, words.stride(0),
+                                            scales.stride(0), per_split, BLOCK_N=8, X=x_on,
+                                            SCALES=s_on, num_warps=4, num_stages=1)  # fmt: skip
+
+        extra = ("+x" if x_on else "") + ("+scales" if s_on else "")
+        row(f"rows 8 w4 fill8 split{splits} serial {extra}", plus)
     span = 4096  # 16 KB a program
     if words.numel() % span == 0:
         out = torch.empty(words.numel() // span, dtype=torch.int32, device="cuda")
-        for warps, per_thread in ((4, 4), (8, 4), (4, 16), (8, 16)):  # words a thread a load
+        for warps, per_thread in ((4, 4), (8, 16)):  # words a thread a load
 
             def flat(warps=warps, per_thread=per_thread, out=out):
                 flat_read[(words.numel() // span,)](words, out, SPAN=span,
