@@ -27,15 +27,16 @@ from pathlib import Path
 import triton
 import triton.language as tl
 
+from atom_kernels.backends.triton.int_quant_quad_mma import _row_scalar
+from atom_kernels.backends.triton.int_quant_row_mma import _row_x_pairs
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SHAPES = {
-    "qkv": (6144, 4096),
-    "o": (4096, 4096),
     "gate_up": (28672, 4096),
     "down": (4096, 14336),
     "big": (262144, 4096),
-}  # "big": 512 MB of words, what the same loads reach at length
+}  # "big": 512 MB of words, what the same loads reach at length (calls 2-6 also had qkv, o)
 # (BLOCK_N, warps, programs an SM for the K split, ahead) of the row patterns
 ROW_CASES = ((8, 4, 8, False), (8, 4, 8, True), (16, 4, 8, False), (32, 8, 4, False))
 WORDS = 128  # a row's words a tile (512 bytes: ROW_MMA's K tile)
@@ -90,6 +91,32 @@ def rows_read_plus(q_ptr, x_ptr, s_ptr, out_ptr, N, stride_qn, stride_sn, tiles_
         if SCALES:
             groups = (w0 + t * ROW_WORDS + offs_w) // 16
             sc = tl.load(s_ptr + rows[:, None] * stride_sn + groups[None, :])
+            acc ^= sc.to(tl.int16, bitcast=True).to(tl.int32)
+    tl.store(out_ptr + pid_k * N + rows, tl.reduce(acc, 1, _xor))
+
+
+@triton.jit
+def rows_read_asm(q_ptr, x_ptr, s_ptr, out_ptr, N, stride_qn, stride_sn, tiles_per_split,
+                  BLOCK_N: tl.constexpr, X: tl.constexpr, SCALES: tl.constexpr):  # fmt: skip
+    """rows_read_plus with ROW_MMA's own PTX loads (``int_quant_row_mma``: x as the MMAs' pairs,
+    the scales one 16-bit load a thread's 4 words), no layout conversion: exactly its loads."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+    offs_w = tl.arange(0, ROW_WORDS)
+    w0 = pid_k * tiles_per_split * ROW_WORDS
+    ptrs = q_ptr + rows[:, None] * stride_qn + w0 + offs_w[None, :]
+    x_ptrs = x_ptr.to(tl.pointer_type(tl.int64)) + offs_w * 2
+    acc = tl.zeros([BLOCK_N, ROW_WORDS], dtype=tl.int32)
+    for t in range(tiles_per_split):
+        words = tl.load(ptrs + t * ROW_WORDS)
+        acc ^= words
+        if X:
+            xa, xb, xc, xd = _row_x_pairs(x_ptrs + (w0 + t * ROW_WORDS) * 2, words.shape, True)
+            acc ^= xa ^ xb ^ xc ^ xd
+        if SCALES:
+            groups = (w0 + t * ROW_WORDS + offs_w) // 16
+            sc = _row_scalar(s_ptr + rows[:, None] * stride_sn + groups[None, :], True)
             acc ^= sc.to(tl.int16, bitcast=True).to(tl.int32)
     tl.store(out_ptr + pid_k * N + rows, tl.reduce(acc, 1, _xor))
 
@@ -208,6 +235,13 @@ def bench_shape(torch, name: str, n: int, k: int, roof: dict, sms: int) -> list[
 
         extra = ("+x" if x_on else "") + ("+scales" if s_on else "")
         row(f"rows 8 w4 fill8 split{splits} serial {extra}", plus)
+
+        def ptx(x_on=x_on, s_on=s_on, out=out, splits=splits, per_split=per_split):
+            rows_read_asm[(tiles, splits)](words, x, scales, out, n, words.stride(0),
+                                           scales.stride(0), per_split, BLOCK_N=8, X=x_on,
+                                           SCALES=s_on, num_warps=4, num_stages=1)  # fmt: skip
+
+        row(f"rows 8 w4 fill8 split{splits} serial PTX {extra}", ptx)
     span = 4096  # 16 KB a program
     if words.numel() % span == 0:
         out = torch.empty(words.numel() // span, dtype=torch.int32, device="cuda")
