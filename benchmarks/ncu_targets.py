@@ -54,6 +54,7 @@ WNA16_CASES = {
         ("row_scale_after", dict(_ROW_DEFAULT, ROW_SCALE_AFTER=True)),
         ("row_xsum", dict(_ROW_DEFAULT, ROW_XSUM=True)),
         ("row_ahead4", dict(_ROW_DEFAULT, ROW_STEP=4, ROW_AHEAD=True)),
+        ("row_strided", dict(_ROW_DEFAULT, ROW_STRIDED=True)),
         ("row_xsum_ahead2", dict(_ROW_DEFAULT, ROW_STEP=2, ROW_XSUM=True, ROW_AHEAD=True)),
         ("quad_step4", dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=1,
                             k_stages=2, per_sm=8, fill=True, SPLIT_K=None, PERMUTED_K=True,

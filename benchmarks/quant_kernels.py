@@ -207,12 +207,15 @@ ROW_SCALE_AFTER_TILES = ((8, 4, 1, 8), (8, 4, 2, 8), (16, 4, 2, 8), (4, 4, 2, 16
 # on the weights (ROW_XSUM: each MMA takes 128 + q, the chunk's x-sum times 128 + zero comes off;
 # 8 packed float ops a word fewer) and / or, at ROW_STEP tiles a step, every weight load of the
 # step issued before its math and each tile's x at its math (ROW_AHEAD), as (BLOCK_N, warps,
-# programs an SM, step, keys), named "... stepS xsum", "... ahead", "... xsum-ahead".
+# programs an SM, step, keys), named "... stepS xsum", "... ahead", "... xsum-ahead"; and lane l
+# on words l + 32 i (ROW_STRIDED: x's loads contiguous), "... strided".
 ROW_XSUM_TILES = (
     (8, 4, 8, 1, "xsum"), (16, 8, 8, 1, "xsum"), (8, 4, 8, 2, "ahead"), (8, 4, 8, 4, "ahead"),
     (8, 4, 8, 2, "xsum-ahead"), (8, 4, 8, 4, "xsum-ahead"), (4, 4, 16, 2, "xsum-ahead"),
     (4, 4, 16, 4, "xsum-ahead"), (16, 4, 8, 2, "xsum-ahead"), (8, 8, 8, 2, "xsum-ahead"),
-    (8, 8, 8, 4, "xsum-ahead"), (4, 4, 8, 4, "ahead"),
+    (8, 8, 8, 4, "xsum-ahead"), (4, 4, 8, 4, "ahead"), (8, 4, 8, 1, "strided"),
+    (16, 4, 8, 1, "strided"), (4, 4, 16, 1, "strided"), (16, 8, 8, 1, "strided"),
+    (32, 8, 4, 1, "strided"), (8, 2, 8, 1, "strided"),
 )  # fmt: skip
 # (BLOCK_N, warps, programs an SM, K splits (None: ``fill``'s), register cap (None: ptxas's))
 # of the same, one tile a step: more warps an SM (a cap below the default's 64 registers) or
@@ -897,7 +900,8 @@ def _w4a16_variants(rows: int) -> list:
         for block_n, warps, per_sm, step, keys in ROW_XSUM_TILES:
             config = dict(_wna16_tile(block_n, warps, 1, bm=1, bk=1024), per_sm=per_sm,
                           fill=True, k_stages=1, PERMUTED_K=True, ROW_MMA=True, ROW_STEP=step,
-                          ROW_XSUM="xsum" in keys, ROW_AHEAD="ahead" in keys)  # fmt: skip
+                          ROW_XSUM="xsum" in keys, ROW_AHEAD="ahead" in keys,
+                          ROW_STRIDED=keys == "strided")  # fmt: skip
             out.append((f"w4a16_g128 row-mma {block_n} w{warps} k1 fill{per_sm} step{step} "
                         f"{keys}", config))  # fmt: skip
         for block_n, warps, per_sm, split, maxnreg in ROW_OCCUPANCY_TILES:

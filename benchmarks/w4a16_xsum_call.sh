@@ -10,7 +10,8 @@
 #   3. ncu of the default and ROW_AHEAD (4 tiles a step; with XSUM 2), gate_up
 #      (ncu/summary.json; session 35's first call, at 8d64ec5, had XSUM at 8 and 16 rows);
 #   4. (STEP=1) the engine's Llama-3-8B W4A16 decode at batch 1: VARIANTS alternated over two
-#      rounds, and the bf16 step (decode-*.json).
+#      rounds, and the bf16 step (decode-*.json);
+#   5. (AB_VARIANTS) the same after 1-3 in the same call, the step times in decode-ab.json.
 #   bash benchmarks/w4a16_xsum_call.sh               # 1-3
 #   STEP=1 VARIANTS="...;..." bash benchmarks/w4a16_xsum_call.sh   # 1 (TEST_K) and 4
 set -uo pipefail
@@ -44,7 +45,22 @@ for r in d["results"]:
           f"graph {r['ms_graph'] * 1e3:6.2f} us {r['of_roofline']:.0%}{' BAD' if r['bad'] else ''}")
 PY
 [ "${NCU_CASES:-1}" = 0 ] || bash benchmarks/ncu_targets.sh "$OUT/ncu" \
-    w4a16_gate_up_proj_m1_row_mma_k1 w4a16_gate_up_proj_m1_row_ahead4 \
-    w4a16_gate_up_proj_m1_row_xsum_ahead2 2>&1 | tail -5
+    w4a16_gate_up_proj_m1_row_mma_k1 w4a16_gate_up_proj_m1_row_strided \
+    w4a16_gate_up_proj_m1_row_ahead4 2>&1 | tail -5
 tail -n 2 "$OUT"/ncu/*.err 2>/dev/null | tail -12
 rm -f "$OUT"/ncu/*.csv "$OUT"/ncu/*.err  # the summary holds what they say (8 files come back)
+# 5. (AB_VARIANTS set) the engine's Llama-3-8B W4A16 decode at batch 1, the variants alternated
+#    over two rounds, then the bf16 step (one JSON of the step times: at most 8 files come back)
+if [ -n "${AB_VARIANTS:-}" ]; then
+    ab=$(mktemp -d)
+    OUT=$ab VARIANTS="$AB_VARIANTS" SHAPES=llama3-8b-w4a16 BATCH_SIZES="1" ROUNDS=2 RUN_S=70 \
+        BUDGET_S=${AB_BUDGET_S:-300} bash benchmarks/decode_ab.sh 2>&1 | tail -6
+    timeout 70 python3 benchmarks/engine_bench.py decode --shape llama3-8b --batch-sizes 1 \
+        --out "$ab/decode-llama3-8b-bf16-r0.json" 2>&1 | grep -v Warn | tail -1
+    AB=$ab python3 - <<'PY' | tee "$OUT/decode-ab.json"
+import glob, json, os
+rows = {os.path.basename(f): [r["step_ms"] for r in json.load(open(f))["results"]]
+        for f in sorted(glob.glob(os.path.join(os.environ["AB"], "decode-*.json")))}
+print(json.dumps(rows, indent=1))
+PY
+fi

@@ -81,6 +81,7 @@ def _wna16(cfg: dict, bits: int, zeros: bool, g_idx: bool, dtype: str = "bf16", 
         ROW_SCALE_AFTER=cfg.get("ROW_SCALE_AFTER", False), ROW_XSUM=cfg.get("ROW_XSUM", False),
         ROW_AHEAD=cfg.get("ROW_AHEAD", False),
         ROW_WARPS=cfg["num_warps"] if cfg.get("ROW_AHEAD") else 1,
+        ROW_STRIDED=cfg.get("ROW_STRIDED", False),
         **{key: cfg.get(key, False) for key in int_quant.SMALL_MAGIC_VARIANTS},
         K_STAGES=cfg.get("k_stages", 1), IEEE=dtype == "fp32", EVEN_K=True,
         SPLIT_K=cfg["SPLIT_K"] if split else 1, GROUP_M=cfg.get("GROUP_M", 1),
@@ -591,4 +592,36 @@ def test_row_mma_ahead_loads_the_steps_weights_first(keys, zeros):
     first = min(i for i, ins in enumerate(plain) if re.match(r"(@\S+\s+)?HMMA\b", ins))
     late = [i for i, ins in enumerate(plain) if re.match(r"(@\S+\s+)?LDG\.E\.128(?!\.)", ins)]
     assert max(late) > first, (late, first)
+    assert not [ins for ins in body if re.match(r"(@\S+\s+)?(LDS|STS|BAR)\b", ins)]
+
+
+@pytest.mark.parametrize(("dtype", "zeros"), [("bf16", False), ("bf16", True), ("fp16", True)])
+def test_row_mma_strided_layout_and_main_loop_sass(dtype, zeros):
+    """ROW_STRIDED keeps every inline assembly operand in ROW_LAYOUT (the masked-off anchor
+    load's) while its PTX loads lane l's words l + 32 i: the main loop's word loads are 32-bit
+    (4 a row a thread), x's 4 16-byte loads a thread's tile, its scales one 16-bit load a word,
+    2 MMAs a word, no shared memory, no spills."""
+    from atom_kernels.backends.triton import int_quant_row_mma
+
+    cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=4,
+               PERMUTED_K=True, ROW_MMA=True, ROW_STRIDED=True)  # fmt: skip
+    kernel = _wna16(cfg, 4, zeros, False, dtype=dtype)
+    ttgir = kernel.asm["ttgir"]
+    layouts = dict(re.findall(r"(#blocked\d*) = #ttg.blocked<\{([^}]*)\}>", ttgir))
+    asm_ops = [line for line in ttgir.splitlines() if "elementwise_inline_asm" in line]
+    assert len(asm_ops) >= 4, asm_ops  # the words, the scales, x, the MMAs
+    for line in asm_ops:
+        for encoding in set(re.findall(r"tensor<[^>]*?(#blocked\d*)>", line)):
+            assert layouts[encoding].startswith(int_quant_row_mma.ROW_LAYOUT), line
+    assert "ld.local" not in kernel.asm["ptx"]
+    body = _main_loop_sass(kernel)
+
+    def count(pattern):
+        return sum(1 for ins in body if re.match(rf"(@\S+\s+)?{pattern}", ins))
+
+    words = 8 * 128 / (32 * 4)  # a thread's, a K tile (2 rows of 4)
+    assert count(r"LDG\.E\s") == words, body
+    assert count(r"LDG\.E\.128\.CONSTANT") == 4
+    assert count(r"LDG\.E\.U16\.CONSTANT") == words * (2 if zeros else 1)
+    assert count(r"HMMA\b") == 2 * words
     assert not [ins for ins in body if re.match(r"(@\S+\s+)?(LDS|STS|BAR)\b", ins)]

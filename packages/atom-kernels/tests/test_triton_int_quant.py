@@ -364,6 +364,39 @@ ROW_AFTER_CASES = [(case, dict(ROW_SCALE_AFTER=True)) for case in ROW_SCALE_AFTE
     ((True, 256, torch.float16, 6, 4096, 1, 2, 2, 2), dict(ROW_SCALE_AFTER=True, ROW_AHEAD=True)),
     ((True, 128, torch.bfloat16, 6, 4096, 1, 4, 2, 4), dict(ROW_XSUM=True, ROW_AHEAD=True)),
 ]  # fmt: skip
+# (zeros, group (0: channel-wise), dtype, N, K, SPLIT_K, BLOCK_N, warps) of ROW_MMA with lane l on
+# words l + 32 i (ROW_STRIDED: each word its own group's scale): groups 32, 64, 128, channel-wise
+ROW_STRIDED_CASES = [
+    (False, 128, torch.bfloat16, 10, 1024, 1, 4, 2), (True, 32, torch.float16, 12, 2048, 2, 8, 4),
+    (True, 0, torch.bfloat16, 6, 3072, 3, 2, 2), (False, 64, torch.float16, 8, 2048, 1, 8, 8),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("zeros", "group", "dtype", "n", "k", "split", "block_n", "warps"),
+                         ROW_STRIDED_CASES)  # fmt: skip
+def test_wna16_linear_row_mma_strided(triton_backend, iq, zeros, group, dtype, n, k, split,
+                                      block_n, warps):  # fmt: skip
+    """ROW_MMA with lane l on words l, 32 + l, 64 + l, 96 + l of a tile (ROW_STRIDED; the
+    interpreter runs each word's own scale and zero by plain ops): the weights rounded as the
+    reference rounds them, so within the output's rounding of that exact product, and against
+    the reference."""
+    device = triton_backend.device
+    qw, s, z, g, x = one_row_case(n, k, group, zeros, dtype, 131 + n, device, every=71)
+    config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, PERMUTED_K=True,
+                  ROW_MMA=True, SPLIT_K=split, ROW_STRIDED=True)  # fmt: skip
+    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
+    weight = reference.dequantize_wna16(qw, s, z, g, 4, dtype).double()  # rounded to dtype
+    exact = (x.double() @ weight.T).to(dtype)
+    ulp = exact.double().abs().clamp_min(1.0) * (2**-7 if dtype == torch.bfloat16 else 2**-10)
+    assert ((out.double() - exact.double()).abs() <= ulp).all()
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(out, expected, atol=atol * 20, rtol=rtol, name=f"row mma strided {config}")
+    if group % 128 == 0:  # (channel-wise too) where the scale after could run
+        with pytest.raises(ValueError, match="ROW_STRIDED needs no ROW_SCALE_AFTER"):
+            iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(config, ROW_SCALE_AFTER=True))
+    with pytest.raises(ValueError, match=r"ROW_STRIDED needs one tile a step and k_stages 1"):
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(config, k_stages=2))
 
 
 @pytest.mark.parametrize(("case", "keys"), ROW_AFTER_CASES, ids=str)
@@ -923,6 +956,12 @@ ROW_XSUM_GPU = [
     ((16, 4, 1, 8), torch.bfloat16, 128, False), ((16, 4, 1, 8), torch.bfloat16, 128, True),
     ((32, 8, 1, 4), torch.bfloat16, 0, True), ((8, 4, 1, 8), torch.bfloat16, 256, True),
 ]  # fmt: skip
+# (tile, dtype, group, zeros) of ROW_MMA with lane l on words l + 32 i (ROW_STRIDED) on a GPU
+ROW_STRIDED_GPU = [
+    ((8, 4, 1, 8), torch.bfloat16, 128, False), ((8, 4, 1, 8), torch.bfloat16, 128, True),
+    ((8, 4, 1, 8), torch.float16, 32, True), ((16, 4, 1, 8), torch.bfloat16, 0, False),
+    ((4, 4, 1, 16), torch.float16, 128, False), ((16, 8, 1, 8), torch.bfloat16, 64, True),
+]  # fmt: skip
 ROW_AHEAD_GPU = [
     ((8, 4, 1, 8, 2), torch.bfloat16, 128, True, {}),
     ((16, 4, 1, 8, 4), torch.float16, 32, False, {}),
@@ -938,13 +977,15 @@ ROW_AHEAD_GPU = [
                          [(*case, {}) for case in ROW_MMA_GPU]
                          + [(*case, dict(ROW_SCALE_AFTER=True)) for case in ROW_SCALE_AFTER_GPU]
                          + [(*case, dict(ROW_XSUM=True)) for case in ROW_XSUM_GPU]
-                         + [(*case[:4], dict(case[4], ROW_AHEAD=True)) for case in ROW_AHEAD_GPU],
+                         + [(*case[:4], dict(case[4], ROW_AHEAD=True)) for case in ROW_AHEAD_GPU]
+                         + [(*case, dict(ROW_STRIDED=True)) for case in ROW_STRIDED_GPU],
                          ids=str)  # fmt: skip
 @pytest.mark.parametrize(("n", "k"), [*LLAMA3_8B, (1000, 2048)])
 def test_wna16_linear_gpu_row_mma(triton_backend, iq, tile, dtype, group, zeros, keys, n, k):
     """The MMAs a warp a row's PTX (ROW_MMA, ASM: the layout it relies on, the diagonal pick,
     x and the scales loaded in the words' layout; ``keys``: the scale after the MMAs,
-    ROW_SCALE_AFTER, the zero too, ROW_XSUM, a step's weights first, ROW_AHEAD) at the
+    ROW_SCALE_AFTER, the zero too, ROW_XSUM, a step's weights first, ROW_AHEAD, lane l on words
+    l + 32 i, ROW_STRIDED) at the
     Llama-3-8B sizes and a ragged N: within the output's rounding of the exact product of x and
     the weights (the reference's rounded ones; after the MMAs the unrounded ones), and against
     the reference."""

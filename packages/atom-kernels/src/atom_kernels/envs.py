@@ -109,6 +109,12 @@ TABLE: tuple[Switch, ...] = (
         "on; 8 packed float ops a word fewer) (A/B)",
     ),
     Switch(
+        "ATOM_WNA16_ROW_STRIDED", False, _is_one,
+        "the one-row W4A16 MMAs a warp a row with lane l on words l, 32 + l, 64 + l, 96 + l of a "
+        "K tile (its x loads 512 contiguous bytes a warp, each word its own scale) (`1`: on) "
+        "(A/B)",
+    ),
+    Switch(
         "ATOM_WNA16_ROW_AHEAD", False, _is_one,
         "the one-row W4A16 MMAs a warp a row with only the words, scales and zeros of a step's "
         "K tiles (`ATOM_WNA16_ONE_ROW`'s `rowN`) loaded first, each tile's x at its math (`1`: "

@@ -44,7 +44,10 @@ from atom_kernels import envs
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
 from atom_kernels.backends.triton.int_quant_packed_dot import _packed_dot_k_loop
 from atom_kernels.backends.triton.int_quant_quad_mma import _quad_mma_k_loop
-from atom_kernels.backends.triton.int_quant_row_mma import _row_mma_k_loop
+from atom_kernels.backends.triton.int_quant_row_mma import (
+    _row_mma_k_loop,
+    _row_mma_strided_k_loop,
+)
 from atom_kernels.backends.triton.int_quant_small_magic import (
     SMALL_MAGIC_VARIANTS,
     _small_magic_k_loop,
@@ -66,6 +69,8 @@ ROW_SCALE_AFTER_ENABLED = envs.ATOM_WNA16_ROW_SCALE_AFTER
 # at its math); A/Bs, off.
 ROW_XSUM_ENABLED = envs.ATOM_WNA16_ROW_XSUM
 ROW_AHEAD_ENABLED = envs.ATOM_WNA16_ROW_AHEAD
+# ROW_MMA with lane l on words l + 32 i of a tile (ROW_STRIDED: the x loads contiguous); an A/B.
+ROW_STRIDED_ENABLED = envs.ATOM_WNA16_ROW_STRIDED
 PACKED_DOT_MIN_ROWS = 2
 PACKED_DOT_MAX_ROWS = 16
 # From this many rows the default's packed dots read x as one load split in registers (X_SPLIT)
@@ -373,6 +378,7 @@ def _wna16_kernel(
     ROW_XSUM: tl.constexpr = False,  # ROW_MMA: the zero and the scale after the MMAs (bf16)
     ROW_AHEAD: tl.constexpr = False,  # ROW_MMA: a step's weights first, each tile's x at its math
     ROW_WARPS: tl.constexpr = 1,  # ROW_AHEAD: the launch's num_warps
+    ROW_STRIDED: tl.constexpr = False,  # ROW_MMA: lane l words l + 32 i (_row_mma_strided_k_loop)
 ):
     pid_m, pid_n = _tile_ids(M, N, GROUP_M, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -383,7 +389,12 @@ def _wna16_kernel(
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     k_lo = tl.program_id(1) * k_tiles_per_split * BLOCK_K
     k_hi = tl.minimum(K, k_lo + k_tiles_per_split * BLOCK_K)
-    if ROW_MMA:
+    if ROW_MMA and ROW_STRIDED:
+        acc = _row_mma_strided_k_loop(
+            x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, k_lo, k_hi, stride_xm, stride_qn,
+            stride_sn, stride_zn, all_ones, HAS_ZEROS, ASM, BLOCK_M, BLOCK_N, GROUP_WORDS,
+        )  # fmt: skip
+    elif ROW_MMA:
         acc = _row_mma_k_loop(
             x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, k_lo, k_hi, stride_xm, stride_qn,
             stride_sn, stride_zn, HAS_ZEROS, ASM, BLOCK_M, BLOCK_N, GROUP_WORDS, K_STAGES,
@@ -797,6 +808,21 @@ def _row_xsum_ahead(cfg: dict, override: dict, group_size: int, row: bool,
     return out[0], out[1]
 
 
+def _row_strided(cfg: dict, override: dict, row: bool, step: int, keys: dict) -> bool:
+    """Whether ROW_MMA (``row``) takes ``_row_mma_strided_k_loop``: asked for (the config's
+    ``ROW_STRIDED``, else ATOM_WNA16_ROW_STRIDED), with one tile a step, one stage and none of
+    ``keys`` (the other loops' variants, name -> on) on; the switch's is dropped where it
+    cannot run, an explicit config's raises."""
+    asked = bool(cfg.get("ROW_STRIDED", ROW_STRIDED_ENABLED))
+    why = [] if row else ["ROW_MMA"]
+    if step != 1 or cfg.get("k_stages", 1) != 1:
+        why.append(f"one tile a step and k_stages 1 (got {step}, {cfg.get('k_stages', 1)})")
+    why += [f"no {name}" for name, on in keys.items() if on]
+    if asked and why and override.get("ROW_STRIDED"):
+        raise ValueError(f"wna16_linear: ROW_STRIDED needs {' and '.join(why)}")
+    return asked and not why
+
+
 def _group_tiles(group_size: int) -> int:
     """QUAD_MMA's K tiles a group as a constant divisor (1, 2, 4 or 8), else 0 (divided at run
     time: channel-wise scales, large groups)."""
@@ -917,6 +943,8 @@ def wna16_linear(
     scale_after = _row_scale_after(cfg, config or {}, group_size, row)
     xsum, ahead = _row_xsum_ahead(cfg, config or {}, group_size, row, x.dtype)
     scale_after = scale_after and not xsum  # XSUM scales after its MMAs too
+    strided = _row_strided(cfg, config or {}, row, step, dict(
+        ROW_SCALE_AFTER=scale_after, ROW_XSUM=xsum, ROW_AHEAD=ahead))  # fmt: skip
     splits, per_split, counters = _launch_split(x.device, tiles, k, cfg, step)
     scale_per_tile = per_tile and group_size % block_k == 0
     # Decode tiles dot q - zero and scale each tile's result (no multiply a weight); prefill tiles
@@ -938,7 +966,7 @@ def wna16_linear(
         PACKED_DOT=packed_dot, QUAD_MMA=quad, GROUP_TILES=_group_tiles(group_size) if quad else 0,
         STEP_TILES=step, ROW_MMA=row, GROUP_WORDS=group_size // 8 if row else 4,
         ROW_SCALE_AFTER=scale_after, ROW_XSUM=xsum, ROW_AHEAD=ahead,
-        ROW_WARPS=cfg["num_warps"] if ahead else 1,
+        ROW_WARPS=cfg["num_warps"] if ahead else 1, ROW_STRIDED=strided,
         ASM=(packed_dot or quad or row) and x.device.type == "cuda" and not torch.version.hip,
         EVEN_K=k % block_k == 0,
         SPLIT_K=splits, GROUP_M=cfg["GROUP_M"], BLOCK_M=max(cfg["BLOCK_M"], 1),

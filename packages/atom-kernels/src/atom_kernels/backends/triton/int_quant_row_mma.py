@@ -49,7 +49,7 @@ ROW_LAYOUT = "sizePerThread = [1, 4], threadsPerWarp = [1, 32]"
 ROW_WORDS = tl.constexpr(128)  # words of a row in a K tile (BLOCK_K = 1024 at 4 bits)
 
 
-def _row_asm(bf16: bool, zeros: bool, scale_after: bool = False) -> str:
+def _row_asm(bf16: bool, zeros: bool, scale_after: bool = False, per_word: bool = False) -> str:
     """PTX of one lane's 4 words: outputs $0..$3 the fp32 accumulator after them ($0 plus the
     lane's diagonal element of D, if it holds one; $1..$3 as they were); inputs $4..$7 the
     words, $8..$23 the x pairs (x_0, x_4), (x_1, x_5), (x_2, x_6), (x_3, x_7) of each word (4
@@ -68,6 +68,7 @@ def _row_asm(bf16: bool, zeros: bool, scale_after: bool = False) -> str:
     kind = "bf16" if bf16 else "f16"
     fma = f"fma.rn.{kind}x2"
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
+    assert not (per_word and scale_after), "per-word scales are applied before the MMAs"
     lines = [
         "{",
         ".reg .b32 t0, t1, t2, t3, u, one, nz, sc, mz, lane, g, c2;",
@@ -83,6 +84,11 @@ def _row_asm(bf16: bool, zeros: bool, scale_after: bool = False) -> str:
     for i in range(4):
         word = f"${4 + i}"
         xa, xb, xc, xd = (f"${8 + 4 * p + i}" for p in range(4))
+        if per_word:  # word i's own scale (and zero) in both halves
+            half = "0x1010" if i % 2 == 0 else "0x3232"
+            lines.append(f"prmt.b32 sc, ${24 + i // 2}, ${24 + i // 2}, {half};")
+            if zeros:
+                lines.append(f"prmt.b32 nz, ${30 + i // 2}, ${30 + i // 2}, {half};")
         lines.append(f"lop3.b32 t0, {word}, 0x000F000F, {magic}, 0xEA;")  # (w & m) | magic
         for j in (1, 2, 3):
             lines += [f"shr.u32 u, {word}, {4 * j};",
@@ -220,6 +226,17 @@ _ASM_BF16 = tl.constexpr(_row_asm(True, False))
 _ASM_BF16_ZEROS = tl.constexpr(_row_asm(True, True))
 _ASM_FP16 = tl.constexpr(_row_asm(False, False))
 _ASM_FP16_ZEROS = tl.constexpr(_row_asm(False, True))
+_ASM_BF16_WORD = tl.constexpr(_row_asm(True, False, per_word=True))
+_ASM_BF16_ZEROS_WORD = tl.constexpr(_row_asm(True, True, per_word=True))
+_ASM_FP16_WORD = tl.constexpr(_row_asm(False, False, per_word=True))
+_ASM_FP16_ZEROS_WORD = tl.constexpr(_row_asm(False, True, per_word=True))
+# 4 words' 32-bit loads and 4 16-bit loads (packed in 2 registers), one address each
+_LOAD_WORDS = tl.constexpr("\n".join(f"ld.global.b32 ${i}, [${4 + i}];" for i in range(4)))
+_LOAD_HALVES = tl.constexpr(
+    "{\n.reg .b16 h0, h1, h2, h3;\n"
+    + "".join(f"ld.global.nc.b16 h{i}, [${2 + i}];\n" for i in range(4))
+    + "mov.b32 $0, {h0, h1};\nmov.b32 $1, {h2, h3};\n}"
+)
 _ASM_BF16_AFTER = tl.constexpr(_row_asm(True, False, True))
 _ASM_BF16_ZEROS_AFTER = tl.constexpr(_row_asm(True, True, True))
 _ASM_FP16_AFTER = tl.constexpr(_row_asm(False, False, True))
@@ -452,3 +469,90 @@ def _row_mma_k_loop(
                 acc = _row_tile_math(words, xa, xb, xc, xd, s, acc, nz, HAS_ZEROS, ASM, DTYPE,
                                      SCALE_AFTER, XSUM)  # fmt: skip
     return tl.reshape(tl.sum(acc, axis=1), [BLOCK_M, BLOCK_N])
+
+
+@triton.jit
+def _per_element_words(ptrs, ASM: tl.constexpr):
+    """The int32 words at ``ptrs`` (one address an element) in the words' layout: by PTX, plain
+    loads without ASM."""
+    if not ASM:
+        return tl.load(ptrs)
+    return tl.inline_asm_elementwise(_LOAD_WORDS, "=r,=r,=r,=r,l,l,l,l", args=[ptrs.to(tl.int64)],
+                                     dtype=tl.int32, is_pure=True, pack=4)  # fmt: skip
+
+
+@triton.jit
+def _per_element_halves(ptrs, ASM: tl.constexpr):
+    """The 16-bit floats at ``ptrs`` (one address an element) in the words' layout: by PTX (a
+    tl.load of them is an anchor Triton may lay out its own way), plain loads without ASM."""
+    if not ASM:
+        return tl.load(ptrs)
+    raw = tl.inline_asm_elementwise(_LOAD_HALVES, "=r,=r,l,l,l,l", args=[ptrs.to(tl.int64)],
+                                    dtype=tl.int16, is_pure=True, pack=4)  # fmt: skip
+    return raw.to(ptrs.dtype.element_ty, bitcast=True)
+
+
+@triton.jit
+def _row_mma_strided_k_loop(
+    x_ptr, q_ptr, s_ptr, z_ptr, rows, offs_m, k_lo, k_hi, stride_xm, stride_qn, stride_sn,
+    stride_zn, all_ones, HAS_ZEROS: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUP_WORDS: tl.constexpr,
+):  # fmt: skip
+    """``_row_mma_k_loop`` (one tile a step, the weights scaled before the MMAs) with lane l
+    holding words l, 32 + l, 64 + l, 96 + l of its row's K tile instead
+    of 4l .. 4l + 3: each of a warp's loads of x reads 512 contiguous bytes (4 L1 wavefronts,
+    not 16: the contiguous layout's x loads cost a W4A16 GEMM more than its words, session
+    35), each of its word loads 128. The tile keeps ROW_LAYOUT (lane l columns 4l .. 4l + 3,
+    from a contiguous load masked off at run time) and column 4l + i stands for word 32 i + l,
+    every load by PTX on its own addresses. The MMA's chunk n is words 4n .. 4n + 3 of
+    each 32-word quarter (contiguous: any group of 32 values holds one); a lane's 4 words lie
+    in 4 groups, so each takes its own scale and zero (``_row_asm``'s ``per_word``)."""
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    BF16: tl.constexpr = DTYPE == tl.bfloat16
+    BLOCK_K: tl.constexpr = ROW_WORDS * 8
+    offs_w = tl.arange(0, ROW_WORDS)
+    word = 32 * (offs_w % 4) + offs_w // 4  # column 4l + i (lane l's i-th): word 32 i + l
+    q_row = q_ptr + rows[:, None] * stride_qn
+    # the layout's anchor: a contiguous load (Triton's 16-byte vectors, ROW_LAYOUT) masked off
+    # at run time by a bound the compiler cannot see (all_ones is -1): zeros, no memory read
+    anchor = tl.load(q_row + offs_w[None, :], mask=offs_w[None, :] < all_ones, other=0)
+    q_ptrs = q_row + word[None, :]  # [BLOCK_N, 128]
+    x_row = (x_ptr + tl.sum(offs_m).to(tl.int64) * stride_xm).to(tl.pointer_type(tl.int64))
+    x_ptrs = x_row + word * 2
+    acc = tl.zeros([BLOCK_N, ROW_WORDS], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        words = _per_element_words(q_ptrs + k0 // 8, ASM) | anchor
+        groups = (k0 // 8 + word) // GROUP_WORDS
+        s = _per_element_halves(s_ptr + rows[:, None] * stride_sn + groups[None, :], ASM)
+        s = s.to(DTYPE)
+        if HAS_ZEROS:  # -(magic + zero): exact in DTYPE (integer zeros < 16)
+            z = _per_element_halves(z_ptr + rows[:, None] * stride_zn + groups[None, :], ASM)
+            nz = (-(z.to(tl.float32) + magic_of(DTYPE))).to(DTYPE)
+        else:
+            nz = tl.full(words.shape, -(magic_of(DTYPE) + 8), DTYPE)
+        xa, xb, xc, xd = _row_x_pairs(x_ptrs + (k0 // 8) * 2, words.shape, ASM)
+        if not ASM:
+            acc = _row_plain_per_word(words, xa, xb, xc, xd, s, acc, nz, DTYPE)
+        elif HAS_ZEROS:
+            acc = tl.inline_asm_elementwise(
+                _ASM_BF16_ZEROS_WORD if BF16 else _ASM_FP16_ZEROS_WORD, _CONSTRAINTS_ZEROS,
+                args=[words, xa, xb, xc, xd, s, acc, nz], dtype=tl.float32, is_pure=True,
+                pack=4,
+            )  # fmt: skip
+        else:
+            acc = tl.inline_asm_elementwise(
+                _ASM_BF16_WORD if BF16 else _ASM_FP16_WORD, _CONSTRAINTS,
+                args=[words, xa, xb, xc, xd, s, acc], dtype=tl.float32, is_pure=True, pack=4,
+            )  # fmt: skip
+    return tl.reshape(tl.sum(acc, axis=1), [BLOCK_M, BLOCK_N])
+
+
+@triton.jit
+def _row_plain_per_word(words, xa, xb, xc, xd, s, acc, nz, DTYPE: tl.constexpr):
+    """``_row_plain`` with each word's own scale and zero (the interpreter's STRIDED)."""
+    minus_zero = nz.to(tl.float32) + magic_of(DTYPE)  # -zero
+    part = _scaled_pair_dot(words, xa, 0, minus_zero, s, DTYPE)
+    part += _scaled_pair_dot(words, xb, 1, minus_zero, s, DTYPE)
+    part += _scaled_pair_dot(words, xc, 2, minus_zero, s, DTYPE)
+    part += _scaled_pair_dot(words, xd, 3, minus_zero, s, DTYPE)
+    return acc + part
