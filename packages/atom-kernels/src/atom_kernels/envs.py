@@ -106,19 +106,19 @@ TABLE: tuple[Switch, ...] = (
         "the one-row W4A16 MMAs a warp a row (bf16 x, groups of a multiple of 128 values) with "
         "neither the zero nor the scale applied to the weights: each MMA takes 128 + q, and "
         "(128 + zero) times the chunk's x-sum comes off its dot, then the scale, in fp32 (`1`: "
-        "on; 8 packed float ops a word fewer) (A/B)",
+        "on; 8 packed float ops a word fewer) (A/B: measured no faster, session 35)",
     ),
     Switch(
         "ATOM_WNA16_ROW_STRIDED", False, _is_one,
         "the one-row W4A16 MMAs a warp a row with lane l on words l, 32 + l, 64 + l, 96 + l of a "
         "K tile (its x loads 512 contiguous bytes a warp, each word its own scale) (`1`: on) "
-        "(A/B)",
+        "(A/B: measured slower, session 35)",
     ),
     Switch(
         "ATOM_WNA16_ROW_AHEAD", False, _is_one,
         "the one-row W4A16 MMAs a warp a row with only the words, scales and zeros of a step's "
         "K tiles (`ATOM_WNA16_ONE_ROW`'s `rowN`) loaded first, each tile's x at its math (`1`: "
-        "on) (A/B)",
+        "on) (A/B: measured slower, session 35)",
     ),
     Switch(
         "ATOM_FUSED_GATE_UP", True, _not_zero,

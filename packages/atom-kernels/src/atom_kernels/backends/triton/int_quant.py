@@ -66,10 +66,11 @@ QUAD_ENABLED = envs.ATOM_WNA16_QUAD
 ROW_SCALE_AFTER_ENABLED = envs.ATOM_WNA16_ROW_SCALE_AFTER
 # ROW_MMA without the zero and the scale on the weights (ROW_XSUM: bf16 x, groups of a multiple of
 # 128 values) and ROW_MMA's steps with only their weights loaded first (ROW_AHEAD: each tile's x
-# at its math); A/Bs, off.
+# at its math); A/Bs, off (session 35: XSUM no faster, AHEAD slower).
 ROW_XSUM_ENABLED = envs.ATOM_WNA16_ROW_XSUM
 ROW_AHEAD_ENABLED = envs.ATOM_WNA16_ROW_AHEAD
-# ROW_MMA with lane l on words l + 32 i of a tile (ROW_STRIDED: the x loads contiguous); an A/B.
+# ROW_MMA with lane l on words l + 32 i of a tile (ROW_STRIDED: the x loads contiguous); an A/B,
+# off (session 35: 1.5x slower).
 ROW_STRIDED_ENABLED = envs.ATOM_WNA16_ROW_STRIDED
 PACKED_DOT_MIN_ROWS = 2
 PACKED_DOT_MAX_ROWS = 16
