@@ -162,17 +162,22 @@ def against_first(expected, result, tolerance: float, what: str):
 
 
 def cold_graph_ms(
-    fn: Callable[[], object], calls: int = 10, replays: int = 15, flush_l2: bool = True
-) -> float:
+    fn: Callable[[], object], calls: int = 10, replays: int = 15, flush_l2: bool = True,
+    flush_by: str = "write",
+) -> float:  # fmt: skip
     """GPU time of ``fn`` with the L2 flushed before each call: one CUDA graph of ``calls`` x
     (flush 256 MB, fn) against one of the flushes alone, median over replays, difference / calls.
     ``flush_l2=False``: warm L2, the graph of ``calls`` x fn alone (median / calls).
+    ``flush_by``: ``write`` (zero the 256 MB: L2 left holding dirty lines, whose write-back
+    shares DRAM with ``fn``'s reads) or ``read`` (sum them: clean lines, as a decode step's GEMM
+    meets them; session 35's load floor).
     """
     import statistics
 
     import torch
 
     flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    flush_words, sink = flush.view(torch.float32), flush.new_empty((), dtype=torch.float32)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -183,7 +188,9 @@ def cold_graph_ms(
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(calls):
-                if flush_l2:
+                if flush_l2 and flush_by == "read":
+                    torch.sum(flush_words, dim=0, out=sink)
+                elif flush_l2:
                     flush.zero_()
                 if with_fn:
                     fn()

@@ -5,8 +5,8 @@ BLOCK_N rows, a warp's load 512 contiguous bytes of one row, K split as ``wna16_
 loop of that access pattern can reach: if the loads alone run at ROW_MMA's ~48% of the copy rate,
 the math is not what holds it there.
 
-Patterns, each cold L2 twice: after a written flush (``kernels.cold_graph_ms``, as
-quant_kernels.py times the GEMMs) and after a read one (``clean_cold_ms``), beside the GEMM:
+Patterns, each cold L2 twice (``kernels.cold_graph_ms``): after a written flush (as
+quant_kernels.py times the GEMMs) and after a read one (``flush_by="read"``), beside the GEMM:
   ``rows B wW serial``: ROW_MMA's grid and loads, one tile a warp in flight (each XOR waits);
   ``rows B wW ahead``: the same, every tile of the program's K span issued before the first XOR;
   ``flat``: each program one contiguous span of words (16 KB), 16 or 64 bytes a thread a load;
@@ -133,43 +133,11 @@ def flat_read(q_ptr, out_ptr, SPAN: tl.constexpr, LOAD: tl.constexpr):
     tl.store(out_ptr + pid, tl.reduce(acc, 0, _xor))
 
 
-def clean_cold_ms(torch, fn, calls: int = 10, replays: int = 15) -> float:
-    """``kernels.cold_graph_ms`` with the L2 emptied by a read of 256 MB instead of a write: its
-    lines clean, so ``fn``'s reads do not share DRAM with the write-back of 50 MB of dirty
-    lines (as after ``zero_()``, and as no decode step's GEMM meets them)."""
-    import statistics
-
-    flush = torch.empty(64 * 1024 * 1024, dtype=torch.float32, device="cuda")
-    sink = torch.empty((), dtype=torch.float32, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    medians = []
-    for with_fn in (True, False):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                torch.sum(flush, dim=0, out=sink)
-                if with_fn:
-                    fn()
-        graph.replay()
-        times = []
-        for _ in range(replays):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        medians.append(statistics.median(times))
-    return max(medians[0] - medians[1], 0.0) / calls
-
-
 def bench_shape(torch, name: str, n: int, k: int, roof: dict, sms: int) -> list[dict]:
     """The rows of one projection's words (random int32, [n, k / 8]): each pattern cold after
     a written flush (``cold_graph_ms``, as quant_kernels.py times the GEMMs) and after a read
-    one (``clean_cold_ms``); and the W4A16 GEMM itself (the default launch, and ROW_XSUM) on
-    those words with bf16 scales, timed both ways."""
+    one (``flush_by="read"``); and the W4A16 GEMM itself (the default launch, and ROW_XSUM)
+    on those words with bf16 scales, timed both ways."""
     from kernels import cold_graph_ms
 
     from atom_kernels.backends.triton import int_quant
@@ -181,7 +149,8 @@ def bench_shape(torch, name: str, n: int, k: int, roof: dict, sms: int) -> list[
     results = []
 
     def row(impl, fn, moved=nbytes):
-        for flush, ms in (("written", cold_graph_ms(fn)), ("read", clean_cold_ms(torch, fn))):
+        for flush in ("written", "read"):
+            ms = cold_graph_ms(fn, flush_by="read" if flush == "read" else "write")
             gbps = moved / ms / 1e6
             r = {"shape": name, "n": n, "k": k, "impl": impl, "flush": flush, "ms_cold": ms,
                  "bytes": moved, "GBps": gbps, "of_copy": gbps / roof["copy_GBps"]}  # fmt: skip

@@ -523,6 +523,18 @@ def test_row_mma_scale_after_main_loop_sass(zeros, dtype):
     assert len(loops[True]) < len(loops[False]) - 3 * words, {k: len(v) for k, v in loops.items()}
 
 
+def _assert_row_layout(kernel) -> None:
+    """Every inline assembly operand of ``kernel`` in ROW_MMA's layout (ROW_LAYOUT), no spills."""
+    from atom_kernels.backends.triton import int_quant_row_mma
+
+    ttgir = kernel.asm["ttgir"]
+    layouts = dict(re.findall(r"(#blocked\d*) = #ttg.blocked<\{([^}]*)\}>", ttgir))
+    for line in (line for line in ttgir.splitlines() if "elementwise_inline_asm" in line):
+        for encoding in set(re.findall(r"tensor<[^>]*?(#blocked\d*)>", line)):
+            assert layouts[encoding].startswith(int_quant_row_mma.ROW_LAYOUT), line
+    assert "ld.local" not in kernel.asm["ptx"]
+
+
 # (BLOCK_N, warps, zeros, instructions a word at most, registers at most) of ROW_MMA's main loop
 # with the zero and the scale after its MMAs (ROW_XSUM), bf16, groups of 128 (Triton 3.9's
 # ptxas: 8 rows, 4 warps 17.25 a word, 19.5 with zeros, against 24.0 and 24.75 without; 16
@@ -537,17 +549,11 @@ def test_row_mma_xsum_main_loop_sass(block_n, warps, zeros, most, most_registers
     q straight to the MMAs), the row MMAs 2 a word plus 4 a thread's tile for the x-sums (one
     set for all the warp's rows: a pure PTX on the same x), every inline assembly operand in the
     words' layout, no shared memory, no spills, and fewer instructions a word than without."""
-    from atom_kernels.backends.triton import int_quant_row_mma
 
     cfg = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=warps, num_stages=1,
                SPLIT_K=4, PERMUTED_K=True, ROW_MMA=True)  # fmt: skip
     kernel = _wna16(dict(cfg, ROW_XSUM=True), 4, zeros, False)
-    ttgir = kernel.asm["ttgir"]
-    layouts = dict(re.findall(r"(#blocked\d*) = #ttg.blocked<\{([^}]*)\}>", ttgir))
-    for line in (line for line in ttgir.splitlines() if "elementwise_inline_asm" in line):
-        for encoding in set(re.findall(r"tensor<[^>]*?(#blocked\d*)>", line)):
-            assert layouts[encoding].startswith(int_quant_row_mma.ROW_LAYOUT), line
-    assert "ld.local" not in kernel.asm["ptx"]
+    _assert_row_layout(kernel)
     body = _main_loop_sass(kernel)
     words = block_n * 128 / (32 * warps)  # a lane's, a K tile
 
@@ -571,17 +577,11 @@ def test_row_mma_ahead_loads_the_steps_weights_first(keys, zeros):
     128-bit loads; x's are read-only ones) before the step's first MMA (tied to them by an OR
     with a run-time zero; without it ptxas issues them after MMAs), each tile's x loaded at
     its math, every operand in the words' layout, no shared memory, no spills."""
-    from atom_kernels.backends.triton import int_quant_row_mma
 
     cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=1, SPLIT_K=4,
                PERMUTED_K=True, ROW_MMA=True, ROW_STEP=2, **keys)  # fmt: skip
     kernel = _wna16(dict(cfg, ROW_AHEAD=True), 4, zeros, False)
-    ttgir = kernel.asm["ttgir"]
-    layouts = dict(re.findall(r"(#blocked\d*) = #ttg.blocked<\{([^}]*)\}>", ttgir))
-    for line in (line for line in ttgir.splitlines() if "elementwise_inline_asm" in line):
-        for encoding in set(re.findall(r"tensor<[^>]*?(#blocked\d*)>", line)):
-            assert layouts[encoding].startswith(int_quant_row_mma.ROW_LAYOUT), line
-    assert "ld.local" not in kernel.asm["ptx"]
+    _assert_row_layout(kernel)
     body = _main_loop_sass(kernel)
     words = [i for i, ins in enumerate(body) if re.match(r"(@\S+\s+)?LDG\.E\.128(?!\.)", ins)]
     mmas = [i for i, ins in enumerate(body) if re.match(r"(@\S+\s+)?HMMA\b", ins)]

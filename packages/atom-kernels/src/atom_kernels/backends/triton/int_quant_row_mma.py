@@ -49,6 +49,21 @@ ROW_LAYOUT = "sizePerThread = [1, 4], threadsPerWarp = [1, 32]"
 ROW_WORDS = tl.constexpr(128)  # words of a row in a K tile (BLOCK_K = 1024 at 4 bits)
 
 
+# PTX: d0, d1 the lane's two columns of the diagonal's sum (D's rows g and g + 8 of the two MMAs),
+# p0 / p1 whether the lane holds D[2c][2c] (register 0) or D[2c + 1][2c + 1] (register 1)
+_DIAGONAL = [
+    "add.f32 d0, d0, e2;",  # column 2c (rows g, g + 8)
+    "add.f32 d1, d1, e3;",  # column 2c + 1
+    "mov.u32 lane, %laneid;",
+    "shr.u32 g, lane, 2;",
+    "and.b32 c2, lane, 3;",
+    "shl.b32 c2, c2, 1;",
+    "setp.eq.u32 p0, g, c2;",  # this lane holds D[2c][2c] (register 0)
+    "add.u32 c2, c2, 1;",
+    "setp.eq.u32 p1, g, c2;",  # or D[2c + 1][2c + 1] (register 1)
+]
+
+
 def _row_asm(bf16: bool, zeros: bool, scale_after: bool = False, per_word: bool = False) -> str:
     """PTX of one lane's 4 words: outputs $0..$3 the fp32 accumulator after them ($0 plus the
     lane's diagonal element of D, if it holds one; $1..$3 as they were); inputs $4..$7 the
@@ -102,16 +117,7 @@ def _row_asm(bf16: bool, zeros: bool, scale_after: bool = False, per_word: bool 
             f"{mma} {{e0, e1, e2, e3}}, {{{xa}, {xc}, {xb}, {xd}}}, {{t2, t3}}, "
             "{e0, e1, e2, e3};",
         ]
-    lines += [
-        "add.f32 d0, d0, e2;",  # column 2c (rows g, g + 8)
-        "add.f32 d1, d1, e3;",  # column 2c + 1
-        "mov.u32 lane, %laneid;",
-        "shr.u32 g, lane, 2;",
-        "and.b32 c2, lane, 3;",
-        "shl.b32 c2, c2, 1;",
-        "setp.eq.u32 p0, g, c2;",  # this lane holds D[2c][2c] (register 0)
-        "add.u32 c2, c2, 1;",
-        "setp.eq.u32 p1, g, c2;",  # or D[2c + 1][2c + 1] (register 1)
+    lines += _DIAGONAL + [
         "selp.f32 r, d1, 0f00000000, p1;",
         "selp.f32 r, d0, r, p0;",
     ]
@@ -162,16 +168,7 @@ def _row_xsum_asm(zeros: bool) -> str:
         lines += ["shl.b32 u, $34, 16;", "mov.b32 nzf, u;"]
     else:
         lines.append("mov.f32 nzf, 0fC3080000;")  # -(128 + 8)
-    lines += [
-        "add.f32 d0, d0, e2;",  # column 2c (rows g, g + 8)
-        "add.f32 d1, d1, e3;",  # column 2c + 1
-        "mov.u32 lane, %laneid;",
-        "shr.u32 g, lane, 2;",
-        "and.b32 c2, lane, 3;",
-        "shl.b32 c2, c2, 1;",
-        "setp.eq.u32 p0, g, c2;",  # this lane holds D[2c][2c] (register 0)
-        "add.u32 c2, c2, 1;",
-        "setp.eq.u32 p1, g, c2;",  # or D[2c + 1][2c + 1] (register 1)
+    lines += _DIAGONAL + [
         "selp.f32 r, d1, d0, p1;",
         "fma.rn.f32 r, nzf, $30, r;",  # minus (magic + zero) times the chunk's x-sum
         "or.pred p0, p0, p1;",
