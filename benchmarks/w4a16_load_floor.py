@@ -70,10 +70,14 @@ def rows_read(q_ptr, out_ptr, N, stride_qn, tiles_per_split, BLOCK_N: tl.constex
 
 @triton.jit
 def rows_read_plus(q_ptr, x_ptr, s_ptr, out_ptr, N, stride_qn, stride_sn, tiles_per_split,
-                   BLOCK_N: tl.constexpr, X: tl.constexpr, SCALES: tl.constexpr):  # fmt: skip
+                   BLOCK_N: tl.constexpr, X: tl.constexpr, SCALES: tl.constexpr,
+                   PTX: tl.constexpr):  # fmt: skip
     """rows_read (serial) with ROW_MMA's other loads of a tile: ``X`` each word's 8 x (16 bytes,
     bf16 x of the whole K: L1 hits after the first warp), ``SCALES`` each word's group scale
-    (2 bytes, groups of 128: a row's 8 a tile)."""
+    (2 bytes, groups of 128: a row's 8 a tile). ``PTX``: by ROW_MMA's own PTX loads
+    (``int_quant_row_mma``: x as the MMAs' pairs, the scales one 16-bit load a thread's 4
+    words), no layout conversion: exactly its loads; else by tl.load (Triton lays those out its
+    own way and converts them)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
@@ -82,41 +86,21 @@ def rows_read_plus(q_ptr, x_ptr, s_ptr, out_ptr, N, stride_qn, stride_sn, tiles_
     ptrs = q_ptr + rows[:, None] * stride_qn + w0 + offs_w[None, :]
     acc = tl.zeros([BLOCK_N, ROW_WORDS], dtype=tl.int32)
     x_words = x_ptr.to(tl.pointer_type(tl.int32))
+    x_ptrs = x_ptr.to(tl.pointer_type(tl.int64)) + offs_w * 2
     for t in range(tiles_per_split):
-        acc ^= tl.load(ptrs + t * ROW_WORDS)
-        if X:  # a word's x: 4 int32 (8 bf16)
+        words = tl.load(ptrs + t * ROW_WORDS)
+        acc ^= words
+        if X and PTX:
+            xa, xb, xc, xd = _row_x_pairs(x_ptrs + (w0 + t * ROW_WORDS) * 2, words.shape, True)
+            acc ^= xa ^ xb ^ xc ^ xd
+        elif X:  # a word's x: 4 int32 (8 bf16)
             xw = tl.load(x_words + ((w0 + t * ROW_WORDS + offs_w) * 4)[:, None]
                          + tl.arange(0, 4)[None, :])  # fmt: skip
             acc ^= tl.reduce(xw, 1, _xor)[None, :]
         if SCALES:
             groups = (w0 + t * ROW_WORDS + offs_w) // 16
-            sc = tl.load(s_ptr + rows[:, None] * stride_sn + groups[None, :])
-            acc ^= sc.to(tl.int16, bitcast=True).to(tl.int32)
-    tl.store(out_ptr + pid_k * N + rows, tl.reduce(acc, 1, _xor))
-
-
-@triton.jit
-def rows_read_asm(q_ptr, x_ptr, s_ptr, out_ptr, N, stride_qn, stride_sn, tiles_per_split,
-                  BLOCK_N: tl.constexpr, X: tl.constexpr, SCALES: tl.constexpr):  # fmt: skip
-    """rows_read_plus with ROW_MMA's own PTX loads (``int_quant_row_mma``: x as the MMAs' pairs,
-    the scales one 16-bit load a thread's 4 words), no layout conversion: exactly its loads."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-    offs_w = tl.arange(0, ROW_WORDS)
-    w0 = pid_k * tiles_per_split * ROW_WORDS
-    ptrs = q_ptr + rows[:, None] * stride_qn + w0 + offs_w[None, :]
-    x_ptrs = x_ptr.to(tl.pointer_type(tl.int64)) + offs_w * 2
-    acc = tl.zeros([BLOCK_N, ROW_WORDS], dtype=tl.int32)
-    for t in range(tiles_per_split):
-        words = tl.load(ptrs + t * ROW_WORDS)
-        acc ^= words
-        if X:
-            xa, xb, xc, xd = _row_x_pairs(x_ptrs + (w0 + t * ROW_WORDS) * 2, words.shape, True)
-            acc ^= xa ^ xb ^ xc ^ xd
-        if SCALES:
-            groups = (w0 + t * ROW_WORDS + offs_w) // 16
-            sc = _row_scalar(s_ptr + rows[:, None] * stride_sn + groups[None, :], True)
+            s_ptrs = s_ptr + rows[:, None] * stride_sn + groups[None, :]
+            sc = _row_scalar(s_ptrs, True) if PTX else tl.load(s_ptrs)
             acc ^= sc.to(tl.int16, bitcast=True).to(tl.int32)
     tl.store(out_ptr + pid_k * N + rows, tl.reduce(acc, 1, _xor))
 
@@ -196,21 +180,17 @@ def bench_shape(torch, name: str, n: int, k: int, roof: dict, sms: int) -> list[
     splits = triton.cdiv(k_tiles, per_split)
     out = torch.empty(splits * n, dtype=torch.int32, device="cuda")
     for x_on, s_on in ((True, False), (False, True), (True, True)):
-
-        def plus(x_on=x_on, s_on=s_on, out=out, splits=splits, per_split=per_split):
-            rows_read_plus[(tiles, splits)](words, x, scales, out, n, words.stride(0),
-                                            scales.stride(0), per_split, BLOCK_N=8, X=x_on,
-                                            SCALES=s_on, num_warps=4, num_stages=1)  # fmt: skip
-
         extra = ("+x" if x_on else "") + ("+scales" if s_on else "")
-        row(f"rows 8 w4 fill8 split{splits} serial {extra}", plus)
+        for ptx in (False, True):
 
-        def ptx(x_on=x_on, s_on=s_on, out=out, splits=splits, per_split=per_split):
-            rows_read_asm[(tiles, splits)](words, x, scales, out, n, words.stride(0),
-                                           scales.stride(0), per_split, BLOCK_N=8, X=x_on,
-                                           SCALES=s_on, num_warps=4, num_stages=1)  # fmt: skip
+            def plus(x_on=x_on, s_on=s_on, ptx=ptx, out=out, splits=splits,
+                     per_split=per_split):  # fmt: skip
+                rows_read_plus[(tiles, splits)](words, x, scales, out, n, words.stride(0),
+                                                scales.stride(0), per_split, BLOCK_N=8, X=x_on,
+                                                SCALES=s_on, PTX=ptx, num_warps=4,
+                                                num_stages=1)  # fmt: skip
 
-        row(f"rows 8 w4 fill8 split{splits} serial PTX {extra}", ptx)
+            row(f"rows 8 w4 fill8 split{splits} serial {'PTX ' if ptx else ''}{extra}", plus)
     span = 4096  # 16 KB a program
     if words.numel() % span == 0:
         out = torch.empty(words.numel() // span, dtype=torch.int32, device="cuda")

@@ -62,7 +62,7 @@ PACKED_DOT_ENABLED = envs.ATOM_WNA16_PACKED_DOT
 # ATOM_WNA16_QUAD=0 turns them off. Read at import (tests and benchmarks patch it).
 QUAD_ENABLED = envs.ATOM_WNA16_QUAD
 # ROW_MMA with the scale after its MMAs where the groups allow (ROW_SCALE_AFTER: groups of a
-# multiple of 128 values); ATOM_WNA16_ROW_SCALE_AFTER=1 turns it on (an A/B, not measured yet).
+# multiple of 128 values); ATOM_WNA16_ROW_SCALE_AFTER=1 turns it on (an A/B, measured slower).
 ROW_SCALE_AFTER_ENABLED = envs.ATOM_WNA16_ROW_SCALE_AFTER
 # ROW_MMA without the zero and the scale on the weights (ROW_XSUM: bf16 x, groups of a multiple of
 # 128 values) and ROW_MMA's steps with only their weights loaded first (ROW_AHEAD: each tile's x

@@ -64,6 +64,25 @@ _DIAGONAL = [
 ]
 
 
+def _unpack(word: str, magic: str) -> list[str]:
+    """PTX of one word's 8 values as magic + q in t0..t3 (pairs (q_j, q_{j + 4}), exact): one
+    AND-OR a pair, the nibbles shifted down for pairs 1..3."""
+    lines = [f"lop3.b32 t0, {word}, 0x000F000F, {magic}, 0xEA;"]  # (w & m) | magic
+    for j in (1, 2, 3):
+        lines += [f"shr.u32 u, {word}, {4 * j};",
+                  f"lop3.b32 t{j}, u, 0x000F000F, {magic}, 0xEA;"]  # fmt: skip
+    return lines
+
+
+def _mma_pair(mma: str, xa: str, xb: str, xc: str, xd: str) -> list[str]:
+    """PTX of a word's two MMAs: values 0, 4, 1, 5 (t0, t1) into d, 2, 6, 3, 7 (t2, t3) into e,
+    one A operand (the word's x pairs) for both."""
+    return [
+        f"{mma} {{d0, d1, d2, d3}}, {{{xa}, {xc}, {xb}, {xd}}}, {{t0, t1}}, {{d0, d1, d2, d3}};",
+        f"{mma} {{e0, e1, e2, e3}}, {{{xa}, {xc}, {xb}, {xd}}}, {{t2, t3}}, {{e0, e1, e2, e3}};",
+    ]
+
+
 def _row_asm(bf16: bool, zeros: bool, scale_after: bool = False, per_word: bool = False) -> str:
     """PTX of one lane's 4 words: outputs $0..$3 the fp32 accumulator after them ($0 plus the
     lane's diagonal element of D, if it holds one; $1..$3 as they were); inputs $4..$7 the
@@ -104,19 +123,11 @@ def _row_asm(bf16: bool, zeros: bool, scale_after: bool = False, per_word: bool 
             lines.append(f"prmt.b32 sc, ${24 + i // 2}, ${24 + i // 2}, {half};")
             if zeros:
                 lines.append(f"prmt.b32 nz, ${30 + i // 2}, ${30 + i // 2}, {half};")
-        lines.append(f"lop3.b32 t0, {word}, 0x000F000F, {magic}, 0xEA;")  # (w & m) | magic
-        for j in (1, 2, 3):
-            lines += [f"shr.u32 u, {word}, {4 * j};",
-                      f"lop3.b32 t{j}, u, 0x000F000F, {magic}, 0xEA;"]  # fmt: skip
+        lines += _unpack(word, magic)
         lines += [f"{fma} t{j}, t{j}, one, nz;" for j in range(4)]  # q - zero, exact
         if not scale_after:
             lines += [f"{fma} t{j}, t{j}, sc, mz;" for j in range(4)]  # (q - zero) * scale
-        lines += [
-            f"{mma} {{d0, d1, d2, d3}}, {{{xa}, {xc}, {xb}, {xd}}}, {{t0, t1}}, "
-            "{d0, d1, d2, d3};",
-            f"{mma} {{e0, e1, e2, e3}}, {{{xa}, {xc}, {xb}, {xd}}}, {{t2, t3}}, "
-            "{e0, e1, e2, e3};",
-        ]
+        lines += _mma_pair(mma, xa, xb, xc, xd)
     lines += _DIAGONAL + [
         "selp.f32 r, d1, 0f00000000, p1;",
         "selp.f32 r, d0, r, p0;",
@@ -154,16 +165,7 @@ def _row_xsum_asm(zeros: bool) -> str:
     for i in range(4):
         word = f"${4 + i}"
         xa, xb, xc, xd = (f"${8 + 4 * p + i}" for p in range(4))
-        lines.append(f"lop3.b32 t0, {word}, 0x000F000F, 0x43004300, 0xEA;")  # 128 + q
-        for j in (1, 2, 3):
-            lines += [f"shr.u32 u, {word}, {4 * j};",
-                      f"lop3.b32 t{j}, u, 0x000F000F, 0x43004300, 0xEA;"]  # fmt: skip
-        lines += [
-            f"{mma} {{d0, d1, d2, d3}}, {{{xa}, {xc}, {xb}, {xd}}}, {{t0, t1}}, "
-            "{d0, d1, d2, d3};",
-            f"{mma} {{e0, e1, e2, e3}}, {{{xa}, {xc}, {xb}, {xd}}}, {{t2, t3}}, "
-            "{e0, e1, e2, e3};",
-        ]
+        lines += _unpack(word, "0x43004300") + _mma_pair(mma, xa, xb, xc, xd)  # 128 + q
     if zeros:  # a bf16's bits are an fp32's top half
         lines += ["shl.b32 u, $34, 16;", "mov.b32 nzf, u;"]
     else:
@@ -239,6 +241,7 @@ _ASM_BF16_ZEROS_AFTER = tl.constexpr(_row_asm(True, True, True))
 _ASM_FP16_AFTER = tl.constexpr(_row_asm(False, False, True))
 _ASM_FP16_ZEROS_AFTER = tl.constexpr(_row_asm(False, True, True))
 _CONSTRAINTS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 4))
+_CONSTRAINTS_ZEROS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 4 + ["r"] * 2))
 _ASM_XSUM = tl.constexpr(_row_xsum_asm(False))
 _ASM_XSUM_ZEROS = tl.constexpr(_row_xsum_asm(True))
 _XSUM_ASM = tl.constexpr(_xsum_asm())
@@ -247,8 +250,6 @@ _CONSTRAINTS_XSUM = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 
 _CONSTRAINTS_XSUM_ZEROS = tl.constexpr(
     "=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 8 + ["r"] * 2)
 )
-
-_CONSTRAINTS_ZEROS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 22 + ["f"] * 4 + ["r"] * 2))
 
 
 @triton.jit
