@@ -239,6 +239,13 @@ SMALL_MAGIC_VARIANTS = (
     {"X_VECTOR": True}, {"X_SPLIT": True}, {"PREFETCH": True},
     {"X_VECTOR": True, "PREFETCH": True},
 )  # fmt: skip
+# (warps, tile rows a warp, programs an SM, tie) of the fragment layout's decode kernel
+# (int_quant_frag: the weights repacked at load, one MMA a word, a warp's load 512 contiguous
+# bytes), named "w4a16_g128 frag w{warps} r{rows} p{per_sm}" (" untied": ptxas's load order).
+FRAG_TILES = (
+    (4, 2, 8, True), (4, 4, 4, True), (4, 2, 16, True), (8, 1, 8, True), (8, 2, 4, True),
+    (4, 1, 16, True), (2, 2, 16, True), (4, 2, 4, True), (4, 2, 8, False), (8, 2, 8, True),
+)  # fmt: skip
 INT_ROWS = None  # --int-rows: the M the ``int`` group runs (None: all)
 INT_IMPLS = ()  # --int-impls: substrings, one of which an ``int`` impl must hold (empty: all)
 _DOT_TILES = tuple(_wna16_tile(bn, w, st, split) for bn in (32, 64, 128) for w in (4, 8)
@@ -936,8 +943,14 @@ def _int_cases(torch, x, rows, weights) -> list:
 
     from atom_kernels.backends.triton import int_quant
 
-    qweight, scales, w8, w8_s, w_bf16 = weights
+    qweight, scales, w8, w8_s, w_bf16, frag = weights
     cases = [("bf16_linear", lambda: F.linear(x, w_bf16), "bf16")]
+    if rows <= 8 and x.shape[1] % 64 == 0:
+        for warps, per_warp, per_sm, tie in FRAG_TILES:
+            config = dict(num_warps=warps, ROWS_PER_WARP=per_warp, per_sm=per_sm, TIE=tie)
+            name = f"w4a16_g128 frag w{warps} r{per_warp} p{per_sm}" + ("" if tie else " untied")
+            cases.append((name, lambda config=config: int_quant.wna16_linear(
+                x, *frag, None, None, 4, None, config), "bf16"))  # fmt: skip
     if rows in W4A16_ROWS:
         for impl, config in _w4a16_variants(rows):
             if config and config.get("ROW_MMA") and x.shape[1] % 1024:
@@ -960,12 +973,14 @@ def bench_int(torch, bench: Bench) -> None:
     import torch.nn.functional as F
 
     from atom_kernels.backends.torch import int_quant as reference
+    from atom_kernels.ops.int_quant_frag import wna16_to_frag
 
     g = torch.Generator(device=DEVICE).manual_seed(0)
     for name, (n, k) in INT_SHAPES.items():
         qweight, scales, w8, w8_s = _int_weights(torch, n, k, g)
         w_bf16 = reference.dequantize_wna16(qweight, scales, None, None, 4, torch.bfloat16)
-        weights = (qweight, scales, w8, w8_s, w_bf16)
+        frag = wna16_to_frag(qweight, scales, None)[:2]
+        weights = (qweight, scales, w8, w8_s, w_bf16, frag)
         for rows in sorted(set(W4A16_ROWS) | set(W8A8_ROWS)):
             if INT_ROWS is not None and rows not in INT_ROWS:
                 continue
@@ -983,7 +998,7 @@ def bench_int(torch, bench: Bench) -> None:
                                    2.0 * rows * n * k, peak)  # fmt: skip
                 if "GBps" in row:
                     row["of_copy_bandwidth"] = row["GBps"] / bench.roof["copy_GBps"]
-        weights = w_bf16 = None
+        weights = w_bf16 = frag = None
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     print("\nw4a16 (issue 40: >= 70% of the copy bandwidth at decode):")

@@ -22,7 +22,7 @@ try:
 except ImportError:  # pragma: no cover - a Triton without the AOT entry points
     pytest.skip("this Triton has no ASTSource / GPUTarget", allow_module_level=True)
 
-from atom_kernels.backends.triton import int_quant  # noqa: E402
+from atom_kernels.backends.triton import int_quant, int_quant_frag  # noqa: E402
 
 H100_SHARED_BYTES = 227 * 1024
 H100_SMS = 132
@@ -625,3 +625,49 @@ def test_row_mma_strided_layout_and_main_loop_sass(dtype, zeros):
     assert count(r"LDG\.E\.U16\.CONSTANT") == words * (2 if zeros else 1)
     assert count(r"HMMA\b") == 2 * words
     assert not [ins for ins in body if re.match(r"(@\S+\s+)?(LDS|STS|BAR)\b", ins)]
+
+
+# --- the fragment layout's decode kernel (int_quant_frag) ----------------------------------------
+
+
+def _frag(warps, rows_per_warp, zeros, split, dtype="bf16", tie=True):
+    pointers = dict(
+        x_ptr=f"*{dtype}", q_ptr="*i32", s_ptr=f"*{dtype}", z_ptr=f"*{dtype}",
+        b_ptr=f"*{dtype}", out_ptr=f"*{dtype}", ws_ptr="*fp32", count_ptr="*i32",
+    )  # fmt: skip
+    constexprs = dict(HAS_ZEROS=zeros, HAS_BIAS=False, ASM=True, BF16=dtype == "bf16",
+                      SPLIT_K=split, R=warps * rows_per_warp, NUM_WARPS=warps, GROUP_SHIFT=1,
+                      TIE=tie)  # fmt: skip
+    return _compile(int_quant_frag._frag_kernel, pointers, constexprs, warps, 1)
+
+
+# (warps, tile rows a warp, zeros, dtype, tie, instructions a word at most, registers at most)
+# Triton 3.9's ptxas: 4 warps, 2 rows a warp 22.6 a word (bf16, 52 registers), 25.3 with zeros;
+# of those 15.75 the design's (3 shifts, 4 AND-ORs, 4 packed FMAs, an MMA, the scale's FMA, the
+# step's zeroed D), the rest the tie (~2), addresses and the x loads.
+FRAG_SASS = [
+    (4, 2, False, "bf16", True, 24.0, 64),
+    (4, 2, True, "bf16", True, 26.5, 72),
+    (4, 2, False, "fp16", True, 24.0, 64),
+    (8, 1, True, "fp16", True, 28.0, 72),
+    (4, 2, False, "bf16", False, 22.0, 64),
+]
+
+
+@pytest.mark.parametrize(("warps", "per_warp", "zeros", "dtype", "tie", "most", "registers"),
+                         FRAG_SASS, ids=str)  # fmt: skip
+def test_frag_main_loop_sass(warps, per_warp, zeros, dtype, tie, most, registers):
+    """The fragment kernel's main loop: one MMA a word, no barrier or shared memory, its PTX
+    operands in the words' layout; with the tie every scale (and zero) load of the iteration
+    issued before its first MMA (the words' loads with them), without it ptxas sinks them."""
+    kernel = _frag(warps, per_warp, zeros, split=4, dtype=dtype, tie=tie)
+    _assert_row_layout(kernel)
+    body = _main_loop_sass(kernel)
+    words = 4 * per_warp  # a thread's words an iteration
+    assert sum(1 for ins in body if ins.startswith("HMMA.16816")) == words
+    assert len(body) / words < most, (len(body), words)
+    assert not any(ins.startswith(("BAR", "STS", "LDS")) for ins in body)
+    assert _registers(kernel) <= registers
+    first_mma = next(i for i, ins in enumerate(body) if ins.startswith("HMMA"))
+    early = sum(1 for ins in body[:first_mma] if re.match(r"LDG\.E(\.CONSTANT)? ", ins))
+    assert (early == per_warp * (2 if zeros else 1)) == tie, (early, per_warp)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from atom_kernels.backends.torch import int_quant as reference
+from atom_kernels.ops.int_quant_frag import frag_fits, frag_shape, wna16_from_frag, wna16_to_frag
 from atom_kernels.testing import assert_close, assert_equal, strided_copy
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -1270,3 +1271,167 @@ def test_k_stages_reach_the_kernel(triton_backend, iq, monkeypatch):
         out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=dict(config, **extra))
         assert launches[-1]["K_STAGES"] == stages and launches[-1]["BLOCK_N"] == 16
         assert_close(out, expected, atol=1e-4, rtol=1e-4, name=f"k_stages {stages}")
+
+
+# --- the fragment layout (ops/int_quant_frag.py) ------------------------------------------------
+# The repack is a permutation its inverse undoes, a word sits where the layout's docstring says,
+# the torch backend on it gives the rows layout's results exactly, and the Triton fragment kernel
+# (1-8 rows), the interleaved loop reading it (prefill) and its dequantization match the
+# reference. Under the interpreter the fragment kernel runs its plain-op emulation of the PTX; on
+# a GPU the PTX (the ``gpu`` tests at Llama-3-8B's shapes, split and chained in a CUDA graph).
+
+
+def _case(n, k, groups, zeros, dtype, seed, device):
+    qw, s, z, _ = wna16_weight(n, k, 4, groups, zeros, False, seed=seed, device=device,
+                               dtype=dtype)  # fmt: skip
+    return qw, s, z, *wna16_to_frag(qw, s, z)
+
+
+def test_frag_round_trip_and_placement():
+    """The inverse undoes the repack; lane 4g + c, word 2hi + jj of block b, step s is the rows
+    layout's word 8s + 2c + jj of row 16b + g + 8hi, nibble p holding value 2p / 2(p - 4) + 1."""
+    qw, s, z, qf, sf, zf = _case(48, 256, 2, True, torch.bfloat16, 3, "cpu")
+    assert qf.shape == (3, 4, 32, 4) and sf.shape == (3, 2, 8, 2) and zf.shape == sf.shape
+    assert frag_shape(qf) == (48, 256) and frag_shape(qw) == (48, 256)
+    back = wna16_from_frag(qf, sf, zf)
+    for got, want in zip(back, (qw, s, z), strict=True):
+        assert_equal(got, want)
+    values = reference.unpack_int32(qw, 4)  # [N, K]
+    for b, st, g, c, hi, jj in ((0, 0, 0, 0, 0, 0), (2, 3, 7, 3, 1, 1), (1, 2, 5, 1, 0, 1)):
+        word = int(qf[b, st, 4 * g + c, 2 * hi + jj]) & 0xFFFFFFFF
+        row, first_k = 16 * b + g + 8 * hi, 8 * (8 * st + 2 * c + jj)
+        for p in range(8):
+            v = 2 * p if p < 4 else 2 * (p - 4) + 1
+            assert (word >> (4 * p)) & 0xF == int(values[row, first_k + v])
+        assert sf[b, 1, g, hi] == s[row, 1] and zf[b, 1, g, hi] == z[row, 1]
+
+
+def test_frag_fits():
+    assert frag_fits(4096, 4096, 128, 4, False) == []
+    assert frag_fits(4096, 4096, 4096, 4, False) == []  # channel-wise
+    assert len(frag_fits(4100, 4096, 32, 8, True)) == 4
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+def test_frag_torch_backend_exact(zeros):
+    """The torch backend undoes the layout: the rows layout's results, bit for bit."""
+    qw, s, z, qf, sf, zf = _case(32, 192, 3, zeros, torch.float32, 5, "cpu")
+    x = torch.randn(3, 192, generator=_gen(6))
+    want = reference.wna16_linear(x, qw, s, z, None, 4, None)
+    assert_equal(reference.wna16_linear(x, qf, sf, zf, None, 4, None), want)
+    assert_equal(reference.dequantize_wna16(qf, sf, zf, None, 4, torch.float32),
+                 reference.dequantize_wna16(qw, s, z, None, 4, torch.float32))  # fmt: skip
+
+
+def test_frag_checks():
+    from atom_kernels import wna16_linear
+
+    qw, s, z, qf, sf, zf = _case(16, 128, 1, False, torch.float32, 7, "cpu")
+    x = torch.randn(1, 128)
+    with pytest.raises(ValueError, match="no g_idx"):
+        wna16_linear(x, qf, sf, None, torch.zeros(128, dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="4-bit"):
+        wna16_linear(x, qf, sf, None, None, 8)
+    with pytest.raises(ValueError, match="K = 64"):
+        wna16_linear(torch.randn(1, 64), qf, sf, None, None, 4)
+    with pytest.raises(ValueError, match="scales"):
+        wna16_linear(x, qf, s, None, None, 4)  # rows-layout scales with fragment words
+
+
+# (N, K, G, zeros, rows, dtype, config): groups of 64 / 128 / channel-wise, symmetric and not,
+# 1-8 rows, splits (a last split shorter than the others; tile rows past it).
+FRAG_CASES = [
+    (32, 256, 2, False, 1, torch.bfloat16, None),
+    (48, 512, 8, True, 3, torch.float16, None),
+    (32, 640, 5, False, 8, torch.bfloat16, dict(SPLIT_K=3)),
+    (16, 384, 1, True, 1, torch.bfloat16, dict(SPLIT_K=2)),
+    (32, 320, 5, True, 6, torch.float16, dict(SPLIT_K=1)),
+]
+
+
+@pytest.mark.parametrize(("n", "k", "groups", "zeros", "rows", "dtype", "config"), FRAG_CASES)
+def test_frag_linear(iq, triton_backend, n, k, groups, zeros, rows, dtype, config):
+    device = triton_backend.device
+    qw, s, z, qf, sf, zf = _case(n, k, groups, zeros, dtype, 11 + n + k, device)
+    x = torch.randn(rows, k, generator=_gen(12)).to(dtype).to(device)
+    bias = torch.randn(n, generator=_gen(13)).to(dtype).to(device)
+    want = reference.wna16_linear(x, qw, s, z, None, 4, bias)
+    atol, rtol = TOLERANCES[dtype]
+    got = iq.wna16_linear(x, qf, sf, zf, None, 4, bias, config)
+    assert_close(got, want, atol=atol, rtol=rtol, name=f"frag {rows} rows")
+
+
+@pytest.mark.parametrize(("rows", "dtype"), [(1, torch.float32), (12, torch.bfloat16),
+                                             (33, torch.float16), (2, torch.bfloat16)])  # fmt: skip
+def test_frag_tiled(iq, triton_backend, rows, dtype):
+    """The interleaved loop on the fragment layout: fp32 x at one row, more than 8 rows, and
+    (``FRAG_TILED``) 2 rows; the dequantization bit for bit."""
+    device = triton_backend.device
+    qw, s, z, qf, sf, zf = _case(48, 384, 3, rows % 2 == 0, dtype, 21 + rows, device)
+    x = torch.randn(rows, 384, generator=_gen(22)).to(dtype).to(device)
+    want = reference.wna16_linear(x, qw, s, z, None, 4, None)
+    atol, rtol = TOLERANCES[dtype]
+    got = iq.wna16_linear(x, qf, sf, zf, None, 4, None, dict(FRAG_TILED=True))
+    assert_close(got, want, atol=atol, rtol=rtol, name=f"tiled {rows} rows")
+    assert_equal(iq.dequantize_wna16(qf, sf, zf, None, 4, dtype),
+                 reference.dequantize_wna16(qw, s, z, None, 4, dtype))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize(("n", "k"), LLAMA3_8B)
+def test_frag_linear_gpu_real_sizes(iq, triton_backend, rows, n, k):
+    qw, s, z, qf, sf, zf = _case(n, k, k // 128, rows == 2, torch.bfloat16, 31, "cuda")
+    x = torch.randn(rows, k, generator=_gen(32)).to(torch.bfloat16).cuda()
+    want = reference.wna16_linear(x, qw, s, z, None, 4, None)
+    got = iq.wna16_linear(x, qf, sf, zf, None, 4, None)
+    assert_close(got, want, atol=3e-2, rtol=2e-2, name=f"frag {rows}x{n}x{k}")
+
+
+FRAG_LAUNCHES = [dict(SPLIT_K=1), dict(SPLIT_K=7), dict(ROWS_PER_WARP=4),
+                 dict(num_warps=8, ROWS_PER_WARP=1), dict(TIE=False)]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", FRAG_LAUNCHES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_frag_linear_gpu_launches(iq, triton_backend, config, dtype):
+    n, k = 4096, 14336
+    qw, s, z, qf, sf, zf = _case(n, k, k // 128, True, dtype, 33, "cuda")
+    x = torch.randn(1, k, generator=_gen(34)).to(dtype).cuda()
+    x[0, ::53] *= 20
+    want = reference.wna16_linear(x, qw, s, z, None, 4, None)
+    atol, rtol = TOLERANCES[dtype]
+    got = iq.wna16_linear(x, qf, sf, zf, None, 4, None, config)
+    assert_close(got, want, atol=atol, rtol=rtol, name=str(config))
+
+
+@pytest.mark.gpu
+def test_frag_linear_gpu_chained_in_a_graph(iq, triton_backend):
+    """Three fragment GEMMs chained in a CUDA graph (split-K counters reset by each launch's
+    last program), replayed on new inputs: the reference's chain each replay."""
+    k = 4096
+    weights = [_case(k, k, k // 128, zeros, torch.bfloat16, 40 + i, "cuda")
+               for i, zeros in enumerate((False, True, False))]  # fmt: skip
+    staged = torch.zeros(1, k, dtype=torch.bfloat16, device="cuda")
+    x = torch.zeros_like(staged)
+
+    def chain():
+        x.copy_(staged)
+        h = x
+        for _, _, _, qf, sf, zf in weights:
+            h = iq.wna16_linear(h, qf, sf, zf, None, 4, None)
+        return h
+
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for seed in range(3):
+        staged.copy_(torch.randn(1, k, generator=_gen(50 + seed)).to(torch.bfloat16))
+        graph.replay()
+        want = staged.clone()
+        for qw, s, z, *_ in weights:
+            want = reference.wna16_linear(want, qw, s, z, None, 4, None)
+        assert_close(out, want, atol=6e-2, rtol=4e-2, name=f"replay {seed}")

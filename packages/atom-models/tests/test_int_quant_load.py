@@ -520,6 +520,71 @@ def test_wna16_layer_and_experts_on_the_gpu(case):
     torch.testing.assert_close(got.float().cpu(), expected, atol=3e-2, rtol=3e-2)
 
 
+# -- the fragment layout (atom_kernels.ops.int_quant_frag) ---------------------------------
+
+
+def _frag_layer(device, dtype, symmetric, monkeypatch, preferred=None):
+    """A 4-bit group-128 compressed-tensors RowParallelLinear loaded and finished with the
+    fragment layout asked for (``preferred``: frag_preferred's answer forced, e.g. on the CPU);
+    (layer, dequantized weight)."""
+    from atom_kernels import envs
+
+    monkeypatch.setattr(envs, "ATOM_WNA16_FRAG", True)
+    if preferred is not None:
+        from atom_models.quantization import int_methods
+
+        monkeypatch.setattr(int_methods, "frag_preferred", lambda *_: preferred)
+    n, k = 64, 512
+    tensors, deq = ct_pack_quantized(weight(n, k, 3), bits=4, group_size=128,
+                                     symmetric=symmetric)  # fmt: skip
+    with tp_group(Rank(0, 1)), torch.device("meta"):
+        layer = RowParallelLinear(k, n, bias=False)
+    layer.params_dtype = dtype
+    layer.quant_method = linear_method(wna16(checkpoint="ct", bits=4, group_size=128,
+                                             symmetric=symmetric))  # fmt: skip
+    layer.quant_method.create_weights(layer)
+    materialize(layer, device, dtype)
+    load(layer, {s: t.to(device) for s, t in tensors.items()})
+    finish(layer)
+    return layer, deq
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_wna16_layer_repacked_into_the_fragment_layout(symmetric, monkeypatch):
+    """Where the kernels prefer it, a fitting 4-bit layer holds its words, scales (and zeros) in
+    the fragment layout after loading, and computes the dequantized checkpoint's product (the
+    torch backend undoing the layout here; the GPU kernels in the test below)."""
+    layer, deq = _frag_layer("cpu", torch.float32, symmetric, monkeypatch, preferred=True)
+    method = layer.quant_method
+    qweight, scales, zeros, _ = method._tensors(layer)
+    assert qweight.shape == (4, 8, 32, 4) and scales.shape == (4, 4, 8, 2)
+    assert (zeros is None) == symmetric
+    x = inputs(512).repeat(3, 1)
+    torch.testing.assert_close(layer(x), F.linear(x, deq), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(method.dequantized(layer, torch.float32), deq)
+
+
+def test_wna16_layer_keeps_rows_where_the_kernels_do_not_prefer_the_fragment_layout(
+    monkeypatch,
+):
+    """On the CPU (the fragment kernels' PTX is NVIDIA's) the layer keeps the rows layout."""
+    layer, _ = _frag_layer("cpu", torch.float32, True, monkeypatch)
+    assert layer.quant_method._tensors(layer)[0].dim() == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_wna16_layer_in_the_fragment_layout_on_the_gpu(symmetric, monkeypatch):
+    """The repacked layer through the GPU kernels in bf16: the fragment kernel at 1-8 rows, the
+    interleaved loop on the same words at prefill sizes."""
+    layer, deq = _frag_layer("cuda", torch.bfloat16, symmetric, monkeypatch)
+    assert layer.quant_method._tensors(layer)[0].dim() == 4
+    for rows in (1, 3, 8, 200):
+        x = inputs(512, seed=rows).repeat(rows // 5 + 1, 1)[:rows].cuda().bfloat16()
+        expected = F.linear(x.float(), deq.cuda().bfloat16().float())
+        torch.testing.assert_close(layer(x).float(), expected, atol=3e-2, rtol=2e-2)
+
+
 # -- padded attention heads (heads that do not split over the ranks) ----------------------
 
 

@@ -121,6 +121,13 @@ TABLE: tuple[Switch, ...] = (
         "on) (A/B: measured slower, session 35)",
     ),
     Switch(
+        "ATOM_WNA16_FRAG", False, _is_one,
+        "4-bit WNA16 linear layers (16-bit activations, no g_idx, groups of a multiple of 64) "
+        "repacked at load into the fragment layout on NVIDIA GPUs (`ops/int_quant_frag.py`): "
+        "decode at 1-8 rows on `int_quant_frag`'s MMAs, prefill on the interleaved loop (`1`: "
+        "on)",
+    ),
+    Switch(
         "ATOM_FUSED_GATE_UP", True, _not_zero,
         "fused gate/up GEMM + SiLU-and-mul (`0`: off, A/B)",
     ),

@@ -22,6 +22,7 @@ from atom_kernels.ops._checks import (
     check_shape,
     check_tensor,
 )
+from atom_kernels.ops.int_quant_frag import FRAG_ROWS, FRAG_STEP, is_frag
 from atom_kernels.registry import get_op
 
 WNA16_BITS = (4, 8)
@@ -80,7 +81,10 @@ def wna16_linear(
     """
     op = "wna16_linear"
     check_tensor(op, "x", x, min_ndim=1, dtypes=FLOAT_DTYPES)
-    n = check_wna16_weight(op, qweight, scales, zeros, g_idx, bits, x.shape[-1])
+    if is_frag(qweight):
+        n = check_frag_weight(op, qweight, scales, zeros, g_idx, bits, x.shape[-1])
+    else:
+        n = check_wna16_weight(op, qweight, scales, zeros, g_idx, bits, x.shape[-1])
     check_same_dtype(op, "x", x, scales=scales)
     _check_bias(op, x, n, bias)
     check_same_device(op, "x", x, qweight=qweight, scales=scales, zeros=zeros, g_idx=g_idx)
@@ -99,11 +103,14 @@ def dequantize_wna16(
     """The float weight [N, K] of a WNA16 layer (layout: the module docstring), in ``dtype``
     (default: the scales' dtype)."""
     op = "dequantize_wna16"
-    check_tensor(op, "qweight", qweight, ndim=2, dtypes=(torch.int32,))
     if bits not in WNA16_BITS:
         raise ValueError(f"{op}: bits must be one of {WNA16_BITS}, got {bits!r}")
-    k = qweight.shape[1] * 32 // bits
-    check_wna16_weight(op, qweight, scales, zeros, g_idx, bits, k)
+    if isinstance(qweight, torch.Tensor) and is_frag(qweight):
+        check_frag_weight(op, qweight, scales, zeros, g_idx, bits, qweight.shape[1] * FRAG_STEP)
+    else:
+        check_tensor(op, "qweight", qweight, ndim=2, dtypes=(torch.int32,))
+        k = qweight.shape[1] * 32 // bits
+        check_wna16_weight(op, qweight, scales, zeros, g_idx, bits, k)
     check_same_device(op, "qweight", qweight, scales=scales, zeros=zeros, g_idx=g_idx)
     out_dtype = scales.dtype if dtype is None else dtype
     if out_dtype not in FLOAT_DTYPES:
@@ -149,6 +156,39 @@ def check_wna16_weight(
         check_tensor(op, "g_idx", g_idx, ndim=1, dtypes=(torch.int32,))
         check_shape(op, "g_idx", g_idx, (k,), "(one group per input feature)")
     return n
+
+
+def check_frag_weight(
+    op: str,
+    qweight: torch.Tensor,
+    scales: object,
+    zeros: object,
+    g_idx: object,
+    bits: object,
+    k: int,
+) -> int:
+    """A WNA16 weight in the fragment layout (``ops/int_quant_frag.py``) for K = ``k``; returns
+    N."""
+    check_tensor(op, "qweight", qweight, ndim=4, dtypes=(torch.int32,))
+    if bits != 4 or isinstance(bits, bool):
+        raise ValueError(f"{op}: the fragment layout holds 4-bit weights, got bits={bits!r}")
+    blocks = qweight.shape[0]
+    check_shape(op, "qweight", qweight, (blocks, k // FRAG_STEP, 32, 4),
+                f"([N / 16, K / 64, 32, 4] for K = {k}, the fragment layout)")  # fmt: skip
+    if k % FRAG_STEP:
+        raise ValueError(f"{op}: the fragment layout needs K a multiple of {FRAG_STEP}, got {k}")
+    check_tensor(op, "scales", scales, ndim=4, dtypes=FLOAT_DTYPES)
+    groups = scales.shape[1]
+    check_shape(op, "scales", scales, (blocks, groups, 8, 2), "([N / 16, G, 8, 2])")
+    if groups == 0 or (k // FRAG_STEP) % groups:
+        raise ValueError(f"{op}: scales has {groups} groups; K / 64 = {k // FRAG_STEP} steps "
+                         "must be a multiple")  # fmt: skip
+    if zeros is not None:
+        check_tensor(op, "zeros", zeros, dtypes=(scales.dtype,))
+        check_shape(op, "zeros", zeros, tuple(scales.shape), "(to match the scales)")
+    if g_idx is not None:
+        raise ValueError(f"{op}: the fragment layout takes no g_idx")
+    return blocks * FRAG_ROWS
 
 
 def _check_bias(op: str, x: torch.Tensor, n: int, bias: torch.Tensor | None) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import atom_kernels
+from atom_kernels.ops.int_quant_frag import frag_fits, frag_preferred, wna16_to_frag
 from atom_models.layers.int_checkpoint import TENSOR_NAMES
 from atom_models.layers.linear import LinearBase
 from atom_models.layers.moe import FusedMoE
@@ -119,6 +120,23 @@ class Wna16LinearMethod:
         if not self.scheme.g_idx:
             layer._parameters.pop(self.names.get("g_idx", "g_idx"), None)
         layer._parameters.pop("weight_shape", None)
+        self._to_frag(layer)
+
+    def _to_frag(self, layer: LinearBase) -> None:
+        """On an NVIDIA GPU (``ATOM_WNA16_FRAG``), a fitting weight repacked in place into the
+        fragment layout its decode kernel reads (``atom_kernels.ops.int_quant_frag``: the same
+        bytes permuted; one tensor's copy at a time)."""
+        qweight, scales, zeros, g_idx = self._tensors(layer)
+        n, k = qweight.shape[0], qweight.shape[1] * 32 // self.scheme.bits
+        group = k // scales.shape[1]
+        if not frag_preferred(qweight.device, scales.dtype) or frag_fits(
+            n, k, group, self.scheme.bits, g_idx is not None
+        ):
+            return
+        packed = wna16_to_frag(qweight, scales, zeros)
+        for name, tensor in zip(("qweight", "scales", "zeros"), packed, strict=True):
+            if tensor is not None:
+                _replace(layer, self.names.get(name, name), tensor)
 
     def _tensors(self, layer: LinearBase):
         names = self.names

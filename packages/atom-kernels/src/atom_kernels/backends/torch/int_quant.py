@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from atom_kernels.ops.int_quant_frag import is_frag, wna16_from_frag
 from atom_kernels.registry import register_op
 
 
@@ -65,6 +66,8 @@ def dequantize_wna16(
     bits: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
+    if is_frag(qweight):  # the fragment layout: its permutation undone (the same values)
+        qweight, scales, zeros = wna16_from_frag(qweight, scales, zeros)
     q = unpack_int32(qweight, bits).float()  # [..., N, K]
     k, groups = q.shape[-1], scales.shape[-1]
     if g_idx is None:

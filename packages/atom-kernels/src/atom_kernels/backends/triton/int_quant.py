@@ -42,6 +42,7 @@ import triton.language as tl
 
 from atom_kernels import envs
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
+from atom_kernels.backends.triton.int_quant_frag import frag_usable, wna16_frag_linear
 from atom_kernels.backends.triton.int_quant_packed_dot import _packed_dot_k_loop
 from atom_kernels.backends.triton.int_quant_quad_mma import _quad_mma_k_loop
 from atom_kernels.backends.triton.int_quant_row_mma import (
@@ -52,6 +53,8 @@ from atom_kernels.backends.triton.int_quant_small_magic import (
     SMALL_MAGIC_VARIANTS,
     _small_magic_k_loop,
 )
+from atom_kernels.backends.triton.split_k import _split_k_sum
+from atom_kernels.ops.int_quant_frag import frag_shape, is_frag
 
 SKINNY_MAX_ROWS = 16
 # The packed-unpack dots (int_quant_packed_dot) from PACKED_DOT_MIN_ROWS to PACKED_DOT_MAX_ROWS
@@ -134,27 +137,48 @@ def _dequant_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SCALE_LATER: tl.constexpr = False,
+    FRAG: tl.constexpr = False,
 ):
     """(the fp32 weight tile [BLOCK_N, BLOCK_K] at k0, the scales); with SCALE_LATER and
     SCALE_PER_TILE: (q - zero, the tile's scales [BLOCK_N]), for the caller to scale a whole
-    dot's result. k past K gives finite garbage (x is zero there)."""
+    dot's result. k past K gives finite garbage (x is zero there). ``FRAG``: the weight in the
+    fragment layout (``ops/int_quant_frag.py``; K a multiple of 64), ``stride_qn`` its row
+    blocks' stride (K / 64 * 128 words), ``stride_sn`` / ``stride_zn`` the scales' and zeros'
+    (G * 16)."""
     PER_INT: tl.constexpr = 32 // BITS
     BLOCK_KP: tl.constexpr = BLOCK_K // PER_INT
     offs_kp = k0 // PER_INT + tl.arange(0, BLOCK_KP)
-    q_ptrs = q_ptr + rows[:, None] * stride_qn + offs_kp[None, :]  # [BLOCK_N, BLOCK_KP]
+    if FRAG:  # word kw of row n: block n // 16, step kw // 8, lane 4 (n % 8) + kw % 8 // 2
+        rows_q = (rows // 16) * stride_qn + (rows % 8) * 16 + (rows % 16) // 8 * 2
+        cols_q = (offs_kp // 8) * 128 + (offs_kp % 8) // 2 * 4 + offs_kp % 2
+        q_ptrs = q_ptr + rows_q[:, None] + cols_q[None, :]
+    else:
+        q_ptrs = q_ptr + rows[:, None] * stride_qn + offs_kp[None, :]  # [BLOCK_N, BLOCK_KP]
     if EVEN_K:
         words = tl.load(q_ptrs)
     else:  # K is a multiple of PER_INT: a word is wholly in K or wholly past it
         words = tl.load(q_ptrs, mask=(offs_kp * PER_INT < K)[None, :], other=0)
-    shifts = tl.arange(0, PER_INT) * BITS
+    if FRAG:  # value i at nibble i // 2 + 4 (i % 2)
+        values = tl.arange(0, PER_INT)
+        shifts = (values // 2 + (values % 2) * 4) * BITS
+    else:
+        shifts = tl.arange(0, PER_INT) * BITS
     q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)  # lowest bits first
     # q | 0x4B000000 is the float 2**23 + q (q < 2**23 in the mantissa): exact, no conversion
     f = tl.reshape((q | 0x4B000000).to(tl.float32, bitcast=True), [BLOCK_N, BLOCK_K])
+    if FRAG:  # [block, group, g, hi]: groups 16 apart
+        s_rows = (rows // 16) * stride_sn + (rows % 8) * 2 + (rows % 16) // 8
+        z_rows = (rows // 16) * stride_zn + (rows % 8) * 2 + (rows % 16) // 8
+        s_group = 16
+    else:
+        s_rows = rows * stride_sn
+        z_rows = rows * stride_zn
+        s_group = 1
     if SCALE_PER_TILE:  # one group for the whole tile
         group = k0 // group_size
-        s = tl.load(s_ptr + rows * stride_sn + group).to(tl.float32)
+        s = tl.load(s_ptr + s_rows + group * s_group).to(tl.float32)
         if HAS_ZEROS:
-            z = tl.load(z_ptr + rows * stride_zn + group).to(tl.float32)
+            z = tl.load(z_ptr + z_rows + group * s_group).to(tl.float32)
         else:
             z = tl.full([BLOCK_N], 1 << (BITS - 1), tl.float32)
         w = f - (8388608.0 + z)[:, None]  # q - zero, exactly (small integers)
@@ -167,9 +191,9 @@ def _dequant_tile(
             groups = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
         else:
             groups = tl.where(k_mask, offs_k // group_size, 0)
-        s = tl.load(s_ptr + rows[:, None] * stride_sn + groups[None, :]).to(tl.float32)
+        s = tl.load(s_ptr + s_rows[:, None] + groups[None, :] * s_group).to(tl.float32)
         if HAS_ZEROS:
-            z = tl.load(z_ptr + rows[:, None] * stride_zn + groups[None, :]).to(tl.float32)
+            z = tl.load(z_ptr + z_rows[:, None] + groups[None, :] * s_group).to(tl.float32)
             w = (f - (8388608.0 + z)) * s
         else:
             w = (f - (8388608.0 + (1 << (BITS - 1)))) * s
@@ -182,10 +206,10 @@ def _interleaved_k_loop(
     stride_xm, stride_qn, stride_sn, stride_zn, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
     HAS_G_IDX: tl.constexpr, SCALE_PER_TILE: tl.constexpr, SCALE_LATER: tl.constexpr,
     ONE_ROW: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FRAG: tl.constexpr = False,
 ):  # fmt: skip
     """The [BLOCK_M, BLOCK_N] fp32 sums of k_lo <= k < k_hi over weight tiles in k order
-    (``_dequant_tile``): any groups, g_idx included."""
+    (``_dequant_tile``): any groups, g_idx included; ``FRAG``: the fragment layout."""
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BM, BK]
     if ONE_ROW:
@@ -195,6 +219,7 @@ def _interleaved_k_loop(
         w, s = _dequant_tile(
             q_ptr, s_ptr, z_ptr, g_ptr, rows, k0, K, group_size, stride_qn, stride_sn, stride_zn,
             BITS, HAS_ZEROS, HAS_G_IDX, SCALE_PER_TILE, EVEN_K, BLOCK_N, BLOCK_K, SCALE_LATER,
+            FRAG,
         )  # fmt: skip
         if EVEN_K:
             x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
@@ -291,28 +316,6 @@ def _permuted_k_loop(
 
 
 @triton.jit
-def _split_k_sum(acc, ws_ptr, count_ptr, offs_m, offs_n, M, N, SPLIT_K: tl.constexpr):
-    """Stores this split's partial in the workspace [SPLIT_K, M, N] and counts in on the tile's
-    counter; returns (the splits' sum in split order, the tile's output mask: empty unless this
-    program arrived last, the one that finishes the tile and sets the counter back to zero)."""
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tile = offs_m[:, None] * N + offs_n[None, :]
-    tl.store(ws_ptr + tl.program_id(1) * M * N + tile, acc, mask=mask)
-    tl.debug_barrier()  # every thread's partial stored before the release below
-    counter = count_ptr + tl.program_id(0)
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-    last = arrived == SPLIT_K - 1
-    total = tl.zeros_like(acc)
-    mask = mask & (tile * 0 + last.to(tl.int32) != 0)  # only the last program stores (a
-    # tensor mask: the interpreter takes no scalar one)
-    if last:
-        for s in range(SPLIT_K):  # split order: the same sum on every run
-            total += tl.load(ws_ptr + s * M * N + tile, mask=mask, other=0, cache_modifier=".cg")
-        tl.atomic_xchg(counter, 0)  # ready for the next call (and graph replay)
-    return total, mask
-
-
-@triton.jit
 def _tile_ids(M, N, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(pid_m, pid_n) of program_id(0), GROUP_M row tiles walked per column (L2 reuse of W)."""
     pid = tl.program_id(0)
@@ -380,6 +383,7 @@ def _wna16_kernel(
     ROW_AHEAD: tl.constexpr = False,  # ROW_MMA: a step's weights first, each tile's x at its math
     ROW_WARPS: tl.constexpr = 1,  # ROW_AHEAD: the launch's num_warps
     ROW_STRIDED: tl.constexpr = False,  # ROW_MMA: lane l words l + 32 i (_row_mma_strided_k_loop)
+    FRAG: tl.constexpr = False,  # the fragment layout (ops/int_quant_frag.py): interleaved loop
 ):
     pid_m, pid_n = _tile_ids(M, N, GROUP_M, BLOCK_M, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -429,7 +433,7 @@ def _wna16_kernel(
         acc = _interleaved_k_loop(
             x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, rows, offs_m, m_mask, k_lo, k_hi, K, group_size,
             stride_xm, stride_qn, stride_sn, stride_zn, BITS, HAS_ZEROS, HAS_G_IDX,
-            SCALE_PER_TILE, SCALE_LATER, ONE_ROW, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+            SCALE_PER_TILE, SCALE_LATER, ONE_ROW, IEEE, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FRAG,
         )  # fmt: skip
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
@@ -847,9 +851,14 @@ def wna16_linear(
 ) -> torch.Tensor:
     """See ``atom_kernels.wna16_linear``; ``config`` (keys of ``wna16_config``; SPLIT_K None:
     chosen; ``SMALL_MAGIC``: ``_small_magic_k_loop``, one row, permuted, 4-bit) overrides the
-    launch (benchmarks, tests)."""
-    n = qweight.shape[0]
-    k = qweight.shape[1] * 32 // bits
+    launch (benchmarks, tests). A weight in the fragment layout (``ops/int_quant_frag.py``)
+    takes ``int_quant_frag`` at 1-8 rows of 16-bit x, else the interleaved loop reading that
+    layout (``FRAG``; a config's ``FRAG_TILED`` asks for it at any rows)."""
+    frag = is_frag(qweight)
+    if frag and frag_usable(x) and not (config or {}).get("FRAG_TILED"):
+        return wna16_frag_linear(x, qweight, scales, zeros, bias, config)
+    config = {k: v for k, v in (config or {}).items() if k != "FRAG_TILED"} or None
+    n, k = frag_shape(qweight, bits)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
@@ -863,12 +872,12 @@ def wna16_linear(
     sms = num_sms(x.device)
     # an override without PACKED_DOT starts from the other loops' default (what it varies)
     packed = (PACKED_DOT_ENABLED and x.dtype in PACKED_DOT_DTYPES and not torch.version.hip
-              and (not config or "PACKED_DOT" in config))  # fmt: skip
+              and (not config or "PACKED_DOT" in config) and not frag)  # fmt: skip
     # The one-row MMAs by default where they can run (16-bit x on NVIDIA, the words in 16-byte
     # aligned rows: the layout their PTX relies on); an explicit config takes the loop it names
     # (ROW_MMA, else QUAD_MMA, else the multiply-adds) and none of the others' keys.
     quad = (QUAD_ENABLED and num_rows == 1 and x.dtype in PACKED_DOT_DTYPES
-            and _mma_device(x) and _aligned_rows(qweight))  # fmt: skip
+            and _mma_device(x) and _aligned_rows(qweight) and not frag)  # fmt: skip
     mma = None
     if config:
         mma = "row" if config.get("ROW_MMA") else "quad" if config.get("QUAD_MMA") else ""
@@ -876,6 +885,9 @@ def wna16_linear(
                        packed, override=not config, quad=quad,
                        row_scales=scales.dtype == x.dtype, mma=mma)  # fmt: skip
     cfg.update(config or {})
+    if frag:  # the fragment layout: only the interleaved loop reads it
+        cfg.update(PERMUTED_K=False, PACKED_DOT=False, QUAD_MMA=False, ROW_MMA=False,
+                   SMALL_MAGIC=False)  # fmt: skip
     block_k = cfg["BLOCK_K"]
     one_row = cfg["BLOCK_M"] == 1
     if num_rows > 1 and one_row:
@@ -959,6 +971,7 @@ def wna16_linear(
         counters if counters is not None else qweight, num_rows, n, k, group_size, per_split,
         x2.stride(0), qweight.stride(0), scales.stride(0),
         zeros.stride(0) if zeros is not None else 0, out2.stride(0), -1,
+        FRAG=frag,
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None,
         SCALE_PER_TILE=scale_per_tile, SCALE_LATER=scale_later,
         HAS_BIAS=bias is not None,
@@ -985,7 +998,7 @@ def _dequant_wna16_kernel(
     q_ptr, s_ptr, z_ptr, g_ptr, out_ptr, N, K, group_size, stride_qn, stride_sn, stride_zn,
     stride_on, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr,
     SCALE_PER_TILE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, FRAG: tl.constexpr = False,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
@@ -993,7 +1006,7 @@ def _dequant_wna16_kernel(
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     w, _ = _dequant_tile(
         q_ptr, s_ptr, z_ptr, g_ptr, rows, k0, K, group_size, stride_qn, stride_sn, stride_zn,
-        BITS, HAS_ZEROS, HAS_G_IDX, SCALE_PER_TILE, EVEN_K, BLOCK_N, BLOCK_K,
+        BITS, HAS_ZEROS, HAS_G_IDX, SCALE_PER_TILE, EVEN_K, BLOCK_N, BLOCK_K, False, FRAG,
     )  # fmt: skip
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
     out_ptrs = out_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :]
@@ -1009,8 +1022,7 @@ def dequantize_wna16(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """See ``atom_kernels.dequantize_wna16``: the float weight [N, K] in ``dtype``."""
-    n = qweight.shape[0]
-    k = qweight.shape[1] * 32 // bits
+    n, k = frag_shape(qweight, bits)
     out = torch.empty((n, k), dtype=dtype, device=qweight.device)
     if out.numel() == 0:
         return out
@@ -1024,7 +1036,7 @@ def dequantize_wna16(
         scales.stride(0), zeros.stride(0) if zeros is not None else 0, out.stride(0),
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None,
         SCALE_PER_TILE=g_idx is None and group_size % block_k == 0, EVEN_K=k % block_k == 0,
-        BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_N=block_n, BLOCK_K=block_k, FRAG=is_frag(qweight),
     )  # fmt: skip
     return out
 

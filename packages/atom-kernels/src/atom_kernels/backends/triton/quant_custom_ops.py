@@ -8,6 +8,7 @@ import torch
 
 from atom_kernels.backends.triton import int_quant, quant
 from atom_kernels.backends.triton.custom_ops import _router
+from atom_kernels.ops.int_quant_frag import frag_shape
 from atom_kernels.registry import register_op
 
 
@@ -114,7 +115,7 @@ def wna16_linear(x, qweight, scales, zeros, g_idx, bits, bias):
 
 @wna16_linear.register_fake
 def _(x, qweight, scales, zeros, g_idx, bits, bias):
-    return x.new_empty((*x.shape[:-1], qweight.shape[0]))
+    return x.new_empty((*x.shape[:-1], frag_shape(qweight, bits)[0]))
 
 
 @torch.library.custom_op(
@@ -129,7 +130,7 @@ def dequantize_wna16(qweight, scales, zeros, g_idx, bits, dtype):
 
 @dequantize_wna16.register_fake
 def _(qweight, scales, zeros, g_idx, bits, dtype):
-    return qweight.new_empty((qweight.shape[0], qweight.shape[1] * 32 // bits), dtype=dtype)
+    return qweight.new_empty(frag_shape(qweight, bits), dtype=dtype)
 
 
 ENTRIES = {

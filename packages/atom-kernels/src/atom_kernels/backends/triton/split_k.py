@@ -1,0 +1,29 @@
+"""Split-K's finish for the integer GEMMs (``int_quant``, ``int_quant_frag``): each split stores
+its partial, the last to arrive sums them in split order (the same sum on every run)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _split_k_sum(acc, ws_ptr, count_ptr, offs_m, offs_n, M, N, SPLIT_K: tl.constexpr):
+    """Stores this split's partial in the workspace [SPLIT_K, M, N] and counts in on the tile's
+    counter; returns (the splits' sum in split order, the tile's output mask: empty unless this
+    program arrived last, the one that finishes the tile and sets the counter back to zero)."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tile = offs_m[:, None] * N + offs_n[None, :]
+    tl.store(ws_ptr + tl.program_id(1) * M * N + tile, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial stored before the release below
+    counter = count_ptr + tl.program_id(0)
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros_like(acc)
+    mask = mask & (tile * 0 + last.to(tl.int32) != 0)  # only the last program stores (a
+    # tensor mask: the interpreter takes no scalar one)
+    if last:
+        for s in range(SPLIT_K):  # split order: the same sum on every run
+            total += tl.load(ws_ptr + s * M * N + tile, mask=mask, other=0, cache_modifier=".cg")
+        tl.atomic_xchg(counter, 0)  # ready for the next call (and graph replay)
+    return total, mask
