@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
-from atom_kernels.backends.triton.split_k import _split_k_sum
+from atom_kernels.backends.triton.split_k import _split_k_sum_flat
 from atom_kernels.ops.int_quant_frag import FRAG_ROWS, FRAG_STEP
 
 FRAG_MAX_TOKENS = 8
@@ -186,6 +186,7 @@ def _frag_kernel(
     NUM_WARPS: tl.constexpr,
     GROUP_SHIFT: tl.constexpr,  # log2 of the steps a group; -1: one group (channel-wise)
     TIE: tl.constexpr,  # an iteration's loads issued before its math (ptxas sinks them)
+    K_STAGES: tl.constexpr = 1,  # > 1: the words pipelined that many iterations (cp.async)
 ):
     DTYPE: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
     block = tl.program_id(0)
@@ -203,7 +204,7 @@ def _frag_kernel(
     z32 = z_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     pair_block = block.to(tl.int64) * G * 8
     acc = tl.zeros([R, TILE_WORDS], tl.float32)
-    for s0 in range(s_lo, s_hi, R):
+    for s0 in tl.range(s_lo, s_hi, R, num_stages=K_STAGES):
         steps = s0 + r
         live = steps < s_hi
         steps = tl.minimum(steps, steps_total - 1)  # in bounds; its x reads as zeros
@@ -217,14 +218,14 @@ def _frag_kernel(
             z = tl.load(z32 + pairs[:, None] + g[None, :])
         else:
             z = s
-        if TIE:  # every tile row's words wait for all of the thread's loads of the iteration
+        x_mask = live[:, None] & (g < M)[None, :]
+        x = tl.load(x64 + (steps * 16)[:, None] + x_lane[None, :], mask=x_mask, other=0)
+        if TIE:  # every tile row's math waits for all of the thread's loads of the iteration
             PER: tl.constexpr = R // NUM_WARPS
-            both = words | s | z
+            both = words | s | z | x.to(tl.int32)
             tie = tl.reduce(tl.reshape(both, [PER, NUM_WARPS, TILE_WORDS]), 0, _or) & ~all_ones
             words = tl.reshape(tl.reshape(words, [PER, NUM_WARPS, TILE_WORDS]) | tie[None, :, :],
                                [R, TILE_WORDS])  # fmt: skip
-        x_mask = live[:, None] & (g < M)[None, :]
-        x = tl.load(x64 + (steps * 16)[:, None] + x_lane[None, :], mask=x_mask, other=0)
         if not ASM:
             acc = _frag_plain(words, acc, x, s, z, HAS_ZEROS, DTYPE, R)
         elif HAS_ZEROS:
@@ -237,18 +238,19 @@ def _frag_kernel(
                 _ASM_BF16 if BF16 else _ASM_FP16, _CONSTRAINTS,
                 args=[words, acc, x, s], dtype=tl.float32, is_pure=True, pack=4,
             )  # fmt: skip
-    # D [g, c, hi, e] -> [tokens 2c + e, rows 8 hi + g]
-    d = tl.reshape(tl.sum(acc, axis=0), [8, 4, 2, 2])
-    out = tl.reshape(tl.permute(d, (1, 3, 2, 0)), [8, BLOCK_ROWS])
-    offs_m = tl.arange(0, 8)
-    offs_n = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    out_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    # element e of D's layout (g, c, hi, e2) is token 2c + e2 of row 8 hi + g: a flat [128]
+    # with its own offsets (no reshape, no permute)
+    out = tl.sum(acc, axis=0)
+    token = (e // 4) % 4 * 2 + e % 2
+    n = block * BLOCK_ROWS + (e // 2) % 2 * 8 + e // 16
+    out_mask = token < M
     if SPLIT_K > 1:
-        out, out_mask = _split_k_sum(out, ws_ptr, count_ptr, offs_m, offs_n, M, N, SPLIT_K)
+        out, out_mask = _split_k_sum_flat(out, ws_ptr, count_ptr, token * N + n, out_mask,
+                                          M * N, SPLIT_K)  # fmt: skip
     if HAS_BIAS:
-        out += tl.load(b_ptr + offs_n).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        out += tl.load(b_ptr + n).to(tl.float32)
+    tl.store(out_ptr + token.to(tl.int64) * stride_om + n, out.to(out_ptr.dtype.element_ty),
+             mask=out_mask)  # fmt: skip
 
 
 def frag_config(num_rows: int, n: int, k: int, sms: int, interpreted: bool = False) -> dict:
@@ -315,6 +317,7 @@ def wna16_frag_linear(
         HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
         ASM=x.device.type == "cuda", BF16=x.dtype == torch.bfloat16, SPLIT_K=splits,
         R=tile_rows, NUM_WARPS=cfg["num_warps"], GROUP_SHIFT=shift, TIE=cfg.get("TIE", True),
+        K_STAGES=cfg.get("k_stages", 1),
         num_warps=cfg["num_warps"], num_stages=1,
     )  # fmt: skip
     return out
