@@ -61,6 +61,17 @@ WNA16_CASES = {
                             QUAD_MMA=True, QUAD_STEP=4)),
     )
 }  # fmt: skip
+# the fragment layout's decode kernel (int_quant_frag; the weights repacked in the case)
+_FRAG = dict(FRAG_LAYOUT=True, num_warps=4, ROWS_PER_WARP=2, per_sm=8)
+WNA16_CASES.update({
+    f"w4a16_{proj}_m1_{name}": (proj, 1, config)
+    for proj in ("o_proj", "gate_up_proj")
+    for name, config in (
+        ("frag", _FRAG),
+        ("frag_untied", dict(_FRAG, TIE=False)),
+        ("frag_unrotated", dict(_FRAG, ROTATE=False)),
+    )
+})  # fmt: skip
 MOE_CASES = {  # case: (MOE_SHAPES name, tokens)
     "moe_mxfp4_gptoss_t1": ("gpt-oss-120b", 1),
     "moe_mxfp4_gptoss_t16": ("gpt-oss-120b", 16),
@@ -138,6 +149,11 @@ def wna16_case(projection: str, rows: int, config: dict | None) -> Callable[[], 
     g = torch.Generator(device="cuda").manual_seed(0)
     qweight, scales, _, _ = _int_weights(torch, n, k, g)
     x = torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16)
+    if config and config.get("FRAG_LAYOUT"):
+        from atom_kernels.ops.int_quant_frag import wna16_to_frag
+
+        qweight, scales, _ = wna16_to_frag(qweight, scales, None)
+        config = {key: v for key, v in config.items() if key != "FRAG_LAYOUT"}
     return lambda: int_quant.wna16_linear(x, qweight, scales, None, None, 4, None, config)
 
 

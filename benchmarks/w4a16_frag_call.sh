@@ -9,7 +9,8 @@
 #      tiles, the default (ROW_MMA), bf16 `linear` (int-frag.json, and the table printed);
 #   3. (AB_VARIANTS) the engine's Llama-3-8B W4A16 decode at BATCH_SIZES, the variants alternated
 #      over ROUNDS, then (BF16=1) the bf16 step, the step times in decode-ab.json; (PROFILE=1)
-#      profile_decode.py of the W4A16 step with ATOM_WNA16_FRAG=1.
+#      profile_decode.py of the W4A16 step with ATOM_WNA16_FRAG=1; (NCU_CASES) ncu of those
+#      cases of benchmarks/ncu_targets.py (ncu/summary.json, the table printed).
 #   AB_VARIANTS="ATOM_WNA16_FRAG=0;ATOM_WNA16_FRAG=1" bash benchmarks/w4a16_frag_call.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +41,19 @@ for r in d["results"]:
     print(f"{r['shape'][:26]:26s} {r['impl'][:44]:44s} cold {r['ms_cold'] * 1e3:6.2f} us "
           f"{r.get('of_copy_bandwidth', 0):.0%} of copy{' BAD' if r.get('bad') else ''}")
 PY
+fi
+if [ -n "${NCU_CASES:-}" ]; then
+    bash benchmarks/ncu_targets.sh "$OUT/ncu" $NCU_CASES 2>&1 | tail -12
+    OUT=$OUT python3 - <<'PY'
+import json, os
+d = json.load(open(f"{os.environ['OUT']}/ncu/summary.json"))
+for case, kernels in d.items():
+    for k in kernels:
+        print(case, {key: k.get(key) for key in ("duration", "dram_pct", "achieved_occupancy_pct",
+              "theoretical_occupancy_pct", "registers", "grid", "ipc", "l2_hit_pct")},
+              k.get("top_stalls"))
+PY
+    rm -f "$OUT"/ncu/*.csv "$OUT"/ncu/*.err
 fi
 if [ -n "${AB_VARIANTS:-}" ]; then
     ab=$(mktemp -d)

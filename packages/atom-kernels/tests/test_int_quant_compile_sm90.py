@@ -637,7 +637,7 @@ def _frag(warps, rows_per_warp, zeros, split, dtype="bf16", tie=True):
     )  # fmt: skip
     constexprs = dict(HAS_ZEROS=zeros, HAS_BIAS=False, ASM=True, BF16=dtype == "bf16",
                       SPLIT_K=split, R=warps * rows_per_warp, NUM_WARPS=warps, GROUP_SHIFT=1,
-                      TIE=tie, K_STAGES=1)  # fmt: skip
+                      TIE=tie, K_STAGES=1, ROTATE=True)  # fmt: skip
     return _compile(int_quant_frag._frag_kernel, pointers, constexprs, warps, 1)
 
 

@@ -187,6 +187,7 @@ def _frag_kernel(
     GROUP_SHIFT: tl.constexpr,  # log2 of the steps a group; -1: one group (channel-wise)
     TIE: tl.constexpr,  # an iteration's loads issued before its math (ptxas sinks them)
     K_STAGES: tl.constexpr = 1,  # > 1: the words pipelined that many iterations (cp.async)
+    ROTATE: tl.constexpr = True,  # each row block starts its K loop at its own iteration
 ):
     DTYPE: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
     block = tl.program_id(0)
@@ -204,7 +205,15 @@ def _frag_kernel(
     z32 = z_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     pair_block = block.to(tl.int64) * G * 8
     acc = tl.zeros([R, TILE_WORDS], tl.float32)
-    for s0 in tl.range(s_lo, s_hi, R, num_stages=K_STAGES):
+    # Row blocks in flight at once would read the same offset of their 32-KB-apart rows (a
+    # power-of-two stride through the DRAM channels) had they all walked K from its start:
+    # ROTATE starts block b at iteration b mod the split's iterations and wraps around.
+    iterations = tl.cdiv(s_hi - s_lo, R)
+    rot = block % iterations if ROTATE else 0
+    for j in tl.range(0, iterations, num_stages=K_STAGES):
+        it = j + rot
+        it = tl.where(it >= iterations, it - iterations, it)
+        s0 = s_lo + it * R
         steps = s0 + r
         live = steps < s_hi
         steps = tl.minimum(steps, steps_total - 1)  # in bounds; its x reads as zeros
@@ -317,7 +326,8 @@ def wna16_frag_linear(
         HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
         ASM=x.device.type == "cuda", BF16=x.dtype == torch.bfloat16, SPLIT_K=splits,
         R=tile_rows, NUM_WARPS=cfg["num_warps"], GROUP_SHIFT=shift, TIE=cfg.get("TIE", True),
-        K_STAGES=cfg.get("k_stages", 1),
+        K_STAGES=cfg.get("k_stages", 1), ROTATE=cfg.get("ROTATE", True),
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         num_warps=cfg["num_warps"], num_stages=1,
     )  # fmt: skip
     return out
