@@ -68,7 +68,8 @@ WNA16_CASES.update({
     for proj in ("o_proj", "gate_up_proj")
     for name, config in (
         ("frag", _FRAG),
-        ("frag_untied", dict(_FRAG, TIE=False)),
+        ("frag_untied", dict(_FRAG, TIE=0)),
+        ("frag_tie1_r64", dict(_FRAG, TIE=1, maxnreg=64)),
         ("frag_unrotated", dict(_FRAG, ROTATE=False)),
     )
 })  # fmt: skip

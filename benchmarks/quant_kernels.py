@@ -239,17 +239,17 @@ SMALL_MAGIC_VARIANTS = (
     {"X_VECTOR": True}, {"X_SPLIT": True}, {"PREFETCH": True},
     {"X_VECTOR": True, "PREFETCH": True},
 )  # fmt: skip
-# (warps, tile rows a warp, programs an SM, tie, k_stages, rotate) of the fragment layout's decode
-# kernel
+# (warps, tile rows a warp, programs an SM, tie, k_stages, register cap) of the fragment layout's
+# decode kernel
 # (int_quant_frag: the weights repacked at load, one MMA a word, a warp's load 512 contiguous
-# bytes), named "w4a16_g128 frag w{warps} r{rows} p{per_sm} k{k_stages}" (" untied": ptxas's
-# load order; k_stages > 1: the words pipelined through shared memory; " unrotated": every row
-# block walks K from its start).
+# bytes), named "w4a16_g128 frag w{warps} r{rows} p{per_sm} k{k_stages} tie{tie} r{cap}" (tie 0:
+# ptxas's load order, 1: an iteration's DRAM loads before its math, 2: x's too; k_stages > 1: the
+# words pipelined through shared memory; session 36 measured ROTATE off no faster).
 FRAG_TILES = (
-    (4, 2, 8, True, 1, True), (4, 2, 8, True, 1, False), (4, 2, 8, False, 1, True),
-    (4, 2, 8, False, 1, False), (4, 4, 4, True, 1, True), (4, 4, 4, False, 1, True),
-    (4, 2, 16, False, 1, True), (4, 2, 16, True, 1, True), (8, 2, 4, True, 1, True),
-    (8, 1, 8, False, 1, True), (2, 2, 16, False, 1, True), (4, 1, 16, False, 1, True),
+    (4, 2, 8, 0, 1, None), (4, 2, 8, 1, 1, None), (4, 2, 8, 1, 1, 64), (4, 2, 8, 2, 1, 64),
+    (4, 4, 8, 1, 1, 64), (4, 4, 4, 1, 1, 64), (4, 2, 8, 1, 1, 56), (4, 2, 8, 0, 1, 56),
+    (4, 2, 16, 1, 1, 64), (2, 2, 16, 1, 1, 64), (2, 4, 8, 1, 1, 64), (4, 2, 8, 2, 1, 56),
+    (4, 4, 8, 2, 1, 72), (4, 2, 8, 1, 1, 48),
 )  # fmt: skip
 INT_ROWS = None  # --int-rows: the M the ``int`` group runs (None: all)
 INT_IMPLS = ()  # --int-impls: substrings, one of which an ``int`` impl must hold (empty: all)
@@ -951,11 +951,11 @@ def _int_cases(torch, x, rows, weights) -> list:
     qweight, scales, w8, w8_s, w_bf16, frag = weights
     cases = [("bf16_linear", lambda: F.linear(x, w_bf16), "bf16")]
     if rows <= 8 and x.shape[1] % 64 == 0:
-        for warps, per_warp, per_sm, tie, k_stages, rotate in FRAG_TILES:
+        for warps, per_warp, per_sm, tie, k_stages, maxnreg in FRAG_TILES:
             config = dict(num_warps=warps, ROWS_PER_WARP=per_warp, per_sm=per_sm, TIE=tie,
-                          k_stages=k_stages, ROTATE=rotate)  # fmt: skip
-            name = (f"w4a16_g128 frag w{warps} r{per_warp} p{per_sm} k{k_stages}"
-                    + ("" if tie else " untied") + ("" if rotate else " unrotated"))  # fmt: skip
+                          k_stages=k_stages, maxnreg=maxnreg)  # fmt: skip
+            name = (f"w4a16_g128 frag w{warps} r{per_warp} p{per_sm} k{k_stages} tie{tie}"
+                    + (f" r{maxnreg}" if maxnreg else ""))  # fmt: skip
             cases.append((name, lambda config=config: int_quant.wna16_linear(
                 x, *frag, None, None, 4, None, config), "bf16"))  # fmt: skip
     if rows in W4A16_ROWS:

@@ -630,7 +630,7 @@ def test_row_mma_strided_layout_and_main_loop_sass(dtype, zeros):
 # --- the fragment layout's decode kernel (int_quant_frag) ----------------------------------------
 
 
-def _frag(warps, rows_per_warp, zeros, split, dtype="bf16", tie=True):
+def _frag(warps, rows_per_warp, zeros, split, dtype="bf16", tie=2):
     pointers = dict(
         x_ptr=f"*{dtype}", q_ptr="*i32", s_ptr=f"*{dtype}", z_ptr=f"*{dtype}",
         b_ptr=f"*{dtype}", out_ptr=f"*{dtype}", ws_ptr="*fp32", count_ptr="*i32",
@@ -646,11 +646,11 @@ def _frag(warps, rows_per_warp, zeros, split, dtype="bf16", tie=True):
 # of those 15.75 the design's (3 shifts, 4 AND-ORs, 4 packed FMAs, an MMA, the scale's FMA, the
 # step's zeroed D), the rest the tie (~2), addresses and the x loads.
 FRAG_SASS = [
-    (4, 2, False, "bf16", True, 24.0, 64),
-    (4, 2, True, "bf16", True, 26.5, 72),
-    (4, 2, False, "fp16", True, 24.0, 64),
-    (8, 1, True, "fp16", True, 28.0, 72),
-    (4, 2, False, "bf16", False, 22.0, 64),
+    (4, 2, False, "bf16", 2, 24.0, 64),
+    (4, 2, True, "bf16", 2, 26.5, 72),
+    (4, 2, False, "fp16", 1, 24.0, 64),
+    (8, 1, True, "fp16", 2, 28.0, 72),
+    (4, 2, False, "bf16", 0, 22.0, 64),
 ]
 
 
@@ -670,4 +670,4 @@ def test_frag_main_loop_sass(warps, per_warp, zeros, dtype, tie, most, registers
     assert _registers(kernel) <= registers
     first_mma = next(i for i, ins in enumerate(body) if ins.startswith("HMMA"))
     early = sum(1 for ins in body[:first_mma] if re.match(r"LDG\.E(\.CONSTANT)? ", ins))
-    assert (early == per_warp * (2 if zeros else 1)) == tie, (early, per_warp)
+    assert (early == per_warp * (2 if zeros else 1)) == (tie > 0), (early, per_warp)

@@ -1389,7 +1389,8 @@ def test_frag_linear_gpu_real_sizes(iq, triton_backend, rows, n, k):
 
 
 FRAG_LAUNCHES = [dict(SPLIT_K=1), dict(SPLIT_K=7), dict(ROWS_PER_WARP=4),
-                 dict(num_warps=8, ROWS_PER_WARP=1), dict(TIE=False)]  # fmt: skip
+                 dict(num_warps=8, ROWS_PER_WARP=1), dict(TIE=0),
+                 dict(TIE=1, maxnreg=64)]  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -185,7 +185,8 @@ def _frag_kernel(
     R: tl.constexpr,  # tile rows (steps) an iteration: NUM_WARPS x ROWS_PER_WARP
     NUM_WARPS: tl.constexpr,
     GROUP_SHIFT: tl.constexpr,  # log2 of the steps a group; -1: one group (channel-wise)
-    TIE: tl.constexpr,  # an iteration's loads issued before its math (ptxas sinks them)
+    TIE: tl.constexpr,  # an iteration's loads before its math (ptxas sinks them): 1 the words,
+    # scales and zeros (DRAM), 2 x too; 0 none
     K_STAGES: tl.constexpr = 1,  # > 1: the words pipelined that many iterations (cp.async)
     ROTATE: tl.constexpr = True,  # each row block starts its K loop at its own iteration
 ):
@@ -229,9 +230,11 @@ def _frag_kernel(
             z = s
         x_mask = live[:, None] & (g < M)[None, :]
         x = tl.load(x64 + (steps * 16)[:, None] + x_lane[None, :], mask=x_mask, other=0)
-        if TIE:  # every tile row's math waits for all of the thread's loads of the iteration
+        if TIE > 0:  # every tile row's math waits for the thread's DRAM loads of the iteration
             PER: tl.constexpr = R // NUM_WARPS
-            both = words | s | z | x.to(tl.int32)
+            both = words | s | z
+            if TIE > 1:  # and for its x (registers held through the wait: occupancy)
+                both = both | x.to(tl.int32)
             tie = tl.reduce(tl.reshape(both, [PER, NUM_WARPS, TILE_WORDS]), 0, _or) & ~all_ones
             words = tl.reshape(tl.reshape(words, [PER, NUM_WARPS, TILE_WORDS]) | tie[None, :, :],
                                [R, TILE_WORDS])  # fmt: skip
@@ -325,7 +328,7 @@ def wna16_frag_linear(
         x2.stride(0), out2.stride(0), -1,
         HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
         ASM=x.device.type == "cuda", BF16=x.dtype == torch.bfloat16, SPLIT_K=splits,
-        R=tile_rows, NUM_WARPS=cfg["num_warps"], GROUP_SHIFT=shift, TIE=cfg.get("TIE", True),
+        R=tile_rows, NUM_WARPS=cfg["num_warps"], GROUP_SHIFT=shift, TIE=int(cfg.get("TIE", 2)),
         K_STAGES=cfg.get("k_stages", 1), ROTATE=cfg.get("ROTATE", True),
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         num_warps=cfg["num_warps"], num_stages=1,
