@@ -55,6 +55,22 @@ for case, kernels in d.items():
 PY
     rm -f "$OUT"/ncu/*.csv "$OUT"/ncu/*.err
 fi
+if [ "${PICK:-0}" = 1 ]; then  # the sweep's fastest fragment launch (sum over the shapes)
+    ATOM_WNA16_FRAG_LAUNCH=$(OUT=$OUT python3 - <<'PY'
+import json, os, re
+d = json.load(open(f"{os.environ['OUT']}/int-frag.json"))
+total = {}
+for r in d["results"]:
+    if "frag" in r["impl"] and "ms_cold" in r and not r.get("bad"):
+        total.setdefault(r["impl"], []).append(r["ms_cold"])
+best = min((sum(v), k) for k, v in total.items() if len(v) == 4)[1]
+m = re.search(r"frag w(\d+) r(\d+) p(\d+) k1 tie(\d)(?: r(\d+))?", best)
+print(",".join(g for g in m.groups() if g))
+PY
+)
+    export ATOM_WNA16_FRAG_LAUNCH
+    echo "picked ATOM_WNA16_FRAG_LAUNCH=$ATOM_WNA16_FRAG_LAUNCH" | tee "$OUT/picked.txt"
+fi
 if [ -n "${AB_VARIANTS:-}" ]; then
     ab=$(mktemp -d)
     OUT=$ab VARIANTS="$AB_VARIANTS" SHAPES=llama3-8b-w4a16 BATCH_SIZES="${BATCH_SIZES:-1}" \

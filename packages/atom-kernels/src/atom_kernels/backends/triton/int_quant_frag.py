@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from atom_kernels import envs
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
 from atom_kernels.backends.triton.split_k import _split_k_sum_flat
 from atom_kernels.ops.int_quant_frag import FRAG_ROWS, FRAG_STEP
@@ -265,12 +266,29 @@ def _frag_kernel(
              mask=out_mask)  # fmt: skip
 
 
+def _launch_override(spec: str) -> dict | None:
+    """ATOM_WNA16_FRAG_LAUNCH's ``num_warps,rows_per_warp,per_sm,tie[,maxnreg]`` as a config."""
+    if not spec:
+        return None
+    parts = [int(p) for p in spec.split(",")]
+    if len(parts) not in (4, 5):
+        raise ValueError(f"ATOM_WNA16_FRAG_LAUNCH: num_warps,rows_per_warp,per_sm,tie[,maxnreg], "
+                         f"got {spec!r}")  # fmt: skip
+    cfg = dict(num_warps=parts[0], ROWS_PER_WARP=parts[1], per_sm=parts[2], TIE=parts[3])
+    if len(parts) == 5:
+        cfg["maxnreg"] = parts[4]
+    return cfg
+
+
+LAUNCH_OVERRIDE = _launch_override(envs.ATOM_WNA16_FRAG_LAUNCH)
+
+
 def frag_config(num_rows: int, n: int, k: int, sms: int, interpreted: bool = False) -> dict:
     """The launch of ``_frag_kernel``: 4 warps of ROWS_PER_WARP steps, K split to about
-    ``per_sm`` programs an SM."""
+    ``per_sm`` programs an SM (ATOM_WNA16_FRAG_LAUNCH overrides it)."""
     if interpreted:
         return dict(num_warps=1, ROWS_PER_WARP=2, per_sm=2)
-    return dict(num_warps=4, ROWS_PER_WARP=2, per_sm=8)
+    return dict(LAUNCH_OVERRIDE or dict(num_warps=4, ROWS_PER_WARP=2, per_sm=8))
 
 
 def frag_usable(x: torch.Tensor) -> bool:
