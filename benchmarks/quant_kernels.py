@@ -135,7 +135,7 @@ INT_SHAPES = {  # Llama-3-8B projections, name: (N, K)
     "down_proj": (4096, 14336),
 }
 INT_GROUP = 128  # W4A16's group size (GPTQ / AWQ's usual)
-W4A16_ROWS = (1, 4, 16, 256)
+W4A16_ROWS = (1, 4, 8, 16, 256)
 W4A16_DECODE_ROWS = 16  # int_quant.SKINNY_MAX_ROWS: up to it, both K loops are timed
 W8A8_ROWS = (1, 16, 256)
 INT_TILE_ROWS = (1, 16)
@@ -840,7 +840,8 @@ def _w4a16_variants(rows: int) -> list:
     the permuted multiply-adds (BLOCK_M 1)."""
     if rows > W4A16_DECODE_ROWS:
         return [("w4a16_g128", None)]
-    out = [("w4a16_g128 interleaved", {"PERMUTED_K": False}),
+    out = [("w4a16_g128 default", None),  # the launch wna16_linear picks
+           ("w4a16_g128 interleaved", {"PERMUTED_K": False}),
            ("w4a16_g128 permuted", {"PERMUTED_K": True, "BLOCK_K": 128})]  # fmt: skip
     for block_n, warps, stages, per_sm in PACKED_DOT_TILES:
         config = dict(_wna16_tile(block_n, warps, stages), per_sm=per_sm, PERMUTED_K=True,
