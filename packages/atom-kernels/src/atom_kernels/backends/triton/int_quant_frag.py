@@ -284,11 +284,22 @@ LAUNCH_OVERRIDE = _launch_override(envs.ATOM_WNA16_FRAG_LAUNCH)
 
 
 def frag_config(num_rows: int, n: int, k: int, sms: int, interpreted: bool = False) -> dict:
-    """The launch of ``_frag_kernel``: 4 warps of ROWS_PER_WARP steps, K split to about
-    ``per_sm`` programs an SM (ATOM_WNA16_FRAG_LAUNCH overrides it)."""
+    """The launch of ``_frag_kernel``: 4 warps of 2 steps, K split to about 8 programs an SM,
+    ptxas's load order (TIE 0), 56 registers (ATOM_WNA16_FRAG_LAUNCH overrides it).
+    NOTE (one H200, 2026-12-04, benchmarks/results/int-quant/s36/, cold L2, us for qkv / o /
+    gate_up / down at one row): this launch 12.1 / 10.3 / 31.8 / 21.9 against ROW_MMA's
+    (``int_quant_row_mma``, the rows layout's default) 9.4 / 7.0 / 29.2 / 17.3. Tying an
+    iteration's loads before its math (TIE 1, 2) was slower at every shape, register cap and
+    tile (ncu at gate_up: TIE 2 took 84 registers, 31% occupancy, 30% of DRAM; TIE 0 64
+    registers, 42% occupancy, 45%; ROW_MMA 60, 45%, 48%): the one-row GEMMs are bound by the
+    bytes in flight the occupancy allows, not by x's traffic or the instruction count (here
+    ~22 a word with x's loads one line a warp, against ROW_MMA's 24 with 16). The engine's
+    Llama-3-8B W4A16 decode (call 6): 2.88 against 2.57 ms at batch 1, **3.46 against 4.08 ms
+    at batch 8** (bf16 4.40 / 4.95), where the rows layout takes the packed dots."""
     if interpreted:
         return dict(num_warps=1, ROWS_PER_WARP=2, per_sm=2)
-    return dict(LAUNCH_OVERRIDE or dict(num_warps=4, ROWS_PER_WARP=2, per_sm=8))
+    return dict(LAUNCH_OVERRIDE or dict(num_warps=4, ROWS_PER_WARP=2, per_sm=8, TIE=0,
+                                        maxnreg=56))  # fmt: skip
 
 
 def frag_usable(x: torch.Tensor) -> bool:
@@ -346,7 +357,7 @@ def wna16_frag_linear(
         x2.stride(0), out2.stride(0), -1,
         HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
         ASM=x.device.type == "cuda", BF16=x.dtype == torch.bfloat16, SPLIT_K=splits,
-        R=tile_rows, NUM_WARPS=cfg["num_warps"], GROUP_SHIFT=shift, TIE=int(cfg.get("TIE", 2)),
+        R=tile_rows, NUM_WARPS=cfg["num_warps"], GROUP_SHIFT=shift, TIE=int(cfg.get("TIE", 0)),
         K_STAGES=cfg.get("k_stages", 1), ROTATE=cfg.get("ROTATE", True),
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         num_warps=cfg["num_warps"], num_stages=1,
