@@ -69,13 +69,18 @@ def _to_int32(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32)
 
 
-def _reorder_nibbles(words: torch.Tensor, inverse: bool) -> torch.Tensor:
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    out = torch.zeros_like(w)
-    for p, v in enumerate(_NIBBLE_VALUE):
-        src, dst = (p, v) if inverse else (v, p)
-        out |= ((w >> (4 * src)) & 0xF) << (4 * dst)
-    return _to_int32(out)
+def _reorder_nibbles(words: torch.Tensor, inverse: bool, rows: int = 1024) -> torch.Tensor:
+    """``words`` [R, C] with each word's nibbles moved (``_NIBBLE_VALUE``), ``rows`` rows at a
+    time: the int64 temporaries stay a few MB beside the one int32 copy."""
+    out = torch.empty_like(words)
+    for start in range(0, words.shape[0], rows):
+        w = words[start : start + rows].to(torch.int64) & 0xFFFFFFFF
+        part = torch.zeros_like(w)
+        for p, v in enumerate(_NIBBLE_VALUE):
+            src, dst = (p, v) if inverse else (v, p)
+            part |= ((w >> (4 * src)) & 0xF) << (4 * dst)
+        out[start : start + rows] = _to_int32(part)
+    return out
 
 
 def _groups_to_frag(t: torch.Tensor) -> torch.Tensor:
