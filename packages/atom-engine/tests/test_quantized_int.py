@@ -304,3 +304,57 @@ def test_atom_serve_answers_from_an_int4_checkpoint(tiny_checkpoint, tmp_path):
         assert response.json()["choices"][0]["text"] == expected
     finally:
         stop_server(server)
+
+
+# -- the fragment layout on a GPU (ATOM_WNA16_FRAG) ----------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_w4a16_fragment_layout_engine_matches_the_rows_layout_on_the_gpu(
+    symmetric, tiny_checkpoint, tmp_path, monkeypatch
+):
+    """A W4A16 group-128 Qwen3 in bf16 on the GPU (CUDA graphs), its layers repacked into the
+    fragment layout or not: the prompts' log-probs (prefill: the interleaved loop on that layout)
+    and the log-probs of the step after the first token, 4 sequences at once (the fragment
+    kernel at 4 rows), within bf16's tolerance of the rows layout's."""
+    import gc
+
+    from atom_kernels import envs
+
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(
+            num_bits=4, type="int", strategy="group", group_size=128, symmetric=symmetric
+        ),
+    )
+    src, _ = tiny_checkpoint(qwen3(), seed=12)
+    dst = write_quantized_checkpoint(
+        src, tmp_path / "w4a16", ct_config(scheme, ["lm_head"]), ct_quantizer(scheme)
+    )
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=5, prompt_logprobs=3,
+                            ignore_eos=True)  # fmt: skip
+    results = {}
+    for frag in (False, True):
+        monkeypatch.setattr(envs, "ATOM_WNA16_FRAG", frag)
+        llm = LLM(str(dst), dtype="bfloat16", device="cuda", skip_tokenizer_init=True,
+                  num_kv_blocks=256)  # fmt: skip
+        layer = llm.engine.runner.model.model.layers[0].mlp.down_proj
+        assert layer.quant_method._tensors(layer)[0].dim() == (4 if frag else 2)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+        results[frag] = [(o.prompt_logprobs, o.outputs[0].token_ids, o.outputs[0].logprobs)
+                         for o in outs]  # fmt: skip
+        del llm, layer
+        gc.collect()
+        torch.cuda.empty_cache()
+    compared = 0
+    for (p_ref, t_ref, lp_ref), (p_got, t_got, lp_got) in zip(results[False], results[True],
+                                                             strict=True):  # fmt: skip
+        for r, g in zip(p_ref[1:], p_got[1:], strict=True):
+            for tid in set(r) & set(g):
+                assert abs(r[tid].logprob - g[tid].logprob) < 0.15
+        if t_ref[0] == t_got[0]:  # the decode step's input is the same token
+            compared += 1
+            for tid in set(lp_ref[1]) & set(lp_got[1]):
+                assert abs(lp_ref[1][tid].logprob - lp_got[1][tid].logprob) < 0.15
+    assert compared >= 2
