@@ -237,3 +237,53 @@ def test_rope_in_the_cache_write_matches_the_two_ops(tiny, monkeypatch, kv_cache
             assert bool(step[differ].all()) and int(differ.sum()) <= max(1, a.numel() // 100)
     if kv_cache_dtype == "auto":
         assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_w4a16_fragment_layout_matches_the_rows_layout(tiny, symmetric, tmp_path, monkeypatch):
+    """The tiny model as a W4A16 group-128 compressed-tensors checkpoint (ATOM's packer) in bf16,
+    CUDA graphs, its layers repacked into the fragment layout (ATOM_WNA16_FRAG) or not: the
+    prompts' log-probs (prefill: the interleaved loop on that layout) and those of the step
+    after the first token, 6 sequences at once (the fragment kernel at 6 rows), within bf16's
+    tolerance of the rows layout's."""
+    from atom_kernels import envs
+    from atom_models.testing import ct_pack_quantized, write_quantized_checkpoint
+
+    path, _ = tiny
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
+               "symmetric": symmetric}  # fmt: skip
+    quant = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+             "config_groups": {"g": {"targets": ["Linear"], "weights": weights}},
+             "ignore": ["lm_head"]}  # fmt: skip
+
+    def quantize(name, tensor):
+        packed, _ = ct_pack_quantized(tensor, bits=4, group_size=128, symmetric=symmetric)
+        return {f"{name[: -len('weight')]}{s}": t for s, t in packed.items()}
+
+    dst = write_quantized_checkpoint(path, tmp_path / "w4a16", quant, quantize)
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=5, prompt_logprobs=3,
+                            ignore_eos=True)  # fmt: skip
+    results = {}
+    for frag in (False, True):
+        monkeypatch.setattr(envs, "ATOM_WNA16_FRAG", frag)
+        llm = LLM(str(dst), dtype="bfloat16", device="cuda", skip_tokenizer_init=True, **SMALL)
+        layer = llm.engine.runner.model.model.layers[0].mlp.down_proj
+        assert layer.quant_method._tensors(layer)[0].dim() == (4 if frag else 2)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts(6)], params,
+                            use_tqdm=False)  # fmt: skip
+        results[frag] = [(o.prompt_logprobs, o.outputs[0].token_ids, o.outputs[0].logprobs)
+                         for o in outs]  # fmt: skip
+        del llm, layer
+        gc.collect()
+        torch.cuda.empty_cache()
+    compared = 0
+    for (p_ref, t_ref, lp_ref), (p_got, t_got, lp_got) in zip(results[False], results[True],
+                                                             strict=True):  # fmt: skip
+        for r, g in zip(p_ref[1:], p_got[1:], strict=True):
+            for tid in set(r) & set(g):
+                assert abs(r[tid].logprob - g[tid].logprob) < 0.15
+        if t_ref[0] == t_got[0]:  # the decode step's input is the same token
+            compared += 1
+            for tid in set(lp_ref[1]) & set(lp_got[1]):
+                assert abs(lp_ref[1][tid].logprob - lp_got[1][tid].logprob) < 0.15
+    assert compared >= 3
