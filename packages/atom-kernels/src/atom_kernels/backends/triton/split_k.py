@@ -14,19 +14,7 @@ def _split_k_sum(acc, ws_ptr, count_ptr, offs_m, offs_n, M, N, SPLIT_K: tl.const
     program arrived last, the one that finishes the tile and sets the counter back to zero)."""
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     tile = offs_m[:, None] * N + offs_n[None, :]
-    tl.store(ws_ptr + tl.program_id(1) * M * N + tile, acc, mask=mask)
-    tl.debug_barrier()  # every thread's partial stored before the release below
-    counter = count_ptr + tl.program_id(0)
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-    last = arrived == SPLIT_K - 1
-    total = tl.zeros_like(acc)
-    mask = mask & (tile * 0 + last.to(tl.int32) != 0)  # only the last program stores (a
-    # tensor mask: the interpreter takes no scalar one)
-    if last:
-        for s in range(SPLIT_K):  # split order: the same sum on every run
-            total += tl.load(ws_ptr + s * M * N + tile, mask=mask, other=0, cache_modifier=".cg")
-        tl.atomic_xchg(counter, 0)  # ready for the next call (and graph replay)
-    return total, mask
+    return _split_k_sum_flat(acc, ws_ptr, count_ptr, tile, mask, M * N, SPLIT_K)
 
 
 @triton.jit
