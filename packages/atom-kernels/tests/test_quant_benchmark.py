@@ -148,8 +148,10 @@ def test_w4a16_variants(bench):
     packed += [f"w4a16_g128 packed-dot {n} w{w} s{s} fill{p} x-split"
                for n, w, s, p in bench.PACKED_X_SPLIT_TILES]  # fmt: skip
     assert [impl for impl, _ in bench._w4a16_variants(16)] == [
-        "w4a16_g128 interleaved", "w4a16_g128 permuted", *packed]  # fmt: skip
-    for _, config in bench._w4a16_variants(16)[2:]:  # named explicitly, BLOCK_K 128
+        "w4a16_g128 default", "w4a16_g128 interleaved", "w4a16_g128 permuted",
+        *packed]  # fmt: skip
+    assert one["w4a16_g128 default"] is None  # wna16_linear's own pick
+    for _, config in bench._w4a16_variants(16)[3:]:  # named explicitly, BLOCK_K 128
         assert config["PACKED_DOT"] and config["BLOCK_M"] == 16 and config["BLOCK_K"] == 128
     assert bench._w4a16_variants(256) == [("w4a16_g128", None)]
 
@@ -202,9 +204,11 @@ def test_int_groups_smoke_on_the_interpreter(tmp_path, bench):
     # (not row-mma: its K tile is 1024 deep, the smoke's K 256; nor quad-mma steps past K)
     packed |= {f"w4a16_g128 permuted fma small-magic {n} w{w} s1 x-vector bk{k} fill{p}"
                for n, k, w, p in bench.X_VECTOR_DEEP_TILES}  # fmt: skip
+    frag = {f"w4a16_g128 frag w{w} r{r} p{p} k{k} tie{t}" + (f" r{cap}" if cap else "")
+            for w, r, p, t, k, cap in bench.FRAG_TILES}  # fmt: skip
     assert impls == {
-        "bf16_linear", "w4a16_g128 interleaved", "w4a16_g128 permuted",
-        "w4a16_g128 permuted fma", "w8a8_linear", "w8a8_gemm", *small_magic, *packed,
+        "bf16_linear", "w4a16_g128 default", "w4a16_g128 interleaved", "w4a16_g128 permuted",
+        "w4a16_g128 permuted fma", "w8a8_linear", "w8a8_gemm", *small_magic, *packed, *frag,
     }  # fmt: skip
     w4a16 = [r for r in rows if r["group"] == "int" and "w4a16" in r["impl"]]
     assert all(r["of_copy_bandwidth"] > 0 for r in w4a16), w4a16
