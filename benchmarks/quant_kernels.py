@@ -251,6 +251,12 @@ FRAG_TILES = (
     (4, 2, 16, 1, 1, 64), (2, 2, 16, 1, 1, 64), (2, 4, 8, 1, 1, 64), (4, 2, 8, 2, 1, 56),
     (4, 4, 8, 2, 1, 72), (4, 2, 8, 1, 1, 48),
 )  # fmt: skip
+# (warps, tile rows a warp, programs an SM, k_stages, register cap) of the same with the words
+# by TMA into shared memory (bytes in flight without registers), named "... tma".
+FRAG_TMA_TILES = (
+    (4, 2, 8, 3, None), (4, 2, 8, 4, None), (4, 4, 8, 3, None), (4, 2, 16, 3, None),
+    (4, 2, 8, 3, 56), (8, 2, 4, 3, None), (4, 4, 4, 4, None), (2, 4, 8, 3, None),
+)  # fmt: skip
 INT_ROWS = None  # --int-rows: the M the ``int`` group runs (None: all)
 INT_IMPLS = ()  # --int-impls: substrings, one of which an ``int`` impl must hold (empty: all)
 _DOT_TILES = tuple(_wna16_tile(bn, w, st, split) for bn in (32, 64, 128) for w in (4, 8)
@@ -956,6 +962,13 @@ def _int_cases(torch, x, rows, weights) -> list:
             config = dict(num_warps=warps, ROWS_PER_WARP=per_warp, per_sm=per_sm, TIE=tie,
                           k_stages=k_stages, maxnreg=maxnreg)  # fmt: skip
             name = (f"w4a16_g128 frag w{warps} r{per_warp} p{per_sm} k{k_stages} tie{tie}"
+                    + (f" r{maxnreg}" if maxnreg else ""))  # fmt: skip
+            cases.append((name, lambda config=config: int_quant.wna16_linear(
+                x, *frag, None, None, 4, None, config), "bf16"))  # fmt: skip
+        for warps, per_warp, per_sm, k_stages, maxnreg in FRAG_TMA_TILES:
+            config = dict(num_warps=warps, ROWS_PER_WARP=per_warp, per_sm=per_sm, TIE=0,
+                          k_stages=k_stages, maxnreg=maxnreg, TMA=True)  # fmt: skip
+            name = (f"w4a16_g128 frag w{warps} r{per_warp} p{per_sm} k{k_stages} tma"
                     + (f" r{maxnreg}" if maxnreg else ""))  # fmt: skip
             cases.append((name, lambda config=config: int_quant.wna16_linear(
                 x, *frag, None, None, 4, None, config), "bf16"))  # fmt: skip

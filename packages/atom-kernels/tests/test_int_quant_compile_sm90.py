@@ -30,9 +30,9 @@ SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, g
 # Arguments a real launch passes as multiples of 16 (Triton specializes them: aligned, vector
 # loads): the pointers, the shapes' N and K, the group size, the strides.
 ALIGNED = {
-    "x_ptr", "q_ptr", "s_ptr", "z_ptr", "g_ptr", "b_ptr", "out_ptr", "ws_ptr", "count_ptr",
-    "a_ptr", "as_ptr", "bs_ptr", "bias_ptr", "N", "K", "group_size", "stride_xm", "stride_qn",
-    "stride_sn", "stride_zn", "stride_om", "stride_am", "stride_bn", "stride_qm",
+    "x_ptr", "q_ptr", "q_raw_ptr", "s_ptr", "z_ptr", "g_ptr", "b_ptr", "out_ptr", "ws_ptr",
+    "count_ptr", "a_ptr", "as_ptr", "bs_ptr", "bias_ptr", "N", "K", "group_size", "stride_xm",
+    "stride_qn", "stride_sn", "stride_zn", "stride_om", "stride_am", "stride_bn", "stride_qm",
 }  # fmt: skip
 
 
@@ -630,14 +630,17 @@ def test_row_mma_strided_layout_and_main_loop_sass(dtype, zeros):
 # --- the fragment layout's decode kernel (int_quant_frag) ----------------------------------------
 
 
-def _frag(warps, rows_per_warp, zeros, split, dtype="bf16", tie=2):
+def _frag(warps, rows_per_warp, zeros, split, dtype="bf16", tie=2, tma=False, k_stages=1):
+    rows = warps * rows_per_warp
     pointers = dict(
-        x_ptr=f"*{dtype}", q_ptr="*i32", s_ptr=f"*{dtype}", z_ptr=f"*{dtype}",
-        b_ptr=f"*{dtype}", out_ptr=f"*{dtype}", ws_ptr="*fp32", count_ptr="*i32",
+        x_ptr=f"*{dtype}", q_ptr=f"tensordesc<i32[{rows}, 128]>" if tma else "*i32",
+        q_raw_ptr="*i32",
+        s_ptr=f"*{dtype}", z_ptr=f"*{dtype}", b_ptr=f"*{dtype}", out_ptr=f"*{dtype}",
+        ws_ptr="*fp32", count_ptr="*i32",
     )  # fmt: skip
     constexprs = dict(HAS_ZEROS=zeros, HAS_BIAS=False, ASM=True, BF16=dtype == "bf16",
-                      SPLIT_K=split, R=warps * rows_per_warp, NUM_WARPS=warps, GROUP_SHIFT=1,
-                      TIE=tie, K_STAGES=1, ROTATE=True)  # fmt: skip
+                      SPLIT_K=split, R=rows, NUM_WARPS=warps, GROUP_SHIFT=1, TIE=tie,
+                      K_STAGES=k_stages, ROTATE=True, TMA=tma)  # fmt: skip
     return _compile(int_quant_frag._frag_kernel, pointers, constexprs, warps, 1)
 
 
@@ -671,3 +674,12 @@ def test_frag_main_loop_sass(warps, per_warp, zeros, dtype, tie, most, registers
     first_mma = next(i for i, ins in enumerate(body) if ins.startswith("HMMA"))
     early = sum(1 for ins in body[:first_mma] if re.match(r"LDG\.E(\.CONSTANT)? ", ins))
     assert (early == per_warp * (2 if zeros else 1)) == (tie > 0), (early, per_warp)
+
+
+@pytest.mark.parametrize(("per_warp", "k_stages"), [(2, 3), (4, 2), (2, 4)])
+def test_frag_tma_words(per_warp, k_stages):
+    """TMA: the words by bulk tensor copies into shared memory, k_stages of them in flight (no
+    registers held for them), read back in the words' layout (the PTX's operands in it)."""
+    kernel = _frag(4, per_warp, False, split=4, tie=0, tma=True, k_stages=k_stages)
+    _assert_row_layout(kernel)
+    assert kernel.asm["ptx"].count("cp.async.bulk.tensor") == k_stages

@@ -1346,6 +1346,8 @@ FRAG_CASES = [
     (32, 640, 5, False, 8, torch.bfloat16, dict(SPLIT_K=3)),
     (16, 384, 1, True, 1, torch.bfloat16, dict(SPLIT_K=2)),
     (32, 320, 5, True, 6, torch.float16, dict(SPLIT_K=1)),
+    (48, 512, 4, True, 2, torch.bfloat16, dict(TMA=True, k_stages=2, SPLIT_K=3)),
+    (32, 256, 2, False, 1, torch.float16, dict(TMA=True)),
 ]
 
 
@@ -1390,7 +1392,8 @@ def test_frag_linear_gpu_real_sizes(iq, triton_backend, rows, n, k):
 
 FRAG_LAUNCHES = [dict(SPLIT_K=1), dict(SPLIT_K=7), dict(ROWS_PER_WARP=4),
                  dict(num_warps=8, ROWS_PER_WARP=1), dict(TIE=0),
-                 dict(TIE=1, maxnreg=64)]  # fmt: skip
+                 dict(TIE=1, maxnreg=64), dict(TMA=True, k_stages=3),
+                 dict(TMA=True, k_stages=4, ROWS_PER_WARP=4, maxnreg=None)]  # fmt: skip
 
 
 @pytest.mark.gpu

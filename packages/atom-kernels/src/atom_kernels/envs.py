@@ -130,8 +130,8 @@ TABLE: tuple[Switch, ...] = (
     ),
     Switch(
         "ATOM_WNA16_FRAG_LAUNCH", "", _same,
-        "`num_warps,rows_per_warp,per_sm,tie[,maxnreg]`: the fragment layout's decode launch "
-        "(`int_quant_frag.frag_config`; A/B)",
+        "`num_warps,rows_per_warp,per_sm,tie[,maxnreg[,k_stages[,tma]]]`: the fragment layout's "
+        "decode launch (`int_quant_frag.frag_config`; A/B)",
     ),
     Switch(
         "ATOM_FUSED_GATE_UP", True, _not_zero,
