@@ -62,15 +62,15 @@ WNA16_CASES = {
     )
 }  # fmt: skip
 # the fragment layout's decode kernel (int_quant_frag; the weights repacked in the case)
-_FRAG = dict(FRAG_LAYOUT=True, num_warps=4, ROWS_PER_WARP=2, per_sm=8)
+_FRAG = dict(FRAG_LAYOUT=True, num_warps=4, ROWS_PER_WARP=2, per_sm=8, maxnreg=None)
 WNA16_CASES.update({
     f"w4a16_{proj}_m1_{name}": (proj, 1, config)
     for proj in ("o_proj", "gate_up_proj")
     for name, config in (
         ("frag", _FRAG),
-        ("frag_untied", dict(_FRAG, TIE=0)),
-        ("frag_tie1_r64", dict(_FRAG, TIE=1, maxnreg=64)),
+        ("frag_r56", dict(_FRAG, maxnreg=56)),  # the default launch
         ("frag_unrotated", dict(_FRAG, ROTATE=False)),
+        ("frag_tma3", dict(_FRAG, TMA=True, k_stages=3)),
     )
 })  # fmt: skip
 MOE_CASES = {  # case: (MOE_SHAPES name, tokens)

@@ -239,17 +239,14 @@ SMALL_MAGIC_VARIANTS = (
     {"X_VECTOR": True}, {"X_SPLIT": True}, {"PREFETCH": True},
     {"X_VECTOR": True, "PREFETCH": True},
 )  # fmt: skip
-# (warps, tile rows a warp, programs an SM, tie, k_stages, register cap) of the fragment layout's
-# decode kernel
-# (int_quant_frag: the weights repacked at load, one MMA a word, a warp's load 512 contiguous
-# bytes), named "w4a16_g128 frag w{warps} r{rows} p{per_sm} k{k_stages} tie{tie} r{cap}" (tie 0:
-# ptxas's load order, 1: an iteration's DRAM loads before its math, 2: x's too; k_stages > 1: the
-# words pipelined through shared memory; session 36 measured ROTATE off no faster).
+# (warps, tile rows a warp, programs an SM, k_stages, register cap) of the fragment layout's
+# decode kernel (int_quant_frag: the weights repacked at load, one MMA a word, a warp's load 512
+# contiguous bytes), named "w4a16_g128 frag w{warps} r{rows} p{per_sm} k{k_stages} r{cap}"
+# (k_stages > 1: the words pipelined through shared memory; session 36 measured it slower, and
+# ties of an iteration's loads before its math, since removed, slower still).
 FRAG_TILES = (
-    (4, 2, 8, 0, 1, None), (4, 2, 8, 1, 1, None), (4, 2, 8, 1, 1, 64), (4, 2, 8, 2, 1, 64),
-    (4, 4, 8, 1, 1, 64), (4, 4, 4, 1, 1, 64), (4, 2, 8, 1, 1, 56), (4, 2, 8, 0, 1, 56),
-    (4, 2, 16, 1, 1, 64), (2, 2, 16, 1, 1, 64), (2, 4, 8, 1, 1, 64), (4, 2, 8, 2, 1, 56),
-    (4, 4, 8, 2, 1, 72), (4, 2, 8, 1, 1, 48),
+    (4, 2, 8, 1, None), (4, 2, 8, 1, 56), (4, 4, 4, 1, None), (4, 2, 16, 1, 56),
+    (2, 2, 16, 1, 56), (8, 1, 8, 1, 56), (4, 1, 16, 1, 56), (4, 2, 8, 3, 56),
 )  # fmt: skip
 # (warps, tile rows a warp, programs an SM, k_stages, register cap) of the same with the words
 # by TMA into shared memory (bytes in flight without registers), named "... tma".
@@ -958,15 +955,15 @@ def _int_cases(torch, x, rows, weights) -> list:
     qweight, scales, w8, w8_s, w_bf16, frag = weights
     cases = [("bf16_linear", lambda: F.linear(x, w_bf16), "bf16")]
     if rows <= 8 and x.shape[1] % 64 == 0:
-        for warps, per_warp, per_sm, tie, k_stages, maxnreg in FRAG_TILES:
-            config = dict(num_warps=warps, ROWS_PER_WARP=per_warp, per_sm=per_sm, TIE=tie,
+        for warps, per_warp, per_sm, k_stages, maxnreg in FRAG_TILES:
+            config = dict(num_warps=warps, ROWS_PER_WARP=per_warp, per_sm=per_sm,
                           k_stages=k_stages, maxnreg=maxnreg)  # fmt: skip
-            name = (f"w4a16_g128 frag w{warps} r{per_warp} p{per_sm} k{k_stages} tie{tie}"
+            name = (f"w4a16_g128 frag w{warps} r{per_warp} p{per_sm} k{k_stages}"
                     + (f" r{maxnreg}" if maxnreg else ""))  # fmt: skip
             cases.append((name, lambda config=config: int_quant.wna16_linear(
                 x, *frag, None, None, 4, None, config), "bf16"))  # fmt: skip
         for warps, per_warp, per_sm, k_stages, maxnreg in FRAG_TMA_TILES:
-            config = dict(num_warps=warps, ROWS_PER_WARP=per_warp, per_sm=per_sm, TIE=0,
+            config = dict(num_warps=warps, ROWS_PER_WARP=per_warp, per_sm=per_sm,
                           k_stages=k_stages, maxnreg=maxnreg, TMA=True)  # fmt: skip
             name = (f"w4a16_g128 frag w{warps} r{per_warp} p{per_sm} k{k_stages} tma"
                     + (f" r{maxnreg}" if maxnreg else ""))  # fmt: skip

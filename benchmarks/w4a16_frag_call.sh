@@ -64,8 +64,9 @@ for r in d["results"]:
     if "frag" in r["impl"] and "ms_cold" in r and not r.get("bad"):
         total.setdefault(r["impl"], []).append(r["ms_cold"])
 best = min((sum(v), k) for k, v in total.items() if len(v) == 4)[1]
-m = re.search(r"frag w(\d+) r(\d+) p(\d+) k1 tie(\d)(?: r(\d+))?", best)
-print(",".join(g for g in m.groups() if g))
+m = re.search(r"frag w(\d+) r(\d+) p(\d+) k(\d+)( tma)?(?: r(\d+))?", best)
+warps, rows, per_sm, stages, tma, cap = m.groups()
+print(",".join([warps, rows, per_sm, cap or "0", stages, "1" if tma else "0"]))
 PY
 )
     export ATOM_WNA16_FRAG_LAUNCH

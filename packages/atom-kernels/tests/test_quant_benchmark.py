@@ -204,8 +204,8 @@ def test_int_groups_smoke_on_the_interpreter(tmp_path, bench):
     # (not row-mma: its K tile is 1024 deep, the smoke's K 256; nor quad-mma steps past K)
     packed |= {f"w4a16_g128 permuted fma small-magic {n} w{w} s1 x-vector bk{k} fill{p}"
                for n, k, w, p in bench.X_VECTOR_DEEP_TILES}  # fmt: skip
-    frag = {f"w4a16_g128 frag w{w} r{r} p{p} k{k} tie{t}" + (f" r{cap}" if cap else "")
-            for w, r, p, t, k, cap in bench.FRAG_TILES}  # fmt: skip
+    frag = {f"w4a16_g128 frag w{w} r{r} p{p} k{k}" + (f" r{cap}" if cap else "")
+            for w, r, p, k, cap in bench.FRAG_TILES}  # fmt: skip
     frag |= {f"w4a16_g128 frag w{w} r{r} p{p} k{k} tma" + (f" r{cap}" if cap else "")
              for w, r, p, k, cap in bench.FRAG_TMA_TILES}  # fmt: skip
     assert impls == {

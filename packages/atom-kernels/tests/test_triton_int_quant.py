@@ -1391,8 +1391,8 @@ def test_frag_linear_gpu_real_sizes(iq, triton_backend, rows, n, k):
 
 
 FRAG_LAUNCHES = [dict(SPLIT_K=1), dict(SPLIT_K=7), dict(ROWS_PER_WARP=4),
-                 dict(num_warps=8, ROWS_PER_WARP=1), dict(TIE=0),
-                 dict(TIE=1, maxnreg=64), dict(TMA=True, k_stages=3),
+                 dict(num_warps=8, ROWS_PER_WARP=1), dict(maxnreg=None),
+                 dict(k_stages=3), dict(TMA=True, k_stages=3),
                  dict(TMA=True, k_stages=4, ROWS_PER_WARP=4, maxnreg=None)]  # fmt: skip
 
 

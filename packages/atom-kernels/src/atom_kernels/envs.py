@@ -130,7 +130,7 @@ TABLE: tuple[Switch, ...] = (
     ),
     Switch(
         "ATOM_WNA16_FRAG_LAUNCH", "", _same,
-        "`num_warps,rows_per_warp,per_sm,tie[,maxnreg[,k_stages[,tma]]]`: the fragment layout's "
+        "`num_warps,rows_per_warp,per_sm[,maxnreg[,k_stages[,tma]]]`: the fragment layout's "
         "decode launch (`int_quant_frag.frag_config`; A/B)",
     ),
     Switch(

@@ -156,11 +156,6 @@ def _frag_plain(words, acc, x, s, z, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexp
     return acc + tl.reshape(d, [R, TILE_WORDS])
 
 
-@triton.jit
-def _or(a, b):
-    return a | b
-
-
 # a lane's x (4 64-bit words from its first element's address, zero where masked off) and its
 # row pair's scales (one 32-bit load), as PTX (TMA: out of Triton's pipeliner)
 _X_LOAD = tl.constexpr(
@@ -206,17 +201,14 @@ def _frag_kernel(
     steps_per_split,
     stride_xm,
     stride_om,
-    all_ones,  # -1 at run time: the loads' tie is ~all_ones, a zero the compiler cannot see
+    all_ones,  # -1 at run time (TMA: a mask false at run time the compiler cannot see)
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ASM: tl.constexpr,
     BF16: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    R: tl.constexpr,  # tile rows (steps) an iteration: NUM_WARPS x ROWS_PER_WARP
-    NUM_WARPS: tl.constexpr,
+    R: tl.constexpr,  # tile rows (steps) an iteration: num_warps x ROWS_PER_WARP
     GROUP_SHIFT: tl.constexpr,  # log2 of the steps a group; -1: one group (channel-wise)
-    TIE: tl.constexpr,  # an iteration's loads before its math (ptxas sinks them): 1 the words,
-    # scales and zeros (DRAM), 2 x too; 0 none
     K_STAGES: tl.constexpr = 1,  # > 1: the words pipelined that many iterations (cp.async)
     ROTATE: tl.constexpr = True,  # each row block starts its K loop at its own iteration
     TMA: tl.constexpr = False,  # the words by the tensor memory accelerator into shared memory
@@ -268,14 +260,6 @@ def _frag_kernel(
             s = tl.load(s32 + pairs[:, None] + g[None, :])
             z = tl.load(z32 + pairs[:, None] + g[None, :]) if HAS_ZEROS else s
             x = tl.load(x64 + (steps * 16)[:, None] + x_lane[None, :], mask=x_mask, other=0)
-        if TIE > 0:  # every tile row's math waits for the thread's DRAM loads of the iteration
-            PER: tl.constexpr = R // NUM_WARPS
-            both = words | s | z
-            if TIE > 1:  # and for its x (registers held through the wait: occupancy)
-                both = both | x.to(tl.int32)
-            tie = tl.reduce(tl.reshape(both, [PER, NUM_WARPS, TILE_WORDS]), 0, _or) & ~all_ones
-            words = tl.reshape(tl.reshape(words, [PER, NUM_WARPS, TILE_WORDS]) | tie[None, :, :],
-                               [R, TILE_WORDS])  # fmt: skip
         if not ASM:
             acc = _frag_plain(words, acc, x, s, z, HAS_ZEROS, DTYPE, R)
         elif HAS_ZEROS:
@@ -304,16 +288,16 @@ def _frag_kernel(
 
 
 def _launch_override(spec: str) -> dict | None:
-    """ATOM_WNA16_FRAG_LAUNCH's ``num_warps,rows_per_warp,per_sm,tie[,maxnreg[,k_stages[,tma]]]``
-    as a config (maxnreg 0: ptxas's)."""
+    """ATOM_WNA16_FRAG_LAUNCH's ``num_warps,rows_per_warp,per_sm[,maxnreg[,k_stages[,tma]]]`` as
+    a config (maxnreg 0: ptxas's)."""
     if not spec:
         return None
     parts = [int(p) for p in spec.split(",")]
-    if not 4 <= len(parts) <= 7:
-        raise ValueError("ATOM_WNA16_FRAG_LAUNCH: num_warps,rows_per_warp,per_sm,tie[,maxnreg"
+    if not 3 <= len(parts) <= 6:
+        raise ValueError("ATOM_WNA16_FRAG_LAUNCH: num_warps,rows_per_warp,per_sm[,maxnreg"
                          f"[,k_stages[,tma]]], got {spec!r}")  # fmt: skip
-    cfg = dict(num_warps=parts[0], ROWS_PER_WARP=parts[1], per_sm=parts[2], TIE=parts[3])
-    for key, value in zip(("maxnreg", "k_stages", "TMA"), parts[4:], strict=False):
+    cfg = dict(num_warps=parts[0], ROWS_PER_WARP=parts[1], per_sm=parts[2])
+    for key, value in zip(("maxnreg", "k_stages", "TMA"), parts[3:], strict=False):
         cfg[key] = bool(value) if key == "TMA" else value
     return cfg
 
@@ -323,17 +307,17 @@ LAUNCH_OVERRIDE = _launch_override(envs.ATOM_WNA16_FRAG_LAUNCH)
 
 def frag_config(num_rows: int, n: int, k: int, sms: int, interpreted: bool = False) -> dict:
     """The launch of ``_frag_kernel``: 4 warps of 2 steps, K split to about 8 programs an SM,
-    ptxas's load order (TIE 0), 56 registers (ATOM_WNA16_FRAG_LAUNCH overrides it).
+    56 registers (ATOM_WNA16_FRAG_LAUNCH overrides it).
     NOTE (one H200, 2026-12-04, benchmarks/results/int-quant/s36/, cold L2, us for qkv / o /
     gate_up / down at one row): this launch 12.1 / 10.3 / 31.8 / 21.9 against ROW_MMA's
     (``int_quant_row_mma``, the rows layout's default) 9.4 / 7.0 / 29.2 / 17.3. Tying an
-    iteration's loads before its math (TIE 1, 2) was slower at every shape, register cap and
-    tile (ncu at gate_up: TIE 2 took 84 registers, 31% occupancy, 30% of DRAM; TIE 0 64
-    registers, 42% occupancy, 45%; ROW_MMA 60, 45%, 48%): the one-row GEMMs are bound by the
-    bytes in flight the occupancy allows, not by x's traffic or the instruction count (here
-    ~22 a word with x's loads one line a warp, against ROW_MMA's 24 with 16). The engine's
-    Llama-3-8B W4A16 decode (call 6): 2.88 against 2.57 ms at batch 1, **3.46 against 4.08 ms
-    at batch 8** (bf16 4.40 / 4.95), where the rows layout takes the packed dots.
+    iteration's loads before its math (an OR with a run-time zero; removed) was slower at every
+    shape, register cap and tile (ncu at gate_up: with x tied too 84 registers, 31% occupancy,
+    30% of DRAM; untied 64 registers, 42%, 45%; ROW_MMA 60, 45%, 48%): the one-row GEMMs are
+    bound by the bytes in flight the occupancy allows, not by x's traffic or the instruction
+    count (here ~22 a word with x's loads one line a warp, against ROW_MMA's 24 with 16). The
+    engine's Llama-3-8B W4A16 decode (call 6): 2.88 against 2.57 ms at batch 1, **3.46 against
+    4.08 ms at batch 8** (bf16 4.40 / 4.95), where the rows layout takes the packed dots.
     ``TMA`` (prepared in session 36, not yet measured: the device time was spent): the words by
     the tensor memory accelerator into shared memory, ``k_stages`` iterations in flight, so the
     bytes in flight no longer cost registers (sm_90 compile: 62 registers, 16 KB of shared
@@ -341,8 +325,7 @@ def frag_config(num_rows: int, n: int, k: int, sms: int, interpreted: bool = Fal
     Triton's pipeliner (which would stage them through shared memory as well)."""
     if interpreted:
         return dict(num_warps=1, ROWS_PER_WARP=2, per_sm=2)
-    return dict(LAUNCH_OVERRIDE or dict(num_warps=4, ROWS_PER_WARP=2, per_sm=8, TIE=0,
-                                        maxnreg=56))  # fmt: skip
+    return dict(LAUNCH_OVERRIDE or dict(num_warps=4, ROWS_PER_WARP=2, per_sm=8, maxnreg=56))
 
 
 def frag_usable(x: torch.Tensor) -> bool:
@@ -406,7 +389,7 @@ def wna16_frag_linear(
         x2.stride(0), out2.stride(0), -1,
         HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
         ASM=x.device.type == "cuda", BF16=x.dtype == torch.bfloat16, SPLIT_K=splits,
-        R=tile_rows, NUM_WARPS=cfg["num_warps"], GROUP_SHIFT=shift, TIE=int(cfg.get("TIE", 0)),
+        R=tile_rows, GROUP_SHIFT=shift,
         K_STAGES=cfg.get("k_stages", 1), ROTATE=cfg.get("ROTATE", True), TMA=tma,
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         num_warps=cfg["num_warps"], num_stages=1,
