@@ -678,4 +678,30 @@ def test_frag_tma_words(per_warp, k_stages):
     registers held for them), read back in the words' layout (the PTX's operands in it)."""
     kernel = _frag(4, per_warp, False, split=4, tma=True, k_stages=k_stages)
     _assert_row_layout(kernel)
-    assert kernel.asm["ptx"].count("cp.async.bulk.tensor") == k_stages
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("cp.async.bulk.tensor") == k_stages
+    assert "cp.async.ca" not in ptx and "cp.async.cg" not in ptx  # x, scales, anchor: not staged
+
+
+# --- ROW_MMA with its words by TMA (int_quant_row_tma) -------------------------------------------
+
+
+@pytest.mark.parametrize(("block_n", "k_stages", "zeros"), [(8, 3, False), (16, 2, True),
+                                                            (8, 4, False)])  # fmt: skip
+def test_row_tma_words(block_n, k_stages, zeros):
+    """The words by bulk tensor copies into shared memory, k_stages in flight; every PTX operand
+    in ROW_MMA's layout (the anchor holds it); x and the scales not pipelined (their loads are
+    PTX: no cp.async)."""
+    from atom_kernels.backends.triton import int_quant_row_tma
+
+    pointers = dict(
+        x_ptr="*bf16", q_desc=f"tensordesc<i32[{block_n}, 128]>", q_ptr="*i32", s_ptr="*bf16",
+        z_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32", count_ptr="*i32",
+    )  # fmt: skip
+    constexprs = dict(HAS_ZEROS=zeros, HAS_BIAS=False, ASM=True, SPLIT_K=4, BLOCK_N=block_n,
+                      GROUP_WORDS=16, K_STAGES=k_stages)  # fmt: skip
+    kernel = _compile(int_quant_row_tma._row_tma_kernel, pointers, constexprs, 4, 1)
+    _assert_row_layout(kernel)
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("cp.async.bulk.tensor") == k_stages
+    assert "cp.async.ca" not in ptx and "cp.async.cg" not in ptx

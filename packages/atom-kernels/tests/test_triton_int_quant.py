@@ -1126,6 +1126,46 @@ def test_launch_policy(triton_backend, iq):
         assert -(-rows // cfg["BLOCK_M"]) * -(-4096 // cfg["BLOCK_N"]) * cfg["SPLIT_K"] >= 132
 
 
+@pytest.mark.parametrize(("zeros", "dtype", "n", "k", "split", "block_n", "stages"), [
+    (False, torch.bfloat16, 40, 2048, 1, 8, 3),
+    (True, torch.float16, 24, 3072, 2, 16, 2),
+    (False, torch.float16, 16, 1024, 1, 8, 1),
+])  # fmt: skip
+def test_wna16_linear_row_tma(triton_backend, iq, zeros, dtype, n, k, split, block_n, stages):
+    """ROW_MMA with its words by TMA (``int_quant_row_tma``; the interpreter runs the plain ops)
+    against the reference: N past the last tile's rows (they read as zeros), splits, zeros."""
+    device = triton_backend.device
+    qw, s, z, g, x = one_row_case(n, k, 128, zeros, dtype, 61 + n, device, every=71)
+    bias = torch.randn(n, generator=_gen(62)).to(dtype).to(device)
+    config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=4, PERMUTED_K=True,
+                  ROW_MMA=True, ROW_TMA=True, k_stages=stages, SPLIT_K=split)  # fmt: skip
+    out = iq.wna16_linear(x, qw, s, z, g, 4, bias, config=config)
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, bias)
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(out, expected, atol=atol * 20, rtol=rtol, name=f"row tma {config}")
+
+
+def test_wna16_linear_row_tma_refuses_what_it_cannot_run(triton_backend, iq):
+    qw, s, z, g, x = one_row_case(16, 512, 128, False, torch.bfloat16, 5, triton_backend.device)
+    config = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, PERMUTED_K=True,
+                  ROW_MMA=True, ROW_TMA=True)  # fmt: skip
+    with pytest.raises(ValueError, match="ROW_MMA needs|ROW_TMA needs"):
+        iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)  # K 512: not a K tile
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize(("n", "k"), LLAMA3_8B)
+def test_wna16_linear_row_tma_gpu_real_sizes(triton_backend, iq, n, k, stages):
+    qw, s, z, g, x = one_row_case(n, k, 128, stages == 3, torch.bfloat16, 63, "cuda")
+    config = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, PERMUTED_K=True,
+                  ROW_MMA=True, ROW_TMA=True, k_stages=stages, per_sm=8, fill=True,
+                  SPLIT_K=None)  # fmt: skip
+    out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
+    expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
+    assert_close(out, expected, atol=3e-2, rtol=2e-2, name=f"row tma {n}x{k} k{stages}")
+
+
 def test_one_row_override(monkeypatch):
     """ATOM_WNA16_ONE_ROW's launch replaces the one-row 4-bit default (K split to about per_sm
     programs an SM, loads pipelined) and nothing else; a malformed value fails naming the form."""
@@ -1138,8 +1178,9 @@ def test_one_row_override(monkeypatch):
     )
     assert iq._one_row_override("64,4,2,8,quad4")["QUAD_STEP"] == 4
     row = dict(BLOCK_N=8, num_warps=4, k_stages=2, per_sm=8, fill=True, ROW_MMA=True,
-               BLOCK_K=1024, ROW_STEP=1)  # fmt: skip
+               BLOCK_K=1024, ROW_STEP=1, ROW_TMA=False)  # fmt: skip
     assert iq._one_row_override("8,4,2,8,row") == row
+    assert iq._one_row_override("8,4,3,8,rowtma") == dict(row, k_stages=3, ROW_TMA=True)
     assert iq._one_row_override("8,4,1,8,row4")["ROW_STEP"] == 4
     bad_specs = ("128,4,3", "128,4,0,2", "a,4,3,2", "100,4,3,2", "128,3,3,2", "128,4,3,2,x",
                  "128,4,3,2,quad3", "8,4,1,8,row3")  # fmt: skip

@@ -229,6 +229,9 @@ def _frag_kernel(
     z32 = z_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     pair_block = block.to(tl.int64) * G * 8
     acc = tl.zeros([R, TILE_WORDS], tl.float32)
+    if TMA:  # zero (masked off at run time), loaded outside the loop, out of the pipeliner
+        never = tl.full([R, TILE_WORDS], 0, tl.int32) + all_ones == 0
+        anchor = tl.load(q_block + r[:, None] * 128 + e[None, :], mask=never, other=0)
     # Row blocks in flight at once would read the same offset of their 32-KB-apart rows (a
     # power-of-two stride through the DRAM channels) had they all walked K from its start:
     # ROTATE starts block b at iteration b mod the split's iterations and wraps around.
@@ -242,8 +245,6 @@ def _frag_kernel(
         live = steps < s_hi
         steps = tl.minimum(steps, steps_total - 1)  # in bounds; its x reads as zeros
         if TMA:  # rows past the split read the next block's words: their x is zero
-            never = tl.full([R, TILE_WORDS], 0, tl.int32) + all_ones == 0  # False at run time
-            anchor = tl.load(q_block + steps[:, None] * 128 + e[None, :], mask=never, other=0)
             words = q_ptr.load([block * steps_total + s0, 0]) | anchor
         else:
             words = tl.load(q_block + steps[:, None] * 128 + e[None, :])
@@ -320,9 +321,10 @@ def frag_config(num_rows: int, n: int, k: int, sms: int, interpreted: bool = Fal
     4.08 ms at batch 8** (bf16 4.40 / 4.95), where the rows layout takes the packed dots.
     ``TMA`` (prepared in session 36, not yet measured: the device time was spent): the words by
     the tensor memory accelerator into shared memory, ``k_stages`` iterations in flight, so the
-    bytes in flight no longer cost registers (sm_90 compile: 62 registers, 16 KB of shared
-    memory at 4 warps, 2 steps a warp, 3 stages); x and the scales then load by PTX, out of
-    Triton's pipeliner (which would stage them through shared memory as well)."""
+    bytes in flight no longer cost registers (sm_90 compile, Triton 3.9: 60 registers, 8 KB of
+    shared memory at 4 warps, 2 steps a warp, 3 stages); x and the scales then load by PTX, and
+    the layout's anchor before the loop, out of Triton's pipeliner (which would stage them
+    through shared memory too). ``int_quant_row_tma`` is the same for ROW_MMA."""
     if interpreted:
         return dict(num_warps=1, ROWS_PER_WARP=2, per_sm=2)
     return dict(LAUNCH_OVERRIDE or dict(num_warps=4, ROWS_PER_WARP=2, per_sm=8, maxnreg=56))
