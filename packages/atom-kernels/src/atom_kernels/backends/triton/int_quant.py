@@ -859,7 +859,8 @@ def wna16_linear(
     frag = is_frag(qweight)
     if frag and frag_usable(x) and not (config or {}).get("FRAG_TILED"):
         return wna16_frag_linear(x, qweight, scales, zeros, bias, config)
-    config = {k: v for k, v in (config or {}).items() if k != "FRAG_TILED"} or None
+    if config and "FRAG_TILED" in config:
+        config = {key: v for key, v in config.items() if key != "FRAG_TILED"} or None
     n, k = frag_shape(qweight, bits)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if out.numel() == 0:

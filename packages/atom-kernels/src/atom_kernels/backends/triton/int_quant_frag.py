@@ -31,6 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from atom_kernels import envs
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
+from atom_kernels.backends.triton.int_quant_quad_mma import _half, _row_scalar
 from atom_kernels.backends.triton.split_k import _split_k_sum_flat
 from atom_kernels.ops.int_quant_frag import FRAG_ROWS, FRAG_STEP
 
@@ -114,13 +115,6 @@ _CONSTRAINTS_ZEROS = tl.constexpr(
 
 
 @triton.jit
-def _half_pair(pair, high: tl.constexpr, DTYPE: tl.constexpr):
-    """The low / high 16-bit float of the int32 ``pair``, in fp32."""
-    bits = (pair >> 16) if high else pair
-    return bits.to(tl.int16).to(DTYPE, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _frag_plain(words, acc, x, s, z, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexpr,
                 R: tl.constexpr):  # fmt: skip
     """``_frag_asm`` by plain ops (the interpreter) on the same operands: the step's D per tile
@@ -131,14 +125,14 @@ def _frag_plain(words, acc, x, s, z, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexp
     four = tl.arange(0, 4)
     xv = tl.reshape((xv[:, :, :, :, None] >> (16 * four)[None, None, None, None, :]).to(tl.int32),
                     [R, 8, 4, 2, 8])  # R, token, c, jj, v (k 16c + 8jj + v)  # fmt: skip
-    xf = _half_pair(xv, False, DTYPE)
+    xf = _half(xv, False, DTYPE)
     pairs = tl.reshape(s, [R, 8, 16])  # lane (g, c) element j: rows g, g + 8
     sg = tl.sum(tl.where(tl.arange(0, 16)[None, None, :] == 0, pairs, 0), axis=2)  # [R, 8]
-    scale = tl.join(_half_pair(sg, False, DTYPE), _half_pair(sg, True, DTYPE))  # R, g, hi
+    scale = tl.join(_half(sg, False, DTYPE), _half(sg, True, DTYPE))  # R, g, hi
     if HAS_ZEROS:
         zg = tl.sum(tl.where(tl.arange(0, 16)[None, None, :] == 0, tl.reshape(z, [R, 8, 16]), 0),
                     axis=2)  # fmt: skip
-        zero = tl.join(_half_pair(zg, False, DTYPE), _half_pair(zg, True, DTYPE))
+        zero = tl.join(_half(zg, False, DTYPE), _half(zg, True, DTYPE))
     else:
         zero = tl.full([R, 8, 2], 8.0, tl.float32)
     w5 = tl.permute(tl.reshape(words, [R, 8, 4, 2, 2]), (0, 1, 3, 2, 4))  # R, g, hi, c, jj
@@ -156,15 +150,13 @@ def _frag_plain(words, acc, x, s, z, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexp
     return acc + tl.reshape(d, [R, TILE_WORDS])
 
 
-# a lane's x (4 64-bit words from its first element's address, zero where masked off) and its
-# row pair's scales (one 32-bit load), as PTX (TMA: out of Triton's pipeliner)
+# a lane's x (4 64-bit words from its first element's address, zero where masked off), as PTX
+# (TMA: out of Triton's pipeliner; the scales' pairs likewise by _row_scalar)
 _X_LOAD = tl.constexpr(
     "{\n.reg .pred p;\nsetp.ne.s32 p, $8, 0;\nmov.b64 $0, 0;\nmov.b64 $1, 0;\nmov.b64 $2, 0;\n"
     "mov.b64 $3, 0;\n@p ld.global.nc.v2.b64 {$0, $1}, [$4];\n"
     "@p ld.global.nc.v2.b64 {$2, $3}, [$4+16];\n}"
 )
-_PAIR_LOAD = tl.constexpr("ld.global.nc.b32 $0, [$4];\nmov.b32 $1, $0;\nmov.b32 $2, $0;\n"
-                          "mov.b32 $3, $0;")  # fmt: skip
 
 
 @triton.jit
@@ -172,14 +164,6 @@ def _x_load(ptrs, mask):
     return tl.inline_asm_elementwise(
         _X_LOAD, "=l,=l,=l,=l,l,l,l,l,r,r,r,r", args=[ptrs.to(tl.int64), mask.to(tl.int32)],
         dtype=tl.int64, is_pure=True, pack=4,
-    )  # fmt: skip
-
-
-@triton.jit
-def _pair_load(ptrs):
-    return tl.inline_asm_elementwise(
-        _PAIR_LOAD, "=r,=r,=r,=r,l,l,l,l", args=[ptrs.to(tl.int64)], dtype=tl.int32,
-        is_pure=True, pack=4,
     )  # fmt: skip
 
 
@@ -254,8 +238,8 @@ def _frag_kernel(
             pairs = pair_block + steps * 0
         x_mask = live[:, None] & (g < M)[None, :]
         if TMA and ASM:  # by PTX: Triton's pipeliner would stage these through shared memory too
-            s = _pair_load(s32 + pairs[:, None] + g[None, :])
-            z = _pair_load(z32 + pairs[:, None] + g[None, :]) if HAS_ZEROS else s
+            s = _row_scalar(s32 + pairs[:, None] + g[None, :], True)
+            z = _row_scalar(z32 + pairs[:, None] + g[None, :], True) if HAS_ZEROS else s
             x = _x_load(x64 + (steps * 16)[:, None] + x_lane[None, :], x_mask)
         else:
             s = tl.load(s32 + pairs[:, None] + g[None, :])

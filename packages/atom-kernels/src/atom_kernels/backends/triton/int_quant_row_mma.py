@@ -326,6 +326,15 @@ def _row_weight_loads(q_ptrs, s_ptr, z_ptr, rows, offs_w, k0, stride_sn, stride_
                       DTYPE: tl.constexpr):  # fmt: skip
     """(words, scales, -(magic + zero)) of the K tile at k0: what comes from DRAM."""
     words = tl.load(q_ptrs + k0 // 8)
+    s, nz = _row_scales(s_ptr, z_ptr, rows, offs_w, k0, stride_sn, stride_zn, HAS_ZEROS, ASM,
+                        GROUP_WORDS, DTYPE)  # fmt: skip
+    return words, s, nz
+
+
+@triton.jit
+def _row_scales(s_ptr, z_ptr, rows, offs_w, k0, stride_sn, stride_zn, HAS_ZEROS: tl.constexpr,
+                ASM: tl.constexpr, GROUP_WORDS: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """(scales, -(magic + zero)) of the K tile at k0 in the words' layout [rows, 128]."""
     groups = (k0 // 8 + offs_w) // GROUP_WORDS  # [128]: a word's group
     s_ptrs = s_ptr + rows[:, None] * stride_sn + groups[None, :]
     s = _row_scalar(s_ptrs, ASM).to(DTYPE)
@@ -333,8 +342,8 @@ def _row_weight_loads(q_ptrs, s_ptr, z_ptr, rows, offs_w, k0, stride_sn, stride_
         z_ptrs = z_ptr + rows[:, None] * stride_zn + groups[None, :]
         nz = (-(_row_scalar(z_ptrs, ASM).to(tl.float32) + magic_of(DTYPE))).to(DTYPE)
     else:
-        nz = tl.full(words.shape, -(magic_of(DTYPE) + 8), DTYPE)
-    return words, s, nz
+        nz = tl.full([rows.shape[0], ROW_WORDS], -(magic_of(DTYPE) + 8), DTYPE)
+    return s, nz
 
 
 @triton.jit

@@ -21,10 +21,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from atom_kernels.backends.triton.common import as_rows, num_sms, zeroed_counters
-from atom_kernels.backends.triton.int_quant_packed_dot import magic_of
-from atom_kernels.backends.triton.int_quant_quad_mma import _row_scalar
 from atom_kernels.backends.triton.int_quant_row_mma import (
     ROW_WORDS,
+    _row_scales,
     _row_tile_math,
     _row_x_pairs,
 )
@@ -74,13 +73,8 @@ def _row_tma_kernel(
     acc = tl.zeros([BLOCK_N, ROW_WORDS], dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, 1024, num_stages=K_STAGES):
         words = q_desc.load([pid_n * BLOCK_N, k0 // 8]) | anchor
-        groups = (k0 // 8 + offs_w) // GROUP_WORDS  # [128]: a word's group
-        s = _row_scalar(s_ptr + rows[:, None] * stride_sn + groups[None, :], ASM).to(DTYPE)
-        if HAS_ZEROS:  # -(magic + zero): exact in DTYPE (integer zeros < 16)
-            z = _row_scalar(z_ptr + rows[:, None] * stride_zn + groups[None, :], ASM)
-            nz = (-(z.to(tl.float32) + magic_of(DTYPE))).to(DTYPE)
-        else:
-            nz = tl.full(words.shape, -(magic_of(DTYPE) + 8), DTYPE)
+        s, nz = _row_scales(s_ptr, z_ptr, rows, offs_w, k0, stride_sn, stride_zn, HAS_ZEROS,
+                            ASM, GROUP_WORDS, DTYPE)  # fmt: skip
         xa, xb, xc, xd = _row_x_pairs(x_ptrs + (k0 // 8) * 2, words.shape, ASM)
         acc = _row_tile_math(words, xa, xb, xc, xd, s, acc, nz, HAS_ZEROS, ASM, DTYPE)
     out = tl.sum(acc, axis=1)  # [BLOCK_N]
