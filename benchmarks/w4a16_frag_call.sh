@@ -3,8 +3,8 @@
 # (int_quant_frag: 4-bit weights repacked at load, one m16n8k16 MMA a word with the weights as
 # its 16 rows and the tokens as its columns, a warp's load 512 contiguous bytes, x's loads one
 # line a warp). All under $OUT (carry [".whl", ".bench_assets"]):
-#   1. GPU tests: the fragment kernel's PTX at the Llama-3-8B sizes, its launches, a CUDA graph
-#      chain, the repacked layer (gpu-tests.xml);
+#   1. GPU tests (TEST_K): the fragment kernel's and ROW_TMA's PTX at the Llama-3-8B sizes, their
+#      launches, a CUDA graph chain, the repacked layer, the engine's fragment layout (gpu-tests.xml);
 #   2. the one-row (INT_ROWS) GEMMs, cold L2, each checked against the reference: the fragment
 #      tiles, the default (ROW_MMA), bf16 `linear` (int-frag.json, and the table printed);
 #   3. (AB_VARIANTS) the engine's Llama-3-8B W4A16 decode at BATCH_SIZES, the variants alternated
@@ -23,7 +23,8 @@ python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', t
 if [ "${TESTS:-1}" = 1 ]; then
     ATOM_REQUIRE_GPU=1 timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -rfE \
         --junitxml="$OUT/gpu-tests.xml" packages/atom-kernels/tests/test_triton_int_quant.py \
-        packages/atom-models/tests/test_int_quant_load.py -k "frag or fragment" 2>&1 \
+        packages/atom-models/tests/test_int_quant_load.py packages/atom-engine/tests/test_gpu_engine.py \
+        -k "${TEST_K:-frag or fragment or row_tma}" 2>&1 \
         | grep -v Warn | tail -8
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
