@@ -200,11 +200,12 @@ ROW_TILES = (
     (8, 4, 1, 8), (8, 4, 2, 8), (8, 4, 3, 8), (16, 4, 2, 8), (16, 8, 2, 8), (32, 8, 1, 4),
     (32, 8, 2, 4), (4, 4, 2, 16), (8, 8, 2, 8), (16, 4, 3, 4), (8, 4, 2, 16), (16, 8, 1, 8),
 )  # fmt: skip
-# (BLOCK_N, warps, k_stages, programs an SM) of the same with the words by TMA into shared memory
-# k_stages tiles ahead (ROW_TMA, int_quant_row_tma), named "... tma".
+# (BLOCK_N, warps, k_stages, programs an SM) of the same as a persistent kernel, its words and
+# scales by TMA into shared memory k_stages tiles ahead across row blocks (ROW_TMA,
+# int_quant_row_tma), named "... tma".
 ROW_TMA_TILES = (
-    (8, 4, 3, 8), (8, 4, 4, 8), (8, 4, 2, 8), (16, 4, 3, 8), (16, 8, 3, 4), (4, 4, 4, 16),
-    (8, 4, 3, 16), (16, 4, 4, 4),
+    (8, 4, 4, 4), (8, 4, 6, 4), (16, 4, 4, 2), (16, 4, 6, 2), (16, 8, 4, 2), (32, 8, 4, 1),
+    (8, 4, 8, 2), (8, 4, 3, 8), (16, 4, 3, 4), (8, 4, 4, 8), (32, 4, 4, 2), (16, 4, 8, 2),
 )  # fmt: skip
 # (BLOCK_N, warps, k_stages, programs an SM) of the same with the scale after the MMAs
 # (ROW_SCALE_AFTER: 4 packed float ops a word fewer), named "... scale-after".
@@ -253,12 +254,6 @@ SMALL_MAGIC_VARIANTS = (
 FRAG_TILES = (
     (4, 2, 8, 1, None), (4, 2, 8, 1, 56), (4, 4, 4, 1, None), (4, 2, 16, 1, 56),
     (2, 2, 16, 1, 56), (8, 1, 8, 1, 56), (4, 1, 16, 1, 56), (4, 2, 8, 3, 56),
-)  # fmt: skip
-# (warps, tile rows a warp, programs an SM, k_stages, register cap) of the same with the words
-# by TMA into shared memory (bytes in flight without registers), named "... tma".
-FRAG_TMA_TILES = (
-    (4, 2, 8, 3, None), (4, 2, 8, 4, None), (4, 4, 8, 3, None), (4, 2, 16, 3, None),
-    (4, 2, 8, 3, 56), (8, 2, 4, 3, None), (4, 4, 4, 4, None), (2, 4, 8, 3, None),
 )  # fmt: skip
 INT_ROWS = None  # --int-rows: the M the ``int`` group runs (None: all)
 INT_IMPLS = ()  # --int-impls: substrings, one of which an ``int`` impl must hold (empty: all)
@@ -971,13 +966,6 @@ def _int_cases(torch, x, rows, weights) -> list:
             config = dict(num_warps=warps, ROWS_PER_WARP=per_warp, per_sm=per_sm,
                           k_stages=k_stages, maxnreg=maxnreg)  # fmt: skip
             name = (f"w4a16_g128 frag w{warps} r{per_warp} p{per_sm} k{k_stages}"
-                    + (f" r{maxnreg}" if maxnreg else ""))  # fmt: skip
-            cases.append((name, lambda config=config: int_quant.wna16_linear(
-                x, *frag, None, None, 4, None, config), "bf16"))  # fmt: skip
-        for warps, per_warp, per_sm, k_stages, maxnreg in FRAG_TMA_TILES:
-            config = dict(num_warps=warps, ROWS_PER_WARP=per_warp, per_sm=per_sm,
-                          k_stages=k_stages, maxnreg=maxnreg, TMA=True)  # fmt: skip
-            name = (f"w4a16_g128 frag w{warps} r{per_warp} p{per_sm} k{k_stages} tma"
                     + (f" r{maxnreg}" if maxnreg else ""))  # fmt: skip
             cases.append((name, lambda config=config: int_quant.wna16_linear(
                 x, *frag, None, None, 4, None, config), "bf16"))  # fmt: skip

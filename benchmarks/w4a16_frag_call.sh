@@ -11,6 +11,7 @@
 #      over ROUNDS, then (BF16=1) the bf16 step, the step times in decode-ab.json; (PROFILE=1)
 #      profile_decode.py of the W4A16 step with ATOM_WNA16_FRAG=1; (NCU_CASES) ncu of those
 #      cases of benchmarks/ncu_targets.py (ncu/summary.json, the table printed).
+#   (PICK_ROW=1) the sweep's fastest ROW_TMA launch against the default in that A/B.
 #   AB_VARIANTS="ATOM_WNA16_FRAG=0;ATOM_WNA16_FRAG=1" bash benchmarks/w4a16_frag_call.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,6 +73,23 @@ PY
 )
     export ATOM_WNA16_FRAG_LAUNCH
     echo "picked ATOM_WNA16_FRAG_LAUNCH=$ATOM_WNA16_FRAG_LAUNCH" | tee "$OUT/picked.txt"
+fi
+if [ "${PICK_ROW:-0}" = 1 ]; then  # the sweep's fastest ROW_TMA launch (sum over the shapes)
+    best=$(OUT=$OUT python3 - <<'PY'
+import json, os, re
+d = json.load(open(f"{os.environ['OUT']}/int-frag.json"))
+total = {}
+for r in d["results"]:
+    if re.search(r"row-mma \d+ w\d+ k\d+ fill\d+ tma$", r["impl"]) and "ms_cold" in r \
+            and not r.get("bad"):
+        total.setdefault(r["impl"], []).append(r["ms_cold"])
+best = min((sum(v), k) for k, v in total.items() if len(v) == 4)[1]
+bn, w, k, p = re.search(r"row-mma (\d+) w(\d+) k(\d+) fill(\d+) tma", best).groups()
+print(f"{bn},{w},{k},{p},rowtma")
+PY
+)
+    AB_VARIANTS="ATOM_WNA16_ONE_ROW=;ATOM_WNA16_ONE_ROW=$best"
+    echo "picked ATOM_WNA16_ONE_ROW=$best" | tee "$OUT/picked.txt"
 fi
 if [ -n "${AB_VARIANTS:-}" ]; then
     ab=$(mktemp -d)

@@ -683,25 +683,27 @@ def test_frag_tma_words(per_warp, k_stages):
     assert "cp.async.ca" not in ptx and "cp.async.cg" not in ptx  # x, scales, anchor: not staged
 
 
-# --- ROW_MMA with its words by TMA (int_quant_row_tma) -------------------------------------------
+# --- ROW_MMA persistent, its words and scales by TMA (int_quant_row_tma) ------------------------
 
 
 @pytest.mark.parametrize(("block_n", "k_stages", "zeros"), [(8, 3, False), (16, 2, True),
                                                             (8, 4, False)])  # fmt: skip
 def test_row_tma_words(block_n, k_stages, zeros):
-    """The words by bulk tensor copies into shared memory, k_stages in flight; every PTX operand
-    in ROW_MMA's layout (the anchor holds it); x and the scales not pipelined (their loads are
-    PTX: no cp.async)."""
+    """The words and the scales by bulk tensor copies into shared memory, pipelined across the
+    flat loop (a copy of each in the loop and k_stages - 1 of each before it), the zeros too;
+    every PTX operand in ROW_MMA's layout (the anchor holds it); x not staged (its loads are
+    PTX)."""
     from atom_kernels.backends.triton import int_quant_row_tma
 
     pointers = dict(
-        x_ptr="*bf16", q_desc=f"tensordesc<i32[{block_n}, 128]>", q_ptr="*i32", s_ptr="*bf16",
-        z_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", ws_ptr="*fp32", count_ptr="*i32",
+        x_ptr="*bf16", q_desc=f"tensordesc<i32[{block_n}, 128]>", q_ptr="*i32",
+        s_desc=f"tensordesc<bf16[{block_n}, 8]>", z_desc=f"tensordesc<bf16[{block_n}, 8]>",
+        b_ptr="*bf16", out_ptr="*bf16",
     )  # fmt: skip
-    constexprs = dict(HAS_ZEROS=zeros, HAS_BIAS=False, ASM=True, SPLIT_K=4, BLOCK_N=block_n,
+    constexprs = dict(HAS_ZEROS=zeros, HAS_BIAS=False, ASM=True, BLOCK_N=block_n,
                       GROUP_WORDS=16, K_STAGES=k_stages)  # fmt: skip
     kernel = _compile(int_quant_row_tma._row_tma_kernel, pointers, constexprs, 4, 1)
     _assert_row_layout(kernel)
     ptx = kernel.asm["ptx"]
-    assert ptx.count("cp.async.bulk.tensor") == k_stages
+    assert ptx.count("cp.async.bulk.tensor") == (3 if zeros else 2) * k_stages
     assert "cp.async.ca" not in ptx and "cp.async.cg" not in ptx

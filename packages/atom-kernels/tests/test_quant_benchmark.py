@@ -206,8 +206,6 @@ def test_int_groups_smoke_on_the_interpreter(tmp_path, bench):
                for n, k, w, p in bench.X_VECTOR_DEEP_TILES}  # fmt: skip
     frag = {f"w4a16_g128 frag w{w} r{r} p{p} k{k}" + (f" r{cap}" if cap else "")
             for w, r, p, k, cap in bench.FRAG_TILES}  # fmt: skip
-    frag |= {f"w4a16_g128 frag w{w} r{r} p{p} k{k} tma" + (f" r{cap}" if cap else "")
-             for w, r, p, k, cap in bench.FRAG_TMA_TILES}  # fmt: skip
     assert impls == {
         "bf16_linear", "w4a16_g128 default", "w4a16_g128 interleaved", "w4a16_g128 permuted",
         "w4a16_g128 permuted fma", "w8a8_linear", "w8a8_gemm", *small_magic, *packed, *frag,

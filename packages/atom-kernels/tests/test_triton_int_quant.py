@@ -1126,23 +1126,46 @@ def test_launch_policy(triton_backend, iq):
         assert -(-rows // cfg["BLOCK_M"]) * -(-4096 // cfg["BLOCK_N"]) * cfg["SPLIT_K"] >= 132
 
 
-@pytest.mark.parametrize(("zeros", "dtype", "n", "k", "split", "block_n", "stages"), [
-    (False, torch.bfloat16, 40, 2048, 1, 8, 3),
-    (True, torch.float16, 24, 3072, 2, 16, 2),
-    (False, torch.float16, 16, 1024, 1, 8, 1),
+@pytest.mark.parametrize(("zeros", "dtype", "n", "k", "group", "per_sm", "block_n", "stages"), [
+    (False, torch.bfloat16, 40, 2048, 128, 1, 8, 3),
+    (True, torch.float16, 72, 3072, 64, 1, 16, 2),
+    (False, torch.float16, 48, 1024, 32, 1, 8, 1),
+    (True, torch.bfloat16, 88, 2048, 128, 2, 8, 4),
 ])  # fmt: skip
-def test_wna16_linear_row_tma(triton_backend, iq, zeros, dtype, n, k, split, block_n, stages):
-    """ROW_MMA with its words by TMA (``int_quant_row_tma``; the interpreter runs the plain ops)
-    against the reference: N past the last tile's rows (they read as zeros), splits, zeros."""
+def test_wna16_linear_row_tma(triton_backend, iq, zeros, dtype, n, k, group, per_sm, block_n,
+                              stages):  # fmt: skip
+    """ROW_MMA as a persistent kernel with its words and scales by TMA (``int_quant_row_tma``;
+    the interpreter runs the plain ops) against the reference: programs of several row blocks
+    (the interpreter's 4 SMs), N past the last tile's rows (they read as zeros), groups of 32,
+    64 and 128, zeros, a bias."""
+    from atom_kernels.backends.triton.int_quant_row_tma import row_tma_programs
+
     device = triton_backend.device
-    qw, s, z, g, x = one_row_case(n, k, 128, zeros, dtype, 61 + n, device, every=71)
+    tiles = -(-n // block_n)
+    if device.type == "cpu":
+        assert row_tma_programs(tiles, 4, per_sm) < tiles  # some program takes two row blocks
+    qw, s, z, g, x = one_row_case(n, k, group, zeros, dtype, 61 + n, device, every=71)
     bias = torch.randn(n, generator=_gen(62)).to(dtype).to(device)
     config = dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=1024, num_warps=4, PERMUTED_K=True,
-                  ROW_MMA=True, ROW_TMA=True, k_stages=stages, SPLIT_K=split)  # fmt: skip
+                  ROW_MMA=True, ROW_TMA=True, k_stages=stages, per_sm=per_sm)  # fmt: skip
     out = iq.wna16_linear(x, qw, s, z, g, 4, bias, config=config)
     expected = reference.wna16_linear(x, qw, s, z, g, 4, bias)
     atol, rtol = TOLERANCES[dtype]
     assert_close(out, expected, atol=atol * 20, rtol=rtol, name=f"row tma {config}")
+
+
+def test_row_tma_programs():
+    """The persistent programs: about per_sm an SM, each as many row blocks (the last fewer)."""
+    from atom_kernels.backends.triton.int_quant_row_tma import row_tma_programs
+
+    assert row_tma_programs(768, 132, 1) == 128  # qkv at 8 rows: 6 row blocks each
+    assert row_tma_programs(3584, 132, 2) == 256  # gate_up at 8 rows: 14 each
+    assert row_tma_programs(512, 132, 1) == 128 and row_tma_programs(100, 132, 1) == 100
+    for tiles in (5, 97, 768, 3584):
+        programs = row_tma_programs(tiles, 132, 1)
+        assert programs <= 132
+        per = -(-tiles // programs)
+        assert (programs - 1) * per < tiles <= programs * per
 
 
 def test_wna16_linear_row_tma_refuses_what_it_cannot_run(triton_backend, iq):
@@ -1159,8 +1182,7 @@ def test_wna16_linear_row_tma_refuses_what_it_cannot_run(triton_backend, iq):
 def test_wna16_linear_row_tma_gpu_real_sizes(triton_backend, iq, n, k, stages):
     qw, s, z, g, x = one_row_case(n, k, 128, stages == 3, torch.bfloat16, 63, "cuda")
     config = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=4, PERMUTED_K=True,
-                  ROW_MMA=True, ROW_TMA=True, k_stages=stages, per_sm=8, fill=True,
-                  SPLIT_K=None)  # fmt: skip
+                  ROW_MMA=True, ROW_TMA=True, k_stages=stages, per_sm=2)  # fmt: skip
     out = iq.wna16_linear(x, qw, s, z, g, 4, None, config=config)
     expected = reference.wna16_linear(x, qw, s, z, g, 4, None)
     assert_close(out, expected, atol=3e-2, rtol=2e-2, name=f"row tma {n}x{k} k{stages}")

@@ -934,7 +934,8 @@ def wna16_linear(
         )
     row = _row_mma_for(cfg, config or {}, x2, qweight, scales, bits, per_tile, group_size, k)
     if row and cfg.get("ROW_TMA"):  # ROW_MMA with its words by TMA (int_quant_row_tma)
-        why = row_tma_fits(x2, qweight, scales, bits, group_size, k, g_idx is not None)
+        why = row_tma_fits(x2, qweight, scales, zeros, bits, group_size, k,
+                         g_idx is not None)  # fmt: skip
         if not why:
             return wna16_row_tma_linear(x, qweight, scales, zeros, bias, cfg)
         if (config or {}).get("ROW_TMA"):
