@@ -228,6 +228,11 @@ TABLE: tuple[Switch, ...] = (
         "ATOM_FUSED_ROPE_CACHE", True, _not_zero,
         "rotary + KV-cache write in one kernel through `forward_rope` (`0`: off, A/B)",
     ),
+    Switch(
+        "ATOM_L2_PREFETCH_MB", 0, int,
+        "MB of a decoder layer's output projection and MLP asked of L2 as its attention starts "
+        "(`0`: off)",
+    ),
     # Read by atom-models' checkpoint reader.
     Switch(
         "ATOM_SAFETENSORS_DIRECT", "1", _lower,

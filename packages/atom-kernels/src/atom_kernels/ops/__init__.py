@@ -13,6 +13,7 @@ from atom_kernels.ops.linear import (
 from atom_kernels.ops.mla import mla_cache_write, mla_paged_attention
 from atom_kernels.ops.moe import fused_moe, grouped_topk, topk_softmax, topk_then_softmax
 from atom_kernels.ops.norm import fused_add_rms_norm, fused_add_rms_norm_, rms_norm
+from atom_kernels.ops.prefetch import l2_prefetch, l2_spans
 from atom_kernels.ops.quant import (
     dequantize_fp8_block,
     dequantize_mxfp4,
@@ -46,6 +47,8 @@ __all__ = [
     "greedy_argmax",
     "grouped_topk",
     "int8_linear",
+    "l2_prefetch",
+    "l2_spans",
     "linear",
     "linear_silu_and_mul",
     "mla_cache_write",

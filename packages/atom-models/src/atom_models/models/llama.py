@@ -19,6 +19,7 @@ from atom_models.layers.linear import (
     RowParallelLinear,
 )
 from atom_models.layers.norm import RMSNorm
+from atom_models.layers.prefetch import WeightPrefetch
 from atom_models.layers.rotary import get_rope, partial_rotary_factor, rope_parameters
 from atom_models.models.base import CausalLMBase
 
@@ -108,6 +109,9 @@ class LlamaAttention(nn.Module):
             prefix=f"{prefix}.attn",
             sliding_window=sliding_window_of(config, layer_idx),
         )
+        # While the attention runs: the output projection's weights (and the MLP's, added by
+        # the decoder layer) asked of L2 (layers/prefetch.py, ATOM_L2_PREFETCH_MB).
+        self.prefetch = WeightPrefetch([self.o_proj])
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(hidden_states))
@@ -134,8 +138,11 @@ class LlamaAttention(nn.Module):
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Everything after the QKV projection (subclasses change this, not forward)."""
         q, k, v = self.qkv_proj.split(qkv)
+        self.prefetch.start(qkv)
         # The rotary and the K/V cache write: one kernel on ATOM's engine (Attention.forward_rope).
-        return self.o_proj(self.attn.forward_rope(positions, q, k, v, self.rotary_emb))
+        out = self.attn.forward_rope(positions, q, k, v, self.rotary_emb)
+        self.prefetch.join()
+        return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -145,6 +152,9 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self.attention_cls(config, layer_idx, prefix=f"{prefix}.self_attn")
         self.mlp = self.build_mlp(config, layer_idx, prefix=f"{prefix}.mlp")
+        prefetch = getattr(self.self_attn, "prefetch", None)
+        if prefetch is not None and isinstance(self.mlp, LlamaMLP):
+            prefetch.modules.append(self.mlp.gate_up_proj)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # On a group that fuses them (the engine's peer all-reduce on GPUs), o_proj's all-reduce

@@ -26,7 +26,9 @@ class Qwen3Attention(LlamaAttention):
         q, k, v = self.qkv_proj.split(qkv)
         # The per-head q/k RMSNorms run inside the rotary kernel (one launch for the three), and
         # on ATOM's engine the K/V cache write too (Attention.forward_rope).
+        self.prefetch.start(qkv)
         out = self.attn.forward_rope(positions, q, k, v, self.rotary_emb, self.q_norm, self.k_norm)
+        self.prefetch.join()
         return self.o_proj(out)
 
 

@@ -39,6 +39,11 @@ def intercept_attention(fn: AttentionInterceptor) -> Iterator[None]:
         _interceptor = previous
 
 
+def attention_intercepted() -> bool:
+    """Whether calls of native cache layers go to an interceptor now (a piecewise capture)."""
+    return _interceptor is not None
+
+
 class NativeCacheLayer(nn.Module):
     """A native attention layer that owns a paged cache (`spec.layer_idx` orders them)."""
 

@@ -12,6 +12,7 @@ from atom_kernels.backends.torch import (  # noqa: F401  (imported to register t
     mla,
     moe,
     norm,
+    prefetch,
     quant,
     rotary,
     sampling,

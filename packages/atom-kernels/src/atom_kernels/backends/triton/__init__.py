@@ -14,6 +14,7 @@ from atom_kernels.backends.triton import (  # noqa: F401  (imported to register 
     argmax,
     custom_ops,
     int_quant,
+    prefetch,
     quant_custom_ops,
     spec_decode,
 )

@@ -1,0 +1,78 @@
+"""A decoder layer's L2 prefetch (layers/prefetch.py): which modules it asks for and in what
+order, the chunk table for a budget (o_proj whole, then the leading part of gate_up's weight),
+the W4A16 layer's packed words and scales, and nothing done on CPU tensors. The GPU engine test
+(test_gpu_engine.py::test_l2_prefetch_changes_no_value) runs it inside CUDA graphs."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, Qwen3MoeConfig
+
+from atom_kernels import envs
+from atom_models.layers.prefetch import WeightPrefetch, module_tensors
+from atom_models.loader import materialize
+from atom_models.models.llama import LlamaDecoderLayer
+from atom_models.models.qwen3_moe import Qwen3MoeDecoderLayer
+from atom_models.quantization import parse_quant_config, quantize_model
+
+SMALL = dict(vocab_size=64, hidden_size=128, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=2)  # fmt: skip
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def test_layer_asks_for_o_proj_then_gate_up():
+    layer = LlamaDecoderLayer(LlamaConfig(**SMALL, intermediate_size=256), 0, "model.layers.0")
+    prefetch = layer.self_attn.prefetch
+    o, gate_up = layer.self_attn.o_proj, layer.mlp.gate_up_proj
+    assert prefetch.modules == [o, gate_up]
+    o_bytes = _bytes(o.weight)
+    spans = prefetch.spans(o_bytes + _bytes(gate_up.weight) // 4)
+    starts = spans[:, 0].tolist()
+    assert starts[0] == o.weight.data_ptr() & -16
+    covered = sum(spans[:, 1].tolist())
+    assert (
+        o_bytes + _bytes(gate_up.weight) // 4
+        <= covered
+        <= o_bytes + _bytes(gate_up.weight) // 4 + 32
+    )
+    g = gate_up.weight.data_ptr()
+    assert min(a for a in starts if a >= g & -16) == g & -16  # gate_up from its first row
+    assert prefetch.spans(o_bytes + _bytes(gate_up.weight) // 4) is spans  # built once
+
+
+def test_moe_layer_asks_for_o_proj_alone():
+    config = Qwen3MoeConfig(**SMALL, moe_intermediate_size=32, num_experts=4,
+                            num_experts_per_tok=2, head_dim=32)  # fmt: skip
+    layer = Qwen3MoeDecoderLayer(config, 0, "model.layers.0")
+    assert layer.self_attn.prefetch.modules == [layer.self_attn.o_proj]
+
+
+def test_w4a16_layer_prefetches_its_packed_tensors():
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+               "symmetric": False}  # fmt: skip
+    config = LlamaConfig(**SMALL, intermediate_size=256, quantization_config={
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}})  # fmt: skip
+    with torch.device("meta"):
+        layer = LlamaDecoderLayer(config, 0, "model.layers.0")
+        quantize_model(layer, parse_quant_config(config), torch.bfloat16)
+    materialize(layer, "cpu", torch.bfloat16)
+    o = layer.self_attn.o_proj
+    tensors = module_tensors(o)
+    assert len(tensors) >= 3 and tensors[0].dtype == torch.int32  # words, scales, zeros
+    total = sum(_bytes(t) for t in tensors)
+    spans = WeightPrefetch([o]).spans(total)
+    for t in tensors:
+        assert any(a <= t.data_ptr() < a + n for a, n in spans.tolist())
+
+
+def test_nothing_on_cpu(monkeypatch):
+    monkeypatch.setattr(envs, "ATOM_L2_PREFETCH_MB", 64)
+    layer = LlamaDecoderLayer(LlamaConfig(**SMALL, intermediate_size=256), 0, "model.layers.0")
+    prefetch = layer.self_attn.prefetch
+    prefetch.start(torch.zeros(1, 128))
+    prefetch.join()
+    assert prefetch._spans is None and prefetch._pending is None
