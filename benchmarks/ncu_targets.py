@@ -70,7 +70,6 @@ WNA16_CASES.update({
         ("frag", _FRAG),
         ("frag_r56", dict(_FRAG, maxnreg=56)),  # the default launch
         ("frag_unrotated", dict(_FRAG, ROTATE=False)),
-        ("frag_tma3", dict(_FRAG, TMA=True, k_stages=3)),
     )
 })  # fmt: skip
 MOE_CASES = {  # case: (MOE_SHAPES name, tokens)

@@ -200,13 +200,6 @@ ROW_TILES = (
     (8, 4, 1, 8), (8, 4, 2, 8), (8, 4, 3, 8), (16, 4, 2, 8), (16, 8, 2, 8), (32, 8, 1, 4),
     (32, 8, 2, 4), (4, 4, 2, 16), (8, 8, 2, 8), (16, 4, 3, 4), (8, 4, 2, 16), (16, 8, 1, 8),
 )  # fmt: skip
-# (BLOCK_N, warps, k_stages, programs an SM) of the same as a persistent kernel, its words and
-# scales by TMA into shared memory k_stages tiles ahead across row blocks (ROW_TMA,
-# int_quant_row_tma), named "... tma".
-ROW_TMA_TILES = (
-    (8, 4, 4, 4), (8, 4, 6, 4), (16, 4, 4, 2), (16, 4, 6, 2), (16, 8, 4, 2), (32, 8, 4, 1),
-    (8, 4, 8, 2), (8, 4, 3, 8), (16, 4, 3, 4), (8, 4, 4, 8), (32, 4, 4, 2), (16, 4, 8, 2),
-)  # fmt: skip
 # (BLOCK_N, warps, k_stages, programs an SM) of the same with the scale after the MMAs
 # (ROW_SCALE_AFTER: 4 packed float ops a word fewer), named "... scale-after".
 ROW_SCALE_AFTER_TILES = ((8, 4, 1, 8), (8, 4, 2, 8), (16, 4, 2, 8), (4, 4, 2, 16), (16, 4, 1, 4))
@@ -907,12 +900,6 @@ def _w4a16_variants(rows: int) -> list:
             config = dict(_wna16_tile(block_n, warps, 1, bm=1, bk=1024), per_sm=per_sm,
                           fill=True, k_stages=k_stages, PERMUTED_K=True, ROW_MMA=True)  # fmt: skip
             out.append((f"w4a16_g128 row-mma {block_n} w{warps} k{k_stages} fill{per_sm}",
-                        config))  # fmt: skip
-        for block_n, warps, k_stages, per_sm in ROW_TMA_TILES:
-            config = dict(_wna16_tile(block_n, warps, 1, bm=1, bk=1024), per_sm=per_sm,
-                          fill=True, k_stages=k_stages, PERMUTED_K=True, ROW_MMA=True,
-                          ROW_TMA=True)  # fmt: skip
-            out.append((f"w4a16_g128 row-mma {block_n} w{warps} k{k_stages} fill{per_sm} tma",
                         config))  # fmt: skip
         for block_n, warps, k_stages, per_sm in ROW_SCALE_AFTER_TILES:
             config = dict(_wna16_tile(block_n, warps, 1, bm=1, bk=1024), per_sm=per_sm,

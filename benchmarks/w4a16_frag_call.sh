@@ -3,7 +3,7 @@
 # (int_quant_frag: 4-bit weights repacked at load, one m16n8k16 MMA a word with the weights as
 # its 16 rows and the tokens as its columns, a warp's load 512 contiguous bytes, x's loads one
 # line a warp). All under $OUT (carry [".whl", ".bench_assets"]):
-#   1. GPU tests (TEST_K): the fragment kernel's and ROW_TMA's PTX at the Llama-3-8B sizes, their
+#   1. GPU tests (TEST_K): the fragment kernel's PTX at the Llama-3-8B sizes, its
 #      launches, a CUDA graph chain, the repacked layer, the engine's fragment layout (gpu-tests.xml);
 #   2. the one-row (INT_ROWS) GEMMs, cold L2, each checked against the reference: the fragment
 #      tiles, the default (ROW_MMA), bf16 `linear` (int-frag.json, and the table printed);
@@ -11,7 +11,6 @@
 #      over ROUNDS, then (BF16=1) the bf16 step, the step times in decode-ab.json; (PROFILE=1)
 #      profile_decode.py of the W4A16 step with ATOM_WNA16_FRAG=1; (NCU_CASES) ncu of those
 #      cases of benchmarks/ncu_targets.py (ncu/summary.json, the table printed).
-#   (PICK_ROW=1) the sweep's fastest ROW_TMA launch against the default in that A/B.
 #   AB_VARIANTS="ATOM_WNA16_FRAG=0;ATOM_WNA16_FRAG=1" bash benchmarks/w4a16_frag_call.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +24,7 @@ if [ "${TESTS:-1}" = 1 ]; then
     ATOM_REQUIRE_GPU=1 timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -rfE \
         --junitxml="$OUT/gpu-tests.xml" packages/atom-kernels/tests/test_triton_int_quant.py \
         packages/atom-models/tests/test_int_quant_load.py packages/atom-engine/tests/test_gpu_engine.py \
-        -k "${TEST_K:-frag or fragment or row_tma}" 2>&1 \
+        -k "${TEST_K:-frag or fragment}" 2>&1 \
         | grep -v Warn | tail -8
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
@@ -66,30 +65,13 @@ for r in d["results"]:
     if "frag" in r["impl"] and "ms_cold" in r and not r.get("bad"):
         total.setdefault(r["impl"], []).append(r["ms_cold"])
 best = min((sum(v), k) for k, v in total.items() if len(v) == 4)[1]
-m = re.search(r"frag w(\d+) r(\d+) p(\d+) k(\d+)( tma)?(?: r(\d+))?", best)
-warps, rows, per_sm, stages, tma, cap = m.groups()
-print(",".join([warps, rows, per_sm, cap or "0", stages, "1" if tma else "0"]))
+m = re.search(r"frag w(\d+) r(\d+) p(\d+) k(\d+)(?: r(\d+))?", best)
+warps, rows, per_sm, stages, cap = m.groups()
+print(",".join([warps, rows, per_sm, cap or "0", stages]))
 PY
 )
     export ATOM_WNA16_FRAG_LAUNCH
     echo "picked ATOM_WNA16_FRAG_LAUNCH=$ATOM_WNA16_FRAG_LAUNCH" | tee "$OUT/picked.txt"
-fi
-if [ "${PICK_ROW:-0}" = 1 ]; then  # the sweep's fastest ROW_TMA launch (sum over the shapes)
-    best=$(OUT=$OUT python3 - <<'PY'
-import json, os, re
-d = json.load(open(f"{os.environ['OUT']}/int-frag.json"))
-total = {}
-for r in d["results"]:
-    if re.search(r"row-mma \d+ w\d+ k\d+ fill\d+ tma$", r["impl"]) and "ms_cold" in r \
-            and not r.get("bad"):
-        total.setdefault(r["impl"], []).append(r["ms_cold"])
-best = min((sum(v), k) for k, v in total.items() if len(v) == 4)[1]
-bn, w, k, p = re.search(r"row-mma (\d+) w(\d+) k(\d+) fill(\d+) tma", best).groups()
-print(f"{bn},{w},{k},{p},rowtma")
-PY
-)
-    AB_VARIANTS="ATOM_WNA16_ONE_ROW=;ATOM_WNA16_ONE_ROW=$best"
-    echo "picked ATOM_WNA16_ONE_ROW=$best" | tee "$OUT/picked.txt"
 fi
 if [ -n "${AB_VARIANTS:-}" ]; then
     ab=$(mktemp -d)

@@ -30,7 +30,7 @@ SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, g
 # Arguments a real launch passes as multiples of 16 (Triton specializes them: aligned, vector
 # loads): the pointers, the shapes' N and K, the group size, the strides.
 ALIGNED = {
-    "x_ptr", "q_ptr", "q_raw_ptr", "s_ptr", "z_ptr", "g_ptr", "b_ptr", "out_ptr", "ws_ptr",
+    "x_ptr", "q_ptr", "s_ptr", "z_ptr", "g_ptr", "b_ptr", "out_ptr", "ws_ptr",
     "count_ptr", "a_ptr", "as_ptr", "bs_ptr", "bias_ptr", "N", "K", "group_size", "stride_xm",
     "stride_qn", "stride_sn", "stride_zn", "stride_om", "stride_am", "stride_bn", "stride_qm",
 }  # fmt: skip
@@ -630,17 +630,16 @@ def test_row_mma_strided_layout_and_main_loop_sass(dtype, zeros):
 # --- the fragment layout's decode kernel (int_quant_frag) ----------------------------------------
 
 
-def _frag(warps, rows_per_warp, zeros, split, dtype="bf16", tma=False, k_stages=1):
+def _frag(warps, rows_per_warp, zeros, split, dtype="bf16", k_stages=1):
     rows = warps * rows_per_warp
     pointers = dict(
-        x_ptr=f"*{dtype}", q_ptr=f"tensordesc<i32[{rows}, 128]>" if tma else "*i32",
-        q_raw_ptr="*i32",
+        x_ptr=f"*{dtype}", q_ptr="*i32",
         s_ptr=f"*{dtype}", z_ptr=f"*{dtype}", b_ptr=f"*{dtype}", out_ptr=f"*{dtype}",
         ws_ptr="*fp32", count_ptr="*i32",
     )  # fmt: skip
     constexprs = dict(HAS_ZEROS=zeros, HAS_BIAS=False, ASM=True, BF16=dtype == "bf16",
                       SPLIT_K=split, R=rows, GROUP_SHIFT=1,
-                      K_STAGES=k_stages, ROTATE=True, TMA=tma)  # fmt: skip
+                      K_STAGES=k_stages, ROTATE=True)  # fmt: skip
     return _compile(int_quant_frag._frag_kernel, pointers, constexprs, warps, 1)
 
 
@@ -670,40 +669,3 @@ def test_frag_main_loop_sass(warps, per_warp, zeros, dtype, most, registers):
     assert len(body) / words < most, (len(body), words)
     assert not any(ins.startswith(("BAR", "STS", "LDS")) for ins in body)
     assert _registers(kernel) <= registers
-
-
-@pytest.mark.parametrize(("per_warp", "k_stages"), [(2, 3), (4, 2), (2, 4)])
-def test_frag_tma_words(per_warp, k_stages):
-    """TMA: the words by bulk tensor copies into shared memory, k_stages of them in flight (no
-    registers held for them), read back in the words' layout (the PTX's operands in it)."""
-    kernel = _frag(4, per_warp, False, split=4, tma=True, k_stages=k_stages)
-    _assert_row_layout(kernel)
-    ptx = kernel.asm["ptx"]
-    assert ptx.count("cp.async.bulk.tensor") == k_stages
-    assert "cp.async.ca" not in ptx and "cp.async.cg" not in ptx  # x, scales, anchor: not staged
-
-
-# --- ROW_MMA persistent, its words and scales by TMA (int_quant_row_tma) ------------------------
-
-
-@pytest.mark.parametrize(("block_n", "k_stages", "zeros"), [(8, 3, False), (16, 2, True),
-                                                            (8, 4, False)])  # fmt: skip
-def test_row_tma_words(block_n, k_stages, zeros):
-    """The words and the scales by bulk tensor copies into shared memory, pipelined across the
-    flat loop (a copy of each in the loop and k_stages - 1 of each before it), the zeros too;
-    every PTX operand in ROW_MMA's layout (the anchor holds it); x not staged (its loads are
-    PTX)."""
-    from atom_kernels.backends.triton import int_quant_row_tma
-
-    pointers = dict(
-        x_ptr="*bf16", q_desc=f"tensordesc<i32[{block_n}, 128]>", q_ptr="*i32",
-        s_desc=f"tensordesc<bf16[{block_n}, 8]>", z_desc=f"tensordesc<bf16[{block_n}, 8]>",
-        b_ptr="*bf16", out_ptr="*bf16",
-    )  # fmt: skip
-    constexprs = dict(HAS_ZEROS=zeros, HAS_BIAS=False, ASM=True, BLOCK_N=block_n,
-                      GROUP_WORDS=16, K_STAGES=k_stages)  # fmt: skip
-    kernel = _compile(int_quant_row_tma._row_tma_kernel, pointers, constexprs, 4, 1)
-    _assert_row_layout(kernel)
-    ptx = kernel.asm["ptx"]
-    assert ptx.count("cp.async.bulk.tensor") == (3 if zeros else 2) * k_stages
-    assert "cp.async.ca" not in ptx and "cp.async.cg" not in ptx

@@ -86,8 +86,8 @@ TABLE: tuple[Switch, ...] = (
         "ATOM_WNA16_ONE_ROW", "", _same,
         "`block_n,num_warps,k_stages,per_sm[,mode]`: the one-row W4A16 launch (mode `quad`: the "
         "quads' MMAs, `int_quant_quad_mma`; `quadN`: N = 1, 2, 4, 8 K tiles a step; `row`: a "
-        "warp a row, `int_quant_row_mma`; `rowtma`: its words by TMA, `int_quant_row_tma`; none: "
-        "the multiply-adds), K split to about per_sm "
+        "warp a row, `int_quant_row_mma`; `rowN`: N = 1, 2, 4, 8 tiles a step; none: the "
+        "multiply-adds), K split to about per_sm "
         "programs an SM, loads pipelined k_stages - 1 tiles ahead (A/B)",
     ),
     Switch(
@@ -131,7 +131,7 @@ TABLE: tuple[Switch, ...] = (
     ),
     Switch(
         "ATOM_WNA16_FRAG_LAUNCH", "", _same,
-        "`num_warps,rows_per_warp,per_sm[,maxnreg[,k_stages[,tma]]]`: the fragment layout's "
+        "`num_warps,rows_per_warp,per_sm[,maxnreg[,k_stages]]`: the fragment layout's "
         "decode launch (`int_quant_frag.frag_config`; A/B)",
     ),
     Switch(

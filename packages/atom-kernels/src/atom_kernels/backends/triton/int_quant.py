@@ -49,7 +49,6 @@ from atom_kernels.backends.triton.int_quant_row_mma import (
     _row_mma_k_loop,
     _row_mma_strided_k_loop,
 )
-from atom_kernels.backends.triton.int_quant_row_tma import row_tma_fits, wna16_row_tma_linear
 from atom_kernels.backends.triton.int_quant_small_magic import (
     SMALL_MAGIC_VARIANTS,
     _small_magic_k_loop,
@@ -470,17 +469,15 @@ def _one_row_override(spec: str) -> dict | None:
     """ATOM_WNA16_ONE_ROW="block_n,num_warps,k_stages,per_sm[,mode]": the one-row 4-bit
     launch (X_VECTOR multiply-adds, or with ``quad`` the quads' MMAs where they fit: QUAD_MMA,
     ``quadN`` N = 1, 2, 4, 8 K tiles a step: QUAD_STEP; ``row`` a warp a row: ROW_MMA, ``rowN``
-    N tiles a step: ROW_STEP, ``rowtma`` its words by TMA k_stages tiles ahead: ROW_TMA), K split
-    to about per_sm programs an SM whatever the N tiles, loads pipelined k_stages - 1 tiles
-    ahead, for an A/B in the engine."""
+    N tiles a step: ROW_STEP), K split to about per_sm programs an SM whatever the N tiles,
+    loads pipelined k_stages - 1 tiles ahead, for an A/B in the engine."""
     if not spec:
         return None
     fields = spec.split(",")
     quad = len(fields) == 5 and re.fullmatch(r"quad[1248]?", fields[4]) is not None
     step = int(fields[4][4:] or 1) if quad else 1
-    tma = len(fields) == 5 and fields[4] == "rowtma"
-    row = len(fields) == 5 and (re.fullmatch(r"row[1248]?", fields[4]) is not None or tma)
-    if row and not tma:
+    row = len(fields) == 5 and re.fullmatch(r"row[1248]?", fields[4]) is not None
+    if row:
         step = int(fields[4][3:] or 1)
     try:
         if quad or row:
@@ -494,7 +491,7 @@ def _one_row_override(spec: str) -> dict | None:
         raise ValueError(
             f"ATOM_WNA16_ONE_ROW={spec!r}: expected "
             "'block_n,num_warps,k_stages,per_sm[,mode]' (positive integers, block_n and num_warps "
-            "powers of two; mode quad or row, each optionally followed by 1, 2, 4 or 8, or rowtma)"
+            "powers of two; mode quad or row, each optionally followed by 1, 2, 4 or 8)"
         ) from None
     if (quad and block_n % (8 * num_warps)) or (row and block_n % num_warps):
         raise ValueError(
@@ -503,7 +500,7 @@ def _one_row_override(spec: str) -> dict | None:
         )
     out = dict(BLOCK_N=block_n, num_warps=num_warps, k_stages=k_stages, per_sm=per_sm, fill=True)
     if row:
-        return dict(out, ROW_MMA=True, BLOCK_K=ROW_BLOCK_K, ROW_STEP=step, ROW_TMA=tma)
+        return dict(out, ROW_MMA=True, BLOCK_K=ROW_BLOCK_K, ROW_STEP=step)
     return dict(out, QUAD_MMA=True, QUAD_STEP=step) if quad else out
 
 
@@ -933,13 +930,6 @@ def wna16_linear(
             "SMALL_MAGIC's loop: they need SMALL_MAGIC"
         )
     row = _row_mma_for(cfg, config or {}, x2, qweight, scales, bits, per_tile, group_size, k)
-    if row and cfg.get("ROW_TMA"):  # ROW_MMA with its words by TMA (int_quant_row_tma)
-        why = row_tma_fits(x2, qweight, scales, zeros, bits, group_size, k,
-                         g_idx is not None)  # fmt: skip
-        if not why:
-            return wna16_row_tma_linear(x, qweight, scales, zeros, bias, cfg)
-        if (config or {}).get("ROW_TMA"):
-            raise ValueError("wna16_linear: ROW_TMA needs " + "; ".join(why))
     quad = not row and _quad_mma_for(cfg, config or {}, x2, qweight, bits, per_tile,
                                      group_size, k)  # fmt: skip
     if quad or row:

@@ -27,11 +27,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from atom_kernels import envs
 from atom_kernels.backends.triton.common import as_rows, is_interpreted, num_sms, zeroed_counters
-from atom_kernels.backends.triton.int_quant_quad_mma import _half, _row_scalar
+from atom_kernels.backends.triton.int_quant_quad_mma import _half
 from atom_kernels.backends.triton.split_k import _split_k_sum_flat
 from atom_kernels.ops.int_quant_frag import FRAG_ROWS, FRAG_STEP
 
@@ -150,28 +149,10 @@ def _frag_plain(words, acc, x, s, z, HAS_ZEROS: tl.constexpr, DTYPE: tl.constexp
     return acc + tl.reshape(d, [R, TILE_WORDS])
 
 
-# a lane's x (4 64-bit words from its first element's address, zero where masked off), as PTX
-# (TMA: out of Triton's pipeliner; the scales' pairs likewise by _row_scalar)
-_X_LOAD = tl.constexpr(
-    "{\n.reg .pred p;\nsetp.ne.s32 p, $8, 0;\nmov.b64 $0, 0;\nmov.b64 $1, 0;\nmov.b64 $2, 0;\n"
-    "mov.b64 $3, 0;\n@p ld.global.nc.v2.b64 {$0, $1}, [$4];\n"
-    "@p ld.global.nc.v2.b64 {$2, $3}, [$4+16];\n}"
-)
-
-
-@triton.jit
-def _x_load(ptrs, mask):
-    return tl.inline_asm_elementwise(
-        _X_LOAD, "=l,=l,=l,=l,l,l,l,l,r,r,r,r", args=[ptrs.to(tl.int64), mask.to(tl.int32)],
-        dtype=tl.int64, is_pure=True, pack=4,
-    )  # fmt: skip
-
-
 @triton.jit
 def _frag_kernel(
     x_ptr,  # [M, K], M <= 8
-    q_ptr,  # [N / 16, K / 64, 32, 4] int32; with TMA its descriptor as [N / 16 * K / 64, 128]
-    q_raw_ptr,  # the words' pointer (with TMA: a masked-off load of it anchors their layout)
+    q_ptr,  # [N / 16, K / 64, 32, 4] int32
     s_ptr,  # [N / 16, G, 8, 2]
     z_ptr,  # [N / 16, G, 8, 2] or dummy
     b_ptr,  # [N] or dummy
@@ -185,7 +166,6 @@ def _frag_kernel(
     steps_per_split,
     stride_xm,
     stride_om,
-    all_ones,  # -1 at run time (TMA: a mask false at run time the compiler cannot see)
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ASM: tl.constexpr,
@@ -195,7 +175,6 @@ def _frag_kernel(
     GROUP_SHIFT: tl.constexpr,  # log2 of the steps a group; -1: one group (channel-wise)
     K_STAGES: tl.constexpr = 1,  # > 1: the words pipelined that many iterations (cp.async)
     ROTATE: tl.constexpr = True,  # each row block starts its K loop at its own iteration
-    TMA: tl.constexpr = False,  # the words by the tensor memory accelerator into shared memory
 ):
     DTYPE: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
     block = tl.program_id(0)
@@ -208,14 +187,11 @@ def _frag_kernel(
     # a lane's x: its token's (g) 16 k at 16c, as 64-bit words (4 k each); zero past the tokens
     x64 = x_ptr.to(tl.pointer_type(tl.int64), bitcast=True)
     x_lane = g.to(tl.int64) * (stride_xm // 4) + (e % 16)
-    q_block = q_raw_ptr + block.to(tl.int64) * steps_total * 128
+    q_block = q_ptr + block.to(tl.int64) * steps_total * 128
     s32 = s_ptr.to(tl.pointer_type(tl.int32), bitcast=True)  # a lane's pair of rows: one int32
     z32 = z_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     pair_block = block.to(tl.int64) * G * 8
     acc = tl.zeros([R, TILE_WORDS], tl.float32)
-    if TMA:  # zero (masked off at run time), loaded outside the loop, out of the pipeliner
-        never = tl.full([R, TILE_WORDS], 0, tl.int32) + all_ones == 0
-        anchor = tl.load(q_block + r[:, None] * 128 + e[None, :], mask=never, other=0)
     # Row blocks in flight at once would read the same offset of their 32-KB-apart rows (a
     # power-of-two stride through the DRAM channels) had they all walked K from its start:
     # ROTATE starts block b at iteration b mod the split's iterations and wraps around.
@@ -228,23 +204,15 @@ def _frag_kernel(
         steps = s0 + r
         live = steps < s_hi
         steps = tl.minimum(steps, steps_total - 1)  # in bounds; its x reads as zeros
-        if TMA:  # rows past the split read the next block's words: their x is zero
-            words = q_ptr.load([block * steps_total + s0, 0]) | anchor
-        else:
-            words = tl.load(q_block + steps[:, None] * 128 + e[None, :])
+        words = tl.load(q_block + steps[:, None] * 128 + e[None, :])
         if GROUP_SHIFT >= 0:
             pairs = pair_block + (steps >> GROUP_SHIFT) * 8  # [R]: the group's 8 pairs
         else:
             pairs = pair_block + steps * 0
         x_mask = live[:, None] & (g < M)[None, :]
-        if TMA and ASM:  # by PTX: Triton's pipeliner would stage these through shared memory too
-            s = _row_scalar(s32 + pairs[:, None] + g[None, :], True)
-            z = _row_scalar(z32 + pairs[:, None] + g[None, :], True) if HAS_ZEROS else s
-            x = _x_load(x64 + (steps * 16)[:, None] + x_lane[None, :], x_mask)
-        else:
-            s = tl.load(s32 + pairs[:, None] + g[None, :])
-            z = tl.load(z32 + pairs[:, None] + g[None, :]) if HAS_ZEROS else s
-            x = tl.load(x64 + (steps * 16)[:, None] + x_lane[None, :], mask=x_mask, other=0)
+        s = tl.load(s32 + pairs[:, None] + g[None, :])
+        z = tl.load(z32 + pairs[:, None] + g[None, :]) if HAS_ZEROS else s
+        x = tl.load(x64 + (steps * 16)[:, None] + x_lane[None, :], mask=x_mask, other=0)
         if not ASM:
             acc = _frag_plain(words, acc, x, s, z, HAS_ZEROS, DTYPE, R)
         elif HAS_ZEROS:
@@ -273,17 +241,16 @@ def _frag_kernel(
 
 
 def _launch_override(spec: str) -> dict | None:
-    """ATOM_WNA16_FRAG_LAUNCH's ``num_warps,rows_per_warp,per_sm[,maxnreg[,k_stages[,tma]]]`` as
-    a config (maxnreg 0: ptxas's)."""
+    """ATOM_WNA16_FRAG_LAUNCH's ``num_warps,rows_per_warp,per_sm[,maxnreg[,k_stages]]`` as a
+    config (maxnreg 0: ptxas's)."""
     if not spec:
         return None
     parts = [int(p) for p in spec.split(",")]
-    if not 3 <= len(parts) <= 6:
+    if not 3 <= len(parts) <= 5:
         raise ValueError("ATOM_WNA16_FRAG_LAUNCH: num_warps,rows_per_warp,per_sm[,maxnreg"
-                         f"[,k_stages[,tma]]], got {spec!r}")  # fmt: skip
+                         f"[,k_stages]], got {spec!r}")  # fmt: skip
     cfg = dict(num_warps=parts[0], ROWS_PER_WARP=parts[1], per_sm=parts[2])
-    for key, value in zip(("maxnreg", "k_stages", "TMA"), parts[3:], strict=False):
-        cfg[key] = bool(value) if key == "TMA" else value
+    cfg.update(zip(("maxnreg", "k_stages"), parts[3:], strict=False))
     return cfg
 
 
@@ -303,12 +270,10 @@ def frag_config(num_rows: int, n: int, k: int, sms: int, interpreted: bool = Fal
     count (here ~22 a word with x's loads one line a warp, against ROW_MMA's 24 with 16). The
     engine's Llama-3-8B W4A16 decode (call 6): 2.88 against 2.57 ms at batch 1, **3.46 against
     4.08 ms at batch 8** (bf16 4.40 / 4.95), where the rows layout takes the packed dots.
-    ``TMA`` (prepared in session 36, not yet measured: the device time was spent): the words by
-    the tensor memory accelerator into shared memory, ``k_stages`` iterations in flight, so the
-    bytes in flight no longer cost registers (sm_90 compile, Triton 3.9: 60 registers, 8 KB of
-    shared memory at 4 warps, 2 steps a warp, 3 stages); x and the scales then load by PTX, and
-    the layout's anchor before the loop, out of Triton's pipeliner (which would stage them
-    through shared memory too). ``int_quant_row_tma`` is the same for ROW_MMA."""
+    The words by the tensor memory accelerator into shared memory, ``k_stages`` iterations in
+    flight (so the bytes in flight cost no registers; x and the scales by PTX), measured slower
+    (s37/call1: the best TMA launch 12.7 / 10.3 / 30.1 / 20.9 us) and removed, as ROW_MMA's own
+    TMA form (``int_quant_row_tma``, per-program and then persistent: slower at every shape)."""
     if interpreted:
         return dict(num_warps=1, ROWS_PER_WARP=2, per_sm=2)
     return dict(LAUNCH_OVERRIDE or dict(num_warps=4, ROWS_PER_WARP=2, per_sm=8, maxnreg=56))
@@ -362,21 +327,15 @@ def wna16_frag_linear(
         splits, per_split = 1, triton.cdiv(steps_total, tile_rows) * tile_rows
     out2 = out.view(-1, n)
     ws = x2.new_empty((splits, num_rows, n), dtype=torch.float32) if splits > 1 else out2
-    tma = bool(cfg.get("TMA", False))
-    words = qweight
-    if tma:  # a descriptor of [R, 128] boxes of the words (16-byte aligned rows of 512 bytes)
-        rows = blocks * steps_total
-        words = TensorDescriptor(qweight.view(rows, 128), [rows, 128], [128, 1],
-                                 [tile_rows, 128])  # fmt: skip
     _frag_kernel[(blocks, splits)](
-        x2, words, qweight, scales, zeros if zeros is not None else scales,
+        x2, qweight, scales, zeros if zeros is not None else scales,
         bias if bias is not None else out2, out2, ws,
         counters if counters is not None else qweight, num_rows, n, k, scales.shape[1], per_split,
-        x2.stride(0), out2.stride(0), -1,
+        x2.stride(0), out2.stride(0),
         HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
         ASM=x.device.type == "cuda", BF16=x.dtype == torch.bfloat16, SPLIT_K=splits,
         R=tile_rows, GROUP_SHIFT=shift,
-        K_STAGES=cfg.get("k_stages", 1), ROTATE=cfg.get("ROTATE", True), TMA=tma,
+        K_STAGES=cfg.get("k_stages", 1), ROTATE=cfg.get("ROTATE", True),
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         num_warps=cfg["num_warps"], num_stages=1,
     )  # fmt: skip
