@@ -1,12 +1,13 @@
-"""The L2 prefetch of a decoder layer's weights (``ATOM_L2_PREFETCH_MB``, layers/prefetch.py) on
-Llama-3-8B's four projections at batch-1 decode, outside the engine: each of LAYERS layers (its
-own weights, so L2 holds none of the next) runs the QKV GEMM, a window standing in for the
-rotary and attention kernels (``torch.cuda._sleep``: one SM spinning, no DRAM traffic), then the
-output projection, gate_up and down; with a budget, ``WeightPrefetch`` forks the prefetch of
-o_proj and gate_up (its leading part) as the window starts and joins before o_proj. The layers
-run as one CUDA graph; a row is the median per-layer time (and that time less the window alone)
-over ``--reps`` replays, W4A16 (group 128, symmetric: ``wna16_linear``) and bf16 (``linear``),
-the budgets alternated inside each round.
+"""The L2 prefetch of a decoder layer's next weights (``ATOM_L2_PREFETCH``, layers/prefetch.py)
+on Llama-3-8B's four projections at batch-1 decode, outside the engine: each of LAYERS layers (its
+own weights, so L2 holds none of the next) runs a norm's window, the QKV GEMM, a window standing
+in for the rotary and attention kernels, the output projection, a norm's window, gate_up and
+down; a window is ``torch.cuda._sleep`` (one SM spinning, no DRAM traffic). The prefetch stages
+start where the model starts them (``attn`` after QKV: o_proj and gate_up; ``mlp`` before
+gate_up: down; ``next`` before down: the next layer's QKV) and join at the end. The layers run
+as one CUDA graph; a row is a plan's median per-layer time over ``--reps`` replays (and that
+time less the windows alone), W4A16 (group 128, symmetric: ``wna16_linear``) and bf16
+(``linear``), the plans alternated inside each round (every other round reversed).
 
     export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
     python benchmarks/l2_prefetch.py --out $OUT/l2-prefetch.json
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 import atom_kernels
+from atom_models.layers import prefetch
 from atom_models.layers.prefetch import WeightPrefetch
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -49,25 +51,41 @@ class Proj(nn.Module):
         return atom_kernels.linear(x, self.weight)
 
 
-def build(layers: int, quantized: bool):
-    out = []
-    for _ in range(layers):
-        p = {name: Proj(n, k, quantized) for name, (n, k) in SHAPES.items()}
-        out.append((p, WeightPrefetch([p["o"], p["gate_up"]])))
+def build(layers: int, quantized: bool) -> list[dict]:
+    """Each layer's projections and its three prefetch stages, chained as LlamaModel does."""
+    out = [{name: Proj(n, k, quantized) for name, (n, k) in SHAPES.items()} for _ in range(layers)]
+    for i, p in enumerate(out):
+        after = [out[i + 1]["qkv"]] if i + 1 < layers else []
+        attn = WeightPrefetch("attn", [p["o"], p["gate_up"]])
+        p["stages"] = (attn, WeightPrefetch("mlp", [p["down"]]), WeightPrefetch("next", after))
     return out
 
 
-def step(model, x: torch.Tensor, window_cycles: int) -> torch.Tensor:
-    for p, prefetch in model:
-        p["qkv"](x)
-        prefetch.start(x)
-        if window_cycles:
-            torch.cuda._sleep(window_cycles)
-        prefetch.join()
+def step(model: list[dict], x: torch.Tensor, window: int, norm: int) -> torch.Tensor:
+    for p in model:
+        attn, mlp, after = p["stages"]
+        torch.cuda._sleep(norm)
+        qkv = p["qkv"](x)
+        attn.start(qkv)
+        torch.cuda._sleep(window)
         h = p["o"](x)
+        torch.cuda._sleep(norm)
+        mlp.start(h)
         g = p["gate_up"](h)
-        x = p["down"](g[:, :14336])
+        after.start(g)
+        x = p["down"](g[:, : g.shape[-1] // 2])  # the gate half stands in for silu(g) * u
+    prefetch.join(x)
     return x
+
+
+def windows(layers: int, window: int, norm: int) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(layers):
+            torch.cuda._sleep(norm)
+            torch.cuda._sleep(window)
+            torch.cuda._sleep(norm)
+    return graph
 
 
 def timed(graph: torch.cuda.CUDAGraph, reps: int) -> float:
@@ -82,56 +100,58 @@ def timed(graph: torch.cuda.CUDAGraph, reps: int) -> float:
     return statistics.median(times)
 
 
+PLANS = (
+    "", "attn=16", "attn=32", "attn=44", "attn=32,last", "mlp=16", "mlp=28", "mlp=28,last",
+    "next=12", "attn=32,mlp=20,next=12", "attn=32,mlp=20,next=12,last",
+    "attn=24,mlp=24,next=12,last",
+)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--budgets", type=int, nargs="+", default=[0, 8, 16, 24, 32, 40, 48])
-    ap.add_argument("--windows-us", type=float, nargs="+", default=[4.0, 8.0])
+    ap.add_argument("--plans", nargs="+", default=list(PLANS))
+    ap.add_argument("--window-us", type=float, default=8.0)
+    ap.add_argument("--norm-us", type=float, default=1.5)
+    ap.add_argument("--weights", nargs="+", default=["w4a16", "bf16"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    clock_khz = torch.cuda.get_device_properties(0).clock_rate if hasattr(
-        torch.cuda.get_device_properties(0), "clock_rate") else 1_980_000  # fmt: skip
+    props = torch.cuda.get_device_properties(0)
+    clock_khz = getattr(props, "clock_rate", 0) or 1_980_000
+    window, norm = (int(us * clock_khz / 1e3) for us in (args.window_us, args.norm_us))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "l2_bytes": torch.cuda.get_device_properties(0).L2_cache_size,
-              "layers": args.layers, "rows": []}  # fmt: skip
+              "l2_bytes": getattr(props, "L2_cache_size", None), "layers": args.layers,
+              "window_us": args.window_us, "norm_us": args.norm_us, "rows": []}  # fmt: skip
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    for quantized in (True, False):
-        model = build(args.layers, quantized)
-        for window in args.windows_us:
-            cycles = int(window * clock_khz / 1e3)
-            alone = torch.cuda.CUDAGraph()  # the windows alone
-            with torch.cuda.graph(alone):
-                for _ in range(args.layers):
-                    torch.cuda._sleep(cycles)
-            window_ms = timed(alone, args.reps) / args.layers
-            graphs = {}
-            for budget in args.budgets:
-                os.environ["ATOM_L2_PREFETCH_MB"] = str(budget)
-                step(model, x, cycles)  # warm-up: tunes, builds the chunk tables
-                torch.cuda.synchronize()
-                graphs[budget] = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graphs[budget]):
-                    step(model, x, cycles)
-            per = {b: [] for b in args.budgets}
-            for r in range(args.rounds):
-                order = args.budgets if r % 2 == 0 else args.budgets[::-1]
-                for budget in order:
-                    per[budget].append(timed(graphs[budget], args.reps) / args.layers)
-            for budget in args.budgets:
-                ms = statistics.median(per[budget])
-                row = {"weights": "w4a16" if quantized else "bf16", "window_us": window,
-                       "window_alone_us": window_ms * 1e3, "budget_mb": budget,
-                       "layer_us": ms * 1e3, "layer_less_window_us": (ms - window_ms) * 1e3,
-                       "rounds_us": [t * 1e3 for t in per[budget]]}  # fmt: skip
-                result["rows"].append(row)
-                print(json.dumps(row), flush=True)
-            json.dump(result, open(args.out, "w"), indent=1)
-            del graphs
-        del model
+    for weights in args.weights:
+        model = build(args.layers, weights == "w4a16")
+        alone = timed(windows(args.layers, window, norm), args.reps) / args.layers
+        graphs = {}
+        for spec in args.plans:
+            os.environ["ATOM_L2_PREFETCH"] = spec
+            step(model, x, window, norm)  # warm-up: tunes, builds the chunk tables
+            torch.cuda.synchronize()
+            graphs[spec] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[spec]):
+                step(model, x, window, norm)
+        os.environ.pop("ATOM_L2_PREFETCH", None)
+        per = {spec: [] for spec in args.plans}
+        for r in range(args.rounds):
+            for spec in args.plans if r % 2 == 0 else args.plans[::-1]:
+                per[spec].append(timed(graphs[spec], args.reps) / args.layers)
+        for spec in args.plans:
+            ms = statistics.median(per[spec])
+            row = {"weights": weights, "plan": spec, "layer_us": ms * 1e3,
+                   "windows_alone_us": alone * 1e3, "layer_less_windows_us": (ms - alone) * 1e3,
+                   "rounds_us": [t * 1e3 for t in per[spec]]}  # fmt: skip
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        del graphs, model
         torch.cuda.empty_cache()
-    os.environ.pop("ATOM_L2_PREFETCH_MB", None)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Issue 40 item 4, one device call (one H100 / H200): the L2 prefetch of a decoder layer's
-# o_proj and gate_up weights while its attention runs (ATOM_L2_PREFETCH_MB, layers/prefetch.py).
-# All under $OUT (carry [".whl", ".bench_assets"]):
+# Issue 40 item 4, one device call (one H100 / H200): a decoder layer's next weights asked of L2
+# ahead of their GEMM (ATOM_L2_PREFETCH, layers/prefetch.py). All under $OUT (carry [".whl",
+# ".bench_assets"]):
 #   1. (TESTS=1) GPU tests: the prefetch kernel eagerly and in a graph, the engine's log-probs
-#      with it and without (bf16, W4A16; decode graphs, piecewise) (gpu-tests.xml);
-#   2. (MICRO=1) benchmarks/l2_prefetch.py: Llama-3-8B's four projections a layer, BUDGETS
-#      alternated (l2-prefetch.json); the fastest W4A16 budget at the 8 us window is PICKED;
-#   3. (SHAPES) the engine's decode at BATCH_SIZES, ATOM_L2_PREFETCH_MB=0 against the picked
-#      budget (or AB_MB), alternated over ROUNDS (decode-ab.json).
-#   bash benchmarks/l2_prefetch_call.sh
+#      with every stage on and off (bf16, W4A16; decode graphs, piecewise) (gpu-tests.xml);
+#   2. (MICRO=1) benchmarks/l2_prefetch.py: Llama-3-8B's four projections a layer under each
+#      plan, alternated (l2-prefetch.json); the fastest plan for AB_WEIGHTS is picked;
+#   3. the engine's decode (AB_WEIGHTS w4a16: llama3-8b-w4a16, bf16: llama3-8b) at BATCH_SIZES,
+#      ATOM_L2_PREFETCH unset against the picked plan (or AB_PLAN), alternated over ROUNDS
+#      (decode-ab.json).
+#   bash benchmarks/l2_prefetch_call.sh                          # call 1
+#   TESTS=0 MICRO=0 AB_WEIGHTS=bf16 AB_PLAN="attn=32" bash ...  # call 2: the bf16 step
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -23,37 +25,37 @@ if [ "${TESTS:-1}" = 1 ]; then
         packages/atom-engine/tests/test_gpu_engine.py -k "${TEST_K:-prefetch}" 2>&1 \
         | grep -v Warn | tail -8
 fi
-best=${AB_MB:-}
+weights=${AB_WEIGHTS:-w4a16}
+best=${AB_PLAN:-}
 if [ "${MICRO:-1}" = 1 ]; then
-    timeout ${MICRO_S:-150} python3 benchmarks/l2_prefetch.py --budgets ${BUDGETS:-0 12 24 36 48} \
-        --windows-us ${WINDOWS:-8} --out "$OUT/l2-prefetch.json" 2>&1 | grep -v Warn \
-        | python3 -c "
+    timeout ${MICRO_S:-150} python3 benchmarks/l2_prefetch.py ${MICRO_ARGS:-} \
+        --out "$OUT/l2-prefetch.json" 2>&1 | grep -v Warn | python3 -c "
 import json, sys
 for line in sys.stdin:
     try:
         r = json.loads(line)
     except ValueError:
         print(line.rstrip()); continue
-    print(r['weights'], 'window', round(r['window_alone_us'], 2), 'us, budget', r['budget_mb'],
-          'MB: layer', round(r['layer_us'], 2), 'us, less the window', round(r['layer_less_window_us'], 2))
+    print(f\"{r['weights']:6s} {r['plan'] or 'off':32s} layer {r['layer_us']:7.2f} us, \"
+          f\"less the windows {r['layer_less_windows_us']:7.2f} us\")
 "
     if [ -z "$best" ]; then
-        best=$(python3 - <<'PY'
+        best=$(WEIGHTS=$weights python3 - <<'PY'
 import json, os
 d = json.load(open(f"{os.environ['OUT']}/l2-prefetch.json"))
-rows = [r for r in d["rows"] if r["weights"] == "w4a16" and r["window_us"] == max(
-    x["window_us"] for x in d["rows"])]
-print(min(rows, key=lambda r: r["layer_us"])["budget_mb"])
+rows = [r for r in d["rows"] if r["weights"] == os.environ["WEIGHTS"]]
+print(min(rows, key=lambda r: r["layer_us"])["plan"])
 PY
 )
-        echo "picked ATOM_L2_PREFETCH_MB=$best" | tee "$OUT/picked.txt"
+        echo "picked ATOM_L2_PREFETCH=$best for $weights" | tee "$OUT/picked.txt"
     fi
 fi
-if [ -n "${SHAPES:-llama3-8b-w4a16}" ] && [ -n "$best" ] && [ "$best" != 0 ]; then
+if [ -n "$best" ]; then
+    shape=$([ "$weights" = bf16 ] && echo llama3-8b || echo llama3-8b-w4a16)
     ab=$(mktemp -d)
-    OUT=$ab VARIANTS="ATOM_L2_PREFETCH_MB=0;ATOM_L2_PREFETCH_MB=$best" \
-        SHAPES="${SHAPES:-llama3-8b-w4a16}" BATCH_SIZES="${BATCH_SIZES:-1}" ROUNDS=${ROUNDS:-2} \
-        RUN_S=${RUN_S:-75} BUDGET_S=${AB_BUDGET_S:-320} bash benchmarks/decode_ab.sh 2>&1 | tail -8
+    OUT=$ab VARIANTS="ATOM_L2_PREFETCH=;ATOM_L2_PREFETCH=$best" SHAPES="$shape" \
+        BATCH_SIZES="${BATCH_SIZES:-1}" ROUNDS=${ROUNDS:-2} RUN_S=${RUN_S:-75} \
+        BUDGET_S=${AB_BUDGET_S:-320} bash benchmarks/decode_ab.sh 2>&1 | tail -8
     AB=$ab python3 - <<'PY' | tee "$OUT/decode-ab.json"
 import glob, json, os
 rows = {os.path.basename(f): [(r.get("batch_size"), r["step_ms"]) for r in json.load(open(f))["results"]]

@@ -73,7 +73,8 @@ def test_triton_launcher_does_nothing_off_sm90():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for sm_90")
-def test_kernel_compiles_to_bulk_prefetches_for_sm90():
+@pytest.mark.parametrize("evict_last", [False, True])
+def test_kernel_compiles_to_bulk_prefetches_for_sm90(evict_last):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -81,8 +82,9 @@ def test_kernel_compiles_to_bulk_prefetches_for_sm90():
     from atom_kernels.backends.triton import prefetch
 
     kernel = prefetch._l2_prefetch_kernel
-    src = ASTSource(kernel, {"spans_ptr": "*i64", "n": "i32", "BLOCK": "constexpr"},
-                    {"BLOCK": prefetch.BLOCK}, {(0,): [["tt.divisibility", 16]]})  # fmt: skip
+    signature = {"spans_ptr": "*i64", "n": "i32", "BLOCK": "constexpr", "EVICT_LAST": "constexpr"}
+    src = ASTSource(kernel, signature, {"BLOCK": prefetch.BLOCK, "EVICT_LAST": evict_last},
+                    {(0,): [["tt.divisibility", 16]]})  # fmt: skip
     try:
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=1, num_stages=1))  # fmt: skip
@@ -90,6 +92,8 @@ def test_kernel_compiles_to_bulk_prefetches_for_sm90():
         pytest.skip(f"no CUDA toolchain for an AOT compile: {exc}")
     ptx = compiled.asm["ptx"]
     assert ptx.count("cp.async.bulk.prefetch.L2.global") == 1  # a row a thread
+    assert ("L2::cache_hint" in ptx) == evict_last
+    assert ("createpolicy.fractional.L2::evict_last" in ptx) == evict_last
     assert "ld.shared" not in ptx and "bar.sync" not in ptx
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not cuobjdump.exists():  # pragma: no cover
@@ -116,6 +120,7 @@ def test_prefetch_on_the_gpu_eager_and_in_a_graph():
     assert spans.device == device and spans.shape[0] > 0
     assert prefetch.supported(device) == (torch.cuda.get_device_capability()[0] >= 9)
     atom_kernels.l2_prefetch(spans)
+    atom_kernels.l2_prefetch(spans, evict_last=True)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     out = torch.empty_like(w)

@@ -5,13 +5,14 @@ the W4A16 layer's packed words and scales, and nothing done on CPU tensors. The 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, Qwen3MoeConfig
 
-from atom_kernels import envs
-from atom_models.layers.prefetch import WeightPrefetch, module_tensors
+from atom_models.layers import prefetch as prefetch_mod
+from atom_models.layers.prefetch import Plan, WeightPrefetch, module_tensors, parse_plan
 from atom_models.loader import materialize
-from atom_models.models.llama import LlamaDecoderLayer
+from atom_models.models.llama import LlamaDecoderLayer, LlamaModel
 from atom_models.models.qwen3_moe import Qwen3MoeDecoderLayer
 from atom_models.quantization import parse_quant_config, quantize_model
 
@@ -64,15 +65,39 @@ def test_w4a16_layer_prefetches_its_packed_tensors():
     tensors = module_tensors(o)
     assert len(tensors) >= 3 and tensors[0].dtype == torch.int32  # words, scales, zeros
     total = sum(_bytes(t) for t in tensors)
-    spans = WeightPrefetch([o]).spans(total)
+    spans = WeightPrefetch("attn", [o]).spans(total)
     for t in tensors:
         assert any(a <= t.data_ptr() < a + n for a, n in spans.tolist())
 
 
 def test_nothing_on_cpu(monkeypatch):
-    monkeypatch.setattr(envs, "ATOM_L2_PREFETCH_MB", 64)
+    monkeypatch.setenv("ATOM_L2_PREFETCH", "attn=64,mlp=32,next=16")
     layer = LlamaDecoderLayer(LlamaConfig(**SMALL, intermediate_size=256), 0, "model.layers.0")
     prefetch = layer.self_attn.prefetch
     prefetch.start(torch.zeros(1, 128))
-    prefetch.join()
-    assert prefetch._spans is None and prefetch._pending is None
+    prefetch_mod.join(torch.zeros(1, 128))
+    assert prefetch._spans is None and not prefetch_mod._PENDING
+
+
+def test_plan_parses_stages_in_mb():
+    assert parse_plan("") == Plan({}, False)
+    want = {"attn": 32 << 20, "mlp": 24 << 20, "next": 0}
+    assert parse_plan("attn=32, mlp=24,next=0") == Plan(want, False)
+    assert parse_plan("attn=32,mlp=24,next=0,last") == Plan(want, True)
+    for bad in ("attn", "attn=x", "qkv=8", "attn=-1", "first"):
+        with pytest.raises(ValueError, match="ATOM_L2_PREFETCH"):
+            parse_plan(bad)
+    with pytest.raises(ValueError, match="stage"):
+        WeightPrefetch("lm_head", [])
+
+
+def test_model_chains_each_mlp_to_the_next_layers_qkv():
+    """Each layer's MLP asks for its down projection (stage mlp) and the next layer's QKV
+    projection (stage next); the last layer's for nothing (the LM head is outside the graph)."""
+    model = LlamaModel(LlamaConfig(**dict(SMALL, num_hidden_layers=3), intermediate_size=256))
+    layers = list(model.layers)
+    for layer, after in zip(layers, [*layers[1:], None], strict=True):
+        assert layer.mlp.prefetch_down.stage == "mlp"
+        assert layer.mlp.prefetch_down.modules == [layer.mlp.down_proj]
+        want = [] if after is None else [after.self_attn.qkv_proj]
+        assert layer.mlp.prefetch_next.stage == "next" and layer.mlp.prefetch_next.modules == want

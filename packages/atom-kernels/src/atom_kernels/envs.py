@@ -229,9 +229,10 @@ TABLE: tuple[Switch, ...] = (
         "rotary + KV-cache write in one kernel through `forward_rope` (`0`: off, A/B)",
     ),
     Switch(
-        "ATOM_L2_PREFETCH_MB", 0, int,
-        "MB of a decoder layer's output projection and MLP asked of L2 as its attention starts "
-        "(`0`: off)",
+        "ATOM_L2_PREFETCH", "", _same,
+        "`stage=MB,...[,last]`: a decoder layer's next weights asked of L2 ahead of their GEMM, "
+        "stages `attn` (o_proj, gate_up), `mlp` (down), `next` (the next QKV); `last`: "
+        "evict-last lines (unset: off)",
     ),
     # Read by atom-models' checkpoint reader.
     Switch(

@@ -48,8 +48,10 @@ def l2_spans(groups: Sequence[Sequence[torch.Tensor]], budget: int) -> torch.Ten
     return torch.tensor(chunks, dtype=torch.int64, device=device).reshape(-1, 2)
 
 
-def l2_prefetch(spans: torch.Tensor) -> None:
-    """Ask L2 for the chunks of ``spans`` (``l2_spans``'s table); returns before they arrive."""
+def l2_prefetch(spans: torch.Tensor, evict_last: bool = False) -> None:
+    """Ask L2 for the chunks of ``spans`` (``l2_spans``'s table); returns before they arrive.
+    ``evict_last``: the lines marked evict-last in L2 (evicted after the lines streaming past
+    them), where the backend can say so."""
     if spans.dtype != torch.int64 or spans.ndim != 2 or spans.shape[1] != 2:
         raise ValueError(
             f"l2_prefetch: spans must be int64 [C, 2], got {spans.dtype} {tuple(spans.shape)}"
@@ -57,4 +59,4 @@ def l2_prefetch(spans: torch.Tensor) -> None:
     if not spans.is_contiguous():
         raise ValueError("l2_prefetch: spans must be contiguous")
     if spans.shape[0]:
-        get_op("l2_prefetch", spans.device)(spans)
+        get_op("l2_prefetch", spans.device)(spans, bool(evict_last))

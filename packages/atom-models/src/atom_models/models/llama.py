@@ -9,6 +9,7 @@ from torch import nn
 
 import atom_kernels
 from atom_models.distributed import get_tp_group
+from atom_models.layers import prefetch
 from atom_models.layers.activation import SiluAndMul
 from atom_models.layers.attention import Attention
 from atom_models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -50,14 +51,20 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
+        # Asked of L2 as gate_up starts: down's weights; as down starts: the next layer's QKV
+        # projection's (LlamaModel fills it in; layers/prefetch.py, ATOM_L2_PREFETCH).
+        self.prefetch_down = WeightPrefetch("mlp", [self.down_proj])
+        self.prefetch_next = WeightPrefetch("next", [])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
+        self.prefetch_down.start(x)
         if gate_up.quant_method is UNQUANTIZED:
             # One op (one launch at batch-1 decode on the Triton backend): the GEMM, then SiLU.
             h = atom_kernels.linear_silu_and_mul(x, gate_up.weight, gate_up.bias)
         else:  # a quantized (or host-supplied) GEMM
             h = self.act_fn(gate_up(x))
+        self.prefetch_next.start(h)
         return self.down_proj(h)
 
     def forward_after_norm(
@@ -69,9 +76,11 @@ class LlamaMLP(nn.Module):
         if gate_up.quant_method is not UNQUANTIZED:
             x, residual = norm(x, residual)
             return self(x), residual
+        self.prefetch_down.start(x)
         h, residual = atom_kernels.fused_add_rms_norm_linear_silu_and_mul(
             x, residual, norm.weight, norm.eps, gate_up.weight, gate_up.bias
         )
+        self.prefetch_next.start(h)
         return self.down_proj(h), residual
 
 
@@ -110,8 +119,8 @@ class LlamaAttention(nn.Module):
             sliding_window=sliding_window_of(config, layer_idx),
         )
         # While the attention runs: the output projection's weights (and the MLP's, added by
-        # the decoder layer) asked of L2 (layers/prefetch.py, ATOM_L2_PREFETCH_MB).
-        self.prefetch = WeightPrefetch([self.o_proj])
+        # the decoder layer) asked of L2 (layers/prefetch.py, ATOM_L2_PREFETCH).
+        self.prefetch = WeightPrefetch("attn", [self.o_proj])
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(hidden_states))
@@ -140,9 +149,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(qkv)
         self.prefetch.start(qkv)
         # The rotary and the K/V cache write: one kernel on ATOM's engine (Attention.forward_rope).
-        out = self.attn.forward_rope(positions, q, k, v, self.rotary_emb)
-        self.prefetch.join()
-        return self.o_proj(out)
+        return self.o_proj(self.attn.forward_rope(positions, q, k, v, self.rotary_emb))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -152,9 +159,9 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self.attention_cls(config, layer_idx, prefix=f"{prefix}.self_attn")
         self.mlp = self.build_mlp(config, layer_idx, prefix=f"{prefix}.mlp")
-        prefetch = getattr(self.self_attn, "prefetch", None)
-        if prefetch is not None and isinstance(self.mlp, LlamaMLP):
-            prefetch.modules.append(self.mlp.gate_up_proj)
+        attn_prefetch = getattr(self.self_attn, "prefetch", None)
+        if attn_prefetch is not None and isinstance(self.mlp, LlamaMLP):
+            attn_prefetch.modules.append(self.mlp.gate_up_proj)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # On a group that fuses them (the engine's peer all-reduce on GPUs), o_proj's all-reduce
@@ -219,12 +226,18 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # The decoder stack; multi-token-prediction layers may follow it in `layers`.
         self.num_hidden_layers = config.num_hidden_layers
+        stack = list(islice(self.layers, self.num_hidden_layers))
+        for layer, after in zip(stack, stack[1:], strict=False):
+            mlp, qkv = getattr(layer, "mlp", None), getattr(after.self_attn, "qkv_proj", None)
+            if isinstance(mlp, LlamaMLP) and qkv is not None:
+                mlp.prefetch_next.modules = [qkv]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in islice(self.layers, self.num_hidden_layers):
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
+        prefetch.join(hidden_states)  # the side stream's prefetch launches (layers/prefetch.py)
         return hidden_states
 
 

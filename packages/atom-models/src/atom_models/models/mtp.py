@@ -33,6 +33,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from atom_models.layers import prefetch
 from atom_models.layers.attention import get_attention_host
 from atom_models.layers.embedding import ParallelLMHead
 from atom_models.layers.linear import ReplicatedLinear
@@ -117,7 +118,9 @@ class MultiTokenPredictionMixin:
         embeds = self.model.embed_tokens(input_ids)  # [T, hidden]
         # Position 0 has no previous token for the hidden state to have predicted from (vLLM).
         embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0.0)
-        return layer.mtp_forward(embeds, positions, previous_hidden)
+        out = layer.mtp_forward(embeds, positions, previous_hidden)
+        prefetch.join(out)  # a prefetch its layer launched (layers/prefetch.py)
+        return out
 
     def compute_mtp_logits(self, hidden_states: torch.Tensor, step: int = 0) -> torch.Tensor:
         """[T, hidden] (an mtp_forward output) -> [T, vocab] draft logits, gathered over the

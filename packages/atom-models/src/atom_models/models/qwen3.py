@@ -28,7 +28,6 @@ class Qwen3Attention(LlamaAttention):
         # on ATOM's engine the K/V cache write too (Attention.forward_rope).
         self.prefetch.start(qkv)
         out = self.attn.forward_rope(positions, q, k, v, self.rotary_emb, self.q_norm, self.k_norm)
-        self.prefetch.join()
         return self.o_proj(out)
 
 

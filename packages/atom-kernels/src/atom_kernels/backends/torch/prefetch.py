@@ -8,5 +8,5 @@ from atom_kernels.registry import register_op
 
 
 @register_op("l2_prefetch", "torch")
-def l2_prefetch(spans: torch.Tensor) -> None:
+def l2_prefetch(spans: torch.Tensor, evict_last: bool = False) -> None:
     return None

@@ -25,16 +25,22 @@ _ASM = tl.constexpr(
     "{\n.reg .pred p;\nsetp.ne.u32 p, $2, 0;\n"
     "@p cp.async.bulk.prefetch.L2.global [$1], $2;\nmov.u32 $0, 0;\n}"
 )
+# The same with the lines marked evict-last in L2 (what streams past them goes first).
+_ASM_EVICT_LAST = tl.constexpr(
+    "{\n.reg .pred p;\n.reg .b64 policy;\nsetp.ne.u32 p, $2, 0;\n"
+    "createpolicy.fractional.L2::evict_last.b64 policy, 1.0;\n"
+    "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, policy;\nmov.u32 $0, 0;\n}"
+)
 
 
 @triton.jit
-def _l2_prefetch_kernel(spans_ptr, n, BLOCK: tl.constexpr):
+def _l2_prefetch_kernel(spans_ptr, n, BLOCK: tl.constexpr, EVICT_LAST: tl.constexpr = False):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = rows < n
     address = tl.load(spans_ptr + 2 * rows, mask=mask, other=0)
     size = tl.load(spans_ptr + 2 * rows + 1, mask=mask, other=0).to(tl.int32)
-    tl.inline_asm_elementwise(_ASM, "=r,l,r", [address, size], dtype=tl.int32, is_pure=False,
-                              pack=1)  # fmt: skip
+    tl.inline_asm_elementwise(_ASM_EVICT_LAST if EVICT_LAST else _ASM, "=r,l,r", [address, size],
+                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 @functools.cache
@@ -50,8 +56,9 @@ def supported(device: torch.device) -> bool:
 
 
 @register_op("l2_prefetch", "triton")
-def l2_prefetch(spans: torch.Tensor) -> None:
+def l2_prefetch(spans: torch.Tensor, evict_last: bool = False) -> None:
     if not supported(spans.device):
         return
     n = spans.shape[0]
-    _l2_prefetch_kernel[(triton.cdiv(n, BLOCK),)](spans, n, BLOCK=BLOCK, num_warps=1)
+    _l2_prefetch_kernel[(triton.cdiv(n, BLOCK),)](spans, n, BLOCK=BLOCK, EVICT_LAST=evict_last,
+                                                   num_warps=1)  # fmt: skip
