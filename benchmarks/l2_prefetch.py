@@ -6,7 +6,8 @@ down; a window is ``torch.cuda._sleep`` (one SM spinning, no DRAM traffic). The 
 start where the model starts them (``attn`` after QKV: o_proj and gate_up; ``mlp`` before
 gate_up: down; ``next`` before down: the next layer's QKV) and join at the end. The layers run
 as one CUDA graph; a row is a plan's median per-layer time over ``--reps`` replays (and that
-time less the windows alone), W4A16 (group 128, symmetric: ``wna16_linear``) and bf16
+time less the windows alone, and the four GEMMs' weight bytes over that time as a fraction of
+the copy rate measured in the same call), W4A16 (group 128, symmetric: ``wna16_linear``) and bf16
 (``linear``), the plans alternated inside each round (every other round reversed).
 
     export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
@@ -107,6 +108,21 @@ PLANS = (
 )  # fmt: skip
 
 
+def copy_gbps() -> float:
+    """The copy rate measured here (the roofline of this call): 2 GiB read and written."""
+    from triton.testing import do_bench
+
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def layer_bytes(model: list[dict]) -> int:
+    """The bytes one layer's four GEMMs read of their weights (and scales)."""
+    return sum(t.numel() * t.element_size() for name in SHAPES for t in model[0][name].buffers())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)
@@ -124,10 +140,12 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "l2_bytes": getattr(props, "L2_cache_size", None), "layers": args.layers,
               "window_us": args.window_us, "norm_us": args.norm_us, "rows": []}  # fmt: skip
+    result["copy_GBps"] = copy = copy_gbps()
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     for weights in args.weights:
         model = build(args.layers, weights == "w4a16")
         alone = timed(windows(args.layers, window, norm), args.reps) / args.layers
+        nbytes = layer_bytes(model)
         graphs = {}
         for spec in args.plans:
             os.environ["ATOM_L2_PREFETCH"] = spec
@@ -145,7 +163,9 @@ def main() -> None:
             ms = statistics.median(per[spec])
             row = {"weights": weights, "plan": spec, "layer_us": ms * 1e3,
                    "windows_alone_us": alone * 1e3, "layer_less_windows_us": (ms - alone) * 1e3,
-                   "rounds_us": [t * 1e3 for t in per[spec]]}  # fmt: skip
+                   "rounds_us": [t * 1e3 for t in per[spec]], "weight_bytes": nbytes,
+                   # the GEMMs' weight bytes over the layer's time less its windows
+                   "of_copy": nbytes / ((ms - alone) * 1e6) / copy}  # fmt: skip
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:

@@ -37,7 +37,7 @@ for line in sys.stdin:
     except ValueError:
         print(line.rstrip()); continue
     print(f\"{r['weights']:6s} {r['plan'] or 'off':32s} layer {r['layer_us']:7.2f} us, \"
-          f\"less the windows {r['layer_less_windows_us']:7.2f} us\")
+          f\"less the windows {r['layer_less_windows_us']:7.2f} us ({r['of_copy']:.0%} of copy)\")
 "
     if [ -z "$best" ]; then
         best=$(WEIGHTS=$weights python3 - <<'PY'
