@@ -239,17 +239,11 @@ def test_rope_in_the_cache_write_matches_the_two_ops(tiny, monkeypatch, kv_cache
         assert tokens[True] == tokens[False]
 
 
-@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
-def test_w4a16_fragment_layout_matches_the_rows_layout(tiny, symmetric, tmp_path, monkeypatch):
-    """The tiny model as a W4A16 group-128 compressed-tensors checkpoint (ATOM's packer) in bf16,
-    CUDA graphs, its layers repacked into the fragment layout (ATOM_WNA16_FRAG) or not: the
-    prompts' log-probs (prefill: the interleaved loop on that layout) and those of the step
-    after the first token, 6 sequences at once (the fragment kernel at 6 rows), within bf16's
-    tolerance of the rows layout's."""
-    from atom_kernels import envs
+def w4a16_checkpoint(src, dst, symmetric: bool):
+    """The tiny checkpoint at ``src`` as a W4A16 group-128 compressed-tensors one (ATOM's
+    packer) at ``dst``; the LM head stays bf16, as in public checkpoints."""
     from atom_models.testing import ct_pack_quantized, write_quantized_checkpoint
 
-    path, _ = tiny
     weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
                "symmetric": symmetric}  # fmt: skip
     quant = {"quant_method": "compressed-tensors", "format": "pack-quantized",
@@ -260,7 +254,19 @@ def test_w4a16_fragment_layout_matches_the_rows_layout(tiny, symmetric, tmp_path
         packed, _ = ct_pack_quantized(tensor, bits=4, group_size=128, symmetric=symmetric)
         return {f"{name[: -len('weight')]}{s}": t for s, t in packed.items()}
 
-    dst = write_quantized_checkpoint(path, tmp_path / "w4a16", quant, quantize)
+    return write_quantized_checkpoint(src, dst, quant, quantize)
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_w4a16_fragment_layout_matches_the_rows_layout(tiny, symmetric, tmp_path, monkeypatch):
+    """The tiny model as a W4A16 group-128 compressed-tensors checkpoint (ATOM's packer) in bf16,
+    CUDA graphs, its layers repacked into the fragment layout (ATOM_WNA16_FRAG) or not: the
+    prompts' log-probs (prefill: the interleaved loop on that layout) and those of the step
+    after the first token, 6 sequences at once (the fragment kernel at 6 rows), within bf16's
+    tolerance of the rows layout's."""
+    from atom_kernels import envs
+
+    dst = w4a16_checkpoint(tiny[0], tmp_path / "w4a16", symmetric)
     params = SamplingParams(temperature=0, max_tokens=2, logprobs=5, prompt_logprobs=3,
                             ignore_eos=True)  # fmt: skip
     results = {}
@@ -296,21 +302,7 @@ def test_l2_prefetch_changes_no_value(tiny, quantized, mode, tmp_path, monkeypat
     stream, forked at three points of the layer and joined at the model's end, inside the decode
     graphs): the prompts' and the decode steps' log-probs and tokens those without it, bf16 and
     a W4A16 checkpoint, 6 sequences at once; every stage did run (its chunk table is built)."""
-    from atom_models.testing import ct_pack_quantized, write_quantized_checkpoint
-
-    path, _ = tiny
-    if quantized:
-        weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,
-                   "symmetric": True}  # fmt: skip
-        quant = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                 "config_groups": {"g": {"targets": ["Linear"], "weights": weights}},
-                 "ignore": ["lm_head"]}  # fmt: skip
-
-        def quantize(name, tensor):
-            packed, _ = ct_pack_quantized(tensor, bits=4, group_size=128, symmetric=True)
-            return {f"{name[: -len('weight')]}{s}": t for s, t in packed.items()}
-
-        path = write_quantized_checkpoint(path, tmp_path / "w4a16", quant, quantize)
+    path = w4a16_checkpoint(tiny[0], tmp_path / "w4a16", True) if quantized else tiny[0]
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=5, prompt_logprobs=3,
                             ignore_eos=True)  # fmt: skip
     results = {}
