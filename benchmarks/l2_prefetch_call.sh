@@ -20,7 +20,7 @@ mkdir -p "$OUT"
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, \
 'triton', triton.__version__)" | tee "$OUT/device.txt"
 if [ "${TESTS:-1}" = 1 ]; then
-    ATOM_REQUIRE_GPU=1 timeout ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -rfE \
+    ATOM_REQUIRE_GPU=1 timeout ${TEST_S:-120} python3 -m pytest -q -p no:cacheprovider -rfE \
         --junitxml="$OUT/gpu-tests.xml" packages/atom-kernels/tests/test_prefetch.py \
         packages/atom-engine/tests/test_gpu_engine.py -k "${TEST_K:-prefetch}" 2>&1 \
         | grep -v Warn | tail -8
@@ -28,7 +28,7 @@ fi
 weights=${AB_WEIGHTS:-w4a16}
 best=${AB_PLAN:-}
 if [ "${MICRO:-1}" = 1 ]; then
-    timeout ${MICRO_S:-150} python3 benchmarks/l2_prefetch.py ${MICRO_ARGS:-} \
+    timeout ${MICRO_S:-120} python3 benchmarks/l2_prefetch.py ${MICRO_ARGS:-} \
         --out "$OUT/l2-prefetch.json" 2>&1 | grep -v Warn | python3 -c "
 import json, sys
 for line in sys.stdin:
@@ -55,7 +55,7 @@ if [ -n "$best" ]; then
     ab=$(mktemp -d)
     OUT=$ab VARIANTS="ATOM_L2_PREFETCH=;ATOM_L2_PREFETCH=$best" SHAPES="$shape" \
         BATCH_SIZES="${BATCH_SIZES:-1}" ROUNDS=${ROUNDS:-2} RUN_S=${RUN_S:-75} \
-        BUDGET_S=${AB_BUDGET_S:-320} bash benchmarks/decode_ab.sh 2>&1 | tail -8
+        BUDGET_S=${AB_BUDGET_S:-300} bash benchmarks/decode_ab.sh 2>&1 | tail -8
     AB=$ab python3 - <<'PY' | tee "$OUT/decode-ab.json"
 import glob, json, os
 rows = {os.path.basename(f): [(r.get("batch_size"), r["step_ms"]) for r in json.load(open(f))["results"]]

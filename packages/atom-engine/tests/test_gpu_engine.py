@@ -295,8 +295,11 @@ def test_w4a16_fragment_layout_matches_the_rows_layout(tiny, symmetric, tmp_path
     assert compared >= 3
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "w4a16"])
-@pytest.mark.parametrize("mode", ["full_decode_only", "full_and_piecewise"])
+@pytest.mark.parametrize(
+    ("quantized", "mode"),
+    [(False, "full_and_piecewise"), (True, "full_decode_only")],
+    ids=["bf16", "w4a16"],
+)
 def test_l2_prefetch_changes_no_value(tiny, quantized, mode, tmp_path, monkeypatch):
     """ATOM_L2_PREFETCH (layers/prefetch.py: each layer's next weights asked of L2 on a side
     stream, forked at three points of the layer and joined at the model's end, inside the decode
