@@ -3,12 +3,13 @@ on Llama-3-8B's four projections at batch-1 decode, outside the engine: each of 
 own weights, so L2 holds none of the next) runs a norm's window, the QKV GEMM, a window standing
 in for the rotary and attention kernels, the output projection, a norm's window, gate_up and
 down; a window is ``torch.cuda._sleep`` (one SM spinning, no DRAM traffic). The prefetch stages
-start where the model starts them (``attn`` after QKV: o_proj and gate_up; ``mlp`` before
-gate_up: down; ``next`` before down: the next layer's QKV) and join at the end. The layers run
-as one CUDA graph; a row is a plan's median per-layer time over ``--reps`` replays (and that
-time less the windows alone, and the four GEMMs' weight bytes over that time as a fraction of
-the copy rate measured in the same call), W4A16 (group 128, symmetric: ``wna16_linear``) and bf16
-(``linear``), the plans alternated inside each round (every other round reversed).
+start where the model starts them (``qkv`` before QKV and ``attn`` after it: o_proj and
+gate_up; ``mlp`` before gate_up: down; ``next`` before down: the next layer's QKV) and join at
+the end. The layers run as one CUDA graph; a row is a plan's median per-layer time over
+``--reps`` replays (with that time less the windows alone, and the four GEMMs' weight bytes
+over it as a fraction of the copy rate measured in the same call), W4A16 (group 128,
+symmetric: ``wna16_linear``) and bf16 (``linear``), the plans alternated inside each round
+(every other round reversed).
 
     export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)
     python benchmarks/l2_prefetch.py --out $OUT/l2-prefetch.json
@@ -58,14 +59,17 @@ def build(layers: int, quantized: bool) -> list[dict]:
     for i, p in enumerate(out):
         after = [out[i + 1]["qkv"]] if i + 1 < layers else []
         attn = WeightPrefetch("attn", [p["o"], p["gate_up"]])
-        p["stages"] = (attn, WeightPrefetch("mlp", [p["down"]]), WeightPrefetch("next", after))
+        early = WeightPrefetch("qkv", attn.modules)
+        p["stages"] = (early, attn, WeightPrefetch("mlp", [p["down"]]),
+                       WeightPrefetch("next", after))  # fmt: skip
     return out
 
 
 def step(model: list[dict], x: torch.Tensor, window: int, norm: int) -> torch.Tensor:
     for p in model:
-        attn, mlp, after = p["stages"]
+        early, attn, mlp, after = p["stages"]
         torch.cuda._sleep(norm)
+        early.start(x)
         qkv = p["qkv"](x)
         attn.start(qkv)
         torch.cuda._sleep(window)
@@ -102,9 +106,9 @@ def timed(graph: torch.cuda.CUDAGraph, reps: int) -> float:
 
 
 PLANS = (
-    "", "attn=16", "attn=32", "attn=44", "attn=32,last", "mlp=16", "mlp=28", "mlp=28,last",
-    "next=12", "attn=32,mlp=20,next=12", "attn=32,mlp=20,next=12,last",
-    "attn=24,mlp=24,next=12,last",
+    "", "attn=16", "attn=32", "attn=44", "qkv=32", "qkv=44", "attn=32,last", "mlp=16", "mlp=28",
+    "mlp=28,last", "next=12", "attn=32,mlp=20,next=12", "attn=32,mlp=20,next=12,last",
+    "qkv=32,mlp=20,next=12,last", "attn=24,mlp=24,next=12,last",
 )  # fmt: skip
 
 

@@ -302,32 +302,35 @@ def test_w4a16_fragment_layout_matches_the_rows_layout(tiny, symmetric, tmp_path
 )
 def test_l2_prefetch_changes_no_value(tiny, quantized, mode, tmp_path, monkeypatch):
     """ATOM_L2_PREFETCH (layers/prefetch.py: each layer's next weights asked of L2 on a side
-    stream, forked at three points of the layer and joined at the model's end, inside the decode
-    graphs): the prompts' and the decode steps' log-probs and tokens those without it, bf16 and
-    a W4A16 checkpoint, 6 sequences at once; every stage did run (its chunk table is built)."""
+    stream, evict-last, forked at four points of the layer and joined at the model's end, inside
+    the decode graphs): the prompts' and the decode steps' log-probs and tokens those without it,
+    bf16 and a W4A16 checkpoint, 6 sequences at once; every stage ran (its chunk table built)."""
     path = w4a16_checkpoint(tiny[0], tmp_path / "w4a16", True) if quantized else tiny[0]
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=5, prompt_logprobs=3,
                             ignore_eos=True)  # fmt: skip
     results = {}
-    for spec in ("", "attn=64,mlp=64,next=64"):
+    every = "qkv=64,attn=64,mlp=64,next=64,last"
+    for spec in ("", every):
         monkeypatch.setenv("ATOM_L2_PREFETCH", spec)
         llm = LLM(str(path), dtype="bfloat16", device="cuda", skip_tokenizer_init=True,
                   cudagraph_mode=mode, **SMALL)  # fmt: skip
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts(6)], params,
                             use_tqdm=False)  # fmt: skip
         layer = llm.engine.runner.model.model.layers[0]
-        stages = (layer.self_attn.prefetch, layer.mlp.prefetch_down, layer.mlp.prefetch_next)
+        attn = layer.self_attn
+        stages = (attn.prefetch_early, attn.prefetch, layer.mlp.prefetch_down,
+                  layer.mlp.prefetch_next)  # fmt: skip
         for stage in stages:
             assert (stage._spans is not None and stage._spans.shape[0] > 0) == bool(spec)
         results[spec] = [
             (o.prompt_logprobs, o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs
         ]
-        del llm, layer, stages
+        del llm, layer, attn, stages
         gc.collect()
         torch.cuda.empty_cache()
     # The same kernels on the same inputs (the split GEMMs and attention sum in a fixed order):
     # equal but for the last bits.
-    on = results["attn=64,mlp=64,next=64"]
+    on = results[every]
     for (p_ref, t_ref, lp_ref), (p_got, t_got, lp_got) in zip(results[""], on, strict=True):
         assert t_got == t_ref
         for r, g in zip([*p_ref[1:], *lp_ref], [*p_got[1:], *lp_got], strict=True):

@@ -29,6 +29,8 @@ def test_layer_asks_for_o_proj_then_gate_up():
     prefetch = layer.self_attn.prefetch
     o, gate_up = layer.self_attn.o_proj, layer.mlp.gate_up_proj
     assert prefetch.modules == [o, gate_up]
+    early = layer.self_attn.prefetch_early  # the same modules, from before QKV
+    assert early.stage == "qkv" and early.modules is prefetch.modules
     o_bytes = _bytes(o.weight)
     spans = prefetch.spans(o_bytes + _bytes(gate_up.weight) // 4)
     starts = spans[:, 0].tolist()
@@ -84,7 +86,7 @@ def test_plan_parses_stages_in_mb():
     want = {"attn": 32 << 20, "mlp": 24 << 20, "next": 0}
     assert parse_plan("attn=32, mlp=24,next=0") == Plan(want, False)
     assert parse_plan("attn=32,mlp=24,next=0,last") == Plan(want, True)
-    for bad in ("attn", "attn=x", "qkv=8", "attn=-1", "first"):
+    for bad in ("attn", "attn=x", "down=8", "attn=-1", "first"):
         with pytest.raises(ValueError, match="ATOM_L2_PREFETCH"):
             parse_plan(bad)
     with pytest.raises(ValueError, match="stage"):

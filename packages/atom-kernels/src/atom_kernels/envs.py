@@ -231,8 +231,8 @@ TABLE: tuple[Switch, ...] = (
     Switch(
         "ATOM_L2_PREFETCH", "", _same,
         "`stage=MB,...[,last]`: a decoder layer's next weights asked of L2 ahead of their GEMM, "
-        "stages `attn` (o_proj, gate_up), `mlp` (down), `next` (the next QKV); `last`: "
-        "evict-last lines (unset: off)",
+        "stages `attn` (o_proj, gate_up; `qkv`: the same from before QKV), `mlp` (down), `next` "
+        "(the next QKV); `last`: evict-last lines (unset: off)",
     ),
     # Read by atom-models' checkpoint reader.
     Switch(

@@ -8,12 +8,13 @@ DRAM's rate, benchmarks/README.md). A ``WeightPrefetch`` forks a side stream and
 prefetches (sm_90+) that the copy engines carry out while the main stream goes on, so the GEMM
 that then reads them finds them in L2. The prefetch changes no value, only when bytes move.
 
-Three stages, each with its own budget (``ATOM_L2_PREFETCH="attn=32,mlp=24,next=12"``, MB; a
+Four stages, each with its own budget (``ATOM_L2_PREFETCH="attn=32,mlp=24,next=12"``, MB; a
 stage left out or 0 is off, unset is all off; a ``last`` in the list marks the prefetched lines
 evict-last in L2, so that a GEMM streaming past them evicts its own lines first):
 
 - ``attn``: as the attention starts (after QKV), the output projection, then the MLP's first
-  GEMM (gate_up) as far as the budget goes;
+  GEMM (gate_up) as far as the budget goes; ``qkv``: the same from before the QKV projection
+  (its GEMM leaves DRAM half idle too);
 - ``mlp``: as gate_up starts, the down projection;
 - ``next``: as down starts, the next layer's QKV projection.
 
@@ -36,7 +37,7 @@ import atom_kernels
 from atom_kernels import envs
 from atom_models.native_host.cache_layer import attention_intercepted
 
-STAGES = ("attn", "mlp", "next")
+STAGES = ("qkv", "attn", "mlp", "next")
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _PENDING: set[torch.device] = set()  # devices whose side stream has work the main one has not
 
@@ -96,13 +97,14 @@ def join(x: torch.Tensor) -> None:
 
 
 class WeightPrefetch:
-    """One stage's prefetch of ``modules``' tensors, in that order, up to the stage's budget."""
+    """One stage's prefetch of ``modules``' tensors, in that order, up to the stage's budget;
+    the list is kept, not copied (two stages may share one, and a model may extend it)."""
 
     def __init__(self, stage: str, modules: list[nn.Module]) -> None:
         if stage not in STAGES:
             raise ValueError(f"WeightPrefetch: stage {stage!r} is not one of {STAGES}")
         self.stage = stage
-        self.modules = list(modules)
+        self.modules = modules
         self._key: tuple | None = None
         self._spans: torch.Tensor | None = None
 

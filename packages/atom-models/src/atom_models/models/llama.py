@@ -121,8 +121,10 @@ class LlamaAttention(nn.Module):
         # While the attention runs: the output projection's weights (and the MLP's, added by
         # the decoder layer) asked of L2 (layers/prefetch.py, ATOM_L2_PREFETCH).
         self.prefetch = WeightPrefetch("attn", [self.o_proj])
+        self.prefetch_early = WeightPrefetch("qkv", self.prefetch.modules)  # the same list
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        self.prefetch_early.start(hidden_states)
         return self.attend(positions, self.qkv_proj(hidden_states))
 
     def forward_after_norm(
@@ -139,6 +141,7 @@ class LlamaAttention(nn.Module):
         if qkv.quant_method is not UNQUANTIZED:
             x, residual = (norm(x), x) if residual is None else norm(x, residual)
             return self(positions, x), residual
+        self.prefetch_early.start(x)
         h, residual = atom_kernels.rms_norm_linear(
             x, residual, norm.weight, norm.eps, qkv.weight, qkv.bias
         )
