@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen3MoeConfig
+from transformers import DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
 
 from atom_models.layers import prefetch as prefetch_mod
 from atom_models.layers.prefetch import Plan, WeightPrefetch, module_tensors, parse_plan
 from atom_models.loader import materialize
+from atom_models.models.deepseek_v3 import DeepseekV3DecoderLayer
 from atom_models.models.llama import LlamaDecoderLayer, LlamaModel
 from atom_models.models.qwen3_moe import Qwen3MoeDecoderLayer
 from atom_models.quantization import parse_quant_config, quantize_model
@@ -103,3 +104,21 @@ def test_model_chains_each_mlp_to_the_next_layers_qkv():
         assert layer.mlp.prefetch_down.modules == [layer.mlp.down_proj]
         want = [] if after is None else [after.self_attn.qkv_proj]
         assert layer.mlp.prefetch_next.stage == "next" and layer.mlp.prefetch_next.modules == want
+
+
+def test_deepseek_v3_layers_ask_for_o_proj_then_the_first_known_gemm():
+    """MLA layers start the attn stage before the attention: o_proj, then a dense layer's gate_up
+    or an MoE layer's shared experts' (the routed experts wait on the router)."""
+    config = DeepseekV3Config(
+        vocab_size=211, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+        n_routed_experts=8, kv_lora_rank=32, qk_rope_head_dim=8, num_hidden_layers=2,
+        q_lora_rank=48, qk_nope_head_dim=16, v_head_dim=24, n_group=4, topk_group=2,
+        num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1,
+    )  # fmt: skip
+    dense, moe = (DeepseekV3DecoderLayer(config, i, f"model.layers.{i}") for i in (0, 1))
+    assert dense.self_attn.prefetch.modules == [dense.self_attn.o_proj, dense.mlp.gate_up_proj]
+    assert moe.self_attn.prefetch.modules == [
+        moe.self_attn.o_proj,
+        moe.mlp.shared_experts.gate_up_proj,
+    ]

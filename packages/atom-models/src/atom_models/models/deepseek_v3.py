@@ -14,6 +14,7 @@ from atom_models.layers.linear import ColumnParallelLinear, ReplicatedLinear, Ro
 from atom_models.layers.mla import MLAAttention
 from atom_models.layers.moe import fused_moe_mapping
 from atom_models.layers.norm import RMSNorm
+from atom_models.layers.prefetch import WeightPrefetch
 from atom_models.layers.rotary import get_rope, rope_parameters
 from atom_models.models.glm4_moe import Glm4MoeMoE
 from atom_models.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
@@ -85,6 +86,9 @@ class DeepseekV3Attention(nn.Module):
             self.kv_b_proj,
             prefix=f"{prefix}.attn",
         )
+        # While MLA runs: o_proj's weights (and the MLP's first, added by the decoder layer)
+        # asked of L2 (layers/prefetch.py, ATOM_L2_PREFETCH's attn stage).
+        self.prefetch = WeightPrefetch("attn", [self.o_proj])
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         # T = tokens, H = heads, Dn / R = nope / rope head dims, L = kv_lora_rank
@@ -102,6 +106,7 @@ class DeepseekV3Attention(nn.Module):
         kv_c = self.kv_a_layernorm(kv_c)  # [T, L]
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
         q_pe = q_pe.view(num_tokens, self.num_heads, -1)  # [T, H, R]
+        self.prefetch.start(kv_c)
         out = self.attn(q_nope, q_pe, kv_c, k_pe)  # [T, H * Dv]
         return self.o_proj(out)
 

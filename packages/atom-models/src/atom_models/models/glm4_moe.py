@@ -14,6 +14,7 @@ from atom_models.layers.attention import Attention
 from atom_models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from atom_models.layers.moe import FusedMoE, fused_moe_mapping
 from atom_models.layers.norm import RMSNorm
+from atom_models.layers.prefetch import WeightPrefetch
 from atom_models.layers.rotary import get_rope, partial_rotary_factor, rope_parameters
 from atom_models.models.llama import (
     LlamaDecoderLayer,
@@ -62,10 +63,12 @@ class Glm4MoeAttention(nn.Module):
             self.qkv_proj.num_kv_heads,
             prefix=f"{prefix}.attn",
         )
+        self.prefetch = WeightPrefetch("attn", [self.o_proj])  # layers/prefetch.py
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         # T = tokens, D = head dim
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        self.prefetch.start(q)
         # Optional per-head q/k RMSNorms, inside the rotary kernel (partial rotary included),
         # and on ATOM's engine the K/V cache write too (Attention.forward_rope).
         out = self.attn.forward_rope(positions, q, k, v, self.rotary_emb, self.q_norm, self.k_norm)

@@ -11,6 +11,7 @@ import atom_kernels
 from atom_models.layers.attention import Attention
 from atom_models.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from atom_models.layers.moe import FusedMoE, fused_moe_mapping
+from atom_models.layers.prefetch import WeightPrefetch
 from atom_models.layers.rotary import get_rope, rope_parameters
 from atom_models.models.llama import (
     LlamaDecoderLayer,
@@ -52,6 +53,7 @@ class GptOssAttention(nn.Module):
             sliding_window=sliding_window_of(config, layer_idx),
             has_sinks=True,
         )
+        self.prefetch = WeightPrefetch("attn", [self.o_proj])  # layers/prefetch.py
 
     def sinks_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         num_heads, start = param.shape[0], self.qkv_proj.tp_rank * param.shape[0]
@@ -66,6 +68,7 @@ class GptOssAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        self.prefetch.start(q)
         # The rotary and the K/V cache write: one kernel on ATOM's engine (Attention.forward_rope).
         out = self.attn.forward_rope(positions, q, k, v, self.rotary_emb, sinks=self.sinks)
         return self.o_proj(out)

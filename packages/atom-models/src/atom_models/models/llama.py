@@ -84,6 +84,15 @@ class LlamaMLP(nn.Module):
         return self.down_proj(h), residual
 
 
+def first_mlp_gemm(mlp: nn.Module) -> nn.Module | None:
+    """The first GEMM a layer's MLP runs whose weights are known before it runs: a dense MLP's
+    gate_up, an MoE block's shared experts' (its routed experts wait on the router)."""
+    if isinstance(mlp, LlamaMLP):
+        return mlp.gate_up_proj
+    shared = getattr(mlp, "shared_experts", None)
+    return shared.gate_up_proj if isinstance(shared, LlamaMLP) else None
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, prefix: str) -> None:
         super().__init__()
@@ -163,8 +172,9 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = self.attention_cls(config, layer_idx, prefix=f"{prefix}.self_attn")
         self.mlp = self.build_mlp(config, layer_idx, prefix=f"{prefix}.mlp")
         attn_prefetch = getattr(self.self_attn, "prefetch", None)
-        if attn_prefetch is not None and isinstance(self.mlp, LlamaMLP):
-            attn_prefetch.modules.append(self.mlp.gate_up_proj)
+        first = first_mlp_gemm(self.mlp)
+        if attn_prefetch is not None and first is not None:
+            attn_prefetch.modules.append(first)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # On a group that fuses them (the engine's peer all-reduce on GPUs), o_proj's all-reduce
