@@ -5,7 +5,7 @@ rotary and attention kernels between the QKV and output projections read almost 
 the one-row GEMMs themselves keep only the bytes in flight their registers hold (about half of
 DRAM's rate, benchmarks/README.md). A ``WeightPrefetch`` forks a side stream and launches
 ``atom_kernels.l2_prefetch`` there for the leading bytes of its modules' tensors: bulk
-prefetches (sm_90+) that the copy engines carry out while the main stream goes on, so the GEMM
+prefetches (sm_90+) that the SMs' TMA units carry out while the main stream goes on, so the GEMM
 that then reads them finds them in L2. The prefetch changes no value, only when bytes move.
 
 Four stages, each with its own budget (``ATOM_L2_PREFETCH="attn=32,mlp=24,next=12"``, MB; a
